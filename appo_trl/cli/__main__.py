@@ -1,0 +1,5 @@
+import sys
+
+from appo_trl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,28 @@
+"""`appo tiny-model OUT_DIR`: build the tiny offline model (see `appo_trl.tiny`)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="appo tiny-model", description=__doc__)
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num_layers", type=int, default=2)
+    p.add_argument("--hidden_size", type=int, default=64)
+    p.add_argument("--vocab_size", type=int, default=512)
+    p.add_argument("--max_position_embeddings", type=int, default=2048)
+    a = p.parse_args(argv)
+    from appo_trl.tiny import build_tiny_model
+
+    path = build_tiny_model(
+        a.out_dir,
+        seed=a.seed,
+        num_layers=a.num_layers,
+        hidden_size=a.hidden_size,
+        vocab_size=a.vocab_size,
+        max_position_embeddings=a.max_position_embeddings,
+    )
+    print(path)
+    return 0

@@ -1,0 +1,121 @@
+"""Build a tiny Qwen3-architecture causal LM and tokenizer entirely offline, in seconds.
+
+Used by the tests, `make demo` and `appo tiny-model`: nothing here touches the Hub. The tokenizer is a
+byte-level BPE trained on a small synthetic corpus of tool-integrated reasoning text, with a ChatML chat
+template (with `{% generation %}` markers so SFT's assistant-only loss works) and the tool tags added as
+*normal* tokens: TRL decodes completions with `skip_special_tokens=True`, which would delete special tags.
+
+Weights are random (seeded): the model produces gibberish, which is all the plumbing tests need. Same seed
+and sizes give byte-identical weights and tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+TOOL_TAGS = [
+    "<think>", "</think>", "<python>", "</python>", "<search>", "</search>",
+    "<result>", "</result>", "<answer>", "</answer>",
+]  # fmt: skip
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{- '\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _corpus(seed: int, n: int = 300) -> list[str]:
+    rng = random.Random(seed)
+    words = "the of a is what who when where capital country river city year born answer question".split()
+    lines = []
+    for i in range(n):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        w = " ".join(rng.choice(words) for _ in range(6))
+        lines += [
+            f"What is {a} plus {b}? Let me think. The answer is {a + b}.",
+            f"<think>I should compute {a}*{b}.</think><python>print({a}*{b})</python>"
+            f"<result>\n{a * b}\n</result><answer>\\boxed{{{a * b}}}</answer>",
+            f"<search>{w} {i}</search><result>\nPage 1: {w}\n</result> The quick brown fox jumps over the lazy dog.",
+            "import numpy as np\nx = [i ** 2 for i in range(10)]\nprint(sum(x))\n",
+        ]
+    return lines
+
+
+def build_tiny_model(
+    out_dir: str | os.PathLike,
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 2048,
+) -> str:
+    """Write a tiny random Qwen3ForCausalLM plus tokenizer to `out_dir` and return the path.
+
+    Args:
+        out_dir: folder to create (existing files are overwritten).
+        seed: controls the tokenizer corpus and the weight initialisation.
+        num_layers, hidden_size: model size (heads: hidden_size // 16, KV heads: half of that).
+        vocab_size: BPE vocabulary size before the special and tool tokens are added.
+        max_position_embeddings: maximum sequence length (prompt + completion).
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    out_dir = str(out_dir)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    hf_tok.add_tokens(TOOL_TAGS, special_tokens=False)  # normal tokens: they must survive decoding
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.model_max_length = max_position_embeddings
+
+    heads = max(1, hidden_size // 16)
+    config = Qwen3Config(
+        vocab_size=len(hf_tok),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=16,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=hf_tok.eos_token_id,
+        pad_token_id=hf_tok.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id, do_sample=True, temperature=1.0
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    hf_tok.save_pretrained(out_dir)
+    return out_dir
