@@ -1,0 +1,161 @@
+"""Recipes: flat YAML files parsed into the script's dataclasses, plus the `accelerate launch` relaunch.
+
+A recipe is one flat mapping whose keys are fields of the stage's dataclasses (for `appo train`:
+`APPOScriptArguments`, `APPOConfig`, TRL's `ModelConfig`), plus an optional `env:` mapping exported to the
+environment before anything loads. `--key value` flags on the command line override the YAML. An unknown
+key (in the YAML or on the command line) fails before any model or dataset is touched, naming the key and
+the closest valid keys.
+
+Launch flags (`--accelerate_config NAME|PATH`, `--num_processes N`, `--mixed_precision`, `--main_process_port`)
+are not recipe keys: when present, `maybe_relaunch` re-executes the stage's entry script through
+`accelerate launch`; otherwise the stage runs in this process. Config names resolve to the repository's
+`accelerate_configs/<name>.yaml`.
+
+What this does not do: it does not merge several recipes or nest sections (a recipe is flat, like open-r1's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+LAUNCH_FLAGS = ("--accelerate_config", "--num_processes", "--mixed_precision", "--main_process_port")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ACCELERATE_CONFIG_DIRS = (Path.cwd() / "accelerate_configs", REPO_ROOT / "accelerate_configs")
+
+
+class RecipeError(ValueError):
+    """A recipe or command line that cannot be parsed (unknown key, missing file, bad value)."""
+
+
+def valid_keys(dataclass_types: Sequence[type]) -> set[str]:
+    return {f.name for dc in dataclass_types for f in dataclasses.fields(dc) if f.init}
+
+
+def _unknown_key_error(keys: Sequence[str], known: set[str], where: str) -> RecipeError:
+    lines = []
+    for key in keys:
+        close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+        hint = f" (did you mean: {', '.join(close)}?)" if close else ""
+        lines.append(f"  {key}{hint}")
+    return RecipeError(f"Unknown {where} key(s):\n" + "\n".join(lines))
+
+
+def load_recipe(path: str | os.PathLike) -> dict:
+    """Read a recipe YAML into a dict (no validation beyond "it is a mapping")."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"Recipe file not found: {path}")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"Recipe {path} must be a YAML mapping, got {type(data).__name__}.")
+    return data
+
+
+def split_launch_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """Pull the launch flags out of argv: returns ({flag: value}, remaining argv)."""
+    launch, rest, it = {}, [], iter(argv)
+    for arg in it:
+        flag, eq, value = arg.partition("=")
+        if flag in LAUNCH_FLAGS:
+            if not eq:
+                value = next(it, None)
+                if value is None:
+                    raise RecipeError(f"{flag} needs a value.")
+            launch[flag] = value
+        else:
+            rest.append(arg)
+    return launch, rest
+
+
+def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> tuple:
+    """Parse `--config recipe.yaml` and `--key value` flags into instances of `dataclass_types`.
+
+    Precedence: dataclass defaults < YAML < command line. The recipe's `env:` mapping is exported first.
+    Raises `RecipeError` naming any unknown key, before anything heavy is imported.
+    """
+    from trl import TrlParser
+
+    _, argv = split_launch_args(argv)
+    argv = list(argv)
+    known = valid_keys(dataclass_types)
+    config = {}
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise RecipeError("--config needs a path to a recipe YAML.")
+        config = load_recipe(argv[i + 1])
+        del argv[i : i + 2]
+    env = config.pop("env", None) or {}
+    if not isinstance(env, dict):
+        raise RecipeError("The recipe's `env:` entry must be a mapping of variable names to values.")
+    unknown = [k for k in config if k not in known]
+    if unknown:
+        raise _unknown_key_error(unknown, known, "recipe")
+    cli_keys = [a[2:].split("=")[0] for a in argv if a.startswith("--")]
+    unknown = [k for k in cli_keys if k not in known and not (k.startswith("no_") and k[3:] in known)]
+    if unknown:
+        raise _unknown_key_error(unknown, known, "command-line")
+    for name, value in env.items():
+        os.environ[str(name)] = str(value)
+
+    parser = TrlParser(dataclass_types)
+    parser.set_defaults_with_config(**config)
+    try:
+        return tuple(parser.parse_args_into_dataclasses(args=argv))
+    except SystemExit as exc:  # argparse already printed the reason
+        raise RecipeError(f"Invalid arguments: {' '.join(argv)}") from exc
+
+
+def resolve_accelerate_config(name_or_path: str) -> Path:
+    """`zero3` -> accelerate_configs/zero3.yaml (cwd first, then the repository); a path is used as is."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path
+    for folder in ACCELERATE_CONFIG_DIRS:
+        candidate = folder / f"{name_or_path}.yaml"
+        if candidate.is_file():
+            return candidate
+    names = sorted({p.stem for d in ACCELERATE_CONFIG_DIRS if d.is_dir() for p in d.glob("*.yaml")})
+    raise RecipeError(f"Unknown accelerate config {name_or_path!r}: not a file, and not one of {names}.")
+
+
+def launch_command(launch: dict[str, str], entry_script: str | os.PathLike, script_argv: Sequence[str]) -> list[str]:
+    """The `accelerate launch ...` command line that runs `entry_script` with `script_argv`."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    num_processes = launch.get("--num_processes")
+    if "--accelerate_config" in launch:
+        cmd += ["--config_file", str(resolve_accelerate_config(launch["--accelerate_config"]))]
+    elif num_processes and int(num_processes) > 1:
+        # `--cpu` silently runs one process; --multi_gpu becomes MULTI_CPU (gloo) on a machine without GPUs.
+        cmd += ["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no"]
+    if num_processes:
+        cmd += ["--num_processes", str(num_processes)]
+    if "--mixed_precision" in launch:
+        cmd += ["--mixed_precision", launch["--mixed_precision"]]
+    elif "--accelerate_config" not in launch:
+        cmd += ["--mixed_precision", "no"]
+    if "--main_process_port" in launch:
+        cmd += ["--main_process_port", launch["--main_process_port"]]
+    return [*cmd, str(entry_script), *script_argv]
+
+
+def maybe_relaunch(argv: Sequence[str], entry_script: str | os.PathLike) -> int | None:
+    """Re-run `entry_script` under `accelerate launch` when launch flags are present.
+
+    Returns the child's exit code, or None when the stage should run in this process.
+    """
+    launch, rest = split_launch_args(argv)
+    if not launch or os.environ.get("APPO_LAUNCHED") == "1":
+        return None
+    cmd = launch_command(launch, entry_script, rest)
+    print("appo: launching " + " ".join(cmd), file=sys.stderr, flush=True)
+    return subprocess.call(cmd, env={**os.environ, "APPO_LAUNCHED": "1"})

@@ -1,0 +1,50 @@
+"""The tiny offline model: deterministic, tool tags survive decoding, chat template renders."""
+
+import hashlib
+from pathlib import Path
+
+from appo_trl.tiny import TOOL_TAGS, build_tiny_model
+
+
+def _digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for name in ("model.safetensors", "tokenizer.json"):
+        h.update((folder / name).read_bytes())
+    return h.hexdigest()
+
+
+def test_same_seed_same_bytes_other_seed_differs(tmp_path, tiny_model_path):
+    again = Path(build_tiny_model(tmp_path / "again"))
+    assert _digest(again) == _digest(Path(tiny_model_path))
+    other = Path(build_tiny_model(tmp_path / "other", seed=1))
+    assert _digest(other) != _digest(Path(tiny_model_path))
+
+
+def test_tool_tags_are_single_normal_tokens_that_survive_decoding(tiny_tokenizer):
+    special = set(tiny_tokenizer.all_special_tokens)
+    for tag in TOOL_TAGS:
+        ids = tiny_tokenizer.encode(tag, add_special_tokens=False)
+        assert len(ids) == 1, tag
+        assert tag not in special
+    text = "<think>hm</think><python>print(1+1)</python><result>\n2\n</result><answer>\\boxed{2}</answer>"
+    ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+    assert tiny_tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def test_chat_template_and_eos(tiny_tokenizer):
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
+    text = tiny_tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+    assert tiny_tokenizer.eos_token == "<|im_end|>"
+    assert tiny_tokenizer.pad_token == "<|endoftext|>"
+
+
+def test_model_loads_and_sizes(tiny_model_path, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    assert model.config.model_type == "qwen3"
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+    bigger = build_tiny_model(tmp_path / "big", num_layers=3, hidden_size=96, max_position_embeddings=4096)
+    cfg = AutoConfig.from_pretrained(bigger)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.max_position_embeddings) == (3, 96, 4096)
