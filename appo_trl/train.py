@@ -72,6 +72,12 @@ def main(script_args, training_args, model_args) -> "APPOTrainer":  # noqa: F821
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )
+    state = trainer.accelerator.state
+    logger.info(
+        "process %d of world_size=%d (%s), strategy=%s",
+        state.process_index, state.num_processes, state.distributed_type,
+        getattr(training_args, "rollout_strategy", "grpo"),
+    )
     checkpoint = training_args.resume_from_checkpoint
     if checkpoint in ("true", "True", True):
         checkpoint = True
