@@ -1,0 +1,20 @@
+"""`appo sft --config recipes/<model>/sft.yaml [--key value ...] [--accelerate_config NAME] [--num_processes N]`."""
+
+from __future__ import annotations
+
+USAGE = """usage: appo sft --config RECIPE.yaml [--key value ...]
+                [--accelerate_config ddp|zero2|zero3|fsdp|PATH] [--num_processes N] [--mixed_precision no|bf16]
+
+Keys are fields of SFTScriptArguments (dataset_name, messages_column, system_prompt), APPOSFTConfig (TRL's
+SFTConfig + assistant_only_loss=True, mask_tool_results=True) and TRL's ModelConfig (use_peft, lora_*);
+command-line values override the recipe. Data: chat `messages` or LLaMA-Factory sharegpt (ARPO-SFT).
+With --accelerate_config or --num_processes the run is relaunched through `accelerate launch`."""
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    from appo_trl.sft import cli
+
+    return cli(argv)

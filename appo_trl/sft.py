@@ -1,0 +1,236 @@
+"""The SFT cold-start stage: TRL's `SFTTrainer` on tool-integrated reasoning traces, with tool results masked.
+
+ARPO's cold start fine-tunes on traces where the whole agent episode is one assistant turn with tool
+results spliced inline (`...<python>code</python><result>\\nout\\n</result><think>...`). Training on the
+`<result>` text teaches the model to hallucinate tool outputs (ARPO issue #9), so by default this stage
+masks those spans out of the loss: a token is trained iff it belongs to an assistant turn
+(`assistant_only_loss`, from the chat template's `{% generation %}` markers; TRL's training templates are
+swapped in for models whose template lacks them) and does not overlap a `<result>...</result>` span,
+tags included (`mask_tool_results`). An unclosed `<result>` is masked to the end of the text.
+
+How: each conversation is rendered with the chat template and tokenised once with character offsets;
+the assistant mask comes from `apply_chat_template(return_assistant_tokens_mask=True)` on the same ids
+(checked equal), and result spans are found in the rendered text. The rows handed to `SFTTrainer` are
+pre-tokenised (`input_ids`, `assistant_masks`): TRL 1.16 builds `labels` from `assistant_masks`,
+truncates to `max_length` (dropping rows left without a trained token) and packs (`packing`) itself.
+
+Entry points: `main(script_args, training_args, model_args)` (parsed recipe -> finished trainer) and
+`cli(argv)` (`appo sft`, `sft/train.py`; relaunches through `accelerate launch` with launch flags).
+What this module does not do: generate SFT data, or train on anything but chat conversations.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from trl import ScriptArguments, SFTConfig
+
+logger = logging.getLogger("appo_trl.sft")
+
+
+@dataclass
+class SFTScriptArguments(ScriptArguments):
+    """Script arguments of `appo sft`: where the conversations come from.
+
+    Args:
+        dataset_name: hub id, local parquet/jsonl file or folder, or a weighted mixture (see `appo_trl.data`).
+        messages_column: column with chat messages; LLaMA-Factory sharegpt data (`system`, `conversations`)
+            is detected and converted when this column is absent.
+        system_prompt: system message for every conversation (a `appo_trl.data.SYSTEM_PROMPTS` name or text),
+            replacing the data's own; unset keeps the data's.
+    """
+
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Hub id, local parquet/jsonl file or folder, or a weighted mixture."}
+    )
+    messages_column: str = field(
+        default="messages", metadata={"help": "Column with chat messages (sharegpt `conversations` is detected)."}
+    )
+    system_prompt: str | None = field(
+        default=None, metadata={"help": "System prompt name (appo_trl.data.SYSTEM_PROMPTS) or literal text."}
+    )
+
+
+@dataclass
+class APPOSFTConfig(SFTConfig):
+    """TRL's `SFTConfig` with appo-trl's defaults for tool-integrated traces.
+
+    Args:
+        assistant_only_loss: train on assistant tokens only (default True here; TRL's default is False).
+        mask_tool_results: also exclude `tool_result_open ... tool_result_close` spans (tags included) from the
+            loss: tool output is not the model's to learn.
+        tool_result_open, tool_result_close: the tags around injected tool results.
+    """
+
+    assistant_only_loss: bool = field(
+        default=True, metadata={"help": "Compute the loss on assistant tokens only (chat template markers)."}
+    )
+    mask_tool_results: bool = field(
+        default=True, metadata={"help": "Exclude <result>...</result> spans (tags included) from the loss."}
+    )
+    tool_result_open: str = field(default="<result>", metadata={"help": "Opening tag of an injected tool result."})
+    tool_result_close: str = field(default="</result>", metadata={"help": "Closing tag of an injected tool result."})
+
+
+def dataclass_types() -> tuple[type, ...]:
+    from trl import ModelConfig
+
+    return (SFTScriptArguments, APPOSFTConfig, ModelConfig)
+
+
+def result_spans(text: str, open_tag: str = "<result>", close_tag: str = "</result>") -> list[tuple[int, int]]:
+    """Character spans `[start, end)` of `open_tag ... close_tag` (tags included; unclosed runs to the end)."""
+    pattern = re.compile(re.escape(open_tag) + r".*?(?:" + re.escape(close_tag) + r"|\Z)", re.DOTALL)
+    return [m.span() for m in pattern.finditer(text)]
+
+
+def _assistant_result_spans(text: str, messages, open_tag: str, close_tag: str) -> list[tuple[int, int]]:
+    """Result spans inside assistant contents, located verbatim in the rendered text (whole text as fallback)."""
+    spans, pos = [], 0
+    for message in messages:
+        if message["role"] != "assistant":
+            continue
+        start = text.find(message["content"], pos)
+        if start < 0:  # the template rewrote the content: search the whole rendered text instead
+            return result_spans(text, open_tag, close_tag)
+        spans += [(start + s, start + e) for s, e in result_spans(message["content"], open_tag, close_tag)]
+        pos = start + len(message["content"])
+    return spans
+
+
+def tokenize_conversation(messages, tokenizer, *, chat_template: str | None = None, assistant_only_loss: bool = True,
+                          mask_tool_results: bool = True, open_tag: str = "<result>", close_tag: str = "</result>"
+                          ) -> dict[str, list[int]]:
+    """Token ids of a conversation and its loss mask (`assistant_masks`: 1 = trained).
+
+    Raises `ValueError` when `assistant_only_loss` is set but the template marks no assistant token.
+    """
+    text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    if assistant_only_loss:
+        processed = tokenizer.apply_chat_template(
+            messages, chat_template=chat_template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        if list(processed["input_ids"]) != list(input_ids):
+            raise ValueError("Tokenising the rendered chat differs from apply_chat_template's ids; cannot align masks.")
+        mask = [int(bool(b)) for b in processed["assistant_masks"]]
+        if 1 not in mask:
+            raise ValueError(
+                "assistant_only_loss=True but the chat template marks no assistant token: it needs "
+                "{% generation %} ... {% endgeneration %} around assistant content."
+            )
+    else:
+        mask = [1] * len(input_ids)
+    if mask_tool_results:
+        for start, end in _assistant_result_spans(text, messages, open_tag, close_tag):
+            for i, (s, e) in enumerate(offsets):
+                if s < end and e > start:
+                    mask[i] = 0
+    return {"input_ids": list(input_ids), "assistant_masks": mask}
+
+
+def tokenize_sft_dataset(dataset, tokenizer, training_args, messages_column: str = "messages"):
+    """Map `messages` rows to pre-tokenised rows (`input_ids`, `assistant_masks`) that `SFTTrainer` accepts."""
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    chat_template = None
+    if training_args.assistant_only_loss and not has_generation_markers(tokenizer.chat_template):
+        chat_template = get_training_chat_template(tokenizer)  # TRL's template with {% generation %} markers
+    kwargs = dict(
+        chat_template=chat_template,
+        assistant_only_loss=training_args.assistant_only_loss,
+        mask_tool_results=training_args.mask_tool_results,
+        open_tag=training_args.tool_result_open,
+        close_tag=training_args.tool_result_close,
+    )
+    return dataset.map(
+        lambda row: tokenize_conversation(row[messages_column], tokenizer, **kwargs),
+        remove_columns=dataset.column_names,
+        num_proc=training_args.dataset_num_proc,
+        desc="Tokenising and masking conversations",
+    )
+
+
+def main(script_args, training_args, model_args, recipe=None):
+    """Run SFT with parsed arguments and return the trainer; saves to `output_dir`, pushes when asked."""
+    from transformers import AutoTokenizer, set_seed
+    from trl import SFTTrainer, get_peft_config
+
+    from appo_trl.checkpoints import resolve_resume_checkpoint
+    from appo_trl.data import load_sft_dataset
+    from appo_trl.hub import defer_push, push_model
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not model_args.model_name_or_path:
+        raise ValueError("No model given: set `model_name_or_path` in the recipe or pass --model_name_or_path.")
+    set_seed(training_args.seed)
+    training_args.model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+        **(training_args.model_init_kwargs or {}),
+    }
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
+    dataset = load_sft_dataset(
+        script_args.dataset_name,
+        split=script_args.dataset_train_split,
+        config_name=script_args.dataset_config,
+        messages_column=script_args.messages_column,
+        system_prompt=script_args.system_prompt,
+    )
+    with _main_process_first(training_args):
+        train_dataset = tokenize_sft_dataset(dataset, tokenizer, training_args)
+    # The rows are pre-tokenised with the mask applied; TRL must not redo (or reject) assistant-only masking.
+    settings = (script_args, training_args, model_args)
+    push = defer_push(training_args)
+    assistant_only_loss, training_args.assistant_only_loss = training_args.assistant_only_loss, False
+    trainer = SFTTrainer(
+        model=model_args.model_name_or_path,
+        args=training_args,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+    )
+    state = trainer.accelerator.state
+    logger.info("process %d of world_size=%d (%s)", state.process_index, state.num_processes, state.distributed_type)
+    checkpoint = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    trainer.save_model(training_args.output_dir)
+    training_args.assistant_only_loss = assistant_only_loss
+    logger.info("Saved model to %s", training_args.output_dir)
+    if push:
+        training_args.push_to_hub = True
+        url = push_model(trainer, algorithm="sft", args=settings, recipe=recipe)
+        if url:
+            logger.info("Pushed to %s", url)
+    return trainer
+
+
+def _main_process_first(training_args):
+    return training_args.main_process_first(desc="SFT tokenisation")
+
+
+def cli(argv: Sequence[str] | None = None, entry_script: str | None = None) -> int:
+    """`appo sft` / `sft/train.py`: parse the recipe (relaunching under accelerate when asked) and train."""
+    from appo_trl.recipes import RecipeError, maybe_relaunch, parse_recipe
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    code = maybe_relaunch(argv, entry_script or __file__)
+    if code is not None:
+        return code
+    try:
+        args = parse_recipe(dataclass_types(), argv)
+    except RecipeError as exc:
+        print(f"appo sft: {exc}", file=sys.stderr)
+        return 2
+    main(*args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
