@@ -56,11 +56,10 @@ def main(script_args, training_args, model_args) -> "APPOTrainer":  # noqa: F821
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.model_name_or_path, revision=model_args.model_revision, padding_side="left"
     )
-    dataset = load_rl_dataset(script_args)
-    train_dataset = dataset[script_args.dataset_train_split] if hasattr(dataset, "keys") else dataset
+    train_dataset = load_rl_dataset(script_args)
     eval_dataset = None
-    if training_args.eval_strategy != "no" and hasattr(dataset, "keys"):
-        eval_dataset = dataset.get(script_args.dataset_test_split)
+    if training_args.eval_strategy != "no":
+        eval_dataset = load_rl_dataset(script_args, split=script_args.dataset_test_split)
     reward_funcs = [get_reward_func(name) for name in script_args.reward_funcs]
 
     trainer = APPOTrainer(
