@@ -94,6 +94,42 @@ def recipe_dict(*args: Any) -> dict[str, Any]:
     return recipe
 
 
+def recipe_from_argv(argv: Sequence[str]) -> dict[str, Any]:
+    """The recipe as the user gave it: the `--config` YAML (without `env:`) updated by `--key value` flags.
+
+    Launch flags (`--accelerate_config`, `--num_processes`, ...) are left out; values are YAML-typed.
+    """
+    from appo_trl.recipes import load_recipe, split_launch_args
+
+    _, argv = split_launch_args(argv)
+    argv, recipe = list(argv), {}
+    if "--config" in argv:
+        i = argv.index("--config")
+        recipe = {k: v for k, v in load_recipe(argv[i + 1]).items() if k != "env"}
+        del argv[i : i + 2]
+    i = 0
+    while i < len(argv):
+        key, eq, value = argv[i][2:].partition("=")
+        if not eq:
+            has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            value = argv[i + 1] if has_value else "true"
+            i += 1 + has_value
+        else:
+            i += 1
+        recipe[key] = _typed(value)
+    return {k: _plain(v) for k, v in recipe.items() if not _is_secret(k)}
+
+
+def _typed(text: str) -> Any:
+    value = yaml.safe_load(text) if text != "" else ""
+    if isinstance(value, str):
+        try:
+            return float(value)  # YAML 1.1 reads "2e-5" (no dot) as a string
+        except ValueError:
+            return value
+    return value
+
+
 def key_metrics(log_history: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """The last logged value of each metric in `CARD_METRICS` (plus `global_step`)."""
     metrics: dict[str, float] = {}

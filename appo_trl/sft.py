@@ -157,7 +157,10 @@ def tokenize_sft_dataset(dataset, tokenizer, training_args, messages_column: str
 
 
 def main(script_args, training_args, model_args, recipe=None):
-    """Run SFT with parsed arguments and return the trainer; saves to `output_dir`, pushes when asked."""
+    """Run SFT with parsed arguments and return the trainer; saves to `output_dir`, pushes when asked.
+
+    `recipe` is what the model card prints (default: every setting that differs from its default).
+    """
     from transformers import AutoTokenizer, set_seed
     from trl import SFTTrainer, get_peft_config
 
@@ -228,7 +231,9 @@ def cli(argv: Sequence[str] | None = None, entry_script: str | None = None) -> i
     except RecipeError as exc:
         print(f"appo sft: {exc}", file=sys.stderr)
         return 2
-    main(*args)
+    from appo_trl.hub import recipe_from_argv
+
+    main(*args, recipe=recipe_from_argv(argv))
     return 0
 
 
