@@ -105,3 +105,10 @@ def test_sft_lora_and_packing(tiny_model_path, tmp_path):
     assert result_open in ids and result_close in ids
     assert all(lab == -100 for i, lab in zip(ids, labels) if i in (result_open, result_close))
     assert any(lab != -100 for lab in labels)
+
+
+def test_appo_sft_cli_rejects_unknown_key(capsys):
+    from appo_trl.cli import main
+
+    assert main(["sft", "--config", RECIPE, "--mask_tool_result", "false"]) == 2
+    assert "did you mean: mask_tool_results" in capsys.readouterr().err
