@@ -112,3 +112,22 @@ def test_appo_sft_cli_rejects_unknown_key(capsys):
 
     assert main(["sft", "--config", RECIPE, "--mask_tool_result", "false"]) == 2
     assert "did you mean: mask_tool_results" in capsys.readouterr().err
+
+
+def test_template_without_markers_gets_trls_training_template(tiny_model_path):
+    # Real Qwen2.5 tokenizers ship a template without {% generation %}: TRL's training variant is swapped in.
+    import importlib.resources
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from appo_trl.sft import tokenize_sft_dataset
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    tok.chat_template = (importlib.resources.files("trl") / "chat_templates" / "qwen2_5.jinja").read_text()
+    args = SimpleNamespace(assistant_only_loss=True, mask_tool_results=True, tool_result_open="<result>",
+                           tool_result_close="</result>", dataset_num_proc=None)
+    row = tokenize_sft_dataset(Dataset.from_dict({"messages": [MESSAGES]}), tok, args)[0]
+    trained = tok.decode([i for i, m in zip(row["input_ids"], row["assistant_masks"]) if m])
+    assert trained == "\n<think>a</think><python>x</python><answer>7</answer><|im_end|>\n"  # TRL's markers
