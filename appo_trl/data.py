@@ -1,7 +1,8 @@
 """Dataset loading for the RL and SFT stages: sources, mixtures, ARPO schemas, column mapping, validation.
 
-A *source* is a Hub dataset id, a local `.parquet` / `.jsonl` / `.json` file, or a local folder of such
-files (splits inferred from file names by `datasets`, e.g. `train_10k.parquet` -> train). A *mixture* is
+A *source* is a Hub dataset id, a local `.parquet` / `.jsonl` / `.json` file (its only split is `train`),
+or a local folder of such files (splits inferred from file names by `datasets`, e.g. `train_10k.parquet` ->
+train, `valid.parquet` -> validation, `*_test.parquet` -> test). A *mixture* is
 several sources with weights, written in a recipe either as a mapping or as a string:
 
 ```yaml
@@ -123,7 +124,9 @@ def load_source(path: str, split: str = "train", config_name: str | None = None)
         builder = DATA_FILE_BUILDERS.get(os.path.splitext(expanded)[1].lower())
         if builder is None:
             raise ValueError(f"Unsupported data file {path!r}: use one of {sorted(DATA_FILE_BUILDERS)}.")
-        # A single file is the whole dataset, whatever split name the recipe uses.
+        if split != "train":  # never hand the training rows back as an evaluation split
+            raise ValueError(f"{path!r} is a single file, which only provides the 'train' split, not {split!r}; "
+                             "point dataset_name at a folder with per-split files (e.g. train.parquet, test.parquet).")
         return datasets.load_dataset(builder, data_files=expanded, split="train")
     if os.path.isdir(expanded) or path.startswith((".", "/", "~")):
         if not os.path.isdir(expanded):

@@ -90,6 +90,8 @@ def test_folder_and_missing_split(tmp_path):
         load_rl_dataset(_args(str(tmp_path), dataset_train_split="validation"))
     with pytest.raises(FileNotFoundError):
         load_rl_dataset(_args(str(tmp_path / "nope")))
+    with pytest.raises(ValueError, match="only provides the 'train' split"):
+        load_rl_dataset(_args(str(tmp_path / "train.jsonl")), split="test")
 
 
 @pytest.mark.parametrize("name,rows,ability", [("valid.parquet", 180, {"math", "qa"}),
