@@ -22,6 +22,7 @@ What this module does not do: generate SFT data, or train on anything but chat c
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -169,8 +170,11 @@ def main(script_args, training_args, model_args, recipe=None):
     from appo_trl.hub import defer_push, push_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not model_args.model_name_or_path:
+    name = model_args.model_name_or_path
+    if not name:
         raise ValueError("No model given: set `model_name_or_path` in the recipe or pass --model_name_or_path.")
+    if name.startswith((".", "/", "~", "outputs/")) and not os.path.isdir(os.path.expanduser(name)):
+        raise FileNotFoundError(f"Model folder {name!r} does not exist (for the tiny CPU model: `appo tiny-model {name}`).")
     set_seed(training_args.seed)
     training_args.model_init_kwargs = {
         "revision": model_args.model_revision,

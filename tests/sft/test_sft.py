@@ -131,3 +131,8 @@ def test_template_without_markers_gets_trls_training_template(tiny_model_path):
     row = tokenize_sft_dataset(Dataset.from_dict({"messages": [MESSAGES]}), tok, args)[0]
     trained = tok.decode([i for i, m in zip(row["input_ids"], row["assistant_masks"]) if m])
     assert trained == "\n<think>a</think><python>x</python><answer>7</answer><|im_end|>\n"  # TRL's markers
+
+
+def test_missing_model_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="appo tiny-model"):
+        _run(str(tmp_path / "no-model"), tmp_path / "out")
