@@ -190,9 +190,10 @@ def main(script_args, training_args, model_args, recipe=None):
         messages_column=script_args.messages_column,
         system_prompt=script_args.system_prompt,
     )
-    with _main_process_first(training_args):
+    with training_args.main_process_first(desc="SFT tokenisation"):
         train_dataset = tokenize_sft_dataset(dataset, tokenizer, training_args)
     # The rows are pre-tokenised with the mask applied; TRL must not redo (or reject) assistant-only masking.
+    # (So the saved training_args.bin shows assistant_only_loss=False; the model card shows the recipe's value.)
     settings = (script_args, training_args, model_args)
     push = defer_push(training_args)
     assistant_only_loss, training_args.assistant_only_loss = training_args.assistant_only_loss, False
@@ -216,10 +217,6 @@ def main(script_args, training_args, model_args, recipe=None):
         if url:
             logger.info("Pushed to %s", url)
     return trainer
-
-
-def _main_process_first(training_args):
-    return training_args.main_process_first(desc="SFT tokenisation")
 
 
 def cli(argv: Sequence[str] | None = None, entry_script: str | None = None) -> int:
