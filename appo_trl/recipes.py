@@ -6,8 +6,8 @@ environment before anything loads. `--key value` flags on the command line overr
 key (in the YAML or on the command line) fails before any model or dataset is touched, naming the key and
 the closest valid keys.
 
-Launch flags (`--accelerate_config NAME|PATH`, `--num_processes N`, `--mixed_precision`, `--main_process_port`)
-are not recipe keys: when present, `maybe_relaunch` re-executes the stage's entry script through
+Launch flags (`--accelerate_config NAME|PATH`, `--num_processes N`, `--mixed_precision`, `--main_process_port`,
+and for multi-node `--num_machines`, `--machine_rank`, `--main_process_ip`) are not recipe keys: when present, `maybe_relaunch` re-executes the stage's entry script through
 `accelerate launch`; otherwise the stage runs in this process. Config names resolve to the repository's
 `accelerate_configs/<name>.yaml`.
 
@@ -26,7 +26,10 @@ from pathlib import Path
 
 import yaml
 
-LAUNCH_FLAGS = ("--accelerate_config", "--num_processes", "--mixed_precision", "--main_process_port")
+LAUNCH_FLAGS = (
+    "--accelerate_config", "--num_processes", "--mixed_precision", "--main_process_port",
+    "--num_machines", "--machine_rank", "--main_process_ip",
+)  # fmt: skip
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE_CONFIG_DIRS = (Path.cwd() / "accelerate_configs", REPO_ROOT / "accelerate_configs")
 
@@ -143,8 +146,9 @@ def launch_command(launch: dict[str, str], entry_script: str | os.PathLike, scri
         cmd += ["--mixed_precision", launch["--mixed_precision"]]
     elif "--accelerate_config" not in launch:
         cmd += ["--mixed_precision", "no"]
-    if "--main_process_port" in launch:
-        cmd += ["--main_process_port", launch["--main_process_port"]]
+    for flag in ("--main_process_port", "--num_machines", "--machine_rank", "--main_process_ip"):
+        if flag in launch:
+            cmd += [flag, launch[flag]]
     return [*cmd, str(entry_script), *script_argv]
 
 

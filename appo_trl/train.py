@@ -38,7 +38,9 @@ def main(script_args, training_args, model_args) -> "APPOTrainer":  # noqa: F821
     from transformers import AutoTokenizer, set_seed
     from trl import get_peft_config
 
+    from appo_trl.checkpoints import resolve_resume_checkpoint
     from appo_trl.data import load_rl_dataset
+    from appo_trl.hub import defer_push, push_model
     from appo_trl.rewards import get_reward_func
     from appo_trl.trainer import APPOTrainer
 
@@ -61,6 +63,7 @@ def main(script_args, training_args, model_args) -> "APPOTrainer":  # noqa: F821
     if training_args.eval_strategy != "no":
         eval_dataset = load_rl_dataset(script_args, split=script_args.dataset_test_split)
     reward_funcs = [get_reward_func(name) for name in script_args.reward_funcs]
+    push = defer_push(training_args)  # one push of the final model at the end, not from Trainer.__init__
 
     trainer = APPOTrainer(
         model=model_args.model_name_or_path,
@@ -77,14 +80,13 @@ def main(script_args, training_args, model_args) -> "APPOTrainer":  # noqa: F821
         state.process_index, state.num_processes, state.distributed_type,
         getattr(training_args, "rollout_strategy", "grpo"),
     )
-    checkpoint = training_args.resume_from_checkpoint
-    if checkpoint in ("true", "True", True):
-        checkpoint = True
+    checkpoint = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model(training_args.output_dir)  # also saves the tokenizer; main process only
     logger.info("Saved model to %s", training_args.output_dir)
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    if push:
+        push_model(trainer, algorithm=getattr(training_args, "rollout_strategy", "grpo"),
+                   args=(script_args, training_args, model_args))
     return trainer
 
 

@@ -66,6 +66,9 @@ def test_launch_flags_are_split_and_build_accelerate_command():
     assert cmd[-5:] == ["entry.py", "--config", "r.yaml", "--learning_rate", "1"]
     plain = launch_command({"--num_processes": "2"}, "entry.py", [])
     assert "--multi_gpu" in plain and "--cpu" not in plain and plain[plain.index("--mixed_precision") + 1] == "no"
+    multi = launch_command({"--accelerate_config": "zero3", "--machine_rank": "1", "--main_process_ip": "10.0.0.1"},
+                           "entry.py", [])
+    assert multi[multi.index("--machine_rank") + 1] == "1" and "--main_process_ip" in multi
     with pytest.raises(RecipeError, match="Unknown accelerate config"):
         launch_command({"--accelerate_config": "zero9"}, "entry.py", [])
 
