@@ -1,0 +1,95 @@
+"""`EvalConfig`: every knob of `appo eval`, as a dataclass that YAML files and command-line flags fill."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from appo_trl.evaluation.judge import JudgeConfig
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """Configuration of one evaluation run (`appo eval --config eval/<name>.yaml [--key value ...]`).
+
+    Args:
+        benchmarks: registry names to evaluate (`all` for every benchmark of the registry).
+        registry: benchmark registry YAML; None uses the one shipped with the package.
+        data_root: folder the registry's relative paths start from (else `$APPO_EVAL_DATA_ROOT`).
+        limit: evaluate only the first `limit` questions of each benchmark (smoke runs).
+        output_dir: where `samples.jsonl`, `judgments.jsonl`, `report.json`, `report.md`, `report.png` go.
+        model: checkpoint path or Hub id (tokenizer and chat template; the weights too for `transformers`).
+        backend: `vllm` (a running `vllm serve` / `trl vllm-serve` at `base_url`) or `transformers` (in-process).
+        base_url: URL of the vLLM server.
+        num_samples: samples per question (n of pass@k).
+        ks: k values for pass@k / avg@k (k <= num_samples); None means 1, 2, 4, ... and num_samples.
+        seed: base seed; every (benchmark, question, sample) gets its own seed derived from it.
+        temperature, top_p, top_k: sampling (top_k -1 disables it).
+        max_completion_length: model-generated tokens per sample, tool results excluded.
+        max_model_len: prompt + completion + tool results, tokens.
+        call_limit: tool calls per sample across all tools (None: 3 for math, 6 otherwise).
+        prompt: system prompt style overriding every benchmark's own (None keeps the registry's).
+        tools: tool names overriding every benchmark's own (None keeps the registry's).
+        search_backend: search tool backend (`cache` replays a frozen cache: reproducible scores).
+        search_cache: the search cache file (ARPO's `{query: text}` json works).
+        concurrency: samples generated at once.
+        judge_base_url, judge_model, judge_api_key_env, judge_max_retries, judge_timeout_s, judge_concurrency:
+            the optional LLM judge (see `JudgeConfig`); no judge when `judge_base_url` is empty.
+    """
+
+    benchmarks: list[str] = dataclasses.field(default_factory=lambda: ["all"])
+    registry: str | None = None
+    data_root: str | None = None
+    limit: int | None = None
+    output_dir: str = "eval_results/run"
+    model: str = ""
+    backend: str = "vllm"
+    base_url: str = "http://127.0.0.1:8000"
+    num_samples: int = 1
+    ks: list[int] | None = None
+    seed: int = 0
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = -1
+    max_completion_length: int = 8192
+    max_model_len: int = 32768
+    call_limit: int | None = None
+    prompt: str | None = None
+    tools: list[str] | None = None
+    search_backend: str = "cache"
+    search_cache: str | None = None
+    concurrency: int = 32
+    judge_base_url: str = ""
+    judge_model: str = ""
+    judge_api_key_env: str = "OPENAI_API_KEY"
+    judge_max_retries: int = 3
+    judge_timeout_s: float = 60.0
+    judge_concurrency: int = 16
+
+    def __post_init__(self):
+        if isinstance(self.benchmarks, str):
+            self.benchmarks = [b.strip() for b in self.benchmarks.split(",") if b.strip()]
+        if isinstance(self.tools, str):
+            self.tools = [t.strip() for t in self.tools.split(",") if t.strip()]
+        if isinstance(self.ks, (str, int)):
+            self.ks = [int(k) for k in str(self.ks).split(",") if k.strip()]
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
+        if self.ks and max(self.ks) > self.num_samples:
+            raise ValueError(f"ks {self.ks} exceed num_samples={self.num_samples} (pass@k needs k <= n)")
+        if self.backend not in ("vllm", "transformers"):
+            raise ValueError(f"backend must be 'vllm' or 'transformers', got {self.backend!r}")
+
+    @property
+    def judge(self) -> JudgeConfig:
+        return JudgeConfig(
+            base_url=self.judge_base_url,
+            model=self.judge_model,
+            api_key_env=self.judge_api_key_env,
+            max_retries=self.judge_max_retries,
+            timeout_s=self.judge_timeout_s,
+            concurrency=self.judge_concurrency,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
