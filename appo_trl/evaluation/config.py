@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from appo_trl.evaluation.judge import JudgeConfig
@@ -30,8 +31,11 @@ class EvalConfig:
         call_limit: tool calls per sample across all tools (None: 3 for math, 6 otherwise).
         prompt: system prompt style overriding every benchmark's own (None keeps the registry's).
         tools: tool names overriding every benchmark's own (None keeps the registry's).
-        search_backend: search tool backend (`cache` replays a frozen cache: reproducible scores).
-        search_cache: the search cache file (ARPO's `{query: text}` json works).
+        search_backend: search tool backend: `cache` replays a frozen cache (reproducible scores; a query
+            missing from the cache gets a "not in cache" result), `local` a retriever server, `web` live search.
+        search_cache: the search cache file (ARPO's `{query: text}` json or the project's SQLite cache).
+        tool_config: per-tool parameters keyed by tool name, as in training recipes (mapping or JSON string);
+            `search_backend` / `search_cache` fill `search.backend` / `search.cache_path` unless set here.
         concurrency: samples generated at once.
         judge_base_url, judge_model, judge_api_key_env, judge_max_retries, judge_timeout_s, judge_concurrency:
             the optional LLM judge (see `JudgeConfig`); no judge when `judge_base_url` is empty.
@@ -58,6 +62,7 @@ class EvalConfig:
     tools: list[str] | None = None
     search_backend: str = "cache"
     search_cache: str | None = None
+    tool_config: dict | str | None = None
     concurrency: int = 32
     judge_base_url: str = ""
     judge_model: str = ""
@@ -79,6 +84,18 @@ class EvalConfig:
             raise ValueError(f"ks {self.ks} exceed num_samples={self.num_samples} (pass@k needs k <= n)")
         if self.backend not in ("vllm", "transformers"):
             raise ValueError(f"backend must be 'vllm' or 'transformers', got {self.backend!r}")
+
+    def tool_params(self, names: list[str]) -> dict[str, dict[str, Any]]:
+        """`build_tools` parameters for the tools in `names` (blocks for other tools are left out)."""
+        raw = self.tool_config or {}
+        if isinstance(raw, str):
+            raw = json.loads(raw)
+        params = {name: dict(raw.get(name) or {}) for name in names if name in raw or name == "search"}
+        if "search" in params:
+            params["search"].setdefault("backend", self.search_backend)
+            if self.search_cache:
+                params["search"].setdefault("cache_path", self.search_cache)
+        return params
 
     @property
     def judge(self) -> JudgeConfig:

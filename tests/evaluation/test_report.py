@@ -62,3 +62,23 @@ def test_config_validation():
         EvalConfig(num_samples=2, ks=[1, 4])
     with pytest.raises(ValueError, match="backend"):
         EvalConfig(backend="tgi")
+
+
+def test_printed_summary(two_reports):
+    from rich.console import Console
+
+    from appo_trl.evaluation import print_summary
+
+    console = Console(record=True, width=200)
+    print_summary(json.loads(two_reports[0].read_text()), console=console)
+    text = console.export_text()
+    assert "mathb" in text and "66.7" in text and "overall" in text
+    assert "63.9" in text  # overall = (2/3 + 11/18) / 2 = 0.6389
+
+
+def test_tool_params_frozen_search_cache():
+    cfg = EvalConfig(search_cache="cache.json", tool_config='{"python": {"timeout_s": 5}, "search": {"max_results": 3}}')
+    assert cfg.tool_params(["python"]) == {"python": {"timeout_s": 5}}
+    assert cfg.tool_params(["search"]) == {"search": {"max_results": 3, "backend": "cache", "cache_path": "cache.json"}}
+    explicit = EvalConfig(search_cache="a.json", tool_config={"search": {"backend": "local", "cache_path": "b.db"}})
+    assert explicit.tool_params(["search"])["search"] == {"backend": "local", "cache_path": "b.db"}
