@@ -46,3 +46,26 @@ class Tool(Protocol):
     async def call(self, text: str) -> ToolResult: ...
 
     async def aclose(self) -> None: ...
+
+
+_CONTROL = {c: None for c in range(32) if c not in (9, 10, 13)}
+_CONTROL[0x7F] = None
+
+
+def sanitize_text(text: str) -> str:
+    """Drop NULs and other C0 control characters (keeps tab/newline/CR): tool output goes into a tokenizer."""
+    return text.translate(_CONTROL)
+
+
+def truncate_text(text: str, limit: int, keep: str = "head") -> tuple[str, bool]:
+    """Cut `text` to at most `limit` characters (marker included); `keep="tail"` keeps the end (tracebacks).
+
+    Returns `(text, truncated)`.
+    """
+    if len(text) <= limit:
+        return text, False
+    marker = "\n...[truncated]...\n"
+    room = max(limit - len(marker), 0)
+    if keep == "tail":
+        return (marker + text[len(text) - room :])[-limit:], True
+    return (text[:room] + marker)[:limit], True

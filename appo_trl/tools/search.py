@@ -1,0 +1,347 @@
+"""The `search` tool: one query in, ARPO-formatted snippets out, from a pluggable backend behind a persistent cache.
+
+Backends (`backend:` in the tool config; `SEARCH_BACKENDS` registry):
+
+- `local`: a retriever server speaking the Search-R1 protocol (`POST /retrieve {"queries", "topk",
+  "return_scores"}` -> `{"result": [[{"document": {...}, "score": s}, ...], ...]}`), e.g. `appo serve-search`.
+  Concurrent calls are coalesced into one batched request.
+- `web`: Bright Data's SERP API over Bing, as ARPO used it. The API key and zone come **only** from environment
+  variables (`BRIGHTDATA_API_KEY`, `BRIGHTDATA_ZONE`; names configurable); requests are rate limited, and
+  retried with exponential backoff on transient failures only (timeouts, connection errors, 429 and 5xx).
+- `cache`: replay only: answers from the cache (ARPO's JSON file or our SQLite file) and reports a miss as a
+  clear "not in cache" result. Together with `appo serve-search` this makes search-based training fully offline.
+
+Results are formatted as ARPO does: non-empty snippets de-duplicated, the first `max_results` kept, each cut to
+`result_length` characters, joined as `Page i: snippet` lines; "No search results found." when empty. Double quotes
+are removed from the query. Successful results are stored in the cache (`cache_path`, SQLite; `seed_path` imports
+ARPO's JSON cache); errors never are. Secrets never appear in results or logs (error texts are scrubbed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+import urllib.parse
+from typing import Any, Protocol
+
+import httpx
+
+from appo_trl.tools.base import ToolResult, sanitize_text
+from appo_trl.tools.search_cache import JsonReplayCache, SearchCache
+
+logger = logging.getLogger(__name__)
+
+NO_RESULTS = "No search results found."
+
+
+@dataclasses.dataclass
+class SearchToolConfig:
+    """Parameters of the `search` tool (`tool_config: {search: {...}}` in a recipe).
+
+    Args:
+        backend: `local`, `web` or `cache` (see the module docstring).
+        url: the `local` backend's retrieve endpoint.
+        max_results: snippets shown to the model (ARPO: 10).
+        result_length: characters kept per snippet (ARPO: 1000).
+        timeout_s: per-request timeout.
+        retries: extra attempts after a transient failure (not for 4xx errors or malformed replies).
+        backoff_s: first retry delay; doubles each attempt.
+        cache: put the persistent cache in front of the backend.
+        cache_path: SQLite cache file; for `backend: cache` it may also be ARPO's JSON file (read-only).
+        seed_path: ARPO JSON cache imported into the SQLite cache at start-up (existing entries win).
+        cache_namespace: key prefix in the SQLite cache; give backends with different outputs different ones.
+        rate_limit_per_s: `web` requests per second (token bucket).
+        api_key_env, zone_env: names of the environment variables holding the `web` credentials.
+        market: Bing `mkt` for non-CJK queries (CJK queries use zh-CN, as ARPO did); `location` is Bing's `cc`.
+    """
+
+    backend: str = "local"
+    url: str = "http://127.0.0.1:8000/retrieve"
+    max_results: int = 10
+    result_length: int = 1000
+    timeout_s: float = 30.0
+    retries: int = 3
+    backoff_s: float = 1.0
+    cache: bool = True
+    cache_path: str | None = "~/.cache/appo_trl/search_cache.sqlite"
+    seed_path: str | None = None
+    rate_limit_per_s: float = 32.0
+    api_key_env: str = "BRIGHTDATA_API_KEY"
+    zone_env: str = "BRIGHTDATA_ZONE"
+    cache_namespace: str = "search"
+    market: str = "en-US"
+    location: str = "us"
+
+    def __post_init__(self):
+        if self.backend not in SEARCH_BACKENDS:
+            import difflib
+
+            close = difflib.get_close_matches(str(self.backend), SEARCH_BACKENDS, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"search.backend={self.backend!r} is unknown; valid: {', '.join(SEARCH_BACKENDS)}.{hint}")
+        for name in ("max_results", "result_length", "timeout_s", "rate_limit_per_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"search.{name} must be > 0, got {getattr(self, name)}")
+        if self.retries < 0:
+            raise ValueError(f"search.retries must be >= 0, got {self.retries}")
+        if self.backend == "cache" and not self.cache_path:
+            raise ValueError("search.backend='cache' needs search.cache_path (ARPO JSON or SQLite cache file)")
+
+
+def format_results(snippets: list[str], max_results: int = 10, result_length: int = 1000) -> str:
+    """ARPO's format: unique non-empty snippets, first `max_results`, each cut to `result_length`, `Page i: ...`."""
+    seen: list[str] = []
+    for snippet in snippets:
+        snippet = (snippet or "").strip()
+        if snippet and snippet not in seen:
+            seen.append(snippet)
+        if len(seen) == max_results:
+            break
+    if not seen:
+        return NO_RESULTS
+    return "\n".join(f"Page {i}: {s[:result_length]}" for i, s in enumerate(seen, 1))
+
+
+class BackendError(Exception):
+    """A backend failure; `transient` ones are retried."""
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
+
+
+class SearchBackend(Protocol):
+    name: str
+
+    async def search(self, query: str) -> list[str]:
+        """Snippets for one query, best first; raises BackendError."""
+
+    async def aclose(self) -> None: ...
+
+
+def _document_text(doc: Any) -> str:
+    """Search-R1 documents carry `contents` ('"Title"\\ntext'); other corpora `title` + `text`."""
+    if isinstance(doc, str):
+        return doc
+    if not isinstance(doc, dict):
+        return str(doc)
+    if doc.get("contents"):
+        return str(doc["contents"]).replace("\n", " ")
+    title, text = str(doc.get("title") or ""), str(doc.get("text") or "")
+    return f"{title}: {text}" if title and text else title or text
+
+
+class LocalRetrieverBackend:
+    """Client of a Search-R1 `/retrieve` server; concurrent queries are sent as one batch."""
+
+    name = "local"
+
+    def __init__(self, config: SearchToolConfig):
+        self.config = config
+        self._client = httpx.AsyncClient(timeout=config.timeout_s, trust_env=False)
+        self._queue: list[tuple[str, asyncio.Future]] = []
+        self._flusher: asyncio.Task | None = None
+
+    async def search(self, query: str) -> list[str]:
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.append((query, fut))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.ensure_future(self._flush())
+        return await fut
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(0)  # let the other calls of this event-loop tick join the batch
+        batch, self._queue = self._queue, []
+        try:
+            results = await self._post([q for q, _ in batch])
+        except BaseException as exc:  # noqa: BLE001 - delivered to every waiter
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc if isinstance(exc, Exception) else BackendError(repr(exc)))
+            return
+        for (_, fut), docs in zip(batch, results):
+            if not fut.done():
+                fut.set_result(docs)
+
+    async def _post(self, queries: list[str]) -> list[list[str]]:
+        body = {"queries": queries, "topk": self.config.max_results, "return_scores": True}
+        try:
+            resp = await self._client.post(self.config.url, json=body)
+        except httpx.TimeoutException:
+            raise BackendError(f"retriever timed out after {self.config.timeout_s:g}s", transient=True) from None
+        except httpx.TransportError as exc:
+            raise BackendError(f"retriever unreachable at {self.config.url} ({type(exc).__name__})", True) from None
+        if resp.status_code != 200:
+            raise BackendError(f"retriever HTTP {resp.status_code}", transient=resp.status_code >= 500)
+        try:
+            result = resp.json()["result"]
+            if not isinstance(result, list) or len(result) != len(queries):
+                raise ValueError("result length mismatch")
+            return [[_document_text(item.get("document", item) if isinstance(item, dict) else item)
+                     for item in row] for row in result]  # fmt: skip
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise BackendError(f"malformed retriever reply ({exc})") from None
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+class _RateLimiter:
+    """Token bucket: at most `rate` acquisitions per second on average (bursts of up to `rate`)."""
+
+    def __init__(self, rate: float):
+        self.rate, self.tokens, self.updated = rate, rate, time.monotonic()
+        self._lock = asyncio.Lock()
+
+    async def acquire(self) -> None:
+        async with self._lock:
+            while True:
+                now = time.monotonic()
+                self.tokens = min(self.rate, self.tokens + (now - self.updated) * self.rate)
+                self.updated = now
+                if self.tokens >= 1:
+                    self.tokens -= 1
+                    return
+                await asyncio.sleep((1 - self.tokens) / self.rate)
+
+
+class WebSearchBackend:
+    """Bright Data SERP API over Bing (ARPO's online search); credentials from the environment only."""
+
+    name = "web"
+    endpoint = "https://api.brightdata.com/request"
+
+    def __init__(self, config: SearchToolConfig, client: httpx.AsyncClient | None = None):
+        self.config = config
+        self._key = os.environ.get(config.api_key_env, "")
+        self._zone = os.environ.get(config.zone_env, "")
+        missing = [name for name, v in ((config.api_key_env, self._key), (config.zone_env, self._zone)) if not v]
+        if missing:
+            raise ValueError(f"search.backend='web' needs the environment variable(s) {', '.join(missing)}")
+        self._client = client or httpx.AsyncClient(timeout=config.timeout_s)
+        self._limiter = _RateLimiter(config.rate_limit_per_s)
+
+    def __repr__(self) -> str:  # never show the key
+        return f"WebSearchBackend(zone_env={self.config.zone_env!r}, api_key_env={self.config.api_key_env!r})"
+
+    def request_body(self, query: str) -> dict[str, str]:
+        cjk = any("\u4e00" <= ch <= "\u9fff" for ch in query)
+        mkt, lang = ("zh-CN", "zh") if cjk else (self.config.market, self.config.market.split("-")[0])
+        params = urllib.parse.urlencode(
+            {"q": query, "mkt": mkt, "setLang": lang, "brd_json": 1, "cc": self.config.location}
+        )
+        return {"zone": self._zone, "url": f"https://www.bing.com/search?{params}", "format": "raw"}
+
+    async def search(self, query: str) -> list[str]:
+        await self._limiter.acquire()
+        headers = {"Authorization": f"Bearer {self._key}", "Content-Type": "application/json"}
+        try:
+            resp = await self._client.post(self.endpoint, json=self.request_body(query), headers=headers)
+        except httpx.TimeoutException:
+            raise BackendError(f"web search timed out after {self.config.timeout_s:g}s", transient=True) from None
+        except httpx.TransportError as exc:
+            raise BackendError(f"web search connection failed ({type(exc).__name__})", transient=True) from None
+        if resp.status_code != 200:
+            transient = resp.status_code == 429 or resp.status_code >= 500
+            raise BackendError(f"web search HTTP {resp.status_code}", transient=transient)
+        try:
+            organic = resp.json().get("organic") or []
+            return [str(item.get("description") or "") for item in organic if isinstance(item, dict)]
+        except (ValueError, AttributeError) as exc:
+            raise BackendError(f"malformed web search reply ({type(exc).__name__})") from None
+
+    def scrub(self, text: str) -> str:
+        return text.replace(self._key, "***") if self._key else text
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+class CacheOnlyBackend:
+    """Replay-only: every query is a cache miss by the time it reaches a backend."""
+
+    name = "cache"
+
+    def __init__(self, config: SearchToolConfig):
+        self.config = config
+
+    async def search(self, query: str) -> list[str]:
+        raise BackendError("not in cache")
+
+    async def aclose(self) -> None:
+        pass
+
+
+SEARCH_BACKENDS: dict[str, type] = {
+    "local": LocalRetrieverBackend,
+    "web": WebSearchBackend,
+    "cache": CacheOnlyBackend,
+}
+
+
+class SearchTool:
+    """The `search` tool: `<search>query</search>` -> `Page 1: ...` lines (see the module docstring)."""
+
+    name = "search"
+    tag = "search"
+
+    def __init__(self, config: SearchToolConfig | None = None, **kwargs: Any):
+        self.config = config or SearchToolConfig(**kwargs)
+        cfg = self.config
+        self.backend = SEARCH_BACKENDS[cfg.backend](cfg)
+        self.cache: SearchCache | JsonReplayCache | None = None
+        if cfg.backend == "cache" and str(cfg.cache_path).endswith(".json"):
+            self.cache = JsonReplayCache(cfg.cache_path)
+        elif cfg.cache and cfg.cache_path:
+            self.cache = SearchCache(cfg.cache_path, namespace=cfg.cache_namespace)
+        if cfg.seed_path:
+            if not isinstance(self.cache, SearchCache):
+                raise ValueError("search.seed_path needs a SQLite cache_path (and cache: true)")
+            self.cache.seed_from_json(cfg.seed_path)
+
+    def _scrub(self, text: str) -> str:
+        return self.backend.scrub(text) if hasattr(self.backend, "scrub") else text
+
+    async def call(self, text: str) -> ToolResult:
+        start = time.perf_counter()
+        query = text.replace('"', "").strip()
+        if not query:
+            return ToolResult("Error: empty search query.", ok=False, error="empty_input")
+        if self.cache is not None:
+            hit = self.cache.get(query)
+            if hit is not None:
+                return ToolResult(hit, True, time.perf_counter() - start, meta={"cache_hit": True})
+        if self.config.backend == "cache":
+            message = f"No cached search result for {query!r} (offline cache-only search)."
+            return ToolResult(message, False, time.perf_counter() - start, error="not_in_cache",
+                              meta={"cache_hit": False})  # fmt: skip
+        cfg, attempt, delay = self.config, 0, cfg.backoff_s
+        while True:
+            try:
+                snippets = await self.backend.search(query)
+                break
+            except BackendError as exc:
+                if exc.transient and attempt < cfg.retries:
+                    attempt += 1
+                    reason = self._scrub(str(exc))
+                    logger.info("search: transient failure (%s), retry %d/%d", reason, attempt, cfg.retries)
+                    await asyncio.sleep(delay)
+                    delay *= 2
+                    continue
+                message = self._scrub(f"Search failed: {exc}")
+                return ToolResult(message, False, time.perf_counter() - start, error="backend_error",
+                                  meta={"cache_hit": False, "attempts": attempt + 1})  # fmt: skip
+        result = sanitize_text(format_results(snippets, cfg.max_results, cfg.result_length))
+        if self.cache is not None and isinstance(self.cache, SearchCache) and result != NO_RESULTS:
+            await asyncio.to_thread(self.cache.put, query, result)
+        count = 0 if result == NO_RESULTS else result.count("\nPage ") + 1
+        meta = {"cache_hit": False, "attempts": attempt + 1, "results": count}
+        return ToolResult(result, True, time.perf_counter() - start, meta=meta)
+
+    async def aclose(self) -> None:
+        await self.backend.aclose()
+        if self.cache is not None:
+            self.cache.close()
