@@ -81,7 +81,8 @@ class SearchToolConfig:
 
             close = difflib.get_close_matches(str(self.backend), SEARCH_BACKENDS, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"search.backend={self.backend!r} is unknown; valid: {', '.join(SEARCH_BACKENDS)}.{hint}")
+            valid = ", ".join(sorted(SEARCH_BACKENDS))
+            raise ValueError(f"search.backend={self.backend!r} is unknown; valid: {valid}.{hint}")
         for name in ("max_results", "result_length", "timeout_s", "rate_limit_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"search.{name} must be > 0, got {getattr(self, name)}")
@@ -315,10 +316,11 @@ class SearchTool:
             if hit is not None:
                 return ToolResult(hit, True, time.perf_counter() - start, meta={"cache_hit": True})
         if self.config.backend == "cache":
-            message = f"No cached search result for {query!r} (offline cache-only search)."
+            message = f"Not in cache: no stored search result for {query!r} (offline cache-only search)."
             return ToolResult(message, False, time.perf_counter() - start, error="not_in_cache",
                               meta={"cache_hit": False})  # fmt: skip
-        cfg, attempt, delay = self.config, 0, cfg.backoff_s
+        cfg = self.config
+        attempt, delay = 0, cfg.backoff_s
         while True:
             try:
                 snippets = await self.backend.search(query)

@@ -22,6 +22,8 @@ import os
 import shutil
 from typing import Any
 
+from pydantic import BaseModel, Field
+
 logger = logging.getLogger(__name__)
 
 FINGERPRINT = "appo_fingerprint.json"
@@ -101,15 +103,17 @@ class BM25Index:
         return out
 
 
+class RetrieveRequest(BaseModel):
+    """Body of `POST /retrieve` (Search-R1 protocol)."""
+
+    queries: list[str] = Field(..., description="queries, scored as one batch")
+    topk: int = Field(3, ge=1, description="documents per query")
+    return_scores: bool = False
+
+
 def create_app(index: BM25Index, max_batch: int = 1024, max_topk: int = 100):
     """The FastAPI application serving `index`."""
     from fastapi import FastAPI, HTTPException
-    from pydantic import BaseModel, Field
-
-    class RetrieveRequest(BaseModel):
-        queries: list[str] = Field(..., description="queries, scored as one batch")
-        topk: int = Field(3, ge=1, description="documents per query")
-        return_scores: bool = False
 
     app = FastAPI(title="appo-trl BM25 retriever", version="1")
 
