@@ -95,8 +95,15 @@ def _child(req, out_w, err_w, base_dir, drop_to_nobody):
             os.setuid(NOBODY)
         os.environ.clear()
         os.environ.update(
-            {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-             "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+            {
+                "PATH": "/usr/local/bin:/usr/bin:/bin",
+                "HOME": workdir,
+                "TMPDIR": workdir,
+                "LANG": "C.UTF-8",
+                "OPENBLAS_NUM_THREADS": "1",
+                "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1",
+            }
         )
         tempfile.tempdir = workdir
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace")
@@ -181,7 +188,7 @@ class Zygote:
     def send(self, obj):
         data = (json.dumps(obj) + "\n").encode()
         while data:
-            data = data[os.write(self.reply_fd, data):]
+            data = data[os.write(self.reply_fd, data) :]
 
     # ---- process bookkeeping ------------------------------------------------------------------
     def reap(self):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from appo_trl.tools.base import Tool
 from appo_trl.tools.python_sandbox import PythonTool, PythonToolConfig

@@ -84,7 +84,10 @@ def test_infinite_loop_is_killed(tool):
 
 
 def test_sigterm_ignoring_sleeper_is_killed_at_the_deadline(tool):
-    r = run(tool, "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('started', flush=True)\ntime.sleep(60)")
+    r = run(
+        tool,
+        "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('started', flush=True)\ntime.sleep(60)",
+    )
     assert r.error == "timeout" and r.text.startswith("started")
 
 

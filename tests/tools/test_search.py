@@ -59,7 +59,9 @@ def test_search_tool_against_local_server_batches_concurrent_calls(corpus_file, 
 
     index.retrieve = counting
     with loopback(create_app(index)) as base:
-        tool = SearchTool(backend="local", url=f"{base}/retrieve", cache_path=str(tmp_path / "c.sqlite"), max_results=2)
+        tool = SearchTool(
+            backend="local", url=f"{base}/retrieve", cache_path=str(tmp_path / "c.sqlite"), max_results=2
+        )
 
         async def go():
             try:
@@ -195,7 +197,11 @@ def test_web_request_shape_and_parsing(monkeypatch):
 
     def handler(request: httpx.Request):
         seen.append(request)
-        organic = [{"title": "t", "link": "l", "description": "first"}, {"description": "first"}, {"description": "second"}]
+        organic = [
+            {"title": "t", "link": "l", "description": "first"},
+            {"description": "first"},
+            {"description": "second"},
+        ]
         return httpx.Response(200, json={"organic": organic})
 
     r = _run(_web_tool(handler, monkeypatch), 'who "wrote" Hamlet')
