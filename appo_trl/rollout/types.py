@@ -1,0 +1,270 @@
+"""Data types of the rollout layer: sampling requests, sampled segments, trajectories, the rollout config.
+
+Everything here is plain data (dataclasses and one `Protocol`); no I/O and no torch. The token-level
+contract every consumer relies on:
+
+- `Segment` is one backend call: the exact token ids the sampler produced, each with the logprob of *that*
+  token (matched by id, never the top-1 of the distribution), plus optional top-k logprobs.
+- `Trajectory` is one row of the batch: `completion_ids`, `loss_mask` and `logprobs` always have the same
+  length; `loss_mask` is 1 exactly for tokens the policy sampled, and tokens it did not sample (tool results,
+  the template around them, a forced EOS) have mask 0 and logprob NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "eos", "length"]
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """What one backend request asks for.
+
+    Args:
+        max_tokens: most tokens to sample in this request (>= 1).
+        temperature: softmax temperature (0 = greedy).
+        top_p: nucleus sampling mass (1.0 = disabled).
+        top_k: keep the k most likely tokens (-1 = disabled).
+        seed: per-request seed; the engine gives every request a distinct one.
+        stop: stop strings; the segment ends with the token that completes one (that token is kept whole).
+        logprobs: top logprobs wanted per token besides the sampled one (0 = only the sampled token's).
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = dataclasses.field(default_factory=list)
+    logprobs: int = 0
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+
+
+@dataclasses.dataclass
+class Segment:
+    """The tokens sampled by one backend request.
+
+    Args:
+        token_ids: exact sampled ids, including the whole token that completes a stop string and the EOS id
+            when the model ended the sequence.
+        logprobs: per token, the logprob of the sampled token (processed: after temperature/top-k/top-p).
+        top_logprobs: per token, `{token_id: logprob}` of the top `SamplingParams.logprobs` tokens plus the
+            sampled one; None when `logprobs=0` was requested.
+        finish_reason: `"stop"` (a stop string), `"eos"` (an end-of-sequence token) or `"length"` (`max_tokens`).
+        stop_str: the stop string that ended the segment when `finish_reason == "stop"`.
+        latency_s: wall time of the request, seconds (metrics only).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] | None = None
+    finish_reason: FinishReason = "length"
+    stop_str: str | None = None
+    latency_s: float = 0.0
+
+    def __post_init__(self):
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"{len(self.token_ids)} token ids but {len(self.logprobs)} logprobs")
+        if self.top_logprobs is not None and len(self.top_logprobs) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} token ids but {len(self.top_logprobs)} top_logprobs entries")
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A sampler: continue `prompt_ids` with `params`. Many calls may be in flight at once."""
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Segment: ...
+
+
+@dataclasses.dataclass
+class ToolCallRecord:
+    """One tool call inside a trajectory.
+
+    Args:
+        tag: the tool's trigger tag (`"python"`, `"search"`).
+        query: the text between `<tag>` and `</tag>`, stripped.
+        result: the tool's output text as injected (before the result template).
+        ok: False when the tool reported a failure.
+        latency_s: wall time of the call.
+        start, end: span of the injected result tokens in `completion_ids` (`completion_ids[start:end]`).
+    """
+
+    tag: str
+    query: str
+    result: str
+    ok: bool
+    latency_s: float
+    start: int
+    end: int
+
+
+def new_uid() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One sampled episode: prompt, completion with tool results spliced in, and per-token records.
+
+    Args:
+        prompt_ids: the prompt as given to the engine.
+        completion_ids: every token after the prompt, sampled or injected, exactly as fed to the sampler.
+        loss_mask: 1 for tokens sampled by the policy, 0 for tool results, templates and forced tokens.
+        logprobs: the sampler's logprob of each sampled token; NaN where `loss_mask` is 0.
+        entropies: per-token truncated top-k entropy (nats) from the sampler's top logprobs when they were
+            requested; NaN where not sampled or unknown. None when entropies were not recorded.
+        tool_calls: the calls made, in order.
+        num_calls: calls counted against `RolloutConfig.call_limit` (a branch starts from its prefix's count).
+        finish_reason: `"eos"`, `"length"` (completion budget or model length), `"call_limit"` (a call over
+            the limit: a forced EOS was appended), `"empty_call"` (a tool tag with nothing inside) or
+            `"running"` while unfinished.
+        group: index of the prompt in the `rollout` call (branches keep their parent's).
+        uid: unique id of this trajectory.
+        parent: uid of the trajectory this one was branched from, None for a root.
+        branch_pos: `completion_ids[:branch_pos]` was copied from the parent, never regenerated.
+        meta: free-form extras (`"seed"`, `"origin"`: "root" | "fork" | "refill" | "branch", ...).
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    entropies: list[float] | None = None
+    tool_calls: list[ToolCallRecord] = dataclasses.field(default_factory=list)
+    num_calls: int = 0
+    finish_reason: str = "running"
+    group: int = 0
+    uid: str = dataclasses.field(default_factory=new_uid)
+    parent: str | None = None
+    branch_pos: int | None = None
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def check(self) -> None:
+        """Raise `AssertionError` if the per-token lists disagree (cheap; the engine calls it on every row)."""
+        n = len(self.completion_ids)
+        assert len(self.loss_mask) == n and len(self.logprobs) == n, (n, len(self.loss_mask), len(self.logprobs))
+        assert self.entropies is None or len(self.entropies) == n
+
+    def append(self, ids: list[int], mask: int, logprobs: list[float] | None = None,
+               entropies: list[float] | None = None) -> None:  # fmt: skip
+        """Append tokens with one mask value; missing logprobs/entropies become NaN."""
+        self.completion_ids.extend(ids)
+        self.loss_mask.extend([mask] * len(ids))
+        self.logprobs.extend(logprobs if logprobs is not None else [math.nan] * len(ids))
+        if self.entropies is not None:
+            self.entropies.extend(entropies if entropies is not None else [math.nan] * len(ids))
+
+    def prefix_copy(self, position: int, **overrides: Any) -> Trajectory:
+        """A new running trajectory whose completion is exactly `completion_ids[:position]` of this one.
+
+        Tool calls whose result lies inside the prefix are carried over, and so is the call counter.
+        """
+        calls = [c for c in self.tool_calls if c.end <= position]
+        fields = dict(
+            prompt_ids=list(self.prompt_ids),
+            completion_ids=self.completion_ids[:position],
+            loss_mask=self.loss_mask[:position],
+            logprobs=self.logprobs[:position],
+            entropies=None if self.entropies is None else self.entropies[:position],
+            tool_calls=[dataclasses.replace(c) for c in calls],
+            num_calls=len(calls),
+            group=self.group,
+            parent=self.uid,
+            branch_pos=position,
+            meta={k: v for k, v in self.meta.items() if k == "root_entropy"},
+        )
+        fields.update(overrides)
+        return Trajectory(**fields)
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """How the engine samples and runs tools.
+
+    Args:
+        max_completion_length: most completion tokens per trajectory, tool results included.
+        max_model_len: most prompt + completion tokens (the sampler's context length).
+        call_limit: tool calls per trajectory over all tools (3 for reasoning, 6 for deep search). A call
+            beyond it is not executed: a forced EOS (mask 0) ends the trajectory, as ARPO does.
+        temperature, top_p, top_k: sampling defaults.
+        tool_tags: tags that trigger tools; `</tag>` is a stop string for each.
+        result_template: the text injected after a call (ARPO's training format); `{result}` is the output.
+        max_result_tokens: tool result tokens kept (the template included); longer results are cut.
+        entropy_topk: top logprobs requested per token when entropies are recorded (ARPO: 10).
+        entropy_window: tokens over which segment/root entropies are reduced (ARPO: 20).
+        entropy_reduce: `"sum"` (ARPO's code) or `"mean"` over the window.
+        entropy_normalize: divide window entropies by ln(vocabulary size), as ARPO's code does.
+        record_entropies: request top-k logprobs and store per-token entropies even without a hook.
+        hook_mode: `"faithful"` (the hook runs right after a result with the entropy of the segment that
+            made the call) or `"lookahead"` (the engine samples `entropy_window` tokens after the result
+            first; forks re-sample them from the position before).
+        concurrency: most backend requests in flight from this engine.
+    """
+
+    max_completion_length: int = 1024
+    max_model_len: int = 32768
+    call_limit: int = 3
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    tool_tags: list[str] = dataclasses.field(default_factory=lambda: ["python", "search"])
+    result_template: str = " <result>\n{result}\n</result>"
+    max_result_tokens: int = 4096
+    entropy_topk: int = 10
+    entropy_window: int = 20
+    entropy_reduce: Literal["sum", "mean"] = "sum"
+    entropy_normalize: bool = True
+    record_entropies: bool = False
+    hook_mode: Literal["faithful", "lookahead"] = "faithful"
+    concurrency: int = 256
+
+    def __post_init__(self):
+        if self.max_completion_length < 1 or self.max_model_len < 2:
+            raise ValueError("max_completion_length must be >= 1 and max_model_len >= 2")
+        if self.call_limit < 0:
+            raise ValueError(f"call_limit must be >= 0, got {self.call_limit}")
+        if self.entropy_reduce not in ("sum", "mean"):
+            raise ValueError(f"entropy_reduce must be 'sum' or 'mean', got {self.entropy_reduce!r}")
+        if self.hook_mode not in ("faithful", "lookahead"):
+            raise ValueError(f"hook_mode must be 'faithful' or 'lookahead', got {self.hook_mode!r}")
+        if "{result}" not in self.result_template:
+            raise ValueError("result_template must contain '{result}'")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [f"</{tag}>" for tag in self.tool_tags]
+
+
+@dataclasses.dataclass
+class BranchContext:
+    """What an in-loop branching hook sees after a tool result was appended to `trajectory`.
+
+    Args:
+        trajectory: the trajectory (read it, do not modify it).
+        position: where forks would start: `completion_ids[:position]` is shared. In "faithful" mode this is
+            right after the result; in "lookahead" mode it is before the `entropy_window` look-ahead tokens.
+        segment_entropy: window entropy of the segment that ended with this tool call.
+        root_entropy: window entropy of the trajectory's first segment (inherited by forks and branches).
+        lookahead_entropy: window entropy of the tokens sampled right after the result ("lookahead" mode).
+        group_size: trajectories created so far in this group (including this one).
+        target: the group's final size.
+        active: unfinished trajectories in the group (including this one).
+    """
+
+    trajectory: Trajectory
+    position: int
+    segment_entropy: float
+    root_entropy: float
+    lookahead_entropy: float | None
+    group_size: int
+    target: int
+    active: int
