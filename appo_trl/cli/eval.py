@@ -59,13 +59,7 @@ def main(argv: list[str]) -> int:
     from appo_trl.evaluation.report import print_summary
     from appo_trl.evaluation.runner import evaluate
 
-    generate = build_generator(config)
-    try:
-        report = evaluate(config, generate)
-    finally:
-        close = getattr(generate, "close", None)
-        if close is not None:
-            close()
+    report = evaluate(config, build_generator(config))
     print_summary(report)
     print(f"reports written to {config.output_dir}/report.{{json,md,png}}")
     return 0

@@ -26,6 +26,7 @@ class EvalConfig:
         ks: k values for pass@k / avg@k (k <= num_samples); None means 1, 2, 4, ... and num_samples.
         seed: base seed; every (benchmark, question, sample) gets its own seed derived from it.
         temperature, top_p, top_k: sampling (top_k -1 disables it).
+        repetition_penalty: forwarded to the vLLM server when set (ARPO's eval used 1.1).
         max_completion_length: model-generated tokens per sample, tool results excluded.
         max_model_len: prompt + completion + tool results, tokens.
         call_limit: tool calls per sample across all tools (None: 3 for math, 6 otherwise).
@@ -55,6 +56,7 @@ class EvalConfig:
     temperature: float = 0.6
     top_p: float = 0.95
     top_k: int = -1
+    repetition_penalty: float | None = None
     max_completion_length: int = 8192
     max_model_len: int = 32768
     call_limit: int | None = None

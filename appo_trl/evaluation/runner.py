@@ -133,7 +133,10 @@ def build_requests(config: EvalConfig, bench: Benchmark, examples: Iterable[Exam
 async def generate_missing(
     requests: list[Request], generate: GenerateFn, samples_path: Path, concurrency: int, show_progress: bool = True
 ) -> int:
-    """Generate the requests whose key is not in `samples_path` yet; append each result as it finishes."""
+    """Generate the requests whose key is not in `samples_path` yet; append each result as it finishes.
+
+    A `generate` with an async `aclose()` (e.g. `RolloutGenerator`) is closed when the batch ends.
+    """
     done = {record_key(r) for r in read_jsonl(samples_path)}
     todo = [r for r in requests if r.key not in done]
     if not todo:
@@ -158,6 +161,9 @@ async def generate_missing(
             await asyncio.gather(*(one(r) for r in todo))
         finally:
             bar.close()
+            aclose = getattr(generate, "aclose", None)
+            if aclose is not None:  # tools and clients are closed on the loop that opened them
+                await aclose()
     return len(todo)
 
 

@@ -1,0 +1,66 @@
+"""Evaluation through the real rollout engine and python tool, driven by a scripted Backend on the tiny
+model's tokenizer: the tool loop, stop strings, sampling parameters, call limits and the report files."""
+
+import pytest
+
+from appo_trl.evaluation import EvalConfig, evaluate
+from appo_trl.evaluation.runner import read_jsonl
+
+rollout = pytest.importorskip("appo_trl.rollout")
+if not hasattr(rollout, "RolloutEngine"):
+    pytest.skip("appo_trl.rollout.RolloutEngine has not landed yet", allow_module_level=True)
+
+from appo_trl.evaluation.inference import RolloutGenerator  # noqa: E402
+from appo_trl.rollout.types import Segment  # noqa: E402
+
+PY = "<think>add</think><python>print(1+1)</python>"
+ANSWER = "<think>done</think><answer> The final answer is \\[ \\boxed{{{}}} \\] </answer>"
+SCRIPTS = {  # question -> model segments, one per tool round
+    "What is 1+1?": [PY, ANSWER.format(2)],
+    "Half of 1?": [PY, PY, PY, PY, ANSWER.format("1/2")],  # a 4th call breaks the limit of 3
+}
+
+
+class ScriptedBackend:
+    """Implements the rollout `Backend` protocol: the next scripted segment for the conversation so far."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.params = []
+
+    async def generate(self, prompt_ids, params):
+        self.params.append(params)
+        text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        question = text.rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0]
+        done = text.rsplit("<|im_start|>assistant\n", 1)[1].count("<result>")
+        segment = SCRIPTS[question][done]
+        ids = self.tokenizer.encode(segment, add_special_tokens=False)
+        stop = next((s for s in params.stop if segment.endswith(s)), None)
+        if stop is None:
+            ids = ids + [self.tokenizer.eos_token_id]
+        top = [{i: -0.5} for i in ids] if params.logprobs else None
+        return Segment(ids, [-0.5] * len(ids), top, "stop" if stop else "eos", stop)
+
+
+def test_eval_through_rollout_engine(eval_registry, tmp_path, tiny_tokenizer):
+    reg, root = eval_registry
+    cfg = EvalConfig(benchmarks=["mathb"], registry=reg, data_root=root, output_dir=str(tmp_path / "out"),
+                     num_samples=2, model="tiny", temperature=0.7, top_p=0.9, max_completion_length=256,
+                     max_model_len=2048)  # fmt: skip
+    backend = ScriptedBackend(tiny_tokenizer)
+    report = evaluate(cfg, RolloutGenerator(cfg, backend, tiny_tokenizer), show_progress=False)
+    records = {(r["index"], r["sample"]): r for r in read_jsonl(tmp_path / "out" / "samples.jsonl")}
+    first = records[(0, 0)]
+    assert "<python>print(1+1)</python>" in first["completion"] and "<result>\n2\n</result>" in first["completion"]
+    assert [c["tag"] for c in first["tool_calls"]] == ["python"] and first["tool_calls"][0]["ok"]
+    assert not first["limit_hit"]
+    over = records[(1, 0)]
+    assert over["limit_hit"] and over["finish_reason"] == "call_limit" and len(over["tool_calls"]) == 3
+    assert all(p.stop == ["</python>"] for p in backend.params)  # math benchmarks get the python tool only
+    assert {(p.temperature, p.top_p) for p in backend.params} == {(0.7, 0.9)}
+    m = report["benchmarks"]["mathb"]
+    assert m["score"] == pytest.approx(0.5)  # q0 right twice; q1 never answers (stopped at the limit)
+    assert m["pass@k"] == pytest.approx({"1": 0.5, "2": 0.5})
+    assert m["tools_stats"]["limit_hits"] == 2 and m["tools_stats"]["calls_per_sample"] == pytest.approx((1 + 3) / 2)
+    for name in ("report.json", "report.md", "report.png"):
+        assert (tmp_path / "out" / name).exists()
