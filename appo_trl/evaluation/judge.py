@@ -85,7 +85,9 @@ class LLMJudge:
         transport: an `httpx.AsyncBaseTransport` for tests (`httpx.MockTransport`); None uses the network.
     """
 
-    def __init__(self, config: JudgeConfig, prompt: str | None = None, transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(
+        self, config: JudgeConfig, prompt: str | None = None, transport: httpx.AsyncBaseTransport | None = None
+    ):
         if not config.enabled:
             raise ValueError("LLMJudge needs `base_url` and `model`.")
         from appo_trl.evaluation.benchmarks import judge_prompt

@@ -44,8 +44,10 @@ def summarize_benchmark(bench, questions, records_by_q: dict[int, list[dict]], k
         "pass_metric": pass_metric,
         "score": _mean(r["scores"][metric] for r in flat),
         "metrics": {m: _mean(r["scores"][m] for r in flat) for m in names},
-        "pass@k": {str(k): mean_pass_at_k([(len(g), sum(r["scores"][pass_metric] >= 1.0 for r in g)) for g in groups], k)
-                   for k in ks},  # fmt: skip
+        "pass@k": {
+            str(k): mean_pass_at_k([(len(g), sum(r["scores"][pass_metric] >= 1.0 for r in g)) for g in groups], k)
+            for k in ks
+        },  # fmt: skip
         "avg@k": {str(k): avg_at_k([[r["scores"][metric] for r in g] for g in groups], k) for k in ks},
         "tools_stats": tool_stats(flat, bench.tools),
     }
@@ -63,7 +65,9 @@ def build_report(config, benches, examples, records: dict[tuple, dict], judged: 
     for (name, index, _), rec in records.items():
         by_bench.setdefault(name, {}).setdefault(index, []).append(rec)
     results = {
-        b.name: summarize_benchmark(b, [ex.index for ex in examples[b.name]], by_bench.get(b.name, {}), config.ks, judged)
+        b.name: summarize_benchmark(
+            b, [ex.index for ex in examples[b.name]], by_bench.get(b.name, {}), config.ks, judged
+        )
         for b in benches
     }
     judge = config.judge.public() if judged and config.judge.enabled else None

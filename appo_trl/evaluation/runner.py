@@ -197,7 +197,9 @@ def judge_missing(config: EvalConfig, items: list[dict[str, Any]], judgments_pat
         judge = judge or LLMJudge(config.judge)
         bar = tqdm(total=len(todo), desc="judging", unit="sample", disable=not show_progress)
         try:
-            verdicts = judge.judge([(i["question"], i["golds"], i["prediction"]) for i in todo], progress=lambda: bar.update(1))
+            verdicts = judge.judge(
+                [(i["question"], i["golds"], i["prediction"]) for i in todo], progress=lambda: bar.update(1)
+            )
         finally:
             bar.close()
         judgments_path.parent.mkdir(parents=True, exist_ok=True)

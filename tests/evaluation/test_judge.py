@@ -16,7 +16,9 @@ def reply(content):
 
 
 def make_judge(handler, **kw):
-    cfg = JudgeConfig(base_url="http://judge.test/v1", model="judge-7b", backoff_s=0.0, api_key_env="APPO_TEST_JUDGE_KEY", **kw)
+    cfg = JudgeConfig(
+        base_url="http://judge.test/v1", model="judge-7b", backoff_s=0.0, api_key_env="APPO_TEST_JUDGE_KEY", **kw
+    )
     return LLMJudge(cfg, transport=httpx.MockTransport(handler))
 
 
@@ -130,8 +132,12 @@ def test_real_http_server_with_timeout():
             if server.started:
                 break
             time.sleep(0.05)
-        cfg = JudgeConfig(base_url=f"http://127.0.0.1:{port}/v1", model="m", timeout_s=0.5, backoff_s=0.0, max_retries=1)
-        out = LLMJudge(cfg).judge([("Capital of France?", ["Paris"], "Paris"), ("Capital of Peru?", ["Lima"], "Quito")])
+        cfg = JudgeConfig(
+            base_url=f"http://127.0.0.1:{port}/v1", model="m", timeout_s=0.5, backoff_s=0.0, max_retries=1
+        )
+        out = LLMJudge(cfg).judge(
+            [("Capital of France?", ["Paris"], "Paris"), ("Capital of Peru?", ["Lima"], "Quito")]
+        )
         assert [o["correct"] for o in out] == [True, False]
         assert [o["attempts"] for o in out] == [2, 2]
     finally:

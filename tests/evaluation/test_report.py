@@ -77,8 +77,12 @@ def test_printed_summary(two_reports):
 
 
 def test_tool_params_frozen_search_cache():
-    cfg = EvalConfig(search_cache="cache.json", tool_config='{"python": {"timeout_s": 5}, "search": {"max_results": 3}}')
+    cfg = EvalConfig(
+        search_cache="cache.json", tool_config='{"python": {"timeout_s": 5}, "search": {"max_results": 3}}'
+    )
     assert cfg.tool_params(["python"]) == {"python": {"timeout_s": 5}}
-    assert cfg.tool_params(["search"]) == {"search": {"max_results": 3, "backend": "cache", "cache_path": "cache.json"}}
+    assert cfg.tool_params(["search"]) == {
+        "search": {"max_results": 3, "backend": "cache", "cache_path": "cache.json"}
+    }
     explicit = EvalConfig(search_cache="a.json", tool_config={"search": {"backend": "local", "cache_path": "b.db"}})
     assert explicit.tool_params(["search"])["search"] == {"backend": "local", "cache_path": "b.db"}

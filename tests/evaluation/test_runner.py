@@ -56,10 +56,16 @@ def test_full_eval_numbers_and_files(eval_registry, tmp_path):
     assert m["tools_stats"]["calls_per_sample"] == pytest.approx(1 / 6)
     assert m["tools_stats"]["calls_per_sample_by_tool"] == pytest.approx({"python": 1 / 6})
     assert m["tools_stats"]["limit_hits"] == 1 and m["tools_stats"]["calls_histogram"] == {"0": 5, "1": 1}
-    assert q["tools_stats"]["failed_call_share"] == 1.0 and q["tools_stats"]["share_with_tools"] == pytest.approx(1 / 6)
+    assert q["tools_stats"]["failed_call_share"] == 1.0 and q["tools_stats"]["share_with_tools"] == pytest.approx(
+        1 / 6
+    )
     # output length excludes "<result>\n2\n</result>" (20 chars) from the first math sample
     out_dir = tmp_path / "out"
-    first = next(r for r in read_jsonl(out_dir / "samples.jsonl") if (r["benchmark"], r["index"], r["sample"]) == ("mathb", 0, 0))
+    first = next(
+        r
+        for r in read_jsonl(out_dir / "samples.jsonl")
+        if (r["benchmark"], r["index"], r["sample"]) == ("mathb", 0, 0)
+    )
     assert first["completion"].count("<result>") == 1
     for name in ("samples.jsonl", "predictions.jsonl", "report.json", "report.md", "report.png"):
         assert (out_dir / name).stat().st_size > 0
