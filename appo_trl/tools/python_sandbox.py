@@ -236,6 +236,8 @@ class PythonSandbox:
         cfg = self.config
         timeout = float(timeout_s or cfg.timeout_s)
         start = time.perf_counter()
+        if self._proc is None or self._proc.poll() is not None:
+            await asyncio.to_thread(self.start)  # (re)start the zygote off the event loop
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         with self._lock:
@@ -319,9 +321,12 @@ class PythonTool:
 
     def __init__(self, config: PythonToolConfig | None = None, **kwargs: Any):
         self.config = config or PythonToolConfig(**kwargs)
+        if self.config.isolation == "namespace" and _namespace_prefix() is None:
+            raise ValueError("python.isolation='namespace' but `unshare` cannot create namespaces on this machine")
         self.sandbox = PythonSandbox(self.config)
 
     def start(self) -> None:
+        """Start the zygote now (otherwise the first call starts it)."""
         self.sandbox.start()
 
     async def call(self, text: str) -> ToolResult:
