@@ -1,0 +1,110 @@
+"""Policy-loss step of `APPOTrainer` for the loss modes TRL does not have (dual_clip, future_kl, entropy_balanced).
+
+`compute_policy_loss(trainer, model, inputs)` mirrors `GRPOTrainer._compute_loss` (spec/trl-internals.md §6.2):
+the same forward (`_get_per_token_logps_and_entropies`), the same mask (`completion_mask * tool_mask`), the same
+old-logp fallback and vLLM importance-sampling multiplication, and exactly the base normaliser of `loss_type`
+(`NORMALISERS`), so the returned loss is already scaled for gradient accumulation. Only step 8 (the per-token
+policy loss) is replaced, by `appo_trl.algorithms.losses.POLICY_LOSSES[loss_mode]`; with AEPO's
+`entropy_balanced_advantage` the advantages are first reweighted by `entropy_aware_advantage` using the
+current policy's exact entropies (computed on every step, unlike the reference).
+
+Not supported here (rejected by `APPOConfig`/`APPOTrainer`): the KL term (`beta != 0`), the entropy mask
+(`top_entropy_quantile < 1`), the entropy bonus, and sequence-level importance sampling for these modes.
+Sequences that a loss drops (`keep_mask`) contribute zero; the denominator stays TRL's global token count, so
+the gradient is identical under any split into ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _dapo(trainer, per_token, mask, inputs, train):
+    normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+    if train:
+        normalizer = normalizer * trainer.current_gradient_accumulation_steps / trainer.args.steps_per_generation
+    return (per_token * mask).sum() / normalizer
+
+
+def _grpo(trainer, per_token, mask, inputs, train):
+    loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    return loss / (trainer.current_gradient_accumulation_steps if train else 1.0)
+
+
+def _bnpo(trainer, per_token, mask, inputs, train):
+    loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    return loss / (trainer.current_gradient_accumulation_steps if train else 1.0)
+
+
+def _dr_grpo(trainer, per_token, mask, inputs, train):
+    loss = (per_token * mask).sum() / (per_token.size(0) * trainer.max_completion_length)
+    return loss / (trainer.current_gradient_accumulation_steps if train else 1.0)
+
+
+# loss_type -> normaliser, identical to GRPOTrainer._compute_loss step 10 for that loss_type
+NORMALISERS = {"dapo": _dapo, "grpo": _grpo, "bnpo": _bnpo, "dr_grpo": _dr_grpo}
+
+
+def loss_params(trainer) -> dict:
+    """Keyword parameters of `POLICY_LOSSES[loss_mode]`: TRL's resolved ε_low/ε_high plus the config's fields."""
+    args = trainer.args
+    common = {"eps_low": trainer.epsilon_low, "eps_high": trainer.epsilon_high, "clip_ratio_c": args.clip_ratio_c}
+    per_mode = {
+        "clip": {"eps_low": trainer.epsilon_low, "eps_high": trainer.epsilon_high},
+        "dual_clip": common,
+        "entropy_balanced": common,
+        "future_kl": {
+            **common,
+            "decay_rate": args.future_kl_decay_rate,
+            "future_clip_ratio": args.future_kl_clip_ratio,
+            "weight": args.future_kl_weight,
+            "clip_high_only": args.future_kl_clip_high_only,
+            "safety_threshold": args.future_kl_safety_threshold,
+        },
+    }
+    return per_mode[args.loss_mode]
+
+
+def compute_policy_loss(trainer, model, inputs) -> torch.Tensor:
+    """One micro-batch of the configured policy loss, normalised exactly like TRL's `loss_type`."""
+    from appo_trl.algorithms.losses import POLICY_LOSSES
+
+    args = trainer.args
+    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+    logps, entropies, aux_loss = trainer._get_per_token_logps_and_entropies(
+        model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
+        compute_aux_loss=trainer.aux_loss_enabled,
+    )
+    advantages = inputs["advantages"]
+    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    advantages = advantages.expand_as(logps)
+    mode = "train" if trainer.model.training else "eval"
+    metrics = trainer._metrics[mode]
+    if args.entropy_balanced_advantage:
+        from appo_trl.algorithms.advantages import entropy_aware_advantage
+
+        advantages = entropy_aware_advantage(advantages, entropies.detach(), mask, weight=args.entropy_advantage_weight)
+    old = inputs.get("old_per_token_logps")
+    old = logps.detach() if old is None else old
+    out = POLICY_LOSSES[args.loss_mode](logps, old, advantages, mask, **loss_params(trainer))
+    per_token = out.per_token_loss
+    if out.keep_mask is not None:
+        per_token = per_token * out.keep_mask
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction and "importance_sampling_ratio" in inputs:
+        per_token = per_token * inputs["importance_sampling_ratio"]
+    loss = NORMALISERS[args.loss_type](trainer, per_token, mask, inputs, mode == "train")
+    if trainer.aux_loss_enabled and aux_loss is not None:
+        ga = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
+        loss = loss + trainer.router_aux_loss_coef * aux_loss / ga
+    # metrics: same collectives on every rank, in the same order
+    msum = mask.sum().clamp(min=1.0)
+    entropy = trainer.accelerator.gather((entropies * mask).sum() / msum).nanmean().item()
+    metrics["entropy"].append(entropy)
+    for key in sorted(out.metrics):
+        value = torch.as_tensor(out.metrics[key], dtype=torch.float32, device=logps.device).reshape(())
+        metrics[f"{args.loss_mode}/{key}"].append(trainer.accelerator.gather(value).nanmean().item())
+    return loss
