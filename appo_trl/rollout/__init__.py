@@ -27,6 +27,9 @@ Public API::
 - `RolloutEngine.run(coro)`: run a coroutine from synchronous code (the engine owns one event-loop thread).
 """
 
+from appo_trl.rollout.engine import Hook, RolloutEngine, mix_seed
+from appo_trl.rollout.transformers_backend import TransformersBackend
+from appo_trl.rollout.trl_outputs import to_trl_generate_outputs
 from appo_trl.rollout.types import (
     Backend,
     BranchContext,
@@ -37,12 +40,21 @@ from appo_trl.rollout.types import (
     Trajectory,
 )
 
+from appo_trl.rollout.vllm_server import VLLMServerBackend, VLLMServerError
+
 __all__ = [
     "Backend",
     "BranchContext",
+    "Hook",
     "RolloutConfig",
+    "RolloutEngine",
     "SamplingParams",
     "Segment",
     "ToolCallRecord",
     "Trajectory",
+    "TransformersBackend",
+    "VLLMServerBackend",
+    "VLLMServerError",
+    "mix_seed",
+    "to_trl_generate_outputs",
 ]

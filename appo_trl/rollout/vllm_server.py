@@ -1,0 +1,194 @@
+"""`VLLMServerBackend`: sampling from a running `vllm serve` over HTTP (`POST /v1/completions`).
+
+Each `generate` call is one request with a single token-id prompt (`"prompt": [ids]`), `n=1`, its own seed,
+`return_token_ids` for the exact sampled ids, `logprobs` for the sampled token's logprob (plus top-k when
+asked), and the tool stop strings with `include_stop_str_in_output`. Many requests are in flight at once over
+one `httpx.AsyncClient` (vLLM batches them continuously). Connection errors, timeouts and 5xx answers are
+retried with backoff; when the retries are spent a `VLLMServerError` names the URL and the last error.
+
+What this module does not do: start the server, sync weights or reset the prefix cache. Those go through
+TRL's own `VLLMGeneration` / `VLLMClient` (NCCL), once per generation round, driven by the trainer. Start the
+server with TRL's flags, e.g.::
+
+    VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-8B --weight-transfer-config '{"backend":"nccl"}' \\
+        --logprobs-mode processed_logprobs --max-logprobs -1 --enable-prefix-caching
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+import httpx
+
+from appo_trl.rollout.types import SamplingParams, Segment
+
+RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server could not serve a request (unreachable, timing out, or answering errors)."""
+
+
+def _token_id(token: str) -> int:
+    # with `return_tokens_as_token_ids`, vLLM spells every token as "token_id:<id>"
+    return int(token.rsplit(":", 1)[1])
+
+
+def parse_choice(choice: dict[str, Any], want_top: bool) -> Segment:
+    """Build a `Segment` from one `/v1/completions` choice of vLLM 0.31 (`return_token_ids=true`)."""
+    ids = [int(t) for t in choice["token_ids"]]
+    lp = choice.get("logprobs") or {}
+    raw = lp.get("token_logprobs") or []
+    if len(raw) != len(ids):
+        raise VLLMServerError(f"server returned {len(ids)} token ids but {len(raw)} logprobs")
+    tokens = lp.get("tokens")
+    if tokens is not None and [_token_id(t) for t in tokens] != ids:
+        raise VLLMServerError("logprob tokens do not match the returned token ids")
+    logprobs = [math.nan if v is None else float(v) for v in raw]
+    top = None
+    if want_top:
+        top = []
+        for i, entry in enumerate(lp.get("top_logprobs") or [None] * len(ids)):
+            d = {_token_id(k): (math.nan if v is None else float(v)) for k, v in (entry or {}).items()}
+            d.setdefault(ids[i], logprobs[i])
+            top.append(d)
+    reason, stop_reason = choice.get("finish_reason"), choice.get("stop_reason")
+    if reason == "length":
+        return Segment(ids, logprobs, top, "length", None)
+    if reason == "stop" and isinstance(stop_reason, str):
+        return Segment(ids, logprobs, top, "stop", stop_reason)
+    if reason in ("stop", "abort", None):
+        return Segment(ids, logprobs, top, "eos", None)
+    raise VLLMServerError(f"unexpected finish_reason {reason!r}")
+
+
+class VLLMServerBackend:
+    """Backend talking to vLLM's OpenAI-compatible server.
+
+    Args:
+        base_url: server root, e.g. `"http://127.0.0.1:8000"`.
+        model: the served model id; looked up from `GET /v1/models` on first use when None.
+        max_concurrency: requests in flight at once from this backend.
+        timeout_s: per-request read timeout (a long generation must fit in it).
+        connect_timeout_s: connection timeout.
+        max_retries: retries after the first attempt for connection errors, timeouts and 5xx/429 answers.
+        backoff_s: first retry delay, doubled each retry.
+        extra_body: extra request fields (e.g. `{"repetition_penalty": 1.05}`); they override the defaults.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | None = None,
+        max_concurrency: int = 512,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        extra_body: dict[str, Any] | None = None,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.max_concurrency = max_concurrency
+        self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.extra_body = dict(extra_body or {})
+        self._clients: dict[int, tuple[httpx.AsyncClient, asyncio.Semaphore]] = {}
+        self.num_requests = 0
+        self.num_retries = 0
+
+    def _client(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
+        # one client per event loop: an AsyncClient must not be shared across loops
+        key = id(asyncio.get_running_loop())
+        if key not in self._clients:
+            limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+            client = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, limits=limits)
+            self._clients[key] = (client, asyncio.Semaphore(self.max_concurrency))
+        return self._clients[key]
+
+    async def _request(self, method: str, path: str, json: dict | None = None) -> dict:
+        client, sem = self._client()
+        last: str = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.num_retries += 1
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                async with sem:
+                    resp = await client.request(method, path, json=json)
+            except httpx.TimeoutException as exc:
+                last = f"timed out ({type(exc).__name__})"
+                continue
+            except httpx.TransportError as exc:
+                last = f"unreachable ({type(exc).__name__}: {exc})"
+                continue
+            if resp.status_code in RETRY_STATUS:
+                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                continue
+            if resp.status_code != 200:
+                raise VLLMServerError(f"vLLM server {self.base_url}{path} answered HTTP {resp.status_code}: {resp.text[:500]}")
+            return resp.json()
+        raise VLLMServerError(
+            f"vLLM server at {self.base_url}{path} failed after {self.max_retries + 1} attempts: {last}. "
+            "Is `vllm serve` running there (see the README for the command)?"
+        )
+
+    async def model_id(self) -> str:
+        if self.model is None:
+            data = await self._request("GET", "/v1/models")
+            self.model = data["data"][0]["id"]
+        return self.model
+
+    def request_body(self, prompt_ids: list[int], params: SamplingParams, model: str) -> dict[str, Any]:
+        """The exact JSON body sent for one `generate` call."""
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": [list(prompt_ids)],
+            "n": 1,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "logprobs": params.logprobs,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            "include_stop_str_in_output": True,
+        }
+        if params.stop:
+            body["stop"] = list(params.stop)
+        if params.seed is not None:
+            body["seed"] = int(params.seed) % (2**63)
+        body.update(self.extra_body)
+        return body
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Segment:
+        start = time.perf_counter()
+        body = self.request_body(prompt_ids, params, await self.model_id())
+        self.num_requests += 1
+        data = await self._request("POST", "/v1/completions", body)
+        choices = data.get("choices") or []
+        if len(choices) != 1:
+            raise VLLMServerError(f"expected 1 choice from {self.base_url}, got {len(choices)}")
+        seg = parse_choice(choices[0], want_top=params.logprobs > 0)
+        seg.latency_s = time.perf_counter() - start
+        return seg
+
+    async def health(self) -> bool:
+        """True when `GET /health` answers 200 (no retries)."""
+        client, _ = self._client()
+        try:
+            return (await client.get("/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def aclose(self) -> None:
+        key = id(asyncio.get_running_loop())
+        entry = self._clients.pop(key, None)
+        if entry is not None:
+            await entry[0].aclose()

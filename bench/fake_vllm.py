@@ -1,0 +1,251 @@
+"""A loopback stand-in for `vllm serve` (vLLM 0.31's OpenAI server) for tests and benchmarks. Not package code.
+
+`FakeVLLMServer(policy, ...)` runs FastAPI + uvicorn in a thread on 127.0.0.1 and answers, in the JSON shape
+vLLM 0.31 uses for the fields we read:
+
+- `GET /health`, `GET /v1/models`, `POST /reset_prefix_cache`;
+- `POST /v1/completions` with token-id prompts, `n`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
+  `logprobs`, `stop`, `include_stop_str_in_output`, `return_token_ids`, `return_tokens_as_token_ids`:
+  `choices[i] = {index, text, logprobs: {text_offset, token_logprobs, tokens: ["token_id:<id>"],
+  top_logprobs: [{"token_id:<id>": lp}]}, finish_reason: "stop"|"length", stop_reason: str|null,
+  prompt_logprobs, prompt_token_ids, token_ids}` plus `usage`. EOS gives `finish_reason="stop"` with
+  `stop_reason=null`; a stop string gives its text as `stop_reason`; the token that completes a stop string
+  is kept whole in `token_ids`.
+
+The policy is any `Backend` (`generate(prompt_ids, SamplingParams) -> Segment`): `ScriptedPolicy` below, or
+`appo_trl.rollout.TransformersBackend` around the tiny model. Knobs: `decode_step_s` (time per decode step of
+one sequence), `max_num_seqs` (at most K sequences decoding at once, the rest queued, as continuous batching
+on a busy GPU; None = unlimited), `extra_delay_s` (slow server), `fail_next` (answer the next N completion
+requests with HTTP 500) and `stop()` (server down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from appo_trl.rollout.text import PieceDecoder, StopMatcher
+from appo_trl.rollout.types import SamplingParams, Segment
+
+
+class ScriptedPolicy:
+    """A deterministic "model": `script(context_ids, rng) -> ids` says what it would emit next.
+
+    The emitted ids are cut like a real sampler: at the first EOS, at the token that completes a stop string,
+    or at `max_tokens`. The logprob of the token at absolute position `pos` (prompt included) is
+    `-(pos + 1) / 1000`, so a test can tell from a logprob alone which position it was sampled at. With
+    `logprobs=k`, the top logprobs hold the sampled token and `k` other ids with lower logprobs.
+
+    Args:
+        tokenizer: decodes pieces for stop matching.
+        script: `(context_ids, rng) -> list[int]`; `rng` is `random.Random(seed)` of the request.
+        delay: optional `(context_ids) -> seconds`, awaited before answering (scripted slowness).
+    """
+
+    def __init__(self, tokenizer, script: Callable[[list[int], random.Random], list[int]],
+                 delay: Callable[[list[int]], float] | None = None):  # fmt: skip
+        self.tokenizer, self.script, self.delay = tokenizer, script, delay
+        self.decoder = PieceDecoder(tokenizer)
+        self.eos_id = tokenizer.eos_token_id
+        self.requests: list[tuple[list[int], SamplingParams]] = []
+
+    @staticmethod
+    def logprob_at(pos: int) -> float:
+        return -(pos + 1) / 1000.0
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Segment:
+        self.requests.append((list(prompt_ids), params))
+        if self.delay is not None:
+            await asyncio.sleep(self.delay(prompt_ids))
+        emitted = self.script(list(prompt_ids), random.Random(params.seed))
+        matcher = StopMatcher(params.stop)
+        ids, reason, stop = [], "length", None
+        for tok in emitted[: params.max_tokens]:
+            ids.append(tok)
+            if tok == self.eos_id:
+                reason = "eos"
+                break
+            if (stop := matcher.push(self.decoder.piece(tok))) is not None:
+                reason = "stop"
+                break
+        if reason == "length" and len(ids) < params.max_tokens:
+            raise RuntimeError("script ran out of tokens before EOS, a stop string or max_tokens")
+        base = len(prompt_ids)
+        lps = [self.logprob_at(base + i) for i in range(len(ids))]
+        top = None
+        if params.logprobs > 0:
+            top = [{**{(t + j) % 50 + 3: lp - j for j in range(1, params.logprobs + 1)}, t: lp} for t, lp in zip(ids, lps)]
+        return Segment(ids, lps, top, reason, stop)
+
+
+class FakeVLLMServer:
+    """vLLM-0.31-compatible `/v1/completions` on 127.0.0.1 in a background thread (use as a context manager).
+
+    Args:
+        policy: a `Backend` producing the segments.
+        tokenizer: renders `text` fields (optional; empty text without it).
+        model_name: the id served by `/v1/models`.
+        decode_step_s: seconds per decode step of one sequence (a segment of L tokens takes L steps).
+        max_num_seqs: sequences decoding at once (None: unlimited); further requests queue.
+        extra_delay_s: added to every completion request (a slow server).
+        fail_next: the next N completion requests answer HTTP 500.
+    """
+
+    def __init__(self, policy, tokenizer=None, *, model_name: str = "fake-model", decode_step_s: float = 0.0,
+                 max_num_seqs: int | None = None, extra_delay_s: float = 0.0, fail_next: int = 0):  # fmt: skip
+        self.policy, self.tokenizer, self.model_name = policy, tokenizer, model_name
+        self.decode_step_s, self.max_num_seqs = decode_step_s, max_num_seqs
+        self.extra_delay_s, self.fail_next = extra_delay_s, fail_next
+        self.bodies: list[dict[str, Any]] = []
+        self.num_resets = 0
+        self.max_running = 0
+        self._running = 0
+        self._sem: asyncio.Semaphore | None = None
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+        self.app = self._build_app()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            return JSONResponse({})
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "vllm",
+                                                "max_model_len": 32768}]}  # fmt: skip
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache():
+            self.num_resets += 1
+            return JSONResponse({})
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            body = await request.json()
+            self.bodies.append(body)
+            if self.fail_next > 0:
+                self.fail_next -= 1
+                return JSONResponse({"error": {"message": "injected failure", "code": 500}}, status_code=500)
+            if self.extra_delay_s:
+                await asyncio.sleep(self.extra_delay_s)
+            return await self._complete(body)
+
+        return app
+
+    async def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        prompts = body["prompt"]
+        if prompts and isinstance(prompts[0], int):
+            prompts = [prompts]
+        n, want = int(body.get("n", 1)), body.get("logprobs")
+        choices, completion_tokens = [], 0
+        for p_idx, prompt in enumerate(prompts):
+            for j in range(n):
+                seed = body.get("seed")
+                params = SamplingParams(
+                    max_tokens=int(body.get("max_tokens") or 16), temperature=float(body.get("temperature", 1.0)),
+                    top_p=float(body.get("top_p", 1.0)), top_k=int(body.get("top_k", -1) or -1),
+                    seed=None if seed is None else int(seed) + j, stop=list(body.get("stop") or []),
+                    logprobs=int(want or 0),
+                )  # fmt: skip
+                seg = await self._decode(list(prompt), params)
+                completion_tokens += len(seg.token_ids)
+                choices.append(self._choice(len(choices), list(prompt), seg, want, body))
+        n_prompt = sum(len(p) for p in prompts)
+        return {
+            "id": f"cmpl-{random.getrandbits(64):016x}", "object": "text_completion", "created": int(time.time()),
+            "model": body.get("model", self.model_name), "choices": choices, "service_tier": None,
+            "system_fingerprint": None,
+            "usage": {"prompt_tokens": n_prompt, "total_tokens": n_prompt + completion_tokens,
+                      "completion_tokens": completion_tokens, "prompt_tokens_details": None},
+            "kv_transfer_params": None,
+        }  # fmt: skip
+
+    async def _decode(self, prompt: list[int], params: SamplingParams) -> Segment:
+        if self._sem is None and self.max_num_seqs:
+            self._sem = asyncio.Semaphore(self.max_num_seqs)
+        seg = await self.policy.generate(prompt, params)
+        if self.decode_step_s:
+            if self._sem is not None:
+                async with self._sem:
+                    await self._hold(len(seg.token_ids))
+            else:
+                await self._hold(len(seg.token_ids))
+        return seg
+
+    async def _hold(self, steps: int) -> None:
+        self._running += 1
+        self.max_running = max(self.max_running, self._running)
+        try:
+            await asyncio.sleep(steps * self.decode_step_s)
+        finally:
+            self._running -= 1
+
+    def _choice(self, index: int, prompt: list[int], seg: Segment, want, body) -> dict[str, Any]:
+        pieces = [self.tokenizer.decode([t], skip_special_tokens=False) for t in seg.token_ids] if self.tokenizer else []
+        text = "".join(pieces)
+        if seg.stop_str and not body.get("include_stop_str_in_output", False):
+            text = text[: text.find(seg.stop_str)]
+        elif seg.stop_str:
+            text = text[: text.find(seg.stop_str) + len(seg.stop_str)]
+        logprobs = None
+        if want is not None:
+            offsets, pos = [], 0
+            for piece in pieces or [""] * len(seg.token_ids):
+                offsets.append(pos)
+                pos += len(piece)
+            tops = seg.top_logprobs or [{t: lp} for t, lp in zip(seg.token_ids, seg.logprobs)]
+            logprobs = {
+                "text_offset": offsets,
+                "token_logprobs": list(seg.logprobs),
+                "tokens": [f"token_id:{t}" for t in seg.token_ids],
+                "top_logprobs": [{f"token_id:{k}": v for k, v in d.items()} for d in tops],
+            }
+        return {
+            "index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": "length" if seg.finish_reason == "length" else "stop",
+            "stop_reason": seg.stop_str if seg.finish_reason == "stop" else None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": prompt if body.get("return_token_ids") else None,
+            "token_ids": list(seg.token_ids) if body.get("return_token_ids") else None,
+        }  # fmt: skip
+
+    def start(self) -> FakeVLLMServer:
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="error", access_log=False,
+                                lifespan="off", timeout_keep_alive=30)  # fmt: skip
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="fake-vllm", daemon=True)
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("fake vLLM server failed to start")
+            time.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+            self._server = None
+
+    def __enter__(self) -> FakeVLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
