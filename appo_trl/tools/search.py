@@ -123,6 +123,29 @@ class SearchBackend(Protocol):
     async def aclose(self) -> None: ...
 
 
+class _LoopClients:
+    """One `httpx.AsyncClient` per event loop: a client's connections belong to the loop that opened them, and
+    callers (evaluation, the CLI) may run the same tool under successive `asyncio.run` calls."""
+
+    def __init__(self, **kwargs: Any):
+        self.kwargs = kwargs
+        self.clients: dict[int, tuple[asyncio.AbstractEventLoop, httpx.AsyncClient]] = {}
+
+    def get(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        entry = self.clients.get(id(loop))
+        if entry is None or entry[0] is not loop:
+            entry = self.clients[id(loop)] = (loop, httpx.AsyncClient(**self.kwargs))
+        return entry[1]
+
+    async def aclose(self) -> None:
+        loop = asyncio.get_running_loop()
+        for key, (owner, client) in list(self.clients.items()):
+            if owner is loop:
+                await client.aclose()
+            del self.clients[key]
+
+
 def _document_text(doc: Any) -> str:
     """Search-R1 documents carry `contents` ('"Title"\\ntext'); other corpora `title` + `text`."""
     if isinstance(doc, str):
@@ -142,7 +165,7 @@ class LocalRetrieverBackend:
 
     def __init__(self, config: SearchToolConfig):
         self.config = config
-        self._client = httpx.AsyncClient(timeout=config.timeout_s, trust_env=False)
+        self._clients = _LoopClients(timeout=config.timeout_s, trust_env=False)
         self._queue: list[tuple[str, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
 
@@ -170,7 +193,7 @@ class LocalRetrieverBackend:
     async def _post(self, queries: list[str]) -> list[list[str]]:
         body = {"queries": queries, "topk": self.config.max_results, "return_scores": True}
         try:
-            resp = await self._client.post(self.config.url, json=body)
+            resp = await self._clients.get().post(self.config.url, json=body)
         except httpx.TimeoutException:
             raise BackendError(f"retriever timed out after {self.config.timeout_s:g}s", transient=True) from None
         except httpx.TransportError as exc:
@@ -187,26 +210,23 @@ class LocalRetrieverBackend:
             raise BackendError(f"malformed retriever reply ({exc})") from None
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._clients.aclose()
 
 
 class _RateLimiter:
-    """Token bucket: at most `rate` acquisitions per second on average (bursts of up to `rate`)."""
+    """Token bucket without a lock: each caller reserves the next free slot (`rate` per second, bursts of up to
+    `rate`) synchronously, then sleeps until it; safe on any event loop, FIFO among callers."""
 
     def __init__(self, rate: float):
-        self.rate, self.tokens, self.updated = rate, rate, time.monotonic()
-        self._lock = asyncio.Lock()
+        self.rate = rate
+        self.next_slot = 0.0
 
     async def acquire(self) -> None:
-        async with self._lock:
-            while True:
-                now = time.monotonic()
-                self.tokens = min(self.rate, self.tokens + (now - self.updated) * self.rate)
-                self.updated = now
-                if self.tokens >= 1:
-                    self.tokens -= 1
-                    return
-                await asyncio.sleep((1 - self.tokens) / self.rate)
+        now = time.monotonic()
+        slot = max(self.next_slot, now - (self.rate - 1) / self.rate)
+        self.next_slot = slot + 1 / self.rate
+        if slot > now:
+            await asyncio.sleep(slot - now)
 
 
 class WebSearchBackend:
@@ -222,7 +242,8 @@ class WebSearchBackend:
         missing = [name for name, v in ((config.api_key_env, self._key), (config.zone_env, self._zone)) if not v]
         if missing:
             raise ValueError(f"search.backend='web' needs the environment variable(s) {', '.join(missing)}")
-        self._client = client or httpx.AsyncClient(timeout=config.timeout_s)
+        self._client = client  # injected (tests); otherwise one client per event loop
+        self._clients = _LoopClients(timeout=config.timeout_s)
         self._limiter = _RateLimiter(config.rate_limit_per_s)
 
     def __repr__(self) -> str:  # never show the key
@@ -240,7 +261,8 @@ class WebSearchBackend:
         await self._limiter.acquire()
         headers = {"Authorization": f"Bearer {self._key}", "Content-Type": "application/json"}
         try:
-            resp = await self._client.post(self.endpoint, json=self.request_body(query), headers=headers)
+            client = self._client or self._clients.get()
+            resp = await client.post(self.endpoint, json=self.request_body(query), headers=headers)
         except httpx.TimeoutException:
             raise BackendError(f"web search timed out after {self.config.timeout_s:g}s", transient=True) from None
         except httpx.TransportError as exc:
@@ -258,7 +280,9 @@ class WebSearchBackend:
         return text.replace(self._key, "***") if self._key else text
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        if self._client is not None:
+            await self._client.aclose()
+        await self._clients.aclose()
 
 
 class CacheOnlyBackend:

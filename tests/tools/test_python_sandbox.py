@@ -211,3 +211,37 @@ def test_bad_config_fails_early():
         PythonToolConfig(timeout_s=0)
     with pytest.raises(ValueError, match="isolation"):
         PythonToolConfig(isolation="docker")
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in os.listdir(f"/proc/{p}/task") if os.path.exists(f"/proc/{p}/task") else []:
+            try:
+                with open(f"/proc/{p}/task/{task}/children") as fh:
+                    kids = [int(k) for k in fh.read().split()]
+            except OSError:
+                kids = []
+            out += kids
+            todo += kids
+    return out
+
+
+def test_close_leaves_no_process_behind():
+    """Host-side view: closing the sandbox mid-call removes the zygote and every process of the call."""
+    t = PythonTool(PythonToolConfig(timeout_s=30, preload=("math",)))
+    t.start()
+    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('x', flush=True)\ntime.sleep(60)"
+
+    async def go():
+        task = asyncio.ensure_future(t.call(code))
+        while len(_descendants(t.sandbox.zygote_pid)) < 3:  # zygote, the call, its setsid child
+            await asyncio.sleep(0.05)
+        pids = [t.sandbox.zygote_pid, *_descendants(t.sandbox.zygote_pid)]
+        await t.aclose()
+        return pids, await task
+
+    pids, result = asyncio.run(go())
+    assert not result.ok
+    assert [p for p in pids if os.path.exists(f"/proc/{p}")] == []

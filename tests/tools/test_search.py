@@ -277,3 +277,58 @@ def test_cache_backend_replays_arpo_json(arpo_data_dir):
 def test_bad_backend_name_suggests():
     with pytest.raises(ValueError, match="Did you mean 'local'"):
         SearchToolConfig(backend="locale")
+
+
+def test_same_tool_across_event_loops(corpus_file, loopback, tmp_path):
+    # evaluation code may call asyncio.run once per batch with one tool: clients must not outlive their loop
+    with loopback(create_app(BM25Index(corpus_file))) as base:
+        tool = SearchTool(backend="local", url=f"{base}/retrieve", cache=False)
+        first = asyncio.run(tool.call("capital of France"))
+        second = asyncio.run(tool.call("capital of Germany"))
+        asyncio.run(tool.aclose())
+    assert first.ok and second.ok and "Berlin" in second.text
+
+
+def test_appo_serve_search_and_appo_tool_search_offline(corpus_file, tmp_path):
+    """The offline path end to end: `appo serve-search` in its own process, `appo tool search` against it."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "appo_trl.cli", "serve-search", "--corpus", corpus_file, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert any("4 documents, index built" in line for line in iter(server.stdout.readline, ""))
+        url = f"http://127.0.0.1:{port}"
+        while True:
+            try:
+                if httpx.get(f"{url}/health", trust_env=False).json()["documents"] == 4:
+                    break
+            except httpx.TransportError:
+                assert server.poll() is None, "appo serve-search died"
+                time.sleep(0.05)
+        cache = str(tmp_path / "cache.sqlite")
+        cmd = [sys.executable, "-m", "appo_trl.cli", "tool", "search", "highest mountain", "--url", f"{url}/retrieve"]
+        done = subprocess.run([*cmd, "--cache-path", cache], capture_output=True, text=True, timeout=60)
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        assert done.returncode == 0 and out["ok"] and out["text"].startswith("Page 1: Mount Everest")
+    finally:
+        server.terminate()
+        server.wait(30)
+    # the server is gone: the same query now replays from the cache, fully offline
+    done = subprocess.run(
+        [sys.executable, "-m", "appo_trl.cli", "tool", "search", "HIGHEST mountain", "--backend", "cache",
+         "--cache-path", cache],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    replay = json.loads(done.stdout)
+    assert replay["ok"] and replay["meta"]["cache_hit"] and replay["text"] == out["text"]
