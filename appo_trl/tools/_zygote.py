@@ -55,7 +55,7 @@ def _rewrite(code):
     return compile(tree, FILENAME, "exec")
 
 
-def _child(req, out_w, err_w, base_dir, drop_to_nobody):
+def _child(req, out_w, err_w, drop_to_nobody):
     """Runs in the forked child; never returns."""
     code = 1
     try:
@@ -279,7 +279,7 @@ class Zygote:
         err_r, err_w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _child(req, out_w, err_w, self.base_dir, self.drop_to_nobody)
+            _child(req, out_w, err_w, self.drop_to_nobody)
         os.close(out_w)
         os.close(err_w)
         call = Call(req, pid, out_r, err_r, workdir)

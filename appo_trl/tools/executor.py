@@ -38,15 +38,17 @@ class ToolExecutor:
         self.tools = dict(tools)
         self.max_workers = max_workers
         self.timeout_s = timeout_s
-        self._semaphores: dict[int, asyncio.Semaphore] = {}
+        self._semaphores: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Semaphore]] = {}
         self.reset_metrics()
 
     def _semaphore(self) -> asyncio.Semaphore:
+        """The bound for the running loop (callers may use successive `asyncio.run` loops)."""
         loop = asyncio.get_running_loop()
-        sem = self._semaphores.get(id(loop))
-        if sem is None:
-            sem = self._semaphores[id(loop)] = asyncio.Semaphore(self.max_workers)
-        return sem
+        entry = self._semaphores.get(id(loop))
+        if entry is None or entry[0] is not loop:  # a new loop (ids of closed loops get reused)
+            self._semaphores = {k: v for k, v in self._semaphores.items() if not v[0].is_closed()}
+            entry = self._semaphores[id(loop)] = (loop, asyncio.Semaphore(self.max_workers))
+        return entry[1]
 
     async def execute(self, tag: str, text: str) -> ToolResult:
         tool = self.tools.get(tag)

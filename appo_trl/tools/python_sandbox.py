@@ -298,7 +298,10 @@ class PythonSandbox:
         if reply["signal"] is not None:
             import signal as _signal
 
-            name = _signal.Signals(reply["signal"]).name if reply["signal"] in iter(_signal.Signals) else "?"
+            try:
+                name = _signal.Signals(reply["signal"]).name
+            except ValueError:
+                name = f"signal {reply['signal']}"
             detail = {"SIGXCPU": "CPU time limit exceeded", "SIGSEGV": "crashed (stack overflow or bad memory)"}
             message = f"Process killed by {name}: {detail.get(name, 'terminated')}."
             body = stderr or stdout

@@ -136,3 +136,14 @@ def test_cli_serve_search_build_only(corpus_file, capsys):
     assert "4 documents, index built" in capsys.readouterr().out
     assert main(["serve-search", "--corpus", corpus_file, "--build-only"]) == 0
     assert "index reused" in capsys.readouterr().out
+
+
+def test_executor_survives_successive_event_loops():
+    tool = SleepyTool()
+    ex = ToolExecutor({"sleepy": tool}, max_workers=1)
+    async def batch():
+        return await asyncio.gather(*(ex.execute("sleepy", "0.01") for _ in range(3)))
+
+    for _ in range(3):  # evaluation may call asyncio.run once per batch
+        assert all(r.ok for r in asyncio.run(batch()))
+    assert ex.metrics()["tools/sleepy/calls"] == 9 and tool.peak == 1
