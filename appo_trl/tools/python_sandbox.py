@@ -3,8 +3,9 @@
 How it works. One pre-warmed interpreter (the "zygote", `appo_trl/tools/_zygote.py`) is started once with a
 scrubbed environment (no inherited variables: API keys, tokens and proxies never reach it) and with common
 modules already imported (`numpy`, `sympy`, `math`, ...). Every call forks one *fresh* child from it, so state
-never leaks from one `<python>` block to the next, while the start-up cost (~1 ms instead of ~30-300 ms for a
-cold `python -c`) is paid once. Each child:
+never leaks from one `<python>` block to the next, while the interpreter start-up is paid once: a call costs
+~8 ms end to end (fork, limits, run, reap) where a cold `python -c` costs ~25 ms, or ~95 ms with a numpy import
+(docs/benchmarks.md, "Tools"). Each child:
 
 - runs in its own session / process group, in its own temporary working directory (also its HOME and TMPDIR),
   removed after the call;
