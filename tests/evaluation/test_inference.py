@@ -64,3 +64,25 @@ def test_eval_through_rollout_engine(eval_registry, tmp_path, tiny_tokenizer):
     assert m["tools_stats"]["limit_hits"] == 2 and m["tools_stats"]["calls_per_sample"] == pytest.approx((1 + 3) / 2)
     for name in ("report.json", "report.md", "report.png"):
         assert (tmp_path / "out" / name).exists()
+
+
+def test_appo_eval_cli_tiny_model_transformers_backend(eval_registry, tmp_path, tiny_model_path):
+    """`appo eval` end to end: the tiny random model in-process, real tool loop, report files, then resume."""
+    import json
+
+    from appo_trl.cli import main as appo
+
+    reg, root = eval_registry
+    out = tmp_path / "cli"
+    argv = ["eval", "--registry", reg, "--data_root", root, "--benchmarks", "mathb", "qab", "--model", tiny_model_path,
+            "--backend", "transformers", "--prompt", "plain", "--num_samples", "2", "--max_completion_length", "12",
+            "--max_model_len", "1024", "--search_cache", str(tmp_path / "empty.json"), "--output_dir", str(out)]  # fmt: skip
+    (tmp_path / "empty.json").write_text("{}")
+    assert appo(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [b["questions"] * b["samples_per_question"] for b in report["benchmarks"].values()] == [4, 4]
+    assert report["config"]["backend"] == "transformers" and report["model"] == tiny_model_path
+    lines = (out / "samples.jsonl").read_text().splitlines()
+    assert len(lines) == 8 and all(json.loads(x)["completion_tokens"] <= 12 for x in lines)
+    assert appo(argv) == 0  # resumed: nothing left to generate
+    assert (out / "samples.jsonl").read_text().splitlines() == lines
