@@ -16,6 +16,8 @@ What this module does not do: tokenise prompts, gather across ranks, log, or com
 
 from __future__ import annotations
 
+import math
+import random
 import string
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,58 +78,121 @@ class GRPOStrategy(RolloutStrategy):
         return RoundBatch(groups=groups, keep=[True] * (len(groups) * n))
 
 
-class ARPOStrategy(RolloutStrategy):
-    """ARPO: in-loop branching after tool results with P = clip(τ + β·ΔH); the engine refills groups to n.
+class BranchHook:
+    """ARPO / AEPO in-loop branching rule, called by the engine after every tool result (`hook(ctx) -> copies`).
 
-    The branching decision is the engine's `hook` contract (rollout layer); this strategy passes the configured
-    hook and reports the branch statistics of the returned trajectories.
+    P = clip(τ + β·(H_t − H_root)) with H_t the entropy of the tokens sampled right *after* the current result
+    (`lookahead` timing; `faithful` uses the segment before the call, as the reference's lagged code) and
+    H_root the trajectory's own root entropy (inherited by its branches; no stale per-prompt dictionary).
+    AEPO multiplies P by the consecutive-branch penalty max(0, 1 − penalty·l), l = consecutive fork points on
+    this trajectory's lineage that forked. Up to `beam_size − 1` Bernoulli copies per call; the engine caps
+    groups at n and refills them. Draws are seeded per (round, trajectory, position), not by call order.
     """
 
+    def __init__(self, args, seed: int, penalty: bool):
+        self.args, self.seed, self.penalty = args, seed, penalty
+        self.consecutive: dict[str, int] = {}
+        self.calls = self.copies = 0
+        self.prob_sum = 0.0
+
+    def __call__(self, ctx) -> int:
+        from appo_trl.algorithms.arpo import aepo_consecutive_penalty, arpo_branch_probability, sample_branch_copies
+        from appo_trl.rollout import mix_seed
+
+        a, traj = self.args, ctx.trajectory
+        h_now = ctx.lookahead_entropy if ctx.lookahead_entropy is not None else ctx.segment_entropy
+        prob = arpo_branch_probability(h_now, ctx.root_entropy, base=a.branch_probability, weight=a.entropy_weight)
+        run = self.consecutive.get(traj.uid, self.consecutive.get(traj.parent, 0))
+        if self.penalty:
+            prob = aepo_consecutive_penalty(prob, run, penalty=a.branch_penalty)
+        rng = random.Random(mix_seed(self.seed, traj.meta.get("seed", 0), ctx.position))
+        copies = int(sample_branch_copies(prob, a.beam_size - 1, rng))
+        self.consecutive[traj.uid] = run + 1 if copies else 0
+        self.calls, self.copies, self.prob_sum = self.calls + 1, self.copies + copies, self.prob_sum + float(prob)
+        return copies
+
+
+class ARPOStrategy(RolloutStrategy):
+    """ARPO: N roots per prompt, in-loop branching after tool results, groups refilled to exactly n."""
+
     name = "arpo"
-    metric_keys = ("branch/points_per_prompt", "branch/depth_mean", "branch/initial_per_prompt")
+    penalty = False
+    metric_keys = ("branch/points_per_prompt", "branch/initial_per_prompt", "branch/depth_mean",
+                   "branch/probability_mean", "branch/refill_per_prompt")
 
-    def make_hook(self):
-        from appo_trl.rollout import ARPOBranchHook  # rollout layer: ARPO / AEPO in-loop branching rule
-
-        a = self.args
-        return ARPOBranchHook(
-            beam_size=a.beam_size, branch_probability=a.branch_probability, entropy_weight=a.entropy_weight,
-            entropy_tokens=a.entropy_tokens, entropy_topk=a.entropy_topk, timing=a.arpo_entropy_timing,
-            branch_penalty=0.0, initial_rollouts=a.initial_rollouts,
-        )
+    def initial_counts(self, prompt_ids, n, seed) -> tuple[list[int], list[list[Any]]]:
+        """Roots per prompt and trajectories already sampled for each group (none for ARPO)."""
+        return [self.args.initial_rollouts] * len(prompt_ids), [[] for _ in prompt_ids]
 
     def generate(self, prompt_ids, n, seed):
-        groups = self.engine.run(self.engine.rollout(prompt_ids, n, seed=seed, hook=self.make_hook()))
+        counts, kept = self.initial_counts(prompt_ids, n, seed)
+        hook = BranchHook(self.args, seed, self.penalty)
+        sizes = [n - len(k) for k in kept]
+        groups = self.engine.run(self.engine.rollout(prompt_ids, counts, seed=seed, hook=hook, group_size=sizes))
+        groups = [list(k) + list(g) for k, g in zip(kept, groups)]
         rows = [t for g in groups for t in g]
-        branched = [t for t in rows if t.parent is not None]
+        origin = [t.meta.get("origin", "root") for t in rows]
         metrics = {
-            "branch/points_per_prompt": len(branched) / max(len(groups), 1),
-            "branch/depth_mean": sum(_depth(t) for t in rows) / max(len(rows), 1),
-            "branch/initial_per_prompt": (len(rows) - len(branched)) / max(len(groups), 1),
+            "branch/points_per_prompt": origin.count("fork") / len(groups),
+            "branch/initial_per_prompt": sum(counts) / len(groups) + sum(len(k) for k in kept) / len(groups),
+            "branch/depth_mean": sum(_depth(t, rows) for t in rows) / len(rows),
+            "branch/probability_mean": hook.prob_sum / hook.calls if hook.calls else math.nan,
+            "branch/refill_per_prompt": origin.count("refill") / len(groups),
         }
         return RoundBatch(groups=groups, keep=[True] * len(rows), metrics=metrics)
 
 
 class AEPOStrategy(ARPOStrategy):
-    """AEPO: ARPO's loop with the consecutive-branch penalty and (optionally) a dynamic initial budget."""
+    """AEPO: ARPO's loop with the consecutive-branch penalty and an optional dynamic initial budget.
+
+    `dynamic_rollouts_source="probe"` (reference): one extra full rollout per prompt measures H_root and the
+    mean segment entropy H_tool, then is discarded. `"reuse"`: the same first rollout is kept as a group member
+    (no extra sampling) and the remaining roots and branches fill the other n − 1 slots.
+    """
 
     name = "aepo"
+    penalty = True
 
-    def make_hook(self):
-        from appo_trl.rollout import ARPOBranchHook
-
+    def initial_counts(self, prompt_ids, n, seed):
         a = self.args
-        return ARPOBranchHook(
-            beam_size=a.beam_size, branch_probability=a.branch_probability, entropy_weight=a.entropy_weight,
-            entropy_tokens=a.entropy_tokens, entropy_topk=a.entropy_topk, timing=a.arpo_entropy_timing,
-            branch_penalty=a.branch_penalty, initial_rollouts=a.initial_rollouts,
-            dynamic_rollouts=a.dynamic_rollouts, dynamic_source=a.dynamic_rollouts_source,
-            initial_entropy_tokens=a.initial_entropy_tokens,
-        )
+        if not a.dynamic_rollouts:
+            return super().initial_counts(prompt_ids, n, seed)
+        from appo_trl.algorithms.arpo import aepo_initial_rollouts
+        from appo_trl.rollout.text import window_entropy
+
+        probes = self.engine.run(self.engine.rollout(prompt_ids, 1, seed=seed + 7919))
+        cfg = self.engine.config
+        norm = math.log(len(self.trainer.processing_class_tokenizer)) if cfg.entropy_normalize else 1.0
+        counts, kept = [], []
+        for (probe,) in probes:
+            ents = probe.entropies or []
+            starts = [0] + [c.end for c in probe.tool_calls]
+            seg = [window_entropy(ents[s:], cfg.entropy_window, cfg.entropy_reduce, norm) for s in starts if s < len(ents)]
+            h_tool = sum(seg) / len(seg) if seg else math.nan
+            h_root = probe.meta.get("root_entropy", math.nan)
+            if math.isnan(h_root) or math.isnan(h_tool):  # no entropies recorded: the configured budget
+                k = a.initial_rollouts
+            else:
+                k = int(aepo_initial_rollouts(h_root, h_tool, n))
+            if a.dynamic_rollouts_source == "reuse" and n > 1:
+                counts.append(min(max(k - 1, 1), n - 1))
+                kept.append([probe])
+            else:
+                counts.append(min(max(k, 1), n))
+                kept.append([])
+        return counts, kept
 
 
-def _depth(traj) -> int:
-    return int((getattr(traj, "meta", None) or {}).get("depth", 0 if traj.parent is None else 1))
+def _depth(traj, rows) -> int:
+    """Fork depth: 0 for a root, 1 + the parent's depth for a fork (parents looked up among `rows` by uid)."""
+    by_uid = {t.uid: t for t in rows}
+    depth, cur = 0, traj
+    while cur.parent is not None and depth < 64:
+        depth += 1
+        if cur.parent not in by_uid:
+            break
+        cur = by_uid[cur.parent]
+    return depth
 
 
 def excluded_token_mask(tokenizer) -> torch.Tensor:
@@ -190,9 +255,7 @@ class APPOStrategy(RolloutStrategy):
             points.append(pts)
             requests += [(init[g][p.row], p.position) for p in pts]
         branches = self.engine.run(
-            self.engine.branch_many(
-                [dict(parent=par, position=pos, resample=a.resample_selected_token) for par, pos in requests], seed=seed + 1
-            )
+            self.engine.branch_many(requests, seed=seed + 1, resample=a.resample_selected_token)
         )
         groups, k = [], 0
         for g, pts in enumerate(points):

@@ -49,24 +49,37 @@ def resolve_reward_funcs(reward_funcs):
 
 
 def build_rollout_engine(trainer):
-    """The rollout engine the config asks for: tools from `tools`/`tool_config`, backend from `use_vllm`."""
+    """The rollout engine the config asks for: tools from `tools`/`tool_config`, backend from `use_vllm`.
+
+    `use_vllm=True` (server mode; colocate is rejected by `APPOConfig`) samples through vLLM's HTTP server at
+    `vllm_server_base_url` (or host:port); otherwise the policy samples in-process (`TransformersBackend`).
+    """
     from appo_trl.rollout import RolloutConfig, RolloutEngine, TransformersBackend, VLLMServerBackend
     from appo_trl.tools import ToolExecutor, build_tools
 
     args = trainer.args
     tool_config = json.loads(args.tool_config) if isinstance(args.tool_config, str) else args.tool_config
-    executor = ToolExecutor(build_tools(args.tools, tool_config or {}), max_workers=args.rollout_concurrency)
+    tools = build_tools(args.tools, tool_config or {})
     if args.use_vllm:
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        backend = VLLMServerBackend(base_url)
+        backend = VLLMServerBackend(base_url, max_concurrency=args.rollout_concurrency)
     else:
-        backend = TransformersBackend(trainer.accelerator.unwrap_model(trainer.model), trainer._tokenizer)
+        backend = TransformersBackend(trainer.model, trainer._tokenizer, accelerator=trainer.accelerator)
     config = RolloutConfig(
-        max_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k if args.top_k is not None else -1, logprobs=args.entropy_topk,
-        tool_call_limit=args.tool_call_limit, concurrency=args.rollout_concurrency,
+        max_completion_length=args.max_completion_length,
+        call_limit=args.tool_call_limit,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k if args.top_k else -1,
+        tool_tags=list(tools) or ["python", "search"],
+        entropy_topk=args.entropy_topk,
+        entropy_window=args.entropy_tokens,
+        record_entropies=(args.rollout_strategy == "appo" and args.branch_entropy_source == "sampler_topk")
+        or (args.rollout_strategy == "aepo" and args.dynamic_rollouts),
+        hook_mode=args.arpo_entropy_timing,
+        concurrency=args.rollout_concurrency,
     )
-    return RolloutEngine(backend, trainer._tokenizer, config, executor)
+    return RolloutEngine(backend, trainer._tokenizer, config, ToolExecutor(tools, max_workers=args.rollout_concurrency))
 
 
 class APPOTrainer(GRPOTrainer):
@@ -150,7 +163,7 @@ class APPOTrainer(GRPOTrainer):
             completions = texts
         extra_fields = {
             "num_tool_calls": [int(t.num_calls) for t in rows],
-            "branch_parent": [-1 if t.parent is None else 0 for t in rows],
+            "branch_origin": [str(t.meta.get("origin", "root")) for t in rows],
             "branch_pos": [-1 if t.branch_pos is None else int(t.branch_pos) for t in rows],
         }
         self._log_round(mode, strategy, batch, [list(t.prompt_ids) for t in rows], completion_ids, tool_mask)

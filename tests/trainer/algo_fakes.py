@@ -107,7 +107,28 @@ def _clip(logps, old, adv, mask, *, eps_low, eps_high, **_):
 
 POLICY_LOSSES = {"clip": _clip, "dual_clip": _clip, "future_kl": _clip, "entropy_balanced": _clip}
 
+def arpo_branch_probability(entropy, root_entropy, *, base, weight):
+    delta = 0.0 if entropy != entropy or root_entropy != root_entropy else entropy - root_entropy
+    return min(max(base + weight * delta, 0.0), 1.0)
+
+
+def aepo_consecutive_penalty(prob, consecutive, *, penalty):
+    return prob * max(0.0, 1.0 - penalty * consecutive)
+
+
+def sample_branch_copies(prob, max_copies, rng):
+    return sum(rng.random() < prob for _ in range(max_copies))
+
+
+def aepo_initial_rollouts(root_entropy, tool_entropy, n):
+    import math
+
+    return min(max(int(n / (1 + math.exp(-0.5 * (root_entropy - tool_entropy)))) + 1, 1), n)
+
+
 _MODULES = {
+    "arpo": dict(arpo_branch_probability=arpo_branch_probability, aepo_consecutive_penalty=aepo_consecutive_penalty,
+                 sample_branch_copies=sample_branch_copies, aepo_initial_rollouts=aepo_initial_rollouts),
     "branching": dict(BranchPoint=BranchPoint, future_value=future_value, candidate_mask=candidate_mask,
                       branch_scores=branch_scores, select_branch_points=select_branch_points),
     "advantages": dict(appo_dual_group_advantages=appo_dual_group_advantages,

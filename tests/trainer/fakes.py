@@ -65,12 +65,11 @@ class ScriptedEngine:
         self.initial += [t for g in groups for t in g]
         return groups
 
-    async def branch_many(self, requests, *, seed):
+    async def branch_many(self, requests, *, seed, resample=True):
         out = []
-        for r in requests:
-            self.branch_requests.append(r)
-            parent, pos = r["parent"], r["position"]
-            cut = pos if r.get("resample") else pos + 1
+        for parent, pos in requests:
+            self.branch_requests.append((parent, pos, resample))
+            cut = pos if resample else pos + 1
             prefix = [(parent.completion_ids[:cut], None)]
             cont = self._ids("<answer> 1 </answer>") + [self.tok.convert_tokens_to_ids("<|im_end|>")]
             t = self._traj(parent.prompt_ids, [(cont, 1)], num_calls=parent.num_calls, parent=parent, branch_pos=pos)
