@@ -27,11 +27,15 @@ def same(a: list[float], b: list[float]) -> bool:
 
 
 def by_results(tok, turns):
-    """Script: the k-th turn once the context holds k `</result>` tokens."""
+    """Script: the k-th turn once the context holds k `</result>` tokens (its rest when partly sampled)."""
     rclose = tok.convert_tokens_to_ids("</result>")
 
     def script(ctx, rng):
-        return turns[min(ctx.count(rclose), len(turns) - 1)]
+        turn = turns[min(ctx.count(rclose), len(turns) - 1)]
+        since = len(ctx) - 1 - ctx[::-1].index(rclose) if rclose in ctx else None
+        done = ctx[since + 1 :] if since is not None else []
+        # continue a turn that was already partly sampled (look-ahead, branches inside a turn)
+        return turn[len(done) :] if done and turn[: len(done)] == done else turn
 
     return script
 
