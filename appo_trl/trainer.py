@@ -2,7 +2,7 @@
 
 Override points (spec/trl-internals.md §8), everything else is TRL's:
 
-- `_generate(prompts)`: (for `grpo` with no `tools` and no engine, TRL's own sampler runs unchanged) replaces TRL's sampler and tool loop with `appo_trl.rollout`'s engine, driven by the
+- `_generate(prompts)`: (for in-process `grpo` with no `tools`, TRL's own sampler runs unchanged) replaces TRL's sampler and tool loop with `appo_trl.rollout`'s engine, driven by the
   configured strategy (`appo_trl.strategies.STRATEGIES`: grpo, arpo, aepo, appo). Returns TRL's 8-tuple with
   the exact sampled ids, `tool_mask` = 1 on sampled tokens only, sampler logprobs (NaN on tool tokens), and
   re-emits TRL's generation metrics plus `branch/*` and `tools/*`. Weights are synced to the vLLM server once
@@ -109,8 +109,9 @@ class APPOTrainer(GRPOTrainer):
         self.strategy = STRATEGIES[args.rollout_strategy](self)
         self.eval_strategy = GRPOStrategy(self)  # validation: no branching (spec/algorithms.md §2.1)
         self._rollout_engine = rollout_engine
-        # GRPO without tools and without an injected engine is exactly TRL's own sampler: keep it
-        self._trl_sampler = args.rollout_strategy == "grpo" and not args.tools and rollout_engine is None
+        # in-process GRPO without tools and without an injected engine is exactly TRL's own sampler: keep it
+        self._trl_sampler = (args.rollout_strategy == "grpo" and not args.tools and not args.use_vllm
+                             and rollout_engine is None)
         self._round: RoundBatch | None = None
         self._round_rewards: torch.Tensor | None = None
         self._round_index = 0
