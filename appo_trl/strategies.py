@@ -276,7 +276,10 @@ class APPOStrategy(RolloutStrategy):
             "branch/no_candidates": float((~valid_any).float().mean()),
         }
         keep = ([True] * N + [False] * (n - N)) * len(init)
-        return RoundBatch(groups=groups, keep=keep, info={"points": points}, metrics=metrics)
+        # step 2's logps are θ_old's: the trainer reuses them as old logps instead of a second forward
+        old = [scored["logps"][i, : len(t.completion_ids)] for i, t in enumerate(flat)]
+        old_rows = [old[g * N + j] if j < N else None for g in range(len(init)) for j in range(n)]
+        return RoundBatch(groups=groups, keep=keep, info={"points": points, "old_logps": old_rows}, metrics=metrics)
 
     def advantages(self, batch, rewards, default, length):
         """(B_local, T) advantages: initial rows get dual-group credit; branch rows keep TRL's value (dropped later)."""

@@ -115,6 +115,7 @@ class APPOTrainer(GRPOTrainer):
         self._round: RoundBatch | None = None
         self._round_rewards: torch.Tensor | None = None
         self._round_index = 0
+        self._old_logps_cache: list[torch.Tensor] | None = None
 
     @property
     def _custom_loss(self) -> bool:
@@ -169,6 +170,9 @@ class APPOTrainer(GRPOTrainer):
         }
         self._log_round(mode, strategy, batch, [list(t.prompt_ids) for t in rows], completion_ids, tool_mask)
         self._round = batch
+        if batch.info.get("old_logps") is not None:  # rows without cached logps get ratio 1 (they are dropped)
+            nan0 = [torch.nan_to_num(torch.tensor(lp, dtype=torch.float32), nan=0.0) for lp in logprobs]
+            self._old_logps_cache = [c if c is not None else nan0[i] for i, c in enumerate(batch.info["old_logps"])]
         row_prompt_ids = [list(t.prompt_ids) for t in rows]
         return row_prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, None, []
 
@@ -179,6 +183,7 @@ class APPOTrainer(GRPOTrainer):
         prompt_len = gather(torch.tensor([len(p) for p in prompt_ids], device=device))
         full_len = gather(torch.tensor([len(c) for c in completion_ids], device=device))
         sampled = gather(torch.tensor([sum(t) for t in tool_mask], device=device))
+        new_tokens = gather(torch.tensor([sum(m[r.branch_pos or 0 :]) for m, r in zip(tool_mask, rows)], device=device))
         truncated = gather(torch.tensor([t.finish_reason == "length" for t in rows], device=device))
         calls = gather(torch.tensor([int(t.num_calls) for t in rows], device=device))
         kept = gather(torch.tensor([float(k) for k in batch.keep], device=device))
@@ -191,13 +196,33 @@ class APPOTrainer(GRPOTrainer):
         m["completions/clipped_ratio"].append(truncated.float().mean().item())
         m["tools/call_frequency"].append(calls.float().mean().item())
         m["tools/calls_per_round"].append(calls.sum().item())
-        m["rollout/sampled_tokens"].append(sampled.sum().item())
+        m["rollout/sampled_tokens"].append(new_tokens.sum().item())  # branch prefixes counted once, in the parent
         m["branch/loss_rows_frac"].append(kept.mean().item())
         if strategy.metric_keys:
             values = [batch.metrics.get(k, math.nan) for k in strategy.metric_keys]
             agg = gather(torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(0))
             for key, value in zip(strategy.metric_keys, agg.nanmean(dim=0).tolist()):
                 m[key].append(value)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, **kwargs):
+        """TRL's forward, except TRL's old-logp pass of an APPO round: it is served from the branch-selection forward.
+
+        That pass is the only no-grad, entropy-free call on the whole generation batch during
+        `_generate_and_score_completions`; the cache holds one row per batch row and is used once.
+        """
+        cache = self._old_logps_cache
+        if cache is not None and not compute_entropy and not torch.is_grad_enabled() and input_ids.size(0) == len(cache):
+            self._old_logps_cache = None
+            out = torch.zeros(len(cache), logits_to_keep)
+            for i, row in enumerate(cache):
+                width = min(len(row), logits_to_keep)
+                out[i, :width] = row[:width]
+            return out.to(input_ids.device), None, None
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, compute_entropy=compute_entropy,
+            **kwargs,
+        )
 
     def score_trajectories(self, trajectories) -> dict[str, torch.Tensor]:
         """No-grad trainer forward on trajectories: per-token logps and exact entropies, (R, T) on CPU."""
@@ -228,7 +253,7 @@ class APPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
         batch, rewards_per_func = self._round, self._round_rewards
-        self._round = self._round_rewards = None
+        self._round = self._round_rewards = self._old_logps_cache = None
         if batch is None:  # TRL's own sampler ran (grpo without tools)
             return out
         mode = "train" if self.model.training else "eval"

@@ -162,3 +162,35 @@ def test_custom_loss_path_matches_trl_loss_and_normaliser(tmp_path, tiny_tokeniz
         ours = compute_policy_loss(trainer, trainer.model, inputs)
         assert torch.allclose(ref, ours, atol=1e-6), (loss_type, ref, ours)
         assert ref.abs() > 0
+
+
+def test_appo_reuses_the_branch_selection_forward_as_old_logps(tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch):
+    algo_fakes.install(monkeypatch)
+    from trl import GRPOTrainer
+
+    engine, reward = ScriptedEngine(tiny_tokenizer, filler=12), RewardSpy()
+    # num_iterations = 2 makes TRL ask for old logps; GA = 1 so the first loss call sees θ_old
+    trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, engine, reward, tools=["python"],
+                           rollout_strategy="appo", initial_rollouts=2, num_generations=4, num_iterations=2,
+                           per_device_train_batch_size=4, max_steps=1, max_completion_length=64, min_remaining_tokens=4,
+                           learning_rate=0.0)  # θ stays θ_old, so the reference forward below is θ_old's
+    full_batch_forwards = []
+    real_forward = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def counting(self, model, input_ids, *a, **kw):
+        if not torch.is_grad_enabled() and not kw.get("compute_entropy", False):
+            full_batch_forwards.append(input_ids.size(0))
+        return real_forward(self, model, input_ids, *a, **kw)
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", counting)
+    seen = spy_loss(trainer)
+    trainer.train()
+    assert full_batch_forwards == []  # TRL's old-logp pass on all n rows was served from the cache
+    first = seen[0]
+    assert "old_per_token_logps" in first
+    ids = torch.cat([first["prompt_ids"], first["completion_ids"]], 1)
+    att = torch.cat([first["prompt_mask"], first["completion_mask"]], 1)
+    with torch.no_grad():
+        ref, _, _ = real_forward(trainer, trainer.model, ids, att, first["completion_ids"].size(1))
+    mask = (first["completion_mask"] * first["tool_mask"]).bool()
+    assert torch.allclose(first["old_per_token_logps"][mask], ref[mask], atol=1e-4)

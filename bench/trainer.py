@@ -1,0 +1,237 @@
+"""Trainer benchmark: APPO vs GRPO steps on the same tiny model, data, group size and completion budget.
+
+Generation goes through the fake vLLM server (bench/fake_vllm.py) with a busy-GPU capacity model: continuous
+batching with at most 32 sequences decoding at once and 5 ms per decode step. A scripted sampler writes
+reasoning segments of 30-70 tokens, two `<python>` calls (tool latency 50-150 ms, scripted) and an answer, so
+the CPU time goes to the trainer, which computes real logps, entropies and losses on those tokens. GRPO uses
+TRL's importance-sampling setting with vLLM (old logps computed). TRL's weight sync (`VLLMGeneration`) needs
+CUDA and is replaced by a no-op recorder.
+
+    python bench/trainer.py [--quick] [--json]
+
+Figures: `step_time_ratio_appo_vs_grpo` (mean optimizer-step wall time after a warm-up step),
+`sampled_tokens_ratio` (policy-sampled tokens per step, branch prefixes not counted), `tool_calls_ratio`,
+`loss_rows_ratio` (rows reaching `_compute_loss`), `loss_time_ratio_future_kl_vs_trl` (`_compute_loss`
+forward+backward on the same APPO batch, future_kl vs TRL's loss). When `appo_trl.algorithms` has not landed,
+its pieces come from the contract fakes in tests/trainer/algo_fakes.py and the JSON says so
+(`algorithms: "contract-fakes"`); the future-KL loss time is then not reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from appo_trl.tools.base import ToolResult  # noqa: E402
+from bench.fake_vllm import FakeVLLMServer, ScriptedPolicy  # noqa: E402
+
+WORDS = "the of a is what who when where capital country river city year born answer question".split()
+
+
+class _Patch:
+    def setitem(self, d, k, v):
+        d[k] = v
+
+    def setattr(self, obj, name, value, raising=True):
+        setattr(obj, name, value)
+
+
+def install_algorithms() -> str:
+    try:
+        import appo_trl.algorithms.branching  # noqa: F401
+        import appo_trl.algorithms.losses  # noqa: F401
+        import appo_trl.algorithms.advantages  # noqa: F401
+
+        return "appo_trl.algorithms"
+    except ImportError:
+        from tests.trainer import algo_fakes
+
+        algo_fakes.install(_Patch())
+        return "contract-fakes"
+
+
+class LatencyPython:
+    """Scripted python tool with 50-150 ms latency (no sandbox: the benchmark measures the trainer)."""
+
+    name, tag = "python", "python"
+
+    def __init__(self, seed=0):
+        self.rng, self.calls = random.Random(seed), 0
+
+    async def call(self, text):
+        self.calls += 1
+        await asyncio.sleep(self.rng.uniform(0.05, 0.15))
+        return ToolResult(text="4")
+
+    async def aclose(self):
+        pass
+
+
+def make_script(tok):
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    result_id, eos = tok.convert_tokens_to_ids("<result>"), tok.eos_token_id
+
+    def script(ctx, rng):
+        turn = ctx.count(result_id)
+        body = enc(" " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 70))))
+        if turn < 2:
+            return body + enc(f" <python> print({rng.randint(0, 9)}) </python>")
+        return body + enc(f" <answer> {rng.randint(0, 2)} </answer>") + [eos]
+
+    return script
+
+
+def reward(completions, answer, **kw):
+    return [float(f"<answer> {a} </answer>" in c[0]["content"]) for c, a in zip(completions, answer)]
+
+
+class _ServerInfo:
+    def get_server_info(self):
+        return {"model_config": {"logprobs_mode": "processed_logprobs"}}
+
+
+class NoSyncVLLMGeneration:
+    def __init__(self, **kw):
+        self.vllm_client, self.syncs = _ServerInfo(), 0
+
+    def sync_weights(self):
+        self.syncs += 1
+
+
+def run(strategy, model_path, tok, url, prompts, n, initial, steps, out_dir, budget):
+    import trl.trainer.grpo_trainer as grpo_mod
+
+    from appo_trl.config import APPOConfig
+    from appo_trl.rollout import RolloutConfig, RolloutEngine, VLLMServerBackend
+    from appo_trl.trainer import APPOTrainer
+
+    grpo_mod.VLLMGeneration = NoSyncVLLMGeneration
+    tool = LatencyPython()
+    cfg = RolloutConfig(max_completion_length=budget, call_limit=3, tool_tags=["python"], concurrency=512,
+                        record_entropies=strategy == "appo", entropy_topk=10)
+    engine = RolloutEngine(VLLMServerBackend(url, max_concurrency=512), tok, cfg, {"python": tool})
+    ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"what is {i} times 4"}] for i in range(prompts * steps)],
+                            "answer": [str(i % 3) for i in range(prompts * steps)]})
+    spg = 4
+    args = APPOConfig(
+        output_dir=out_dir, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
+        save_strategy="no", logging_steps=1, learning_rate=1e-4, beta=0.0, seed=0, loss_type="dapo",
+        rollout_strategy=strategy, num_generations=n, initial_rollouts=initial if strategy == "appo" else n,
+        per_device_train_batch_size=prompts * n // spg, steps_per_generation=spg, gradient_accumulation_steps=spg,
+        max_steps=steps, max_completion_length=budget, use_vllm=True, vllm_mode="server",
+        vllm_server_base_url=url, tools=["python"], min_remaining_tokens=16, dataloader_drop_last=True,
+    )
+    trainer = APPOTrainer(model=model_path, reward_funcs=[reward], args=args, train_dataset=ds, processing_class=tok,
+                          rollout_engine=engine)
+    rows, batches, marks = [], [], []
+    orig = trainer._compute_loss
+
+    def spy(model, inputs):
+        rows.append(inputs["completion_ids"].size(0))
+        if not batches:
+            batches.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()})
+        return orig(model, inputs)
+
+    trainer._compute_loss = spy
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            marks.append(["begin", time.perf_counter()])
+
+        def on_step_end(self, *a, **k):
+            marks.append(["end", time.perf_counter()])
+
+    trainer.add_callback(Clock())
+    trainer.train()
+    step_times = [e[1] - b[1] for b, e in zip(marks[::2], marks[1::2])]
+    hist = [h for h in trainer.state.log_history if "rollout/sampled_tokens" in h]
+    engine.close()
+    return trainer, {
+        "step_time_s": statistics.mean(step_times[1:] or step_times),
+        "step_times_s": step_times,
+        "sampled_tokens_per_step": statistics.mean(h["rollout/sampled_tokens"] for h in hist),
+        "tool_calls_per_step": tool.calls / steps,
+        "loss_rows_per_step": sum(rows) / steps,
+    }, batches[0]
+
+
+def loss_time(trainer, batch, mode, repeats):
+    from trl import GRPOTrainer
+
+    from appo_trl.trainer_loss import compute_policy_loss
+
+    trainer.args.loss_mode = mode
+    trainer.model.train()
+    fn = (lambda: GRPOTrainer._compute_loss(trainer, trainer.model, batch)) if mode == "clip" else (
+        lambda: compute_policy_loss(trainer, trainer.model, batch))
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        fn().backward()
+        times.append(time.perf_counter() - t0)
+        trainer.model.zero_grad(set_to_none=True)
+    return statistics.median(times[1:])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="4 prompts per step, n = 8 (4 initial), 2 steps")
+    ap.add_argument("--json", action="store_true", help="print one JSON object of the figures as the last line")
+    opts = ap.parse_args()
+    prompts, n, initial, steps, budget = (4, 8, 4, 2, 256) if opts.quick else (16, 16, 8, 3, 320)
+    torch.manual_seed(0)
+    algorithms = install_algorithms()
+    from appo_trl.tiny import build_tiny_model
+
+    tmp = tempfile.mkdtemp(prefix="bench-trainer-")
+    model_path = build_tiny_model(os.path.join(tmp, "tiny"))
+    tok = AutoTokenizer.from_pretrained(model_path)
+    policy = ScriptedPolicy(tok, make_script(tok))
+    figures = {"algorithms": algorithms, "prompts_per_step": prompts, "n": n, "initial_rollouts": initial,
+               "steps": steps, "completion_budget": budget}
+    with FakeVLLMServer(policy, tok, decode_step_s=0.005, max_num_seqs=32) as server:
+        results = {}
+        for strategy in ("grpo", "appo"):
+            trainer, results[strategy], batch = run(strategy, model_path, tok, server.url, prompts, n, initial, steps,
+                                                    os.path.join(tmp, strategy), budget)
+            if strategy == "appo":
+                appo_trainer, appo_batch = trainer, batch
+    g, a = results["grpo"], results["appo"]
+    figures.update({f"{k}_{s}": v for s in results for k, v in results[s].items()})
+    figures["step_time_ratio_appo_vs_grpo"] = a["step_time_s"] / g["step_time_s"]
+    figures["sampled_tokens_ratio"] = a["sampled_tokens_per_step"] / g["sampled_tokens_per_step"]
+    figures["tool_calls_ratio"] = a["tool_calls_per_step"] / g["tool_calls_per_step"]
+    figures["loss_rows_ratio"] = a["loss_rows_per_step"] / g["loss_rows_per_step"]
+    if algorithms == "appo_trl.algorithms":
+        t_trl = loss_time(appo_trainer, appo_batch, "clip", 5)
+        t_fkl = loss_time(appo_trainer, appo_batch, "future_kl", 5)
+        figures.update(loss_time_trl_s=t_trl, loss_time_future_kl_s=t_fkl,
+                       loss_time_ratio_future_kl_vs_trl=t_fkl / t_trl)
+    else:
+        figures["loss_time_ratio_future_kl_vs_trl"] = None
+    for k, v in figures.items():
+        if not isinstance(v, list):
+            print(f"{k:40s} {v:.4f}" if isinstance(v, float) else f"{k:40s} {v}")
+    if opts.json:
+        print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
