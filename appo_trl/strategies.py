@@ -241,6 +241,9 @@ class APPOStrategy(RolloutStrategy):
         sampler_lp = torch.nan_to_num(sampler_lp, nan=0.0) * mask
         if a.branch_entropy_source == "trainer":
             entropy = scored["entropies"]
+        elif any(t.entropies is None for t in flat):
+            raise RuntimeError("branch_entropy_source=sampler_topk needs sampler entropies: build the rollout engine "
+                               "with RolloutConfig(record_entropies=True) or set branch_entropy_source=trainer.")
         else:
             entropy = torch.nan_to_num(pad_rows([t.entropies for t in flat], float("nan")), nan=0.0)
         fv = future_value(scored["logps"] * mask, sampler_lp, mask, gamma=a.fv_gamma)

@@ -198,6 +198,13 @@ class APPOTrainer(GRPOTrainer):
         m["tools/calls_per_round"].append(calls.sum().item())
         m["rollout/sampled_tokens"].append(new_tokens.sum().item())  # branch prefixes counted once, in the parent
         m["branch/loss_rows_frac"].append(kept.mean().item())
+        engine = self._rollout_engine
+        if engine is not None and hasattr(engine, "metrics"):  # local engine/tool statistics (no collective)
+            for key, value in engine.metrics().items():
+                if isinstance(value, (int, float)):
+                    m[key if "/" in key else f"rollout/{key}"].append(float(value))
+            if hasattr(engine, "reset_metrics"):
+                engine.reset_metrics()
         if strategy.metric_keys:
             values = [batch.metrics.get(k, math.nan) for k in strategy.metric_keys]
             agg = gather(torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(0))
