@@ -58,10 +58,14 @@ class ScriptedEngine:
         ents = [0.1 + 0.05 * (i % 7) if m else math.nan for i, m in enumerate(mask)]
         return FakeTrajectory(list(prompt_ids), ids, mask, lps, ents, **kw)
 
-    async def rollout(self, prompts, n, *, seed, hook=None):
+    async def rollout(self, prompts, n, *, seed, hook=None, group_size=None):
+        """Scripted roots only: the hook is recorded, never called; a group gets `group_size` (default n) rows."""
         self.rollout_calls.append((len(prompts), n))
         self.hooks.append(hook)
-        groups = [[self._traj(p, self._segments(j), num_calls=1, group=g) for j in range(n)] for g, p in enumerate(prompts)]
+        sizes = group_size if group_size is not None else n
+        sizes = sizes if isinstance(sizes, list) else [sizes] * len(prompts)
+        groups = [[self._traj(p, self._segments(j), num_calls=1, group=g) for j in range(k)]
+                  for g, (p, k) in enumerate(zip(prompts, sizes))]
         self.initial += [t for g in groups for t in g]
         return groups
 

@@ -194,3 +194,35 @@ def test_appo_reuses_the_branch_selection_forward_as_old_logps(tmp_path, tiny_to
         ref, _, _ = real_forward(trainer, trainer.model, ids, att, first["completion_ids"].size(1))
     mask = (first["completion_mask"] * first["tool_mask"]).bool()
     assert torch.allclose(first["old_per_token_logps"][mask], ref[mask], atol=1e-4)
+
+
+def test_aepo_entropy_aware_advantage_is_applied_with_trainer_entropies(tmp_path, tiny_tokenizer, tiny_model_path,
+                                                                        monkeypatch):
+    algo_fakes.install(monkeypatch)
+    import appo_trl.algorithms.advantages as adv_mod
+    from appo_trl.trainer_loss import compute_policy_loss
+
+    calls = []
+    real = adv_mod.entropy_aware_advantage
+
+    def spy(advantages, entropies, mask, *, weight):
+        calls.append((entropies.clone(), weight, entropies.requires_grad))
+        return real(advantages, entropies, mask, weight=weight)
+
+    monkeypatch.setattr(adv_mod, "entropy_aware_advantage", spy)
+    engine, reward = ScriptedEngine(tiny_tokenizer), RewardSpy()
+    trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, engine, reward, tools=["python"],
+                           rollout_strategy="aepo", initial_rollouts=4, num_generations=4, per_device_train_batch_size=4,
+                           entropy_balanced_clipping=True, entropy_balanced_advantage=True,
+                           entropy_advantage_weight=0.5, max_steps=1, max_completion_length=64)
+    assert trainer._custom_loss and trainer.args.loss_mode == "entropy_balanced"
+    seen = spy_loss(trainer)
+    trainer.train()
+    assert calls and calls[0][1] == 0.5 and calls[0][2] is False  # exact entropies, detached, every step
+    assert calls[0][0].abs().sum() > 0
+    # the reweighting changes the loss: compare with the flag off on the same batch
+    trainer.model.train()
+    with_flag = compute_policy_loss(trainer, trainer.model, seen[0])
+    trainer.args.entropy_balanced_advantage = False
+    without = compute_policy_loss(trainer, trainer.model, seen[0])
+    assert not torch.allclose(with_flag, without)
