@@ -1,0 +1,139 @@
+"""Advantage estimators (spec/algorithms.md §3.2, §4.3, §5.2 item 7, §5.5 item 6).
+
+- `group_advantages`: GRPO group-relative advantages (TRL/verl style), flat (P·G,) rewards in prompt-major order.
+- `appo_dual_group_advantages`: APPO's dual-group advantage with prefix credit and saliency-decayed scale,
+  (P·N, T) per-token advantages for the initial rollouts.
+- `entropy_aware_advantage`: AEPO's entropy-aware re-weighting of per-token advantages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    scale: str = "group",
+    std: str = "population",
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """A_i = (r_i − mean_g(r)) / (std + ε) over consecutive groups of `group_size` (spec §3.2, trl-internals §6).
+
+    `scale`: "group" (std of the row's group), "batch" (std of all rewards), "none" (centred only, Dr. GRPO).
+    `std`: "population" (correction 0, APPO) or "unbiased" (correction 1, ARPO/verl and TRL). With "unbiased",
+    a group of size 1 gets mean 0 and std 1 (verl's convention), so its advantage is its reward.
+    Example: rewards [1, 0, 0, 0], G = 4, population: mean 0.25, std √0.1875 = 0.4330 → A ≈ [1.7320, −0.5773, …].
+    """
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards are not a multiple of group_size={group_size}")
+    r = rewards.float().view(-1, group_size)
+    correction = 0 if std == "population" else 1
+    if std not in ("population", "unbiased"):
+        raise ValueError(f"std must be 'population' or 'unbiased', got {std!r}")
+    if group_size == 1 and correction == 1:
+        mean, sd = torch.zeros_like(r), torch.ones_like(r)
+    else:
+        mean = r.mean(-1, keepdim=True)
+        sd = r.std(-1, correction=correction, keepdim=True)
+    centred = r - mean
+    if scale == "group":
+        out = centred / (sd + eps)
+    elif scale == "batch":
+        out = centred / (r.std(correction=correction if r.numel() > 1 else 0) + eps)
+    elif scale == "none":
+        out = centred
+    else:
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    return out.view(-1)
+
+
+def appo_dual_group_advantages(
+    *,
+    initial_rewards: torch.Tensor,
+    branch_rewards: torch.Tensor,
+    branch_rows: torch.Tensor,
+    branch_positions: torch.Tensor,
+    branch_scores: torch.Tensor,
+    lengths: torch.Tensor | None = None,
+    max_length: int,
+    discount: float = 0.9,
+    m_scaling: str = "advantage",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """APPO dual-group advantage, (P·N, T) for the initial rollouts (spec §5.5 item 6, §5.2 item 7).
+
+    Inputs per prompt p: initial rewards (P, N), branch rewards (P, B), each branch's parent row `branch_rows`
+    (P, B) in [0, N), split position s_b `branch_positions` (P, B) (−1 = bare prompt: covers no token) and score
+    BS_b `branch_scores` (P, B). Â_i and Â^br_b are z-scores within the initial and the branch group (population
+    std + ε). With B_i(t) = {b : parent(b) = i, s_b ≥ t}:
+
+        m_i[t] = mean_{b∈B_i(t)} (1 + w_b·δ^(s_b − t)),   w_b = clamp(BS_b / max_{b'∈batch} BS_b', 0, 1)
+        A_i[t] = m_i[t]·Â_i + mean_{b∈B_i(t)} Â^br_b      if B_i(t) ≠ ∅,   else Â_i
+
+    Non-positive scores (decision): w_b = 0 for BS_b ≤ 0 (the branch adds no scale, m = 1 from it), and every
+    w_b = 0 when max BS ≤ 0, so a fallback-only batch is not scaled. `m_scaling="reward_noop"` sets m ≡ 1
+    (the reference applies m to the terminal reward where it cancels). Positions t ≥ `lengths[p, i]` are 0.
+    """
+    if m_scaling not in ("advantage", "reward_noop"):
+        raise ValueError(f"m_scaling must be 'advantage' or 'reward_noop', got {m_scaling!r}")
+    ri, rb = initial_rewards.float(), branch_rewards.float()
+    P, N = ri.shape
+    T = max_length
+    a_i = (ri - ri.mean(-1, keepdim=True)) / (ri.std(-1, correction=0, keepdim=True) + eps)  # (P, N)
+    base = a_i.unsqueeze(-1).expand(P, N, T)
+    if rb.numel() == 0:
+        out = base.clone()
+    else:
+        a_b = (rb - rb.mean(-1, keepdim=True)) / (rb.std(-1, correction=0, keepdim=True) + eps)  # (P, B)
+        s = branch_positions.long()
+        t = torch.arange(T)
+        cover = (s.unsqueeze(-1) >= t).float()  # (P, B, T): branch b covers t (s_b ≥ t)
+        parent = torch.nn.functional.one_hot(branch_rows.long().clamp(0, N - 1), N).float()  # (P, B, N)
+        count = torch.einsum("pbn,pbt->pnt", parent, cover)  # |B_i(t)|
+        credit = torch.einsum("pbn,pbt,pb->pnt", parent, cover, a_b)
+        has = count > 0
+        denom = count.clamp(min=1.0)
+        if m_scaling == "advantage":
+            bs = branch_scores.float()
+            top = bs.max()
+            w = (bs / top).clamp(0.0, 1.0) if top > 0 else torch.zeros_like(bs)
+            decay = torch.tensor(discount, dtype=torch.float64) ** (s.unsqueeze(-1) - t).clamp(min=0).double()
+            term = (1.0 + w.unsqueeze(-1) * decay.float()) * cover  # (P, B, T)
+            m = torch.where(has, torch.einsum("pbn,pbt->pnt", parent, term) / denom, torch.ones_like(denom))
+        else:
+            m = torch.ones_like(denom)
+        out = torch.where(has, m * base + credit / denom, base)
+    if lengths is not None:
+        out = out * (torch.arange(T).view(1, 1, -1) < lengths.view(P, N, 1)).float()
+    return out.reshape(P * N, T)
+
+
+def entropy_aware_advantage(
+    advantages: torch.Tensor,
+    entropies: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    weight: float = 0.2,
+    clamp: tuple[float, float] | None = (0.0, 2.0),
+) -> torch.Tensor:
+    """AEPO entropy-aware advantage Ã_t = A_t·clamp(1 + a·z_t, lo, hi), z_t = (H_t − μ)/σ (spec §4.3).
+
+    μ and σ (unbiased std, as `Tensor.std()` in the reference; σ := 1 when 0 or undefined) are taken over the
+    masked tokens of the whole tensor passed in, so the caller decides the scope (micro-batch = reference,
+    mini-batch = recommended). `advantages` is (B, T) or (B,) (broadcast over T); entropies are detached.
+    `clamp=None` reproduces the reference (no clamp: z < −1/a flips the sign); the default clamps to [0, 2].
+    Example: H = [1, 3] valid, a = 0.2 → μ = 2, σ = √2, z = ∓0.7071 → factors 0.8586, 1.1414.
+    """
+    h = entropies.detach().float()
+    m = mask.bool()
+    vals = h[m]
+    mu = vals.mean() if vals.numel() else h.new_tensor(0.0)
+    sd = vals.std() if vals.numel() > 1 else h.new_tensor(0.0)
+    sd = torch.where(torch.isfinite(sd) & (sd > 0), sd, torch.ones_like(sd))
+    factor = 1.0 + weight * (h - mu) / sd
+    if clamp is not None:
+        factor = factor.clamp(*clamp)
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    return adv * factor.to(adv.dtype)
