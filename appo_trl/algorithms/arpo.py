@@ -1,0 +1,104 @@
+"""ARPO / AEPO rollout-time branching maths (spec/algorithms.md §2.3, §2.4, §4.1).
+
+Scalar functions of entropies, probabilities and counts used by the rollout hook, plus `ARPOBranchState`, a
+small per-rollout-call state holder (H_root per trajectory, inherited by branches; consecutive-branch counter per
+prompt). A fresh state per `generate` call avoids the reference's never-cleared global dict (spec §11 item 11).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+
+def _clip01(x: float) -> float:
+    return min(max(x, 0.0), 1.0)
+
+
+def arpo_branch_probability(
+    entropy: float,
+    root_entropy: float = 0.0,
+    *,
+    base: float = 0.5,
+    weight: float = 0.2,
+    penalty_factor: float | None = None,
+) -> float:
+    """Per-attempt branch probability from ΔH = `entropy` − `root_entropy` (NaN on either side → ΔH = 0).
+
+    ARPO (`penalty_factor=None`, spec §2.3): the reference draws u ~ U(0,1) and branches iff clip(u − βΔH) ≤ τ,
+    i.e. with probability P = clip(τ + β·ΔH, 0, 1) (τ = `base`, β = `weight`). Call it with ΔH alone as
+    `arpo_branch_probability(delta_h)`.
+
+    AEPO (`penalty_factor=f`, spec §4.1): the reference branches iff clip(f·(u + βΔH)) ≥ τ. For f > 0 and
+    τ ∈ (0, 1] this is u ≥ τ/f − βΔH, so P = clip(1 − τ/f + β·ΔH, 0, 1); f ≤ 0 gives 0. At f = 1 this is
+    clip(1 − τ + βΔH), equal to ARPO's form only for τ = 0.5. f comes from `aepo_consecutive_penalty`.
+    Examples: ΔH = 1, τ = 0.5, β = 0.2 → ARPO 0.7; AEPO f = 0.9 → 1 − 0.5556 + 0.2 = 0.6444.
+    """
+    delta = 0.0 if math.isnan(entropy) or math.isnan(root_entropy) else entropy - root_entropy
+    if penalty_factor is None:
+        return _clip01(base + weight * delta)
+    if penalty_factor <= 0:
+        return 0.0
+    return _clip01(1.0 - base / penalty_factor + weight * delta)
+
+
+def aepo_consecutive_penalty(k: int, rate: float = 0.05) -> float:
+    """AEPO's consecutive-branch factor f = max(0, 1 − rate·k) after k consecutive branching rounds (spec §4.1).
+
+    Example: k = 2, rate 0.05 → 0.9. Pass it as `penalty_factor` to `arpo_branch_probability`.
+    """
+    return max(0.0, 1.0 - rate * k)
+
+
+def aepo_initial_rollouts(h_root: float, h_tool_avg: float, n: int, beta: float = 0.5) -> int:
+    """AEPO dynamic global budget: clamp(int(n·σ(β·(H_root − H_tool_avg))) + 1, 1, n) (spec §4.1 item 3).
+
+    Example: ΔH = 0, n = 16 → int(8) + 1 = 9; ΔH = +∞ → 16; ΔH = −∞ → 1.
+    """
+    z = beta * (h_root - h_tool_avg)
+    sig = 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
+    return min(max(int(n * sig) + 1, 1), n)
+
+
+def sample_branch_copies(prob: float, max_copies: int, rng: Any, slots: int | None = None) -> int:
+    """Number of branch copies from one source: one Bernoulli(`prob`) per potential copy (spec §2.3, §2.4).
+
+    min(`max_copies` (= beam_size − 1), `slots` (remaining group budget; None = unlimited)) attempts are drawn with
+    `rng.random()` (a `random.Random`); each success is one copy.
+    """
+    attempts = max_copies if slots is None else min(max_copies, max(slots, 0))
+    return sum(1 for _ in range(max(attempts, 0)) if rng.random() < prob)
+
+
+@dataclass
+class ARPOBranchState:
+    """Branching state of one rollout call (spec §2.4): create one per `generate`, never a module-level global.
+
+    `root_entropy[uid]` is H_root of a trajectory (its first-window entropy), inherited by its branches;
+    `consecutive[prompt]` counts the rounds in a row in which that prompt created new trajectories (AEPO §4.1).
+    """
+
+    root_entropy: dict[Hashable, float] = field(default_factory=dict)
+    consecutive: dict[Hashable, int] = field(default_factory=dict)
+
+    def set_root(self, uid: Hashable, h_root: float) -> None:
+        """Record H_root of a fresh trajectory (first call wins: later segments never overwrite it)."""
+        self.root_entropy.setdefault(uid, h_root)
+
+    def inherit(self, child: Hashable, parent: Hashable) -> None:
+        """A branch copies its parent's H_root."""
+        self.root_entropy[child] = self.root_entropy.get(parent, math.nan)
+
+    def root(self, uid: Hashable) -> float:
+        """H_root of `uid` (NaN if unknown, which makes ΔH = 0)."""
+        return self.root_entropy.get(uid, math.nan)
+
+    def end_round(self, prompt: Hashable, created: bool) -> int:
+        """Update the prompt's consecutive counter after a round (+1 if it created trajectories, else reset to 0)."""
+        self.consecutive[prompt] = self.consecutive.get(prompt, 0) + 1 if created else 0
+        return self.consecutive[prompt]
+
+    def penalty_factor(self, prompt: Hashable, rate: float = 0.05) -> float:
+        """`aepo_consecutive_penalty` of the prompt's current counter."""
+        return aepo_consecutive_penalty(self.consecutive.get(prompt, 0), rate)
