@@ -22,6 +22,7 @@ requests with HTTP 500) and `stop()` (server down).
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 import time
@@ -30,7 +31,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from appo_trl.rollout.text import PieceDecoder, StopMatcher
 from appo_trl.rollout.types import SamplingParams, Segment
@@ -102,6 +103,7 @@ class FakeVLLMServer:
     def __init__(self, policy, tokenizer=None, *, model_name: str = "fake-model", decode_step_s: float = 0.0,
                  max_num_seqs: int | None = None, extra_delay_s: float = 0.0, fail_next: int = 0):  # fmt: skip
         self.policy, self.tokenizer, self.model_name = policy, tokenizer, model_name
+        self._pieces = PieceDecoder(tokenizer) if tokenizer is not None else None
         self.decode_step_s, self.max_num_seqs = decode_step_s, max_num_seqs
         self.extra_delay_s, self.fail_next = extra_delay_s, fail_next
         self.bodies: list[dict[str, Any]] = []
@@ -144,7 +146,8 @@ class FakeVLLMServer:
                 return JSONResponse({"error": {"message": "injected failure", "code": 500}}, status_code=500)
             if self.extra_delay_s:
                 await asyncio.sleep(self.extra_delay_s)
-            return await self._complete(body)
+            # json.dumps directly: FastAPI's jsonable_encoder would dominate the cost of large answers
+            return Response(json.dumps(await self._complete(body)), media_type="application/json")
 
         return app
 
@@ -197,7 +200,7 @@ class FakeVLLMServer:
             self._running -= 1
 
     def _choice(self, index: int, prompt: list[int], seg: Segment, want, body) -> dict[str, Any]:
-        pieces = [self.tokenizer.decode([t], skip_special_tokens=False) for t in seg.token_ids] if self.tokenizer else []
+        pieces = [self._pieces.piece(t) for t in seg.token_ids] if self._pieces is not None else []
         text = "".join(pieces)
         if seg.stop_str and not body.get("include_stop_str_in_output", False):
             text = text[: text.find(seg.stop_str)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import ssl
 import time
 from typing import Any
 
@@ -77,6 +78,8 @@ class VLLMServerBackend:
         max_retries: retries after the first attempt for connection errors, timeouts and 5xx/429 answers.
         backoff_s: first retry delay, doubled each retry.
         extra_body: extra request fields (e.g. `{"repetition_penalty": 1.05}`); they override the defaults.
+        connections_per_client: keep-alive connections per underlying `httpx.AsyncClient` (requests are spread
+            over `ceil(max_concurrency / connections_per_client)` clients).
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class VLLMServerBackend:
         max_retries: int = 3,
         backoff_s: float = 0.5,
         extra_body: dict[str, Any] | None = None,
+        connections_per_client: int = 32,
     ):
         self.base_url = base_url.rstrip("/")
         self.model = model
@@ -98,18 +102,32 @@ class VLLMServerBackend:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.extra_body = dict(extra_body or {})
-        self._clients: dict[int, tuple[httpx.AsyncClient, asyncio.Semaphore]] = {}
+        self.connections_per_client = connections_per_client
+        self._clients: dict[int, tuple[list[httpx.AsyncClient], asyncio.Semaphore]] = {}
+        self._next = 0
+        self._ssl: ssl.SSLContext | None = None
         self.num_requests = 0
         self.num_retries = 0
 
     def _client(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
-        # one client per event loop: an AsyncClient must not be shared across loops
+        # One set of clients per event loop (an AsyncClient must not be shared across loops). httpcore's pool
+        # scans every connection on every request event, so hundreds of connections in one pool cost
+        # O(connections^2); requests are spread round-robin over clients of `connections_per_client` each.
         key = id(asyncio.get_running_loop())
         if key not in self._clients:
-            limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
-            client = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, limits=limits)
-            self._clients[key] = (client, asyncio.Semaphore(self.max_concurrency))
-        return self._clients[key]
+            per = max(1, min(self.connections_per_client, self.max_concurrency))
+            limits = httpx.Limits(max_connections=per, max_keepalive_connections=per)
+            n = -(-self.max_concurrency // per)
+            if self._ssl is None:  # building an SSL context costs ~25 ms: share one
+                self._ssl = ssl.create_default_context()
+            clients = [
+                httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, limits=limits, verify=self._ssl)
+                for _ in range(n)
+            ]
+            self._clients[key] = (clients, asyncio.Semaphore(self.max_concurrency))
+        clients, sem = self._clients[key]
+        self._next = (self._next + 1) % len(clients)
+        return clients[self._next], sem
 
     async def _request(self, method: str, path: str, json: dict | None = None) -> dict:
         client, sem = self._client()
@@ -191,4 +209,5 @@ class VLLMServerBackend:
         key = id(asyncio.get_running_loop())
         entry = self._clients.pop(key, None)
         if entry is not None:
-            await entry[0].aclose()
+            for client in entry[0]:
+                await client.aclose()
