@@ -27,7 +27,7 @@ class EvalConfig:
         seed: base seed; every (benchmark, question, sample) gets its own seed derived from it.
         temperature, top_p, top_k: sampling (top_k -1 disables it).
         repetition_penalty: forwarded to the vLLM server when set (ARPO's eval used 1.1).
-        max_completion_length: model-generated tokens per sample, tool results excluded.
+        max_completion_length: completion tokens per sample, tool results included (the rollout budget).
         max_model_len: prompt + completion + tool results, tokens.
         call_limit: tool calls per sample across all tools (None: 3 for math, 6 otherwise).
         prompt: system prompt style overriding every benchmark's own (None keeps the registry's).

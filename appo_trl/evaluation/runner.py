@@ -95,6 +95,17 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return out
 
 
+def open_append(path: Path):
+    """Open a jsonl file for appending; a torn last line (a killed run) is closed with a newline first."""
+    out = open(path, "a", encoding="utf-8")
+    if out.tell() > 0:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                out.write("\n")
+    return out
+
+
 def record_key(record: dict[str, Any]) -> tuple[str, int, int]:
     return (record["benchmark"], int(record["index"]), int(record["sample"]))
 
@@ -146,19 +157,33 @@ async def generate_missing(
     sem = asyncio.Semaphore(max(1, concurrency))
     bar = tqdm(total=len(todo), desc="generating", unit="sample", disable=not show_progress)
     samples_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(samples_path, "a", encoding="utf-8") as out:
+    with open_append(samples_path) as out:
+        failed = asyncio.Event()
 
         async def one(req: Request) -> None:
             async with sem:
-                gen = await generate(req)
+                if failed.is_set():  # a sample failed: start nothing new
+                    return
+                try:
+                    gen = await generate(req)
+                except BaseException:
+                    failed.set()
+                    raise
             record = {"benchmark": req.benchmark, "index": req.index, "sample": req.sample, "seed": req.seed,
                       "call_limit": req.call_limit, **dataclasses.asdict(gen)}  # fmt: skip
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
             out.flush()
             bar.update(1)
 
+        tasks = [asyncio.ensure_future(one(r)) for r in todo]
         try:
-            await asyncio.gather(*(one(r) for r in todo))
+            await asyncio.gather(*tasks)
+        except BaseException:
+            # stop at the first failure; finished samples are on disk and a rerun resumes from them
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         finally:
             bar.close()
             aclose = getattr(generate, "aclose", None)
@@ -203,7 +228,7 @@ def judge_missing(config: EvalConfig, items: list[dict[str, Any]], judgments_pat
         finally:
             bar.close()
         judgments_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(judgments_path, "a", encoding="utf-8") as f:
+        with open_append(judgments_path) as f:
             for item, verdict in zip(todo, verdicts):
                 row = {"key": list(item["key"]), "prediction": item["prediction"], "source": "judge", **verdict}
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")

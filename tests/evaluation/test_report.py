@@ -41,7 +41,8 @@ def test_compare_numbers(two_reports):
     assert rows["qab"]["score"] == (pytest.approx(11 / 18), None, None)
 
 
-def test_cli_compare_prints_side_by_side(two_reports, capsys):
+def test_cli_compare_prints_side_by_side(two_reports, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "220")  # rich would shorten cells on a narrow terminal
     assert appo(["eval", "compare", str(two_reports[0]), str(two_reports[1].parent), "--names", "SFT", "APPO"]) == 0
     out = capsys.readouterr().out
     assert "SFT" in out and "APPO" in out
