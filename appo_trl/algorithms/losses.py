@@ -196,12 +196,14 @@ def future_kl_loss(
     loss = _ppo(ratio, ratio.clamp(1 - eps_low, 1 + eps_high), adv, clip_ratio_c)
     with torch.no_grad():
         valid = maskf > 0
-        any_valid = bool(valid.any())
+        nan = f.new_tensor(float("nan"))
+        iw_min = torch.where(valid, f, float("inf")).min() if f.numel() else nan
+        iw_max = torch.where(valid, f, float("-inf")).max() if f.numel() else nan
         metrics = _clip_metrics(ratio, adv, maskf, eps_low, eps_high)
         metrics.update({
             "fipo_iw_mean": _masked_mean(f, maskf),
-            "fipo_iw_min": f[valid].min() if any_valid else f.new_tensor(float("nan")),
-            "fipo_iw_max": f[valid].max() if any_valid else f.new_tensor(float("nan")),
+            "fipo_iw_min": torch.where(torch.isfinite(iw_min), iw_min, nan),  # NaN when no valid token
+            "fipo_iw_max": torch.where(torch.isfinite(iw_max), iw_max, nan),
             "fipo_iw_clip_upper": _masked_mean((raw > 1.0 + future_clip_ratio).float(), maskf),
             "fipo_iw_clip_lower": _masked_mean((raw < lo).float(), maskf),
             "fipo_iw_raw_mean": _masked_mean(raw, maskf),

@@ -130,3 +130,16 @@ def test_future_kl_drops_rows_with_two_dual_clip_tokens():
     out = POLICY_LOSSES["future_kl"](lp, torch.zeros(3, 3), adv, mask)
     assert out.keep_mask.tolist() == [[0.0] * 3, [1.0] * 3, [1.0] * 3]
     assert out.metrics["dropped_seq_frac"].item() == pytest.approx(1 / 3)
+
+
+def test_future_kl_empty_mask_metrics_and_zero_loss_rows():
+    out = POLICY_LOSSES["future_kl"](torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3))
+    assert math.isnan(out.metrics["fipo_iw_min"].item()) and math.isnan(out.metrics["fipo_iw_max"].item())
+    assert out.keep_mask.tolist() == [[1.0] * 3] * 2
+
+
+def test_future_kl_on_policy_is_two_a():
+    # θ = θ_old: d = 0 -> FKL = 0 -> f = 1 -> Ã = 2A; ρ = 1 -> L = -2A (spec §5.2 item 8 "consequence")
+    A = torch.tensor([[0.5, -1.5, 2.0]])
+    out = POLICY_LOSSES["future_kl"](torch.zeros(1, 3), torch.zeros(1, 3), A, torch.ones(1, 3))
+    assert out.per_token_loss.tolist() == [pytest.approx([-1.0, 3.0, -4.0])]
