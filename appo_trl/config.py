@@ -90,7 +90,9 @@ class APPOConfig(GRPOConfig):
         default=2, metadata=_h("ARPO/AEPO: each branch source may spawn up to `beam_size − 1` copies per tool round.")
     )
     branch_probability: float = field(
-        default=0.5, metadata=_h("ARPO/AEPO: base branch probability τ in P = clip(τ + β·ΔH, 0, 1).")
+        default=0.5,
+        metadata=_h("ARPO/AEPO threshold τ: ARPO branches with P = clip(τ + β·ΔH, 0, 1); AEPO (reference form) with "
+                    "P = clip(1 − τ/f + β·ΔH, 0, 1), f the consecutive-branch factor (equal at τ = 0.5, f = 1)."),
     )
     entropy_weight: float = field(default=0.2, metadata=_h("ARPO/AEPO: entropy weight β in P = clip(τ + β·ΔH, 0, 1)."))
     entropy_tokens: int = field(

@@ -84,8 +84,8 @@ class BranchHook:
     P = clip(τ + β·(H_t − H_root)) with H_t the entropy of the tokens sampled right *after* the current result
     (`lookahead` timing; `faithful` uses the segment before the call, as the reference's lagged code) and
     H_root the trajectory's own root entropy (inherited by its branches; no stale per-prompt dictionary).
-    AEPO multiplies P by the consecutive-branch penalty max(0, 1 − penalty·l), l = consecutive fork points on
-    this trajectory's lineage that forked. Up to `beam_size − 1` Bernoulli copies per call; the engine caps
+    AEPO uses the reference's penalised form P = clip(1 − τ/f + β·ΔH) with f = max(0, 1 − penalty·l), l = the
+    consecutive fork points on this trajectory's lineage that forked (`appo_trl.algorithms.arpo`). Up to `beam_size − 1` Bernoulli copies per call; the engine caps
     groups at n and refills them. Draws are seeded per (round, trajectory, position), not by call order.
     """
 
@@ -101,10 +101,10 @@ class BranchHook:
 
         a, traj = self.args, ctx.trajectory
         h_now = ctx.lookahead_entropy if ctx.lookahead_entropy is not None else ctx.segment_entropy
-        prob = arpo_branch_probability(h_now, ctx.root_entropy, base=a.branch_probability, weight=a.entropy_weight)
         run = self.consecutive.get(traj.uid, self.consecutive.get(traj.parent, 0))
-        if self.penalty:
-            prob = aepo_consecutive_penalty(prob, run, penalty=a.branch_penalty)
+        factor = aepo_consecutive_penalty(run, rate=a.branch_penalty) if self.penalty else None
+        prob = arpo_branch_probability(h_now, ctx.root_entropy, base=a.branch_probability, weight=a.entropy_weight,
+                                       penalty_factor=factor)
         rng = random.Random(mix_seed(self.seed, traj.meta.get("seed", 0), ctx.position))
         copies = int(sample_branch_copies(prob, a.beam_size - 1, rng))
         self.consecutive[traj.uid] = run + 1 if copies else 0
@@ -227,7 +227,9 @@ class APPOStrategy(RolloutStrategy):
         return self._excluded
 
     def generate(self, prompt_ids, n, seed):
-        from appo_trl.algorithms.branching import branch_scores, candidate_mask, future_value, select_branch_points
+        from appo_trl.algorithms.branching import (
+            branch_scores, candidate_mask, future_value, select_branch_points, strict_candidates,
+        )
 
         a, N = self.args, self.args.initial_rollouts
         init = self.engine.run(self.engine.rollout(prompt_ids, N, seed=seed))
@@ -249,12 +251,15 @@ class APPOStrategy(RolloutStrategy):
         fv = future_value(scored["logps"] * mask, sampler_lp, mask, gamma=a.fv_gamma)
         excluded = self._exclusions()
         token_excluded = excluded[ids.clamp(max=len(excluded) - 1)] if excluded is not None else None
-        valid = candidate_mask(mask, min_remaining=a.min_remaining_tokens, excluded=token_excluded)
+        valid = candidate_mask(mask, min_remaining=a.min_remaining_tokens, excluded=token_excluded,
+                               max_length=a.max_completion_length)
         bs = branch_scores(entropy, fv, valid)
+        strict = strict_candidates(entropy, fv, valid)  # Z(H) > 0, Z(FV) > 0, BS > 0 first
         points, requests = [], []
         for g in range(len(init)):
             sl = slice(g * N, (g + 1) * N)
-            pts = select_branch_points(bs[sl], valid[sl], num_branches=n - N, max_per_row=a.max_branches_per_rollout)
+            pts = select_branch_points(bs[sl], valid[sl], num_branches=n - N, max_per_row=a.max_branches_per_rollout,
+                                       strict=strict[sl], fallback_mask=mask[sl].bool())
             points.append(pts)
             requests += [(init[g][p.row], p.position) for p in pts]
         branches = self.engine.run(

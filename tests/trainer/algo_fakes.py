@@ -41,9 +41,9 @@ def future_value(train_logps, sampler_logps, mask, *, gamma):
     return out.clamp(-20, 20).exp().clamp(0.8, 1.2)
 
 
-def candidate_mask(mask, *, min_remaining, excluded=None):
+def candidate_mask(mask, *, min_remaining, excluded=None, max_length=None):
     m = mask.bool().clone()
-    lengths = mask.size(1) - torch.arange(mask.size(1)).unsqueeze(0)
+    lengths = (max_length or mask.size(1)) - torch.arange(mask.size(1)).unsqueeze(0)
     m &= lengths > min_remaining
     if excluded is not None:
         m &= ~excluded
@@ -54,7 +54,11 @@ def branch_scores(entropy, fv, valid):
     return _z(entropy, valid) * _z(fv, valid)
 
 
-def select_branch_points(scores, valid, *, num_branches, max_per_row):
+def strict_candidates(entropy, fv, valid):
+    return valid & (branch_scores(entropy, fv, valid) > 0)
+
+
+def select_branch_points(scores, valid, *, num_branches, max_per_row, strict=None, fallback_mask=None):
     flat = scores.masked_fill(~valid, float("-inf")).flatten()
     order = torch.argsort(flat, descending=True, stable=True).tolist()
     pts, per_row = [], {}
@@ -107,13 +111,15 @@ def _clip(logps, old, adv, mask, *, eps_low, eps_high, **_):
 
 POLICY_LOSSES = {"clip": _clip, "dual_clip": _clip, "future_kl": _clip, "entropy_balanced": _clip}
 
-def arpo_branch_probability(entropy, root_entropy, *, base, weight):
+def arpo_branch_probability(entropy, root_entropy, *, base, weight, penalty_factor=None):
     delta = 0.0 if entropy != entropy or root_entropy != root_entropy else entropy - root_entropy
-    return min(max(base + weight * delta, 0.0), 1.0)
+    if penalty_factor is None:
+        return min(max(base + weight * delta, 0.0), 1.0)
+    return 0.0 if penalty_factor <= 0 else min(max(1 - base / penalty_factor + weight * delta, 0.0), 1.0)
 
 
-def aepo_consecutive_penalty(prob, consecutive, *, penalty):
-    return prob * max(0.0, 1.0 - penalty * consecutive)
+def aepo_consecutive_penalty(k, rate=0.05):
+    return max(0.0, 1.0 - rate * k)
 
 
 def sample_branch_copies(prob, max_copies, rng):
@@ -130,6 +136,7 @@ _MODULES = {
     "arpo": dict(arpo_branch_probability=arpo_branch_probability, aepo_consecutive_penalty=aepo_consecutive_penalty,
                  sample_branch_copies=sample_branch_copies, aepo_initial_rollouts=aepo_initial_rollouts),
     "branching": dict(BranchPoint=BranchPoint, future_value=future_value, candidate_mask=candidate_mask,
+                      strict_candidates=strict_candidates,
                       branch_scores=branch_scores, select_branch_points=select_branch_points),
     "advantages": dict(appo_dual_group_advantages=appo_dual_group_advantages,
                        entropy_aware_advantage=entropy_aware_advantage),

@@ -88,7 +88,9 @@ def test_arpo_aepo_branch_in_the_loop_and_refill_to_n(tmp_path, tiny_tokenizer, 
     engine, reward = real_engine(tiny_tokenizer, hook_mode="lookahead", record_entropies=True, entropy_topk=2), RewardSpy()
     extra = dict(dynamic_rollouts=True, dynamic_rollouts_source="reuse") if strategy == "aepo" else {}
     trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, engine, reward, tools=["python"],
-                           rollout_strategy=strategy, initial_rollouts=2, num_generations=4, branch_probability=1.0,
+                           rollout_strategy=strategy, initial_rollouts=2, num_generations=4,
+                           # P = 1: ARPO clip(τ + βΔH) with τ = 1; AEPO clip(1 − τ/f + βΔH) with τ = 0
+                           branch_probability=1.0 if strategy == "arpo" else 0.0,
                            beam_size=2, per_device_train_batch_size=4, max_steps=1, max_completion_length=96, **extra)
     seen = spy_loss(trainer)
     trainer.train()
