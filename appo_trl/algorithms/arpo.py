@@ -8,8 +8,9 @@ prompt). A fresh state per `generate` call avoids the reference's never-cleared 
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any
 
 
 def _clip01(x: float) -> float:

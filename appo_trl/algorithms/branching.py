@@ -109,7 +109,12 @@ def candidate_mask(
 
 
 def branch_score_components(
-    entropy: torch.Tensor, fv: torch.Tensor, valid: torch.Tensor, *, degeneracy_guard: bool = True, guard_std: float = 1e-4
+    entropy: torch.Tensor,
+    fv: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    degeneracy_guard: bool = True,
+    guard_std: float = 1e-4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(BS, Z(H), Z(FV)), each (B, T) and 0 outside `valid`: BS_t = Z(H)_t·Z(FV)_t (spec §5.2 item 3, §5.5 item 3).
 

@@ -200,16 +200,18 @@ def future_kl_loss(
         iw_min = torch.where(valid, f, float("inf")).min() if f.numel() else nan
         iw_max = torch.where(valid, f, float("-inf")).max() if f.numel() else nan
         metrics = _clip_metrics(ratio, adv, maskf, eps_low, eps_high)
-        metrics.update({
-            "fipo_iw_mean": _masked_mean(f, maskf),
-            "fipo_iw_min": torch.where(torch.isfinite(iw_min), iw_min, nan),  # NaN when no valid token
-            "fipo_iw_max": torch.where(torch.isfinite(iw_max), iw_max, nan),
-            "fipo_iw_clip_upper": _masked_mean((raw > 1.0 + future_clip_ratio).float(), maskf),
-            "fipo_iw_clip_lower": _masked_mean((raw < lo).float(), maskf),
-            "fipo_iw_raw_mean": _masked_mean(raw, maskf),
-            "dual_clip_frac": _masked_mean(dual_active.float(), maskf),
-            "dropped_seq_frac": 1.0 - keep[:, 0].float().mean() if keep.numel() else f.new_tensor(0.0),
-        })
+        metrics.update(
+            {
+                "fipo_iw_mean": _masked_mean(f, maskf),
+                "fipo_iw_min": torch.where(torch.isfinite(iw_min), iw_min, nan),  # NaN when no valid token
+                "fipo_iw_max": torch.where(torch.isfinite(iw_max), iw_max, nan),
+                "fipo_iw_clip_upper": _masked_mean((raw > 1.0 + future_clip_ratio).float(), maskf),
+                "fipo_iw_clip_lower": _masked_mean((raw < lo).float(), maskf),
+                "fipo_iw_raw_mean": _masked_mean(raw, maskf),
+                "dual_clip_frac": _masked_mean(dual_active.float(), maskf),
+                "dropped_seq_frac": 1.0 - keep[:, 0].float().mean() if keep.numel() else f.new_tensor(0.0),
+            }
+        )
     return PolicyLossOutput(loss, keep, metrics)
 
 

@@ -49,7 +49,9 @@ def _rows(completions, kwargs):
     texts = [completion_text(c) for c in completions]
     golds = _golds(kwargs, len(texts))
     ability = kwargs.get("ability")
-    abilities = list(ability) if isinstance(ability, Sequence) and not isinstance(ability, str) else [ability] * len(texts)
+    abilities = (
+        list(ability) if isinstance(ability, Sequence) and not isinstance(ability, str) else [ability] * len(texts)
+    )
     return zip(texts, golds, abilities)
 
 
@@ -64,7 +66,10 @@ def arpo_deep_research(prompts, completions, completion_ids=None, **kwargs) -> l
 
 def arpo_deep_research_mathverify(prompts, completions, completion_ids=None, **kwargs) -> list[float | None]:
     """`arpo_deep_research`, but rows with `ability == "math"` use math equivalence (1/0) instead of F1."""
-    return [None if g is None else compute_score(t, g, a, math_verify_for_math=True) for t, g, a in _rows(completions, kwargs)]
+    return [
+        None if g is None else compute_score(t, g, a, math_verify_for_math=True)
+        for t, g, a in _rows(completions, kwargs)
+    ]
 
 
 def math_verify(prompts, completions, completion_ids=None, **kwargs) -> list[float | None]:

@@ -33,17 +33,27 @@ def test_appo_dual_group_hand_computed():
     # t=3: only b2: m = 1 + 0.5 = 1.5; credit -1 -> 0.5
     # t=4: none -> Â = 1.   Row 1 has no branches -> -1 everywhere.
     adv = appo_dual_group_advantages(
-        initial_rewards=torch.tensor([[1.0, 0.0]]), branch_rewards=torch.tensor([[1.0, 0.0]]),
-        branch_rows=torch.tensor([[0, 0]]), branch_positions=torch.tensor([[1, 3]]),
-        branch_scores=torch.tensor([[2.0, 1.0]]), lengths=torch.tensor([[5, 4]]), max_length=5, discount=0.5,
+        initial_rewards=torch.tensor([[1.0, 0.0]]),
+        branch_rewards=torch.tensor([[1.0, 0.0]]),
+        branch_rows=torch.tensor([[0, 0]]),
+        branch_positions=torch.tensor([[1, 3]]),
+        branch_scores=torch.tensor([[2.0, 1.0]]),
+        lengths=torch.tensor([[5, 4]]),
+        max_length=5,
+        discount=0.5,
     )
     assert adv[0].tolist() == pytest.approx([1.28125, 1.5625, 0.25, 0.5, 1.0], rel=1e-5)
     assert adv[1].tolist() == pytest.approx([-1.0, -1.0, -1.0, -1.0, 0.0], rel=1e-5)  # length 4 -> t=4 is 0
     # reward_noop: m ≡ 1 -> row 0 = [1, 1, 0, 0, 1]
     adv = appo_dual_group_advantages(
-        initial_rewards=torch.tensor([[1.0, 0.0]]), branch_rewards=torch.tensor([[1.0, 0.0]]),
-        branch_rows=torch.tensor([[0, 0]]), branch_positions=torch.tensor([[1, 3]]),
-        branch_scores=torch.tensor([[2.0, 1.0]]), max_length=5, discount=0.5, m_scaling="reward_noop",
+        initial_rewards=torch.tensor([[1.0, 0.0]]),
+        branch_rewards=torch.tensor([[1.0, 0.0]]),
+        branch_rows=torch.tensor([[0, 0]]),
+        branch_positions=torch.tensor([[1, 3]]),
+        branch_scores=torch.tensor([[2.0, 1.0]]),
+        max_length=5,
+        discount=0.5,
+        m_scaling="reward_noop",
     )
     assert adv[0].tolist() == pytest.approx([1.0, 1.0, 0.0, 0.0, 1.0], rel=1e-5)
 
@@ -51,8 +61,14 @@ def test_appo_dual_group_hand_computed():
 def test_appo_non_positive_scores():
     # BS = [-1, 2]: w = [0, 1]. Branch 0 (s=0, row 1, Â^br = -1), branch 1 (s=0, row 0, Â^br = +1); δ irrelevant at t=s
     # row 0 t=0: m = 1 + 1·1 = 2; A = 2·1 + 1 = 3 ; row 1 t=0: m = 1 + 0 = 1; A = 1·(-1) + (-1) = -2
-    kw = dict(initial_rewards=torch.tensor([[1.0, 0.0]]), branch_rewards=torch.tensor([[0.0, 1.0]]),
-              branch_rows=torch.tensor([[1, 0]]), branch_positions=torch.tensor([[0, 0]]), max_length=2, discount=0.9)
+    kw = dict(
+        initial_rewards=torch.tensor([[1.0, 0.0]]),
+        branch_rewards=torch.tensor([[0.0, 1.0]]),
+        branch_rows=torch.tensor([[1, 0]]),
+        branch_positions=torch.tensor([[0, 0]]),
+        max_length=2,
+        discount=0.9,
+    )
     adv = appo_dual_group_advantages(branch_scores=torch.tensor([[-1.0, 2.0]]), **kw)
     assert adv[:, 0].tolist() == pytest.approx([3.0, -2.0], rel=1e-5)
     # all BS <= 0 -> no scale at all: row 0 t=0: 1 + 1 = 2 ; row 1: -1 - 1 = -2

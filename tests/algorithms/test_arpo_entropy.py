@@ -87,7 +87,8 @@ def test_topk_entropy():
 def test_segment_entropy():
     assert segment_entropy([1.0, 2.0, 3.0], window=2) == pytest.approx(3.0)
     assert segment_entropy([1.0, 2.0, 3.0], window=2, vocab_size=round(math.e**2)) == pytest.approx(
-        3.0 / math.log(round(math.e**2)))
+        3.0 / math.log(round(math.e**2))
+    )
     assert segment_entropy([1.0, 2.0, 3.0], reduce="mean") == pytest.approx(2.0)
     assert math.isnan(segment_entropy([]))
     with pytest.raises(ValueError):

@@ -50,8 +50,15 @@ def test_entropy_balanced_gradient_table():
     assert out.per_token_loss.view(-1).tolist() == pytest.approx([-1.2, 0.8, 1.5, -0.5, -2.2, 3.0])
     assert F == pytest.approx([1.2, 0.0, 1.5, 0.5, 1.1, 0.0])
     # forward equals PPO (dual clip) exactly
-    ref = POLICY_LOSSES["dual_clip"](torch.log(torch.tensor([ratios])), torch.zeros(1, 6), torch.tensor([advs]),
-                                     torch.ones(1, 6), eps_low=0.2, eps_high=0.2, clip_ratio_c=3.0)
+    ref = POLICY_LOSSES["dual_clip"](
+        torch.log(torch.tensor([ratios])),
+        torch.zeros(1, 6),
+        torch.tensor([advs]),
+        torch.ones(1, 6),
+        eps_low=0.2,
+        eps_high=0.2,
+        clip_ratio_c=3.0,
+    )
     assert torch.allclose(out.per_token_loss.detach(), ref.per_token_loss)
     # without dual clip the last token is plain unclipped: value 4, F = 4
     out, F = _grad_coeff("entropy_balanced", [4.0], [-1.0], clip_ratio_c=None)
@@ -107,16 +114,28 @@ def test_future_kl_participation_lower_clip_and_safety():
     # A = [1, -1]; ρ1 = e^2 = 7.389 > safety 6 and A<0 -> f1 clamp(1.0, 0.8, 1.0) = 1.0
     # Ã = [1·1.8, -1·2.0]; L0 = -min(1.8·ρ0, 1.8·clip(ρ0=0.6065 -> 0.8)) = -1.8·0.60653
     # L1: max(2·7.389, 2·1.28) = 14.78 -> dual clip min(14.78, 2·3) = 6
-    out = POLICY_LOSSES["future_kl"](torch.tensor([[-0.5, 2.0]]), torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]),
-                                     torch.ones(1, 2), decay_rate=1.0, clip_high_only=False)
+    out = POLICY_LOSSES["future_kl"](
+        torch.tensor([[-0.5, 2.0]]),
+        torch.zeros(1, 2),
+        torch.tensor([[1.0, -1.0]]),
+        torch.ones(1, 2),
+        decay_rate=1.0,
+        clip_high_only=False,
+    )
     assert out.per_token_loss.view(-1).tolist() == pytest.approx([-1.8 * math.exp(-0.5), 6.0], rel=1e-5)
     assert out.metrics["fipo_iw_min"].item() == pytest.approx(0.8)
     assert out.metrics["fipo_iw_clip_lower"].item() == pytest.approx(0.5)
     # safety: with safety on and f from a positive FKL it would be capped at 1.0: d=[0.5, 1.9] -> part both 1?
     # 1.9 > log 3 -> part 0; FKL1=0 -> exp=1. So check a case where FKL1>0: d=[0,1.05], ρ1=2.858 > thr=2.
     # FKL1 = 1.05 -> exp 2.857 -> clamp 1.2 -> safety (A<0, ρ>2) -> clamp(1.2, 0.8, 1.0) = 1.0 -> Ã1 = -2
-    out = POLICY_LOSSES["future_kl"](torch.tensor([[0.0, 1.05]]), torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]),
-                                     torch.ones(1, 2), decay_rate=1.0, safety_threshold=2.0)
+    out = POLICY_LOSSES["future_kl"](
+        torch.tensor([[0.0, 1.05]]),
+        torch.zeros(1, 2),
+        torch.tensor([[1.0, -1.0]]),
+        torch.ones(1, 2),
+        decay_rate=1.0,
+        safety_threshold=2.0,
+    )
     # L1 = max(2·2.8577, 2·1.28) = 5.7154 < 6 -> 5.7154
     assert out.per_token_loss[0, 1].item() == pytest.approx(2 * math.exp(1.05), rel=1e-5)
 

@@ -6,8 +6,10 @@ from appo_trl.rewards import REWARD_FUNCS, get_reward_func
 from appo_trl.rewards.deep_research import compute_score, validate_format
 from appo_trl.rewards.funcs import completion_text
 
-GOOD = ("<think>plan</think><search>q</search><result>r</result><think>run</think>"
-        "<python>print(1)</python><result>1</result><answer>The answer is \\boxed{Paris}</answer>")
+GOOD = (
+    "<think>plan</think><search>q</search><result>r</result><think>run</think>"
+    "<python>print(1)</python><result>1</result><answer>The answer is \\boxed{Paris}</answer>"
+)
 NO_TOOLS = "<think>t</think><answer>\\boxed{Paris, France}</answer>"
 
 
@@ -49,16 +51,24 @@ def test_registry_functions_trl_signature():
     m = get_reward_func("math_verify")(["p"] * 2, ["<answer>\\boxed{1/2}</answer>", "\\boxed{3}"], answer=["0.5", "4"])
     assert m == [1.0, 0.0]
     mv = get_reward_func("arpo_deep_research_mathverify")(
-        ["p"] * 2, ["<think>t</think><answer>\\boxed{0.5}</answer>"] * 2, answer=["\\frac{1}{2}"] * 2,
-        ability=["math", "qa"])
+        ["p"] * 2,
+        ["<think>t</think><answer>\\boxed{0.5}</answer>"] * 2,
+        answer=["\\frac{1}{2}"] * 2,
+        ability=["math", "qa"],
+    )
     assert mv == [1.0, 0.0]
     assert REWARD_FUNCS["format"].__name__ == "format"
 
 
 def test_reward_from_worker_thread():
     out = []
-    th = threading.Thread(target=lambda: out.extend(get_reward_func("arpo_deep_research_mathverify")(
-        ["p"], ["<think>t</think><answer>\\boxed{\\frac{1}{2}}</answer>"], answer=["0.5"], ability=["math"])))
+    th = threading.Thread(
+        target=lambda: out.extend(
+            get_reward_func("arpo_deep_research_mathverify")(
+                ["p"], ["<think>t</think><answer>\\boxed{\\frac{1}{2}}</answer>"], answer=["0.5"], ability=["math"]
+            )
+        )
+    )
     th.start()
     th.join(30)
     assert out == [1.0]
@@ -74,6 +84,9 @@ def test_get_reward_func_errors_and_dotted():
 
 
 def test_completion_text():
-    msgs = [{"role": "assistant", "content": "<search>q</search>"}, {"role": "tool", "content": "<result>r</result>"},
-            {"role": "assistant", "content": [{"type": "text", "text": "done"}]}]
+    msgs = [
+        {"role": "assistant", "content": "<search>q</search>"},
+        {"role": "tool", "content": "<result>r</result>"},
+        {"role": "assistant", "content": [{"type": "text", "text": "done"}]},
+    ]
     assert completion_text(msgs) == "<search>q</search><result>r</result>done"
