@@ -85,7 +85,7 @@ def build_report(config, benches, examples, records: dict[tuple, dict], judged: 
 def render_markdown(report: dict[str, Any]) -> str:
     """A Markdown table: one row per benchmark, headline score, rule metrics, pass@k, tool use."""
     ks = sorted({int(k) for r in report["benchmarks"].values() for k in r["pass@k"]})
-    head = ["benchmark", "n x k", "metric", "score", "EM", "F1", "cover-EM", "math", "judge"]
+    head = ["benchmark", "questions x n", "metric", "score", "EM", "F1", "cover-EM", "math", "judge"]
     head += [f"pass@{k}" for k in ks] + ["calls/sample", "tool use", "limit hits", "out chars"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
@@ -118,6 +118,7 @@ def plot_report(report: dict[str, Any], path: str | Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, r in report["benchmarks"].items():
@@ -128,7 +129,14 @@ def plot_report(report: dict[str, Any], path: str | Path) -> None:
         total = sum(hist.values()) or 1
         xs = sorted(int(c) for c in hist)
         ax2.plot(xs, [100 * hist[str(c)] / total for c in xs], marker="s", label=name)
+    all_ks = sorted({int(k) for r in report["benchmarks"].values() for k in r["pass@k"]})
     ax1.set_xscale("log", base=2)
+    ax1.set_xticks(all_ks or [1], [str(k) for k in all_ks or [1]])
+    ax1.minorticks_off()
+    ax2.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax2.set_xlim(left=-0.5)
+    for ax in (ax1, ax2):
+        ax.set_ylim(0, 102)
     ax1.set(xlabel="k", ylabel="pass@k (%)", title="pass@k per benchmark")
     ax2.set(xlabel="tool calls per sample", ylabel="samples (%)", title="tool-call distribution")
     for ax in (ax1, ax2):
