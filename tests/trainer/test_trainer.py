@@ -226,3 +226,13 @@ def test_aepo_entropy_aware_advantage_is_applied_with_trainer_entropies(tmp_path
     trainer.args.entropy_balanced_advantage = False
     without = compute_policy_loss(trainer, trainer.model, seen[0])
     assert not torch.allclose(with_flag, without)
+
+
+def test_reward_names_resolve_through_the_registry(tmp_path, tiny_tokenizer, tiny_model_path):
+    from appo_trl.rewards import REWARD_FUNCS
+
+    name = sorted(REWARD_FUNCS)[0]
+    args = APPOConfig(output_dir=str(tmp_path), **{**CPU, "num_generations": 4, "per_device_train_batch_size": 4})
+    trainer = APPOTrainer(model=tiny_model_path, reward_funcs=[name], args=args, train_dataset=dataset(),
+                          processing_class=tiny_tokenizer)
+    assert trainer.reward_funcs[0] is REWARD_FUNCS[name]
