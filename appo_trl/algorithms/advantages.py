@@ -86,27 +86,30 @@ def appo_dual_group_advantages(
     if rb.numel() == 0:
         out = base.clone()
     else:
+        dev = ri.device
+        rb = rb.to(dev)
         a_b = (rb - rb.mean(-1, keepdim=True)) / (rb.std(-1, correction=0, keepdim=True) + eps)  # (P, B)
-        s = branch_positions.long()
-        t = torch.arange(T)
+        s, t = branch_positions.long().to(dev), torch.arange(T, device=dev)
         cover = (s.unsqueeze(-1) >= t).float()  # (P, B, T): branch b covers t (s_b ≥ t)
-        parent = torch.nn.functional.one_hot(branch_rows.long().clamp(0, N - 1), N).float()  # (P, B, N)
+        parent = torch.nn.functional.one_hot(branch_rows.long().to(dev).clamp(0, N - 1), N).float()  # (P, B, N)
         count = torch.einsum("pbn,pbt->pnt", parent, cover)  # |B_i(t)|
         credit = torch.einsum("pbn,pbt,pb->pnt", parent, cover, a_b)
         has = count > 0
         denom = count.clamp(min=1.0)
         if m_scaling == "advantage":
-            bs = branch_scores.float()
+            bs = branch_scores.float().to(dev)
             top = bs.max()
             w = (bs / top).clamp(0.0, 1.0) if top > 0 else torch.zeros_like(bs)
-            decay = torch.tensor(discount, dtype=torch.float64) ** (s.unsqueeze(-1) - t).clamp(min=0).double()
+            decay = (
+                torch.tensor(discount, dtype=torch.float64, device=dev) ** (s.unsqueeze(-1) - t).clamp(min=0).double()
+            )
             term = (1.0 + w.unsqueeze(-1) * decay.float()) * cover  # (P, B, T)
             m = torch.where(has, torch.einsum("pbn,pbt->pnt", parent, term) / denom, torch.ones_like(denom))
         else:
             m = torch.ones_like(denom)
         out = torch.where(has, m * base + credit / denom, base)
     if lengths is not None:
-        out = out * (torch.arange(T).view(1, 1, -1) < lengths.view(P, N, 1)).float()
+        out = out * (torch.arange(T, device=out.device).view(1, 1, -1) < lengths.to(out.device).view(P, N, 1)).float()
     return out.reshape(P * N, T)
 
 
