@@ -60,6 +60,8 @@ def math_equal(prediction: str, gold: str, timeout: float | None = DEFAULT_TIMEO
     gold_s = extract_answer(str(gold)) or str(gold)
     if not pred.strip() or not gold_s.strip():
         return False
+    import math_verify  # noqa: F401 - import (seconds on a cold start) outside the comparison deadline
+
     future = _pool().submit(_verify, pred, gold_s)
     try:
         return future.result(timeout=timeout)
