@@ -83,7 +83,9 @@ class ScriptedPolicy:
         lps = [self.logprob_at(base + i) for i in range(len(ids))]
         top = None
         if params.logprobs > 0:
-            top = [{**{(t + j) % 50 + 3: lp - j for j in range(1, params.logprobs + 1)}, t: lp} for t, lp in zip(ids, lps)]
+            top = [
+                {**{(t + j) % 50 + 3: lp - j for j in range(1, params.logprobs + 1)}, t: lp} for t, lp in zip(ids, lps)
+            ]
         return Segment(ids, lps, top, reason, stop)
 
 
@@ -157,7 +159,7 @@ class FakeVLLMServer:
             prompts = [prompts]
         n, want = int(body.get("n", 1)), body.get("logprobs")
         choices, completion_tokens = [], 0
-        for p_idx, prompt in enumerate(prompts):
+        for prompt in prompts:
             for j in range(n):
                 seed = body.get("seed")
                 params = SamplingParams(

@@ -39,7 +39,6 @@ from appo_trl.rollout.types import (
     ToolCallRecord,
     Trajectory,
 )
-
 from appo_trl.rollout.vllm_server import VLLMServerBackend, VLLMServerError
 
 __all__ = [

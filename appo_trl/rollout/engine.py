@@ -31,10 +31,23 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from appo_trl.rollout.text import PieceDecoder, StopMatcher, extract_call, neutralise_special_strings
-from appo_trl.rollout.text import topk_entropy, window_entropy
-from appo_trl.rollout.types import Backend, BranchContext, RolloutConfig, SamplingParams, Segment, ToolCallRecord
-from appo_trl.rollout.types import Trajectory
+from appo_trl.rollout.text import (
+    PieceDecoder,
+    StopMatcher,
+    extract_call,
+    neutralise_special_strings,
+    topk_entropy,
+    window_entropy,
+)
+from appo_trl.rollout.types import (
+    Backend,
+    BranchContext,
+    RolloutConfig,
+    SamplingParams,
+    Segment,
+    ToolCallRecord,
+    Trajectory,
+)
 from appo_trl.tools.base import Tool
 from appo_trl.tools.executor import ToolExecutor
 
@@ -109,7 +122,13 @@ class RolloutEngine:
         trajectory left, so every group ends with exactly `group_size` trajectories.
         """
         ns = [n] * len(prompts) if isinstance(n, int) else list(n)
-        sizes = ns if group_size is None else [group_size] * len(prompts) if isinstance(group_size, int) else list(group_size)
+        sizes = (
+            ns
+            if group_size is None
+            else [group_size] * len(prompts)
+            if isinstance(group_size, int)
+            else list(group_size)
+        )
         if len(ns) != len(prompts) or len(sizes) != len(prompts):
             raise ValueError("n and group_size must be ints or lists as long as prompts")
         if any(s < k or k < 1 for k, s in zip(ns, sizes)):

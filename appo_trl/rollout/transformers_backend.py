@@ -89,6 +89,19 @@ class TransformersBackend:
         seg.latency_s = time.perf_counter() - start
         return seg
 
+    async def aclose(self) -> None:
+        """Stop the batching worker of the running event loop (requests still queued get cancelled)."""
+        key = id(asyncio.get_running_loop())
+        worker = self._workers.pop(key, None)
+        queue = self._queues.pop(key, None)
+        if worker is not None:
+            worker.cancel()
+            await asyncio.gather(worker, return_exceptions=True)
+        while queue is not None and not queue.empty():
+            req = queue.get_nowait()
+            if not req.future.done():
+                req.future.cancel()
+
     async def _worker(self, queue: asyncio.Queue) -> None:
         while True:
             batch = [await queue.get()]
@@ -146,7 +159,7 @@ class TransformersBackend:
         finish: list[tuple[str, str | None] | None] = [None] * n
         past, step_ids, attn = None, ids, mask
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        for step in range(max(r.params.max_tokens for r in batch)):
+        for _ in range(max(r.params.max_tokens for r in batch)):
             out = model(input_ids=step_ids, attention_mask=attn, position_ids=positions, past_key_values=past,
                         use_cache=True)  # fmt: skip
             past = out.past_key_values
@@ -181,6 +194,8 @@ class TransformersBackend:
             attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype, device=device)], dim=1)
             positions = positions[:, -1:] + 1
         return [
-            Segment(out_ids[i], out_lp[i], out_top[i] if r.params.logprobs > 0 else None, *(finish[i] or ("length", None)))
+            Segment(
+                out_ids[i], out_lp[i], out_top[i] if r.params.logprobs > 0 else None, *(finish[i] or ("length", None))
+            )
             for i, r in enumerate(batch)
         ]

@@ -149,7 +149,9 @@ class VLLMServerBackend:
                 last = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 continue
             if resp.status_code != 200:
-                raise VLLMServerError(f"vLLM server {self.base_url}{path} answered HTTP {resp.status_code}: {resp.text[:500]}")
+                raise VLLMServerError(
+                    f"vLLM server {self.base_url}{path} answered HTTP {resp.status_code}: {resp.text[:500]}"
+                )
             return resp.json()
         raise VLLMServerError(
             f"vLLM server at {self.base_url}{path} failed after {self.max_retries + 1} attempts: {last}. "

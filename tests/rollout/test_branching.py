@@ -133,8 +133,8 @@ def test_refill_from_bare_prompt(make_engine, tiny_tokenizer, enc):  # noqa: F81
 def _expected_window(lps: list[float], k: int, window: int, vocab: int) -> float:
     # ScriptedPolicy's top logprobs at a token with logprob l: {sampled: l, k others: l-1, ..., l-k}
     total = 0.0
-    for l in lps[:window]:
-        total += sum(-math.exp(l - j) * (l - j) for j in range(k + 1))
+    for x in lps[:window]:
+        total += sum(-math.exp(x - j) * (x - j) for j in range(k + 1))
     return total / math.log(vocab)
 
 

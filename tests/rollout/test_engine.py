@@ -64,7 +64,10 @@ def two_call_case(tiny_tokenizer, enc, result_ids):
     t1 = enc("<search>capital</search>")
     t2 = enc("<answer>5</answer>") + [eos]
     turns = [t0 + enc(" never sampled"), t1 + enc(" nor this"), t2]
-    tools = {"python": ScriptedTool("python", lambda q: "5"), "search": ScriptedTool("search", lambda q: "Page 1: city")}
+    tools = {
+        "python": ScriptedTool("python", lambda q: "5"),
+        "search": ScriptedTool("search", lambda q: "Page 1: city"),
+    }
     return dict(t0=t0, t1=t1, t2=t2, r0=result_ids("5"), r1=result_ids("Page 1: city"), turns=turns, tools=tools)
 
 
@@ -83,7 +86,10 @@ def test_alignment_with_two_tool_calls(make_engine, tiny_tokenizer, enc, two_cal
     assert traj.finish_reason == "eos" and traj.num_calls == 2 and traj.entropies is None
     a, b = len(t0), len(t0) + len(r0) + len(t1)
     calls = [(x.tag, x.query, x.result, x.ok, x.start, x.end) for x in traj.tool_calls]
-    assert calls == [("python", "print(2+3)", "5", True, a, a + len(r0)), ("search", "capital", "Page 1: city", True, b, b + len(r1))]
+    assert calls == [
+        ("python", "print(2+3)", "5", True, a, a + len(r0)),
+        ("search", "capital", "Page 1: city", True, b, b + len(r1)),
+    ]
     # the sampler saw exactly the growing context, each request with its own seed and the tool stop strings
     contexts = [ctx for ctx, _ in policy.requests]
     assert contexts == [prompt, prompt + t0 + r0, prompt + t0 + r0 + t1 + r1]

@@ -46,7 +46,10 @@ def test_batched_equals_single_and_seeds_reproduce(model, tiny_tokenizer, enc):
     prompts = [enc("short"), enc("a much longer prompt with several words in it")]
     params = [SamplingParams(max_tokens=8, seed=s) for s in (1, 2)]
     batched = _run(TransformersBackend(model, tiny_tokenizer, max_batch_size=8), list(zip(prompts, params)))
-    single = [_run(TransformersBackend(model, tiny_tokenizer, max_batch_size=1), [(p, s)])[0] for p, s in zip(prompts, params)]
+    single = [
+        _run(TransformersBackend(model, tiny_tokenizer, max_batch_size=1), [(p, s)])[0]
+        for p, s in zip(prompts, params)
+    ]
     for b, s in zip(batched, single):  # left padding and position ids are right
         assert b.token_ids == s.token_ids
         assert b.logprobs == pytest.approx(s.logprobs, abs=1e-4)
@@ -60,12 +63,16 @@ def test_stop_strings_and_max_tokens(model, tiny_tokenizer, enc):
     assert free.finish_reason in ("length", "eos")
     k = next(i for i, t in enumerate(free.token_ids) if tiny_tokenizer.decode([t]).strip())
     stop = tiny_tokenizer.decode([free.token_ids[k]]).strip()
-    stopped = _run(TransformersBackend(model, tiny_tokenizer), [(prompt, SamplingParams(max_tokens=12, seed=3, stop=[stop]))])[0]
+    stopped = _run(
+        TransformersBackend(model, tiny_tokenizer), [(prompt, SamplingParams(max_tokens=12, seed=3, stop=[stop]))]
+    )[0]
     first = next(i for i in range(len(free.token_ids)) if stop in tiny_tokenizer.decode(free.token_ids[: i + 1]))
     assert stopped.finish_reason == "stop" and stopped.stop_str == stop
     assert stopped.token_ids == free.token_ids[: first + 1]
     short = _run(TransformersBackend(model, tiny_tokenizer), [(prompt, SamplingParams(max_tokens=2, seed=3))])[0]
-    assert short.token_ids == free.token_ids[:2] and (short.finish_reason == "length" or short.token_ids[-1] == tiny_tokenizer.eos_token_id)
+    assert short.token_ids == free.token_ids[:2] and (
+        short.finish_reason == "length" or short.token_ids[-1] == tiny_tokenizer.eos_token_id
+    )
 
 
 def test_process_logits_matches_hand_values():

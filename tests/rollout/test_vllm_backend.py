@@ -56,7 +56,7 @@ def test_request_and_response_fields(scripted_server, enc):
     expected = enc("<python>print(1)</python>")
     assert seg.token_ids == expected and seg.finish_reason == "stop" and seg.stop_str == "</python>"
     assert seg.logprobs == [lp(len(prompt) + i) for i in range(len(expected))]
-    assert all(top[t] == l and len(top) == 4 for top, t, l in zip(seg.top_logprobs, seg.token_ids, seg.logprobs))
+    assert all(top[t] == x and len(top) == 4 for top, t, x in zip(seg.top_logprobs, seg.token_ids, seg.logprobs))
 
 
 def test_parse_choice_finish_reasons():
@@ -65,9 +65,13 @@ def test_parse_choice_finish_reasons():
     eos = parse_choice({"token_ids": [7, 2], "logprobs": lps, "finish_reason": "stop", "stop_reason": None}, True)
     assert eos.finish_reason == "eos" and eos.stop_str is None
     assert eos.logprobs == [-0.5, -0.25] and eos.top_logprobs == [{9: -0.1, 7: -0.5}, {2: -0.25}]
-    stop = parse_choice({"token_ids": [7, 2], "logprobs": lps, "finish_reason": "stop", "stop_reason": "</search>"}, False)
+    stop = parse_choice(
+        {"token_ids": [7, 2], "logprobs": lps, "finish_reason": "stop", "stop_reason": "</search>"}, False
+    )
     assert stop.finish_reason == "stop" and stop.stop_str == "</search>" and stop.top_logprobs is None
-    length = parse_choice({"token_ids": [7, 2], "logprobs": lps, "finish_reason": "length", "stop_reason": None}, False)
+    length = parse_choice(
+        {"token_ids": [7, 2], "logprobs": lps, "finish_reason": "length", "stop_reason": None}, False
+    )
     assert length.finish_reason == "length"
     bad = dict(lps, tokens=["token_id:8", "token_id:2"])
     with pytest.raises(VLLMServerError, match="do not match"):
@@ -81,7 +85,9 @@ def test_server_down_names_the_url():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
     backend = VLLMServerBackend(f"http://127.0.0.1:{port}", model="m", max_retries=1, backoff_s=0.01)
-    with pytest.raises(VLLMServerError, match=rf"127\.0\.0\.1:{port}/v1/completions failed after 2 attempts: unreachable"):
+    with pytest.raises(
+        VLLMServerError, match=rf"127\.0\.0\.1:{port}/v1/completions failed after 2 attempts: unreachable"
+    ):
         _gen(backend, [1, 2], SamplingParams(max_tokens=4))
 
 
@@ -110,7 +116,9 @@ def test_engine_over_http_matches_direct_policy(scripted_server, tiny_tokenizer,
     tools = {"python": ScriptedTool("python", lambda q: "1")}
     cfg = RolloutConfig(max_completion_length=256, max_model_len=512)
     engine = RolloutEngine(VLLMServerBackend(server.url), tiny_tokenizer, cfg, tools)
-    direct = RolloutEngine(ScriptedPolicy(tiny_tokenizer, by_results(tiny_tokenizer, turns)), tiny_tokenizer, cfg, tools)
+    direct = RolloutEngine(
+        ScriptedPolicy(tiny_tokenizer, by_results(tiny_tokenizer, turns)), tiny_tokenizer, cfg, tools
+    )
     try:
         prompts = [enc("q one"), enc("q two")]
         over_http = engine.run(engine.rollout(prompts, 3, seed=4))
