@@ -8,7 +8,8 @@ event loop, and with it the tools, keeps running). Each row has its own seeded `
 sampled id; top logprobs come from the same distribution.
 
 With an `accelerator`, the model is unwrapped for generation with TRL's `unwrap_model_for_generation`
-(gathers ZeRO-3 shards once per batch). This backend is not meant to be fast; use `VLLMServerBackend` at scale.
+(gathers ZeRO-3 shards once per batch; under multi-process ZeRO-3 wrap the whole `engine.run` in
+`backend.unwrapped_for_rollout()` on every rank instead, since ranks run different numbers of batches). This backend is not meant to be fast; use `VLLMServerBackend` at scale.
 """
 
 from __future__ import annotations
@@ -119,7 +120,23 @@ class TransformersBackend:
                 if not req.future.done():
                     req.future.set_result(seg)
 
+    @contextlib.contextmanager
+    def unwrapped_for_rollout(self):
+        """Unwrap (gather ZeRO-3 parameters) once for a whole rollout instead of once per batch.
+
+        Use it around `engine.run(...)` on every rank under ZeRO-3 with several processes: the per-batch
+        unwrap is a collective, and ranks run different numbers of batches.
+        """
+        with self._unwrapped() as model:
+            self._held = model
+            try:
+                yield model
+            finally:
+                self._held = None
+
     def _unwrapped(self):
+        if getattr(self, "_held", None) is not None:
+            return contextlib.nullcontext(self._held)
         if self.accelerator is None:
             return contextlib.nullcontext(self.model)
         from trl.models.utils import unwrap_model_for_generation

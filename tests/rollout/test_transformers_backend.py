@@ -102,3 +102,27 @@ def test_engine_on_the_tiny_model_keeps_invariants(model, tiny_tokenizer, enc):
     for t in rows:
         t.check()
         assert 1 <= len(t.completion_ids) <= 16 and t.finish_reason in ("eos", "length", "call_limit", "empty_call")
+
+
+def test_unwrapped_for_rollout_holds_one_unwrap(model, tiny_tokenizer, enc, monkeypatch):
+    import contextlib
+
+    import trl.models.utils
+
+    unwraps = []
+
+    @contextlib.contextmanager
+    def counting_unwrap(m, accelerator, **kwargs):  # stands in for the ZeRO-3 gather
+        unwraps.append(accelerator)
+        yield m
+
+    monkeypatch.setattr(trl.models.utils, "unwrap_model_for_generation", counting_unwrap)
+    backend = TransformersBackend(model, tiny_tokenizer, accelerator="acc")
+    requests = [(enc("q"), SamplingParams(max_tokens=3, seed=1))]
+    _run(backend, requests)
+    _run(backend, requests)
+    assert unwraps == ["acc", "acc"]  # once per batch
+    with backend.unwrapped_for_rollout():
+        _run(backend, requests)
+        _run(backend, requests)
+    assert len(unwraps) == 3  # once for the whole held rollout
