@@ -166,22 +166,25 @@ def run(strategy, model_path, tok, url, prompts, n, initial, steps, out_dir, bud
     }, batches[0]
 
 
-def loss_time(trainer, batch, mode, repeats):
+def loss_times(trainer, batch, repeats):
+    """Median `_compute_loss` forward+backward time of TRL's loss and of future_kl, interleaved on one batch."""
     from trl import GRPOTrainer
 
     from appo_trl.trainer_loss import compute_policy_loss
 
-    trainer.args.loss_mode = mode
+    trainer.args.loss_mode = "future_kl"
     trainer.model.train()
-    fn = (lambda: GRPOTrainer._compute_loss(trainer, trainer.model, batch)) if mode == "clip" else (
-        lambda: compute_policy_loss(trainer, trainer.model, batch))
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        fn().backward()
-        times.append(time.perf_counter() - t0)
-        trainer.model.zero_grad(set_to_none=True)
-    return statistics.median(times[1:])
+    fns = {"trl": lambda: GRPOTrainer._compute_loss(trainer, trainer.model, batch),
+           "future_kl": lambda: compute_policy_loss(trainer, trainer.model, batch)}
+    times = {k: [] for k in fns}
+    for i in range(repeats + 1):
+        for key in (("trl", "future_kl") if i % 2 == 0 else ("future_kl", "trl")):
+            t0 = time.perf_counter()
+            fns[key]().backward()
+            if i:  # the first round warms up both
+                times[key].append(time.perf_counter() - t0)
+            trainer.model.zero_grad(set_to_none=True)
+    return statistics.median(times["trl"]), statistics.median(times["future_kl"])
 
 
 def main():
@@ -214,8 +217,7 @@ def main():
     figures["tool_calls_ratio"] = a["tool_calls_per_step"] / g["tool_calls_per_step"]
     figures["loss_rows_ratio"] = a["loss_rows_per_step"] / g["loss_rows_per_step"]
     if "losses" not in algorithms:  # the real policy losses are installed
-        t_trl = loss_time(appo_trainer, appo_batch, "clip", 5)
-        t_fkl = loss_time(appo_trainer, appo_batch, "future_kl", 5)
+        t_trl, t_fkl = loss_times(appo_trainer, appo_batch, 10)
         figures.update(loss_time_trl_s=t_trl, loss_time_future_kl_s=t_fkl,
                        loss_time_ratio_future_kl_vs_trl=t_fkl / t_trl)
     else:
