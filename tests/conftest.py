@@ -23,6 +23,26 @@ def tiny_model_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_sft_model_path(tiny_model_path, tmp_path_factory) -> str:
+    """The tiny model after a short SFT cold start on the tiny tool traces (what `appo demo` does first).
+
+    Unlike the random model, it writes `<think>`/`<python>`/`<answer>` blocks, so tool calls happen and
+    rewards vary within a group (the random model scores -1 everywhere: zero advantages, no update).
+    """
+    from appo_trl import sft
+    from appo_trl.recipes import REPO_ROOT, parse_recipe
+
+    out = tmp_path_factory.mktemp("tiny-sft")
+    args = parse_recipe(sft.dataclass_types(), [
+        "--config", str(REPO_ROOT / "recipes" / "tiny" / "sft.yaml"), "--model_name_or_path", tiny_model_path,
+        "--output_dir", str(out), "--max_steps", "120", "--learning_rate", "3e-3", "--save_strategy", "no",
+        "--dataset_name", str(REPO_ROOT / "recipes" / "tiny" / "data" / "sft_tir.jsonl"), "--logging_steps", "60",
+    ])  # fmt: skip
+    sft.main(*args)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_path):
     from transformers import AutoTokenizer
 

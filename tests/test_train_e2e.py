@@ -21,19 +21,21 @@ def _params(path):
     return {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(path).state_dict().items()}
 
 
-def test_train_in_process_changes_params_and_checkpoint_reloads(tiny_model_path, tmp_path):
+def test_train_in_process_changes_params_and_checkpoint_reloads(tiny_sft_model_path, tmp_path):
     from appo_trl.train import main
 
     out = tmp_path / "run"
     args = parse_recipe(
         dataclass_types(),
-        ["--config", RECIPE, "--model_name_or_path", tiny_model_path, "--output_dir", str(out),
+        ["--config", RECIPE, "--model_name_or_path", tiny_sft_model_path, "--output_dir", str(out),
          "--dataset_name", DATA],
     )
     trainer = main(*args)
     assert trainer.state.global_step == 2
-    assert any("reward" in e for e in trainer.state.log_history)
-    before, after = _params(tiny_model_path), _params(out)
+    logs = [e for e in trainer.state.log_history if "reward" in e]
+    assert len(logs) == 2
+    assert sum(e["tools/calls"] for e in logs) > 0, "the cold-started model never called python"
+    before, after = _params(tiny_sft_model_path), _params(out)
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert changed, "no parameter moved after two optimizer steps"
     assert (out / "checkpoint-2" / "model.safetensors").is_file()
