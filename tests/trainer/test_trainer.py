@@ -236,3 +236,22 @@ def test_reward_names_resolve_through_the_registry(tmp_path, tiny_tokenizer, tin
     trainer = APPOTrainer(model=tiny_model_path, reward_funcs=[name], args=args, train_dataset=dataset(),
                           processing_class=tiny_tokenizer)
     assert trainer.reward_funcs[0] is REWARD_FUNCS[name]
+
+
+def test_engine_is_built_from_the_config(tmp_path, tiny_tokenizer, tiny_model_path):
+    from appo_trl.rollout import RolloutEngine, TransformersBackend
+
+    args = APPOConfig(output_dir=str(tmp_path), **{**CPU, "num_generations": 4, "per_device_train_batch_size": 4},
+                      tools=["python"], tool_call_limit=5, rollout_strategy="appo", initial_rollouts=2,
+                      max_completion_length=48, entropy_topk=7)
+    trainer = APPOTrainer(model=tiny_model_path, reward_funcs=[RewardSpy()], args=args, train_dataset=dataset(),
+                          processing_class=tiny_tokenizer)
+    assert not trainer._trl_sampler
+    engine = trainer.rollout_engine
+    try:
+        assert isinstance(engine, RolloutEngine) and isinstance(engine.backend, TransformersBackend)
+        cfg = engine.config
+        assert (cfg.call_limit, cfg.max_completion_length, cfg.entropy_topk, cfg.record_entropies) == (5, 48, 7, True)
+        assert cfg.tool_tags == ["python"]
+    finally:
+        engine.close()
