@@ -262,8 +262,6 @@ class APPOConfig(GRPOConfig):
         if self.loss_mode != "clip":
             if self.loss_type not in CUSTOM_LOSS_TYPES:
                 self._fail(f"loss_mode={self.loss_mode} supports loss_type in {CUSTOM_LOSS_TYPES} (got {self.loss_type!r}).")
-            if self.beta != 0.0:
-                self._fail(f"loss_mode={self.loss_mode} does not add the KL term yet; set beta=0 or loss_mode=clip.")
             if self.top_entropy_quantile < 1.0:
                 self._fail(f"loss_mode={self.loss_mode} does not support top_entropy_quantile < 1; use loss_mode=clip.")
         if self.use_vllm and self.vllm_mode != "server":

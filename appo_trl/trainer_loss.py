@@ -8,8 +8,11 @@ policy loss) is replaced, by `appo_trl.algorithms.losses.POLICY_LOSSES[loss_mode
 `entropy_balanced_advantage` the advantages are first reweighted by `entropy_aware_advantage` using the
 current policy's exact entropies (computed on every step, unlike the reference).
 
-Not supported here (rejected by `APPOConfig`/`APPOTrainer`): the KL term (`beta != 0`), the entropy mask
-(`top_entropy_quantile < 1`), the entropy bonus, and sequence-level importance sampling for these modes.
+The KL term (`beta != 0`, APPO's 0.001) is TRL's k3 estimator against `ref_per_token_logps`, with TRL's
+importance-sampling correction (`use_bias_correction_kl`), added after the policy loss exactly as the base
+class does (it is not removed by `keep_mask`: the reference drops sequences from the policy-gradient term
+only). Not supported here (rejected by `APPOConfig`): the entropy mask (`top_entropy_quantile < 1`), the
+entropy bonus, and sequence-level importance sampling for these modes.
 Sequences that a loss drops (`keep_mask`) contribute zero; the denominator stays TRL's global token count, so
 the gradient is identical under any split into ranks and micro-batches.
 """
@@ -43,6 +46,14 @@ def _dr_grpo(trainer, per_token, mask, inputs, train):
 
 # loss_type -> normaliser, identical to GRPOTrainer._compute_loss step 10 for that loss_type
 NORMALISERS = {"dapo": _dapo, "grpo": _grpo, "bnpo": _bnpo, "dr_grpo": _dr_grpo}
+
+
+def per_token_kl(logps, ref_logps, old_logps=None):
+    """k3 estimate of KL(pi_theta || pi_ref) per token: exp(r - l) - (r - l) - 1, times exp(l - old) when
+    `old_logps` is given (TRL's `use_bias_correction_kl`)."""
+    diff = ref_logps - logps
+    kl = torch.exp(diff) - diff - 1
+    return kl * torch.exp(logps - old_logps) if old_logps is not None else kl
 
 
 def loss_params(trainer) -> dict:
@@ -96,12 +107,18 @@ def compute_policy_loss(trainer, model, inputs) -> torch.Tensor:
         per_token = per_token * out.keep_mask
     if trainer.use_vllm and trainer.vllm_importance_sampling_correction and "importance_sampling_ratio" in inputs:
         per_token = per_token * inputs["importance_sampling_ratio"]
+    if trainer.beta != 0.0:
+        kl = per_token_kl(logps, inputs["ref_per_token_logps"], old if args.use_bias_correction_kl else None)
+        per_token = per_token + trainer.beta * kl
     loss = NORMALISERS[args.loss_type](trainer, per_token, mask, inputs, mode == "train")
     if trainer.aux_loss_enabled and aux_loss is not None:
         ga = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
         loss = loss + trainer.router_aux_loss_coef * aux_loss / ga
     # metrics: same collectives on every rank, in the same order
     msum = mask.sum().clamp(min=1.0)
+    if trainer.beta != 0.0:
+        totals = trainer.accelerator.reduce(torch.stack([(kl * mask).sum(), mask.sum().float()]), reduction="sum")
+        metrics["kl"].append((totals[0] / totals[1].clamp(min=1.0)).item())
     entropy = trainer.accelerator.gather((entropies * mask).sum() / msum).nanmean().item()
     metrics["entropy"].append(entropy)
     for key in sorted(out.metrics):

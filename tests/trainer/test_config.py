@@ -50,7 +50,6 @@ def test_aepo_balanced_clipping_selects_its_loss_and_branch_cap_default():
         (dict(loss_mode="fipo"), "loss_mode"),
         (dict(rollout_strategy="arpo", dynamic_rollouts=True), "AEPO option"),
         (dict(rollout_strategy="aepo", entropy_balanced_clipping=True, loss_mode="clip"), "entropy_balanced"),
-        (dict(rollout_strategy="appo", beta=0.01), "KL term"),
         (dict(rollout_strategy="appo", loss_type="luspo"), "loss_type"),
         (dict(clip_ratio_c=1.0), "clip_ratio_c"),
         (dict(fv_gamma=0.0), "fv_gamma"),

@@ -162,6 +162,17 @@ def test_custom_loss_path_matches_trl_loss_and_normaliser(tmp_path, tiny_tokeniz
         ours = compute_policy_loss(trainer, trainer.model, inputs)
         assert torch.allclose(ref, ours, atol=1e-6), (loss_type, ref, ours)
         assert ref.abs() > 0
+    # the KL term (APPO recipes: beta = 0.001) is TRL's k3 with its bias correction, added the same way
+    gen = torch.Generator().manual_seed(0)
+    inputs["ref_per_token_logps"] = -torch.rand(inputs["completion_ids"].shape, generator=gen) * 3
+    trainer.args.loss_type = trainer.loss_type = "dapo"
+    without_kl = compute_policy_loss(trainer, trainer.model, inputs)
+    trainer.beta = trainer.args.beta = 0.05
+    ref = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+    ours = compute_policy_loss(trainer, trainer.model, inputs)
+    assert torch.allclose(ref, ours, atol=1e-6), (ref, ours)
+    assert not torch.allclose(ours, without_kl)
+    assert trainer._metrics["train"]["kl"][-1] > 0
 
 
 def test_appo_reuses_the_branch_selection_forward_as_old_logps(tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch):
