@@ -63,3 +63,21 @@ def test_two_process_cli_run(tiny_model_path, tmp_path):
     assert "process 0 of world_size=2 (DistributedType.MULTI_CPU)" in log
     assert "process 1 of world_size=2 (DistributedType.MULTI_CPU)" in log
     assert (Path(out) / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("strategy", ["arpo", "aepo", "appo"])
+def test_tiny_strategy_recipes_train_with_real_tools(strategy, tiny_sft_model_path, tmp_path):
+    """Each tiny recipe end to end: real model, real sandboxed python calls, the strategy's branching and loss."""
+    from appo_trl.train import main
+
+    recipe = str(REPO_ROOT / "recipes" / "tiny" / f"{strategy}.yaml")
+    args = parse_recipe(dataclass_types(), ["--config", recipe, "--model_name_or_path", tiny_sft_model_path,
+                                            "--output_dir", str(tmp_path), "--dataset_name", DATA,
+                                            "--save_strategy", "no"])
+    assert args[1].rollout_strategy == strategy
+    trainer = main(*args)
+    logs = [e for e in trainer.state.log_history if "reward" in e]
+    assert len(logs) == trainer.state.global_step == 2
+    assert sum(e["tools/python/calls"] for e in logs) > 0
+    if strategy == "appo":  # n - initial branch rows per prompt, dropped before the loss
+        assert all(e["branch/points_per_prompt"] == 2 and e["branch/loss_rows_frac"] == 0.5 for e in logs)
