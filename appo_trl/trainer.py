@@ -65,8 +65,12 @@ def build_rollout_engine(trainer):
         backend = VLLMServerBackend(base_url, max_concurrency=args.rollout_concurrency)
     else:
         backend = TransformersBackend(trainer.model, trainer._tokenizer, accelerator=trainer.accelerator)
+    # prompt + completion must fit the sampler: vLLM's --max-model-len when given, else the model's positions
+    max_model_len = args.vllm_max_model_length or getattr(
+        trainer.model.config, "max_position_embeddings", None) or 32768  # fmt: skip
     config = RolloutConfig(
         max_completion_length=args.max_completion_length,
+        max_model_len=max_model_len,
         call_limit=args.tool_call_limit,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -130,6 +134,16 @@ class APPOTrainer(GRPOTrainer):
         if self._rollout_engine is None:
             self._rollout_engine = build_rollout_engine(self)
         return self._rollout_engine
+
+    def train(self, *args, **kwargs):
+        """`Trainer.train`, then the engine's loop thread, backend worker and sandbox are shut down (a later
+        call restarts them)."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            closer = getattr(self._rollout_engine, "close", None)
+            if closer is not None:
+                closer()
 
     # ---- generation ------------------------------------------------------------------------------------------
     def _round_seed(self) -> int:
