@@ -70,8 +70,10 @@ class APPOConfig(GRPOConfig):
     )
     tool_call_limit: int = field(
         default=3,
-        metadata=_h("Tool calls allowed per trajectory across all tools (a branch inherits its parent's count). "
-                    "At the limit the trajectory ends. Released values: 3 reasoning, 6 deep search."),
+        metadata=_h(
+            "Tool calls allowed per trajectory across all tools (a branch inherits its parent's count). "
+            "At the limit the trajectory ends. Released values: 3 reasoning, 6 deep search."
+        ),
     )
     rollout_concurrency: int = field(
         default=64, metadata=_h("Maximum sampler requests in flight per rank (async tool loop).")
@@ -82,8 +84,10 @@ class APPOConfig(GRPOConfig):
     )
     initial_rollouts: int | None = field(
         default=None,
-        metadata=_h("Rollouts started from the bare prompt (N); the other n − N rows are branches. Defaults to "
-                    "`num_generations` for grpo and `num_generations // 2` for the branching strategies."),
+        metadata=_h(
+            "Rollouts started from the bare prompt (N); the other n − N rows are branches. Defaults to "
+            "`num_generations` for grpo and `num_generations // 2` for the branching strategies."
+        ),
     )
     # --- ARPO ------------------------------------------------------------------------------------------------
     beam_size: int = field(
@@ -91,8 +95,10 @@ class APPOConfig(GRPOConfig):
     )
     branch_probability: float = field(
         default=0.5,
-        metadata=_h("ARPO/AEPO threshold τ: ARPO branches with P = clip(τ + β·ΔH, 0, 1); AEPO (reference form) with "
-                    "P = clip(1 − τ/f + β·ΔH, 0, 1), f the consecutive-branch factor (equal at τ = 0.5, f = 1)."),
+        metadata=_h(
+            "ARPO/AEPO threshold τ: ARPO branches with P = clip(τ + β·ΔH, 0, 1); AEPO (reference form) with "
+            "P = clip(1 − τ/f + β·ΔH, 0, 1), f the consecutive-branch factor (equal at τ = 0.5, f = 1)."
+        ),
     )
     entropy_weight: float = field(default=0.2, metadata=_h("ARPO/AEPO: entropy weight β in P = clip(τ + β·ΔH, 0, 1)."))
     entropy_tokens: int = field(
@@ -103,8 +109,10 @@ class APPOConfig(GRPOConfig):
     )
     arpo_entropy_timing: str = field(
         default="lookahead",
-        metadata=_h("`lookahead`: ΔH from the k tokens generated after the current tool result (paper intent). "
-                    "`faithful`: the reference's one-round lag (ΔH from the segment before the call)."),
+        metadata=_h(
+            "`lookahead`: ΔH from the k tokens generated after the current tool result (paper intent). "
+            "`faithful`: the reference's one-round lag (ΔH from the segment before the call)."
+        ),
     )
     # --- AEPO ------------------------------------------------------------------------------------------------
     dynamic_rollouts: bool = field(
@@ -113,80 +121,107 @@ class APPOConfig(GRPOConfig):
     )
     dynamic_rollouts_source: str = field(
         default="reuse",
-        metadata=_h("AEPO dynamic budget statistics: `probe` runs a discarded probe rollout per prompt (reference); "
-                    "`reuse` takes H_root / H_tool from the first initial rollout (no extra rollout)."),
+        metadata=_h(
+            "AEPO dynamic budget statistics: `probe` runs a discarded probe rollout per prompt (reference); "
+            "`reuse` takes H_root / H_tool from the first initial rollout (no extra rollout)."
+        ),
     )
     initial_entropy_tokens: int = field(
         default=50, metadata=_h("AEPO: max tokens of the root-entropy probe generation.")
     )
     branch_penalty: float = field(
         default=0.05,
-        metadata=_h("AEPO: consecutive-branch penalty; P is multiplied by max(0, 1 − penalty·l) after l rounds in a row "
-                    "that created branches. 0 disables it."),
+        metadata=_h(
+            "AEPO: consecutive-branch penalty; P is multiplied by max(0, 1 − penalty·l) after l rounds in a row "
+            "that created branches. 0 disables it."
+        ),
     )
     entropy_balanced_clipping: bool = field(
         default=False,
-        metadata=_h("AEPO: entropy-balanced clipping (the clipped upper branch keeps its gradient through "
-                    "(1+ε_h)·ρ/sg(ρ)); selects `loss_mode: entropy_balanced`."),
+        metadata=_h(
+            "AEPO: entropy-balanced clipping (the clipped upper branch keeps its gradient through "
+            "(1+ε_h)·ρ/sg(ρ)); selects `loss_mode: entropy_balanced`."
+        ),
     )
     entropy_balanced_advantage: bool = field(
         default=False,
-        metadata=_h("AEPO: entropy-aware advantage A·clamp(1 + a·z(H_t), 0, 2), actually applied (the reference "
-                    "silently skips it when entropy_coeff = 0)."),
+        metadata=_h(
+            "AEPO: entropy-aware advantage A·clamp(1 + a·z(H_t), 0, 2), actually applied (the reference "
+            "silently skips it when entropy_coeff = 0)."
+        ),
     )
     entropy_advantage_weight: float = field(default=0.2, metadata=_h("AEPO: weight a of the entropy-aware advantage."))
     # --- APPO ------------------------------------------------------------------------------------------------
     fv_gamma: float = field(
         default=2 ** (-1 / 64),
-        metadata=_h("APPO: discount γ_fv of the future value FV_t = clip(exp(Σ γ^(k−t)·(ℓ^train_k − ℓ^sampler_k)), "
-                    "0.8, 1.2). Default matches the future-KL horizon 2^(−1/64); the reference uses 1.0."),
+        metadata=_h(
+            "APPO: discount γ_fv of the future value FV_t = clip(exp(Σ γ^(k−t)·(ℓ^train_k − ℓ^sampler_k)), "
+            "0.8, 1.2). Default matches the future-KL horizon 2^(−1/64); the reference uses 1.0."
+        ),
     )
     max_branches_per_rollout: int | None = field(
         default=None,
-        metadata=_h("APPO: cap of branch points per initial rollout; default ⌈(n − N)/N⌉ + 1. Exceeded only as a "
-                    "fallback to keep the group at exactly n."),
+        metadata=_h(
+            "APPO: cap of branch points per initial rollout; default ⌈(n − N)/N⌉ + 1. Exceeded only as a "
+            "fallback to keep the group at exactly n."
+        ),
     )
     min_remaining_tokens: int = field(
         default=64, metadata=_h("APPO: a branch point needs at least this many completion tokens after it.")
     )
     exclude_whitespace_punct: bool = field(
-        default=True, metadata=_h("APPO: whitespace- or punctuation-only tokens (and the final EOS) are never branch points.")
+        default=True,
+        metadata=_h("APPO: whitespace- or punctuation-only tokens (and the final EOS) are never branch points."),
     )
     resample_selected_token: bool = field(
         default=False,
-        metadata=_h("APPO: False keeps token t in the branch prefix (reference); True re-samples it (prefix = response[:t])."),
+        metadata=_h(
+            "APPO: False keeps token t in the branch prefix (reference); True re-samples it (prefix = response[:t])."
+        ),
     )
     reward_scale_discount: float = field(
         default=0.9,
-        metadata=_h("APPO: δ of the saliency-decayed scale m_i[t] = mean_b(1 + (BS_b/max BS)·δ^(s_b−t)) applied to the "
-                    "initial trajectory's advantage."),
+        metadata=_h(
+            "APPO: δ of the saliency-decayed scale m_i[t] = mean_b(1 + (BS_b/max BS)·δ^(s_b−t)) applied to the "
+            "initial trajectory's advantage."
+        ),
     )
     advantage_mode: str = field(
         default="dual_group",
-        metadata=_h("APPO advantages: `dual_group` (initial and branch groups z-scored separately, branch credit on the "
-                    "source's prefix) or `group` (TRL's single group over all n rows)."),
+        metadata=_h(
+            "APPO advantages: `dual_group` (initial and branch groups z-scored separately, branch credit on the "
+            "source's prefix) or `group` (TRL's single group over all n rows)."
+        ),
     )
     m_scaling: str = field(
         default="advantage",
-        metadata=_h("APPO: where δ-scaling applies: `advantage` (effective) or `reward_noop` (reference: on the terminal "
-                    "reward, where the group z-score cancels it)."),
+        metadata=_h(
+            "APPO: where δ-scaling applies: `advantage` (effective) or `reward_noop` (reference: on the terminal "
+            "reward, where the group z-score cancels it)."
+        ),
     )
     branch_entropy_source: str = field(
         default="sampler_topk",
-        metadata=_h("APPO branch-score entropy: `sampler_topk` (top-k sampler logprobs, reference) or `trainer` "
-                    "(exact entropy from the trainer forward)."),
+        metadata=_h(
+            "APPO branch-score entropy: `sampler_topk` (top-k sampler logprobs, reference) or `trainer` "
+            "(exact entropy from the trainer forward)."
+        ),
     )
     # --- loss ------------------------------------------------------------------------------------------------
     loss_mode: str | None = field(
         default=None,
-        metadata=_h("Policy loss: `clip` (TRL's own loss), `dual_clip`, `future_kl` or `entropy_balanced`. Default: "
-                    "future_kl for appo, entropy_balanced for aepo with entropy_balanced_clipping, else clip."),
+        metadata=_h(
+            "Policy loss: `clip` (TRL's own loss), `dual_clip`, `future_kl` or `entropy_balanced`. Default: "
+            "future_kl for appo, entropy_balanced for aepo with entropy_balanced_clipping, else clip."
+        ),
     )
     clip_ratio_c: float = field(default=3.0, metadata=_h("Dual-clip bound c for negative advantages (> 1)."))
     future_kl_decay_rate: float = field(
         default=64.0, metadata=_h("future_kl: half-life in tokens; γ_L = 2^(−1/decay_rate).")
     )
-    future_kl_clip_ratio: float = field(default=0.2, metadata=_h("future_kl: clip ε_f of the future importance weight."))
+    future_kl_clip_ratio: float = field(
+        default=0.2, metadata=_h("future_kl: clip ε_f of the future importance weight.")
+    )
     future_kl_weight: float = field(default=1.0, metadata=_h("future_kl: weight b in Ã = A·(1 + b·f)."))
     future_kl_clip_high_only: bool = field(
         default=True, metadata=_h("future_kl: clip the future weight to [1, 1+ε_f] instead of [1−ε_f, 1+ε_f].")
@@ -255,18 +290,29 @@ class APPOConfig(GRPOConfig):
             self._fail(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound).")
         if self.future_kl_decay_rate <= 0:
             self._fail(f"future_kl_decay_rate={self.future_kl_decay_rate} must be > 0.")
-        if self.tool_call_limit < 0 or self.entropy_tokens < 1 or self.entropy_topk < 1 or self.min_remaining_tokens < 0:
+        if (
+            self.tool_call_limit < 0
+            or self.entropy_tokens < 1
+            or self.entropy_topk < 1
+            or self.min_remaining_tokens < 0
+        ):
             self._fail("tool_call_limit, min_remaining_tokens must be >= 0 and entropy_tokens, entropy_topk >= 1.")
         if self.max_branches_per_rollout is None:
             self.max_branches_per_rollout = math.ceil(self.branch_rows_per_prompt / self.initial_rollouts) + 1
         if self.loss_mode != "clip":
             if self.loss_type not in CUSTOM_LOSS_TYPES:
-                self._fail(f"loss_mode={self.loss_mode} supports loss_type in {CUSTOM_LOSS_TYPES} (got {self.loss_type!r}).")
+                self._fail(
+                    f"loss_mode={self.loss_mode} supports loss_type in {CUSTOM_LOSS_TYPES} (got {self.loss_type!r})."
+                )
             if self.top_entropy_quantile < 1.0:
-                self._fail(f"loss_mode={self.loss_mode} does not support top_entropy_quantile < 1; use loss_mode=clip.")
+                self._fail(
+                    f"loss_mode={self.loss_mode} does not support top_entropy_quantile < 1; use loss_mode=clip."
+                )
         if self.use_vllm and self.vllm_mode != "server":
-            self._fail("the tool loop samples through vLLM's HTTP server only: set vllm_mode=server "
-                       "(colocate mode is not supported by appo-trl's rollout engine).")
+            self._fail(
+                "the tool loop samples through vLLM's HTTP server only: set vllm_mode=server "
+                "(colocate mode is not supported by appo-trl's rollout engine)."
+            )
         self._validate_batching()
 
     def _validate_batching(self):
@@ -280,10 +326,14 @@ class APPOConfig(GRPOConfig):
         n, spg = self.num_generations, self.steps_per_generation
         rows = self.per_device_train_batch_size * spg
         if rows % n != 0:
-            self._fail(f"per_device_train_batch_size × steps_per_generation = {rows} must be a multiple of "
-                       f"num_generations = {n}, so that every group is sampled, branched and scored on one rank.")
+            self._fail(
+                f"per_device_train_batch_size × steps_per_generation = {rows} must be a multiple of "
+                f"num_generations = {n}, so that every group is sampled, branched and scored on one rank."
+            )
         if self.drops_branch_rows and (rows // n * self.initial_rollouts) % spg != 0:
-            self._fail(f"after removing branch rows each rank keeps {rows // n} groups × {self.initial_rollouts} "
-                       f"initial rollouts = {rows // n * self.initial_rollouts} rows, which must split evenly into "
-                       f"steps_per_generation = {spg} micro-batches; raise per_device_train_batch_size or change "
-                       "initial_rollouts.")
+            self._fail(
+                f"after removing branch rows each rank keeps {rows // n} groups × {self.initial_rollouts} "
+                f"initial rollouts = {rows // n * self.initial_rollouts} rows, which must split evenly into "
+                f"steps_per_generation = {spg} micro-batches; raise per_device_train_batch_size or change "
+                "initial_rollouts."
+            )

@@ -60,8 +60,9 @@ _TIR_FORMAT = (
 )
 SYSTEM_PROMPTS: dict[str, str] = {
     "tir": "You are a helpful assistant that solves problems with a search engine and a python interpreter. "
-    + _TIR_FORMAT.format(tools="Search with <search> query </search>; run code with <python> code </python> "
-        "(print what you need)."),
+    + _TIR_FORMAT.format(
+        tools="Search with <search> query </search>; run code with <python> code </python> (print what you need)."
+    ),
     "tir_search": "You are a helpful assistant that answers questions with a search engine. "
     + _TIR_FORMAT.format(tools="Search with <search> query </search>."),
     "tir_python": "You are a helpful assistant that solves problems with a python interpreter. "
@@ -125,8 +126,10 @@ def load_source(path: str, split: str = "train", config_name: str | None = None)
         if builder is None:
             raise ValueError(f"Unsupported data file {path!r}: use one of {sorted(DATA_FILE_BUILDERS)}.")
         if split != "train":  # never hand the training rows back as an evaluation split
-            raise ValueError(f"{path!r} is a single file, which only provides the 'train' split, not {split!r}; "
-                             "point dataset_name at a folder with per-split files (e.g. train.parquet, test.parquet).")
+            raise ValueError(
+                f"{path!r} is a single file, which only provides the 'train' split, not {split!r}; "
+                "point dataset_name at a folder with per-split files (e.g. train.parquet, test.parquet)."
+            )
         return datasets.load_dataset(builder, data_files=expanded, split="train")
     if os.path.isdir(expanded) or path.startswith((".", "/", "~")):
         if not os.path.isdir(expanded):
@@ -139,8 +142,13 @@ def load_source(path: str, split: str = "train", config_name: str | None = None)
     return loaded[split]
 
 
-def load_mixture(sources: Sequence[DataSource], split: str = "train", config_name: str | None = None,
-                 convert=None, seed: int = MIXTURE_SEED):
+def load_mixture(
+    sources: Sequence[DataSource],
+    split: str = "train",
+    config_name: str | None = None,
+    convert=None,
+    seed: int = MIXTURE_SEED,
+):
     """Load, convert (`convert(dataset, source_path) -> Dataset`), subsample by weight, concatenate, shuffle."""
     import datasets
 
@@ -173,12 +181,19 @@ def _align_answer_types(parts):
     """Mixtures whose sources disagree on `answer` being str or list[str] become list[str] everywhere."""
     from datasets import Sequence as DsSequence
 
-    kinds = {isinstance(p.features.get("answer"), DsSequence) or _is_list_feature(p.features.get("answer"))
-             for p in parts if "answer" in p.features}
+    kinds = {
+        isinstance(p.features.get("answer"), DsSequence) or _is_list_feature(p.features.get("answer"))
+        for p in parts
+        if "answer" in p.features
+    }
     if len(kinds) < 2:
         return parts
-    return [p if _is_list_feature(p.features["answer"]) else
-            p.map(lambda r: {"answer": [r["answer"]]}, desc="answer -> list") for p in parts]
+    return [
+        p
+        if _is_list_feature(p.features["answer"])
+        else p.map(lambda r: {"answer": [r["answer"]]}, desc="answer -> list")
+        for p in parts
+    ]
 
 
 def _is_list_feature(feature) -> bool:
@@ -262,14 +277,20 @@ def rl_converter(prompt_column: str = "prompt", answer_column: str = "answer", s
         keep = [c for c in PASSTHROUGH_COLUMNS if c in features]
 
         def row_fn(row):
-            out = {"prompt": to_messages(get_column(row, prompt_column), system_text),
-                   "answer": normalize_answer(get_column(row, answer_col))}
+            out = {
+                "prompt": to_messages(get_column(row, prompt_column), system_text),
+                "answer": normalize_answer(get_column(row, answer_col)),
+            }
             for c in keep:
                 out[c] = None if row[c] is None else str(row[c])
             return out
 
-        return ds.map(row_fn, remove_columns=ds.column_names, features=_rl_features(ds, answer_col, keep),
-                      desc=f"RL rows from {os.path.basename(source)}")
+        return ds.map(
+            row_fn,
+            remove_columns=ds.column_names,
+            features=_rl_features(ds, answer_col, keep),
+            desc=f"RL rows from {os.path.basename(source)}",
+        )
 
     return convert
 
@@ -278,8 +299,11 @@ def _rl_features(ds, answer_col: str, keep: Sequence[str]):
     from datasets import Features, List, Value
 
     sample = get_column(ds[0], answer_col) if len(ds) else ""
-    answer = Value("string") if isinstance(sample, str) or not (
-        isinstance(sample, (list, tuple)) or hasattr(sample, "tolist")) else List(Value("string"))
+    answer = (
+        Value("string")
+        if isinstance(sample, str) or not (isinstance(sample, (list, tuple)) or hasattr(sample, "tolist"))
+        else List(Value("string"))
+    )
     feats = {"prompt": List({"role": Value("string"), "content": Value("string")}), "answer": answer}
     feats.update({c: Value("string") for c in keep})
     return Features(feats)
@@ -307,12 +331,21 @@ def load_rl_dataset(script_args, split: str | None = None):
 
 # -------------------------------------------------------------------------------------------------- SFT rows
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "observation": "tool", "function_call": "assistant", "tool": "tool"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "observation": "tool",
+    "function_call": "assistant",
+    "tool": "tool",
+}
 
 
-def sharegpt_to_messages(row: Mapping, system_column: str = "system",
-                         conversations_column: str = "conversations") -> list[dict[str, str]]:
+def sharegpt_to_messages(
+    row: Mapping, system_column: str = "system", conversations_column: str = "conversations"
+) -> list[dict[str, str]]:
     """LLaMA-Factory sharegpt (`system`, `conversations: [{from, value}]`) -> chat `messages`."""
     messages = []
     system = row.get(system_column)
@@ -346,7 +379,8 @@ def sft_converter(messages_column: str = "messages", system_prompt: str | None =
             messages = get(row)
             if system_text is not None:
                 messages = [{"role": "system", "content": system_text}] + [
-                    m for m in messages if m["role"] != "system"]
+                    m for m in messages if m["role"] != "system"
+                ]
             return {"messages": [{"role": m["role"], "content": repair_text(m["content"])} for m in messages]}
 
         return ds.map(row_fn, remove_columns=ds.column_names, desc=f"SFT rows from {os.path.basename(source)}")
@@ -354,8 +388,17 @@ def sft_converter(messages_column: str = "messages", system_prompt: str | None =
     return convert
 
 
-def load_sft_dataset(dataset_name, split: str = "train", config_name: str | None = None,
-                     messages_column: str = "messages", system_prompt: str | None = None):
+def load_sft_dataset(
+    dataset_name,
+    split: str = "train",
+    config_name: str | None = None,
+    messages_column: str = "messages",
+    system_prompt: str | None = None,
+):
     """SFT rows (`messages`) from a source or mixture of `messages` or sharegpt data."""
-    return load_mixture(parse_sources(dataset_name), split=split, config_name=config_name,
-                        convert=sft_converter(messages_column, system_prompt))
+    return load_mixture(
+        parse_sources(dataset_name),
+        split=split,
+        config_name=config_name,
+        convert=sft_converter(messages_column, system_prompt),
+    )

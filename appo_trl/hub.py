@@ -33,8 +33,18 @@ from typing import Any
 import yaml
 
 SECRET_MARKERS = ("token", "secret", "password", "api_key")
-CARD_METRICS = ("train_loss", "loss", "reward", "reward_std", "entropy", "mean_token_accuracy",
-                "completions/mean_length", "tools/call_frequency", "train_runtime", "epoch")
+CARD_METRICS = (
+    "train_loss",
+    "loss",
+    "reward",
+    "reward_std",
+    "entropy",
+    "mean_token_accuracy",
+    "completions/mean_length",
+    "tools/call_frequency",
+    "train_runtime",
+    "epoch",
+)
 IGNORE_ON_UPLOAD = ("checkpoint-*", "checkpoint-*/**", "runs/**", "*.pt", "*.pth", "rng_state*", "training_args.bin")
 
 ALGORITHM_TITLES = {
@@ -157,9 +167,16 @@ def _hub_datasets(dataset_name: Any) -> list[str]:
     return ids
 
 
-def build_model_card(*, algorithm: str, base_model: str | None, datasets: Any, recipe: Mapping[str, Any],
-                     metrics: Mapping[str, float], repo_id: str, framework_versions: Mapping[str, str] | None = None
-                     ) -> str:
+def build_model_card(
+    *,
+    algorithm: str,
+    base_model: str | None,
+    datasets: Any,
+    recipe: Mapping[str, Any],
+    metrics: Mapping[str, float],
+    repo_id: str,
+    framework_versions: Mapping[str, str] | None = None,
+) -> str:
     """Markdown model card with YAML metadata (`base_model`, `datasets`, `tags`, `library_name`)."""
     algorithm = algorithm.lower()
     title = ALGORITHM_TITLES.get(algorithm, algorithm.upper())
@@ -169,15 +186,24 @@ def build_model_card(*, algorithm: str, base_model: str | None, datasets: Any, r
         meta["base_model"] = base_model
     if hub_ids:
         meta["datasets"] = hub_ids
-    sources = datasets if isinstance(datasets, str) else yaml.safe_dump(_plain(datasets), default_flow_style=True).strip()
+    sources = (
+        datasets if isinstance(datasets, str) else yaml.safe_dump(_plain(datasets), default_flow_style=True).strip()
+    )
     lines = [
-        "---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "",
-        f"# {repo_id.split('/')[-1]}", "",
-        f"Trained with [appo-trl](https://github.com/appo-trl/appo-trl) using **{title}**.", "",
+        "---",
+        yaml.safe_dump(meta, sort_keys=False).strip(),
+        "---",
+        "",
+        f"# {repo_id.split('/')[-1]}",
+        "",
+        f"Trained with [appo-trl](https://github.com/appo-trl/appo-trl) using **{title}**.",
+        "",
         f"- **Algorithm:** `{algorithm}`",
         f"- **Base model:** `{base_model or 'unknown'}`",
-        f"- **Datasets:** `{sources or 'unknown'}`", "",
-        "## Key metrics", "",
+        f"- **Datasets:** `{sources or 'unknown'}`",
+        "",
+        "## Key metrics",
+        "",
     ]
     if metrics:
         lines += ["| metric | value |", "|---|---|"]
@@ -185,17 +211,25 @@ def build_model_card(*, algorithm: str, base_model: str | None, datasets: Any, r
     else:
         lines.append("No metrics were logged.")
     lines += [
-        "", "## Recipe", "",
+        "",
+        "## Recipe",
+        "",
         "The full recipe (every setting that differs from the defaults); rerun it with "
-        "`appo train --config recipe.yaml` (`appo sft` for the SFT stage).", "",
-        "```yaml", yaml.safe_dump(dict(recipe), sort_keys=True).strip(), "```", "",
-        "## Usage", "",
+        "`appo train --config recipe.yaml` (`appo sft` for the SFT stage).",
+        "",
+        "```yaml",
+        yaml.safe_dump(dict(recipe), sort_keys=True).strip(),
+        "```",
+        "",
+        "## Usage",
+        "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
         f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")',
         f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")',
-        "```", "",
+        "```",
+        "",
     ]
     if framework_versions:
         lines += ["## Framework versions", ""] + [f"- {k}: {v}" for k, v in framework_versions.items()] + [""]
@@ -214,8 +248,15 @@ def framework_versions() -> dict[str, str]:
     return out
 
 
-def push_model(trainer, *, algorithm: str, args: Sequence[Any], recipe: Mapping[str, Any] | None = None,
-               commit_message: str | None = None, api=None) -> str | None:
+def push_model(
+    trainer,
+    *,
+    algorithm: str,
+    args: Sequence[Any],
+    recipe: Mapping[str, Any] | None = None,
+    commit_message: str | None = None,
+    api=None,
+) -> str | None:
     """Write the model card into `output_dir` and upload the folder; returns the commit URL on rank 0.
 
     Args:

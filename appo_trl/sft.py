@@ -103,9 +103,16 @@ def _assistant_result_spans(text: str, messages, open_tag: str, close_tag: str) 
     return spans
 
 
-def tokenize_conversation(messages, tokenizer, *, chat_template: str | None = None, assistant_only_loss: bool = True,
-                          mask_tool_results: bool = True, open_tag: str = "<result>", close_tag: str = "</result>"
-                          ) -> dict[str, list[int]]:
+def tokenize_conversation(
+    messages,
+    tokenizer,
+    *,
+    chat_template: str | None = None,
+    assistant_only_loss: bool = True,
+    mask_tool_results: bool = True,
+    open_tag: str = "<result>",
+    close_tag: str = "</result>",
+) -> dict[str, list[int]]:
     """Token ids of a conversation and its loss mask (`assistant_masks`: 1 = trained).
 
     Raises `ValueError` when `assistant_only_loss` is set but the template marks no assistant token.
@@ -118,7 +125,9 @@ def tokenize_conversation(messages, tokenizer, *, chat_template: str | None = No
             messages, chat_template=chat_template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
         if list(processed["input_ids"]) != list(input_ids):
-            raise ValueError("Tokenising the rendered chat differs from apply_chat_template's ids; cannot align masks.")
+            raise ValueError(
+                "Tokenising the rendered chat differs from apply_chat_template's ids; cannot align masks."
+            )
         mask = [int(bool(b)) for b in processed["assistant_masks"]]
         if 1 not in mask:
             raise ValueError(
@@ -174,7 +183,9 @@ def main(script_args, training_args, model_args, recipe=None):
     if not name:
         raise ValueError("No model given: set `model_name_or_path` in the recipe or pass --model_name_or_path.")
     if name.startswith((".", "/", "~", "outputs/")) and not os.path.isdir(os.path.expanduser(name)):
-        raise FileNotFoundError(f"Model folder {name!r} does not exist (for the tiny CPU model: `appo tiny-model {name}`).")
+        raise FileNotFoundError(
+            f"Model folder {name!r} does not exist (for the tiny CPU model: `appo tiny-model {name}`)."
+        )
     set_seed(training_args.seed)
     training_args.model_init_kwargs = {
         "revision": model_args.model_revision,

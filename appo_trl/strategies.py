@@ -103,8 +103,9 @@ class BranchHook:
         h_now = ctx.lookahead_entropy if ctx.lookahead_entropy is not None else ctx.segment_entropy
         run = self.consecutive.get(traj.uid, self.consecutive.get(traj.parent, 0))
         factor = aepo_consecutive_penalty(run, rate=a.branch_penalty) if self.penalty else None
-        prob = arpo_branch_probability(h_now, ctx.root_entropy, base=a.branch_probability, weight=a.entropy_weight,
-                                       penalty_factor=factor)
+        prob = arpo_branch_probability(
+            h_now, ctx.root_entropy, base=a.branch_probability, weight=a.entropy_weight, penalty_factor=factor
+        )
         rng = random.Random(mix_seed(self.seed, traj.meta.get("seed", 0), ctx.position))
         copies = int(sample_branch_copies(prob, a.beam_size - 1, rng))
         self.consecutive[traj.uid] = run + 1 if copies else 0
@@ -117,8 +118,13 @@ class ARPOStrategy(RolloutStrategy):
 
     name = "arpo"
     penalty = False
-    metric_keys = ("branch/points_per_prompt", "branch/initial_per_prompt", "branch/depth_mean",
-                   "branch/probability_mean", "branch/refill_per_prompt")
+    metric_keys = (
+        "branch/points_per_prompt",
+        "branch/initial_per_prompt",
+        "branch/depth_mean",
+        "branch/probability_mean",
+        "branch/refill_per_prompt",
+    )
 
     def initial_counts(self, prompt_ids, n, seed) -> tuple[list[int], list[list[Any]]]:
         """Roots per prompt and trajectories already sampled for each group (none for ARPO)."""
@@ -167,7 +173,9 @@ class AEPOStrategy(ARPOStrategy):
         for (probe,) in probes:
             ents = probe.entropies or []
             starts = [0] + [c.end for c in probe.tool_calls]
-            seg = [window_entropy(ents[s:], cfg.entropy_window, cfg.entropy_reduce, norm) for s in starts if s < len(ents)]
+            seg = [
+                window_entropy(ents[s:], cfg.entropy_window, cfg.entropy_reduce, norm) for s in starts if s < len(ents)
+            ]
             h_tool = sum(seg) / len(seg) if seg else math.nan
             h_root = probe.meta.get("root_entropy", math.nan)
             if math.isnan(h_root) or math.isnan(h_tool):  # no entropies recorded: the configured budget
@@ -211,8 +219,16 @@ class APPOStrategy(RolloutStrategy):
 
     name = "appo"
     metric_keys = (
-        "branch/points_per_prompt", "branch/rows_dropped", "branch/bs_mean", "branch/bs_max", "branch/h_mean",
-        "branch/fv_mean", "branch/fv_std", "branch/position_mean", "branch/fallback_frac", "branch/no_candidates",
+        "branch/points_per_prompt",
+        "branch/rows_dropped",
+        "branch/bs_mean",
+        "branch/bs_max",
+        "branch/h_mean",
+        "branch/fv_mean",
+        "branch/fv_std",
+        "branch/position_mean",
+        "branch/fallback_frac",
+        "branch/no_candidates",
     )
 
     def __init__(self, trainer):
@@ -228,7 +244,11 @@ class APPOStrategy(RolloutStrategy):
 
     def generate(self, prompt_ids, n, seed):
         from appo_trl.algorithms.branching import (
-            branch_scores, candidate_mask, future_value, select_branch_points, strict_candidates,
+            branch_scores,
+            candidate_mask,
+            future_value,
+            select_branch_points,
+            strict_candidates,
         )
 
         a, N = self.args, self.args.initial_rollouts
@@ -244,22 +264,31 @@ class APPOStrategy(RolloutStrategy):
         if a.branch_entropy_source == "trainer":
             entropy = scored["entropies"]
         elif any(t.entropies is None for t in flat):
-            raise RuntimeError("branch_entropy_source=sampler_topk needs sampler entropies: build the rollout engine "
-                               "with RolloutConfig(record_entropies=True) or set branch_entropy_source=trainer.")
+            raise RuntimeError(
+                "branch_entropy_source=sampler_topk needs sampler entropies: build the rollout engine "
+                "with RolloutConfig(record_entropies=True) or set branch_entropy_source=trainer."
+            )
         else:
             entropy = torch.nan_to_num(pad_rows([t.entropies for t in flat], float("nan")), nan=0.0)
         fv = future_value(scored["logps"] * mask, sampler_lp, mask, gamma=a.fv_gamma)
         excluded = self._exclusions()
         token_excluded = excluded[ids.clamp(max=len(excluded) - 1)] if excluded is not None else None
-        valid = candidate_mask(mask, min_remaining=a.min_remaining_tokens, excluded=token_excluded,
-                               max_length=a.max_completion_length)
+        valid = candidate_mask(
+            mask, min_remaining=a.min_remaining_tokens, excluded=token_excluded, max_length=a.max_completion_length
+        )
         bs = branch_scores(entropy, fv, valid)
         strict = strict_candidates(entropy, fv, valid)  # Z(H) > 0, Z(FV) > 0, BS > 0 first
         points, requests = [], []
         for g in range(len(init)):
             sl = slice(g * N, (g + 1) * N)
-            pts = select_branch_points(bs[sl], valid[sl], num_branches=n - N, max_per_row=a.max_branches_per_rollout,
-                                       strict=strict[sl], fallback_mask=mask[sl].bool())
+            pts = select_branch_points(
+                bs[sl],
+                valid[sl],
+                num_branches=n - N,
+                max_per_row=a.max_branches_per_rollout,
+                strict=strict[sl],
+                fallback_mask=mask[sl].bool(),
+            )
             points.append(pts)
             requests += [(init[g][p.row], p.position) for p in pts]
         branches = self.engine.run(

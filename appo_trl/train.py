@@ -33,7 +33,7 @@ def _check_model_path(name_or_path: str | None) -> None:
         )
 
 
-def main(script_args, training_args, model_args) -> "APPOTrainer":  # noqa: F821
+def main(script_args, training_args, model_args) -> APPOTrainer:  # noqa: F821
     """Train with already-parsed arguments and return the trainer (its state holds the log history)."""
     from transformers import AutoTokenizer, set_seed
     from trl import get_peft_config
@@ -77,7 +77,9 @@ def main(script_args, training_args, model_args) -> "APPOTrainer":  # noqa: F821
     state = trainer.accelerator.state
     logger.info(
         "process %d of world_size=%d (%s), strategy=%s",
-        state.process_index, state.num_processes, state.distributed_type,
+        state.process_index,
+        state.num_processes,
+        state.distributed_type,
         getattr(training_args, "rollout_strategy", "grpo"),
     )
     checkpoint = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
@@ -85,8 +87,11 @@ def main(script_args, training_args, model_args) -> "APPOTrainer":  # noqa: F821
     trainer.save_model(training_args.output_dir)  # also saves the tokenizer; main process only
     logger.info("Saved model to %s", training_args.output_dir)
     if push:
-        push_model(trainer, algorithm=getattr(training_args, "rollout_strategy", "grpo"),
-                   args=(script_args, training_args, model_args))
+        push_model(
+            trainer,
+            algorithm=getattr(training_args, "rollout_strategy", "grpo"),
+            args=(script_args, training_args, model_args),
+        )
     return trainer
 
 

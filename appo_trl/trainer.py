@@ -83,7 +83,9 @@ def build_rollout_engine(trainer):
         hook_mode=args.arpo_entropy_timing,
         concurrency=args.rollout_concurrency,
     )
-    return RolloutEngine(backend, trainer._tokenizer, config, ToolExecutor(tools, max_workers=args.rollout_concurrency))
+    return RolloutEngine(
+        backend, trainer._tokenizer, config, ToolExecutor(tools, max_workers=args.rollout_concurrency)
+    )
 
 
 class APPOTrainer(GRPOTrainer):
@@ -97,15 +99,32 @@ class APPOTrainer(GRPOTrainer):
     _tag_names = ["trl", "grpo", "appo", "appo-trl"]
     _name = "APPO"
 
-    def __init__(self, model, reward_funcs=None, args: APPOConfig | None = None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
-                 optimizers=(None, None), peft_config=None, rollout_engine=None):
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: APPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        rollout_engine=None,
+    ):
         if not isinstance(args, APPOConfig):
             raise TypeError("APPOTrainer needs an APPOConfig (it carries the strategy, tools and loss settings).")
         super().__init__(
-            model=model, reward_funcs=resolve_reward_funcs(reward_funcs), args=args, train_dataset=train_dataset,
-            eval_dataset=eval_dataset, processing_class=processing_class,
-            reward_processing_classes=reward_processing_classes, callbacks=callbacks, optimizers=optimizers,
+            model=model,
+            reward_funcs=resolve_reward_funcs(reward_funcs),
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
             peft_config=peft_config,
         )
         if self._custom_loss and self._entropy_bonus_enabled:
@@ -114,8 +133,9 @@ class APPOTrainer(GRPOTrainer):
         self.eval_strategy = GRPOStrategy(self)  # validation: no branching (spec/algorithms.md §2.1)
         self._rollout_engine = rollout_engine
         # in-process GRPO without tools and without an injected engine is exactly TRL's own sampler: keep it
-        self._trl_sampler = (args.rollout_strategy == "grpo" and not args.tools and not args.use_vllm
-                             and rollout_engine is None)
+        self._trl_sampler = (
+            args.rollout_strategy == "grpo" and not args.tools and not args.use_vllm and rollout_engine is None
+        )
         self._round: RoundBatch | None = None
         self._round_rewards: torch.Tensor | None = None
         self._round_index = 0
@@ -169,7 +189,7 @@ class APPOTrainer(GRPOTrainer):
         completion_ids = [list(t.completion_ids) for t in rows]
         tool_mask = [[int(m) for m in t.loss_mask] for t in rows]
         logprobs = [[float(x) for x in t.logprobs] for t in rows]
-        for i, t in enumerate(rows):
+        for i in range(len(rows)):
             if not len(completion_ids[i]) == len(tool_mask[i]) == len(logprobs[i]):
                 raise RuntimeError(f"row {i}: completion_ids, loss_mask and logprobs lengths differ")
         texts = self._tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -197,7 +217,9 @@ class APPOTrainer(GRPOTrainer):
         prompt_len = gather(torch.tensor([len(p) for p in prompt_ids], device=device))
         full_len = gather(torch.tensor([len(c) for c in completion_ids], device=device))
         sampled = gather(torch.tensor([sum(t) for t in tool_mask], device=device))
-        new_tokens = gather(torch.tensor([sum(m[r.branch_pos or 0 :]) for m, r in zip(tool_mask, rows)], device=device))
+        new_tokens = gather(
+            torch.tensor([sum(m[r.branch_pos or 0 :]) for m, r in zip(tool_mask, rows)], device=device)
+        )
         truncated = gather(torch.tensor([t.finish_reason == "length" for t in rows], device=device))
         calls = gather(torch.tensor([int(t.num_calls) for t in rows], device=device))
         kept = gather(torch.tensor([float(k) for k in batch.keep], device=device))
@@ -225,15 +247,21 @@ class APPOTrainer(GRPOTrainer):
             for key, value in zip(strategy.metric_keys, agg.nanmean(dim=0).tolist()):
                 m[key].append(value)
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, **kwargs):
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
+    ):
         """TRL's forward, except TRL's old-logp pass of an APPO round: it is served from the branch-selection forward.
 
         That pass is the only no-grad, entropy-free call on the whole generation batch during
         `_generate_and_score_completions`; the cache holds one row per batch row and is used once.
         """
         cache = self._old_logps_cache
-        if cache is not None and not compute_entropy and not torch.is_grad_enabled() and input_ids.size(0) == len(cache):
+        if (
+            cache is not None
+            and not compute_entropy
+            and not torch.is_grad_enabled()
+            and input_ids.size(0) == len(cache)
+        ):
             self._old_logps_cache = None
             out = torch.zeros(len(cache), logits_to_keep)
             for i, row in enumerate(cache):
@@ -241,7 +269,12 @@ class APPOTrainer(GRPOTrainer):
                 out[i, :width] = row[:width]
             return out.to(input_ids.device), None, None
         return super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, compute_entropy=compute_entropy,
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size=batch_size,
+            compute_entropy=compute_entropy,
             **kwargs,
         )
 
@@ -259,8 +292,12 @@ class APPOTrainer(GRPOTrainer):
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).to(device)
         with torch.no_grad():
             logps, entropies, _ = self._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, completion_ids.size(1),
-                batch_size=self.args.per_device_train_batch_size, compute_entropy=True,
+                self.model,
+                input_ids,
+                attention_mask,
+                completion_ids.size(1),
+                batch_size=self.args.per_device_train_batch_size,
+                compute_entropy=True,
             )
         mask = completion_mask.to(device)
         return {"logps": (logps * mask).float().cpu(), "entropies": (entropies * mask).float().cpu()}

@@ -87,7 +87,11 @@ def compute_policy_loss(trainer, model, inputs) -> torch.Tensor:
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
     logps, entropies, aux_loss = trainer._get_per_token_logps_and_entropies(
-        model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
+        model,
+        input_ids,
+        attention_mask,
+        completion_ids.size(1),
+        compute_entropy=True,
         compute_aux_loss=trainer.aux_loss_enabled,
     )
     advantages = inputs["advantages"]
@@ -98,7 +102,9 @@ def compute_policy_loss(trainer, model, inputs) -> torch.Tensor:
     if args.entropy_balanced_advantage:
         from appo_trl.algorithms.advantages import entropy_aware_advantage
 
-        advantages = entropy_aware_advantage(advantages, entropies.detach(), mask, weight=args.entropy_advantage_weight)
+        advantages = entropy_aware_advantage(
+            advantages, entropies.detach(), mask, weight=args.entropy_advantage_weight
+        )
     old = inputs.get("old_per_token_logps")
     old = logps.detach() if old is None else old
     out = POLICY_LOSSES[args.loss_mode](logps, old, advantages, mask, **loss_params(trainer))

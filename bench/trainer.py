@@ -117,22 +117,57 @@ def run(strategy, model_path, tok, url, prompts, n, initial, steps, out_dir, bud
 
     grpo_mod.VLLMGeneration = NoSyncVLLMGeneration
     tool = LatencyPython()
-    cfg = RolloutConfig(max_completion_length=budget, call_limit=3, tool_tags=["python"], concurrency=512,
-                        record_entropies=strategy == "appo", entropy_topk=10)
+    cfg = RolloutConfig(
+        max_completion_length=budget,
+        call_limit=3,
+        tool_tags=["python"],
+        concurrency=512,
+        record_entropies=strategy == "appo",
+        entropy_topk=10,
+    )
     engine = RolloutEngine(VLLMServerBackend(url, max_concurrency=512), tok, cfg, {"python": tool})
-    ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"what is {i} times 4"}] for i in range(prompts * steps)],
-                            "answer": [str(i % 3) for i in range(prompts * steps)]})
+    ds = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"what is {i} times 4"}] for i in range(prompts * steps)],
+            "answer": [str(i % 3) for i in range(prompts * steps)],
+        }
+    )
     spg = 4
     args = APPOConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
-        save_strategy="no", logging_steps=1, learning_rate=1e-4, beta=0.0, seed=0, loss_type="dapo",
-        rollout_strategy=strategy, num_generations=n, initial_rollouts=initial if strategy == "appo" else n,
-        per_device_train_batch_size=prompts * n // spg, steps_per_generation=spg, gradient_accumulation_steps=spg,
-        max_steps=steps, max_completion_length=budget, use_vllm=True, vllm_mode="server",
-        vllm_server_base_url=url, tools=["python"], min_remaining_tokens=16, dataloader_drop_last=True,
+        output_dir=out_dir,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        learning_rate=1e-4,
+        beta=0.0,
+        seed=0,
+        loss_type="dapo",
+        rollout_strategy=strategy,
+        num_generations=n,
+        initial_rollouts=initial if strategy == "appo" else n,
+        per_device_train_batch_size=prompts * n // spg,
+        steps_per_generation=spg,
+        gradient_accumulation_steps=spg,
+        max_steps=steps,
+        max_completion_length=budget,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=url,
+        tools=["python"],
+        min_remaining_tokens=16,
+        dataloader_drop_last=True,
     )
-    trainer = APPOTrainer(model=model_path, reward_funcs=[reward], args=args, train_dataset=ds, processing_class=tok,
-                          rollout_engine=engine)
+    trainer = APPOTrainer(
+        model=model_path,
+        reward_funcs=[reward],
+        args=args,
+        train_dataset=ds,
+        processing_class=tok,
+        rollout_engine=engine,
+    )
     rows, batches, marks = [], [], []
     orig = trainer._compute_loss
 
@@ -157,13 +192,17 @@ def run(strategy, model_path, tok, url, prompts, n, initial, steps, out_dir, bud
     step_times = [e[1] - b[1] for b, e in zip(marks[::2], marks[1::2])]
     hist = [h for h in trainer.state.log_history if "rollout/sampled_tokens" in h]
     engine.close()
-    return trainer, {
-        "step_time_s": statistics.mean(step_times[1:] or step_times),
-        "step_times_s": step_times,
-        "sampled_tokens_per_step": statistics.mean(h["rollout/sampled_tokens"] for h in hist),
-        "tool_calls_per_step": tool.calls / steps,
-        "loss_rows_per_step": sum(rows) / steps,
-    }, batches[0]
+    return (
+        trainer,
+        {
+            "step_time_s": statistics.mean(step_times[1:] or step_times),
+            "step_times_s": step_times,
+            "sampled_tokens_per_step": statistics.mean(h["rollout/sampled_tokens"] for h in hist),
+            "tool_calls_per_step": tool.calls / steps,
+            "loss_rows_per_step": sum(rows) / steps,
+        },
+        batches[0],
+    )
 
 
 def loss_times(trainer, batch, repeats):
@@ -174,11 +213,13 @@ def loss_times(trainer, batch, repeats):
 
     trainer.args.loss_mode = "future_kl"
     trainer.model.train()
-    fns = {"trl": lambda: GRPOTrainer._compute_loss(trainer, trainer.model, batch),
-           "future_kl": lambda: compute_policy_loss(trainer, trainer.model, batch)}
+    fns = {
+        "trl": lambda: GRPOTrainer._compute_loss(trainer, trainer.model, batch),
+        "future_kl": lambda: compute_policy_loss(trainer, trainer.model, batch),
+    }
     times = {k: [] for k in fns}
     for i in range(repeats + 1):
-        for key in (("trl", "future_kl") if i % 2 == 0 else ("future_kl", "trl")):
+        for key in ("trl", "future_kl") if i % 2 == 0 else ("future_kl", "trl"):
             t0 = time.perf_counter()
             fns[key]().backward()
             if i:  # the first round warms up both
@@ -201,13 +242,20 @@ def main():
     model_path = build_tiny_model(os.path.join(tmp, "tiny"))
     tok = AutoTokenizer.from_pretrained(model_path)
     policy = ScriptedPolicy(tok, make_script(tok))
-    figures = {"algorithms": algorithms, "prompts_per_step": prompts, "n": n, "initial_rollouts": initial,
-               "steps": steps, "completion_budget": budget}
+    figures = {
+        "algorithms": algorithms,
+        "prompts_per_step": prompts,
+        "n": n,
+        "initial_rollouts": initial,
+        "steps": steps,
+        "completion_budget": budget,
+    }
     with FakeVLLMServer(policy, tok, decode_step_s=0.005, max_num_seqs=32) as server:
         results = {}
         for strategy in ("grpo", "appo"):
-            trainer, results[strategy], batch = run(strategy, model_path, tok, server.url, prompts, n, initial, steps,
-                                                    os.path.join(tmp, strategy), budget)
+            trainer, results[strategy], batch = run(
+                strategy, model_path, tok, server.url, prompts, n, initial, steps, os.path.join(tmp, strategy), budget
+            )
             if strategy == "appo":
                 appo_trainer, appo_batch = trainer, batch
     g, a = results["grpo"], results["appo"]
@@ -218,8 +266,9 @@ def main():
     figures["loss_rows_ratio"] = a["loss_rows_per_step"] / g["loss_rows_per_step"]
     if "losses" not in algorithms:  # the real policy losses are installed
         t_trl, t_fkl = loss_times(appo_trainer, appo_batch, 10)
-        figures.update(loss_time_trl_s=t_trl, loss_time_future_kl_s=t_fkl,
-                       loss_time_ratio_future_kl_vs_trl=t_fkl / t_trl)
+        figures.update(
+            loss_time_trl_s=t_trl, loss_time_future_kl_s=t_fkl, loss_time_ratio_future_kl_vs_trl=t_fkl / t_trl
+        )
     else:
         figures["loss_time_ratio_future_kl_vs_trl"] = None
     for k, v in figures.items():

@@ -52,9 +52,22 @@ def test_sft_resume_equals_uninterrupted(tiny_model_path, tmp_path):
     from appo_trl.sft import dataclass_types, main
 
     def run(out, *extra):
-        args = parse_recipe(dataclass_types(), [
-            "--config", str(REPO_ROOT / "recipes/tiny/sft.yaml"), "--model_name_or_path", tiny_model_path,
-            "--output_dir", str(out), "--max_steps", "4", "--save_steps", "2", *extra])
+        args = parse_recipe(
+            dataclass_types(),
+            [
+                "--config",
+                str(REPO_ROOT / "recipes/tiny/sft.yaml"),
+                "--model_name_or_path",
+                tiny_model_path,
+                "--output_dir",
+                str(out),
+                "--max_steps",
+                "4",
+                "--save_steps",
+                "2",
+                *extra,
+            ],
+        )
         return main(*args)
 
     full, resumed = tmp_path / "full", tmp_path / "resumed"
@@ -75,10 +88,24 @@ def test_rl_resume_equals_uninterrupted(tiny_model_path, tmp_path):
     from appo_trl.train import dataclass_types, main
 
     def run(out, *extra):
-        args = parse_recipe(dataclass_types(), [
-            "--config", str(REPO_ROOT / "recipes/tiny/grpo.yaml"), "--model_name_or_path", tiny_model_path,
-            "--output_dir", str(out), "--dataset_name", str(REPO_ROOT / "recipes/tiny/data/arith.jsonl"),
-            "--max_steps", "2", "--save_steps", "1", *extra])
+        args = parse_recipe(
+            dataclass_types(),
+            [
+                "--config",
+                str(REPO_ROOT / "recipes/tiny/grpo.yaml"),
+                "--model_name_or_path",
+                tiny_model_path,
+                "--output_dir",
+                str(out),
+                "--dataset_name",
+                str(REPO_ROOT / "recipes/tiny/data/arith.jsonl"),
+                "--max_steps",
+                "2",
+                "--save_steps",
+                "1",
+                *extra,
+            ],
+        )
         return main(*args)
 
     full, resumed = tmp_path / "full", tmp_path / "resumed"

@@ -57,10 +57,29 @@ def test_sft_recipe_push_uploads_final_model_and_card(tiny_model_path, tmp_path,
 
     monkeypatch.setattr(hf_trainer, "create_repo", no_network, raising=False)
     out = tmp_path / "tiny-sft"
-    args = parse_recipe(dataclass_types(), [
-        "--config", str(REPO_ROOT / "recipes/tiny/sft.yaml"), "--model_name_or_path", tiny_model_path,
-        "--output_dir", str(out), "--max_steps", "2", "--save_steps", "1", "--push_to_hub", "true",
-        "--hub_model_id", "someone/tiny-sft", "--hub_private_repo", "true", "--hub_token", "hf_SECRET"])
+    args = parse_recipe(
+        dataclass_types(),
+        [
+            "--config",
+            str(REPO_ROOT / "recipes/tiny/sft.yaml"),
+            "--model_name_or_path",
+            tiny_model_path,
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--save_steps",
+            "1",
+            "--push_to_hub",
+            "true",
+            "--hub_model_id",
+            "someone/tiny-sft",
+            "--hub_private_repo",
+            "true",
+            "--hub_token",
+            "hf_SECRET",
+        ],
+    )
     main(*args)
     kinds = [c[0] for c in fake_api.calls]
     assert kinds == ["create_repo", "upload_folder"]
@@ -94,14 +113,23 @@ def test_rl_card_names_algorithm_hub_datasets_and_metrics(tmp_path):
     from appo_trl.config import APPOConfig, APPOScriptArguments
 
     script = APPOScriptArguments(dataset_name={"dongguanting/ARPO-RL-DeepSearch-1K": 1.0, "./local.parquet": 0.5})
-    cfg = APPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, learning_rate=1e-6, push_to_hub=True,
-                     hub_model_id="me/qwen3-8b-appo", hub_revision="v1", report_to="none")
+    cfg = APPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        learning_rate=1e-6,
+        push_to_hub=True,
+        hub_model_id="me/qwen3-8b-appo",
+        hub_revision="v1",
+        report_to="none",
+    )
     model = ModelConfig(model_name_or_path="Qwen/Qwen3-8B")
     assert defer_push(cfg) is True and cfg.push_to_hub is False
-    history = [{"loss": 0.5, "reward": 0.1, "step": 1}, {"loss": 0.4, "reward": 0.3, "tools/call_frequency": 1.5,
-                                                          "step": 2}]
-    trainer = SimpleNamespace(is_world_process_zero=lambda: True, args=cfg,
-                              state=SimpleNamespace(log_history=history))
+    history = [
+        {"loss": 0.5, "reward": 0.1, "step": 1},
+        {"loss": 0.4, "reward": 0.3, "tools/call_frequency": 1.5, "step": 2},
+    ]
+    trainer = SimpleNamespace(is_world_process_zero=lambda: True, args=cfg, state=SimpleNamespace(log_history=history))
     api = FakeHfApi()
     FakeHfApi.calls = []
     url = push_model(trainer, algorithm="appo", args=(script, cfg, model), api=api)
@@ -110,8 +138,12 @@ def test_rl_card_names_algorithm_hub_datasets_and_metrics(tmp_path):
     card = FakeHfApi.calls[-1][-1]
     assert FakeHfApi.calls[-1][4] == "v1"
     meta = yaml.safe_load(card.split("---")[1])
-    assert meta == {"library_name": "transformers", "tags": ["appo-trl", "trl", "appo"],
-                    "base_model": "Qwen/Qwen3-8B", "datasets": ["dongguanting/ARPO-RL-DeepSearch-1K"]}
+    assert meta == {
+        "library_name": "transformers",
+        "tags": ["appo-trl", "trl", "appo"],
+        "base_model": "Qwen/Qwen3-8B",
+        "datasets": ["dongguanting/ARPO-RL-DeepSearch-1K"],
+    }
     assert "APPO (Agentic Procedural Policy Optimization" in card
     assert "| reward | 0.3 |" in card and "| tools/call_frequency | 1.5 |" in card and "| loss | 0.4 |" in card
 
@@ -122,7 +154,10 @@ def test_recipe_dict_and_metrics():
     recipe = recipe_dict(ModelConfig(model_name_or_path="m", lora_r=8))
     assert recipe == {"model_name_or_path": "m", "lora_r": 8}
     assert key_metrics([{"loss": 1.0, "step": 1}, {"train_loss": 0.5, "step": 2}]) == {
-        "loss": 1.0, "global_step": 2.0, "train_loss": 0.5}
+        "loss": 1.0,
+        "global_step": 2.0,
+        "train_loss": 0.5,
+    }
     card = build_model_card(algorithm="grpo", base_model=None, datasets=None, recipe={}, metrics={}, repo_id="x")
     assert "No metrics were logged." in card and "GRPO" in card
 
@@ -130,8 +165,20 @@ def test_recipe_dict_and_metrics():
 def test_recipe_from_argv_is_the_yaml_plus_overrides():
     from appo_trl.hub import recipe_from_argv
 
-    recipe = recipe_from_argv(["--config", str(REPO_ROOT / "recipes/tiny/sft.yaml"), "--learning_rate", "2e-5",
-                               "--packing=true", "--num_processes", "2", "--hub_token", "hf_x", "--use_peft"])
+    recipe = recipe_from_argv(
+        [
+            "--config",
+            str(REPO_ROOT / "recipes/tiny/sft.yaml"),
+            "--learning_rate",
+            "2e-5",
+            "--packing=true",
+            "--num_processes",
+            "2",
+            "--hub_token",
+            "hf_x",
+            "--use_peft",
+        ]
+    )
     assert recipe["learning_rate"] == 2e-5 and recipe["packing"] is True and recipe["use_peft"] is True
     assert recipe["mask_tool_results"] is True and recipe["dataset_name"] == "recipes/tiny/data/sft_tir.jsonl"
     assert "env" not in recipe and "num_processes" not in recipe and "hub_token" not in recipe

@@ -20,8 +20,17 @@ BASE = {"model_name_or_path": "m", "output_dir": "out", "use_cpu": True, "bf16":
 
 
 def test_yaml_values_and_cli_override(tmp_path):
-    path = _write(tmp_path, {**BASE, "learning_rate": 3e-6, "num_generations": 4, "reward_funcs": ["qa_f1"],
-                             "generation_kwargs": {"top_k": 5}, "per_device_train_batch_size": 4})
+    path = _write(
+        tmp_path,
+        {
+            **BASE,
+            "learning_rate": 3e-6,
+            "num_generations": 4,
+            "reward_funcs": ["qa_f1"],
+            "generation_kwargs": {"top_k": 5},
+            "per_device_train_batch_size": 4,
+        },
+    )
     script, cfg, model = parse_recipe(dataclass_types(), ["--config", path, "--learning_rate", "1e-5"])
     assert cfg.learning_rate == 1e-5  # CLI wins
     assert cfg.num_generations == 4  # YAML beats the dataclass default (8)
@@ -56,8 +65,9 @@ def test_missing_recipe_file():
 
 
 def test_launch_flags_are_split_and_build_accelerate_command():
-    launch, rest = split_launch_args(["--config", "r.yaml", "--num_processes", "2", "--accelerate_config=zero2",
-                                      "--learning_rate", "1"])
+    launch, rest = split_launch_args(
+        ["--config", "r.yaml", "--num_processes", "2", "--accelerate_config=zero2", "--learning_rate", "1"]
+    )
     assert launch == {"--num_processes": "2", "--accelerate_config": "zero2"}
     assert rest == ["--config", "r.yaml", "--learning_rate", "1"]
     cmd = launch_command(launch, "entry.py", rest)
@@ -66,8 +76,9 @@ def test_launch_flags_are_split_and_build_accelerate_command():
     assert cmd[-5:] == ["entry.py", "--config", "r.yaml", "--learning_rate", "1"]
     plain = launch_command({"--num_processes": "2"}, "entry.py", [])
     assert "--multi_gpu" in plain and "--cpu" not in plain and plain[plain.index("--mixed_precision") + 1] == "no"
-    multi = launch_command({"--accelerate_config": "zero3", "--machine_rank": "1", "--main_process_ip": "10.0.0.1"},
-                           "entry.py", [])
+    multi = launch_command(
+        {"--accelerate_config": "zero3", "--machine_rank": "1", "--main_process_ip": "10.0.0.1"}, "entry.py", []
+    )
     assert multi[multi.index("--machine_rank") + 1] == "1" and "--main_process_ip" in multi
     with pytest.raises(RecipeError, match="Unknown accelerate config"):
         launch_command({"--accelerate_config": "zero9"}, "entry.py", [])

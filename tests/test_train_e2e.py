@@ -27,8 +27,16 @@ def test_train_in_process_changes_params_and_checkpoint_reloads(tiny_sft_model_p
     out = tmp_path / "run"
     args = parse_recipe(
         dataclass_types(),
-        ["--config", RECIPE, "--model_name_or_path", tiny_sft_model_path, "--output_dir", str(out),
-         "--dataset_name", DATA],
+        [
+            "--config",
+            RECIPE,
+            "--model_name_or_path",
+            tiny_sft_model_path,
+            "--output_dir",
+            str(out),
+            "--dataset_name",
+            DATA,
+        ],
     )
     trainer = main(*args)
     assert trainer.state.global_step == 2
@@ -44,8 +52,10 @@ def test_train_in_process_changes_params_and_checkpoint_reloads(tiny_sft_model_p
 def test_missing_model_folder_is_a_clear_error(tmp_path):
     from appo_trl.train import main
 
-    args = parse_recipe(dataclass_types(), ["--config", RECIPE, "--model_name_or_path", "./no/such/model",
-                                            "--output_dir", str(tmp_path)])
+    args = parse_recipe(
+        dataclass_types(),
+        ["--config", RECIPE, "--model_name_or_path", "./no/such/model", "--output_dir", str(tmp_path)],
+    )
     with pytest.raises(FileNotFoundError, match="appo tiny-model"):
         main(*args)
 
@@ -53,9 +63,28 @@ def test_missing_model_folder_is_a_clear_error(tmp_path):
 @pytest.mark.slow
 def test_two_process_cli_run(tiny_model_path, tmp_path):
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "appo_trl.cli", "train", "--config", RECIPE, "--num_processes", "2",
-           "--model_name_or_path", tiny_model_path, "--output_dir", str(out), "--dataset_name", DATA,
-           "--max_steps", "1", "--save_strategy", "no", "--main_process_port", "29517"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "appo_trl.cli",
+        "train",
+        "--config",
+        RECIPE,
+        "--num_processes",
+        "2",
+        "--model_name_or_path",
+        tiny_model_path,
+        "--output_dir",
+        str(out),
+        "--dataset_name",
+        DATA,
+        "--max_steps",
+        "1",
+        "--save_strategy",
+        "no",
+        "--main_process_port",
+        "29517",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -71,9 +100,21 @@ def test_tiny_strategy_recipes_train_with_real_tools(strategy, tiny_sft_model_pa
     from appo_trl.train import main
 
     recipe = str(REPO_ROOT / "recipes" / "tiny" / f"{strategy}.yaml")
-    args = parse_recipe(dataclass_types(), ["--config", recipe, "--model_name_or_path", tiny_sft_model_path,
-                                            "--output_dir", str(tmp_path), "--dataset_name", DATA,
-                                            "--save_strategy", "no"])
+    args = parse_recipe(
+        dataclass_types(),
+        [
+            "--config",
+            recipe,
+            "--model_name_or_path",
+            tiny_sft_model_path,
+            "--output_dir",
+            str(tmp_path),
+            "--dataset_name",
+            DATA,
+            "--save_strategy",
+            "no",
+        ],
+    )
     assert args[1].rollout_strategy == strategy
     trainer = main(*args)
     logs = [e for e in trainer.state.log_history if "reward" in e]

@@ -34,7 +34,9 @@ def collect() -> dict[str, str]:
         import torch
 
         cuda = torch.cuda.is_available()
-        info["CUDA available"] = f"{cuda}" + (f" ({torch.cuda.device_count()} x {torch.cuda.get_device_name(0)})" if cuda else "")
+        info["CUDA available"] = f"{cuda}" + (
+            f" ({torch.cuda.device_count()} x {torch.cuda.get_device_name(0)})" if cuda else ""
+        )
     except Exception as exc:
         info["CUDA available"] = f"unknown ({exc})"
     info |= {f"{name} (optional)": _importable(module) for name, module in OPTIONAL.items()}

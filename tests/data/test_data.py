@@ -17,8 +17,14 @@ from appo_trl.data import (
 
 
 def _args(dataset_name, **kw):
-    base = dict(dataset_name=dataset_name, prompt_column="prompt", answer_column="answer", system_prompt=None,
-                dataset_train_split="train", dataset_config=None)
+    base = dict(
+        dataset_name=dataset_name,
+        prompt_column="prompt",
+        answer_column="answer",
+        system_prompt=None,
+        dataset_train_split="train",
+        dataset_config=None,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -29,11 +35,12 @@ def _jsonl(path, rows):
 
 def test_parse_sources_string_mapping_list():
     assert [(s.path, s.weight) for s in parse_sources("a.parquet")] == [("a.parquet", 1.0)]
-    assert [(s.path, s.weight) for s in parse_sources("a.parquet@0.5, org/ds@2")] == [("a.parquet", 0.5),
-                                                                                      ("org/ds", 2.0)]
+    assert [(s.path, s.weight) for s in parse_sources("a.parquet@0.5, org/ds@2")] == [
+        ("a.parquet", 0.5),
+        ("org/ds", 2.0),
+    ]
     assert [(s.path, s.weight) for s in parse_sources({"a": 0.25, "b": 1})] == [("a", 0.25), ("b", 1.0)]
-    assert [(s.path, s.weight) for s in parse_sources(["a", {"path": "b", "weight": 3}])] == [("a", 1.0),
-                                                                                             ("b", 3.0)]
+    assert [(s.path, s.weight) for s in parse_sources(["a", {"path": "b", "weight": 3}])] == [("a", 1.0), ("b", 3.0)]
     with pytest.raises(ValueError, match="weight > 0"):
         parse_sources("a@0")
     with pytest.raises(ValueError, match="dataset_name"):
@@ -46,14 +53,19 @@ def test_repair_backspace():
 
 
 def test_string_prompt_gets_system_prompt_and_passthrough_columns(tmp_path):
-    path = _jsonl(tmp_path / "d.jsonl", [
-        {"question": "What is 2+2?", "gold": ["4", "four"], "ability": "math", "data_source": "toy", "x": 1},
-        {"question": "Capital of France?", "gold": ["Paris"], "ability": "qa", "data_source": "toy", "x": 2},
-    ])
+    path = _jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {"question": "What is 2+2?", "gold": ["4", "four"], "ability": "math", "data_source": "toy", "x": 1},
+            {"question": "Capital of France?", "gold": ["Paris"], "ability": "qa", "data_source": "toy", "x": 2},
+        ],
+    )
     ds = load_rl_dataset(_args(path, prompt_column="question", answer_column="gold", system_prompt="tir"))
     assert ds.column_names == ["prompt", "answer", "ability", "data_source"]
-    assert ds[0]["prompt"] == [{"role": "system", "content": SYSTEM_PROMPTS["tir"]},
-                               {"role": "user", "content": "What is 2+2?"}]
+    assert ds[0]["prompt"] == [
+        {"role": "system", "content": SYSTEM_PROMPTS["tir"]},
+        {"role": "user", "content": "What is 2+2?"},
+    ]
     assert ds[0]["answer"] == ["4", "four"] and ds[1]["ability"] == "qa"
     literal = load_rl_dataset(_args(path, prompt_column="question", answer_column="gold", system_prompt="Be brief."))
     assert literal[1]["prompt"][0] == {"role": "system", "content": "Be brief."}
@@ -94,8 +106,9 @@ def test_folder_and_missing_split(tmp_path):
         load_rl_dataset(_args(str(tmp_path / "train.jsonl")), split="test")
 
 
-@pytest.mark.parametrize("name,rows,ability", [("valid.parquet", 180, {"math", "qa"}),
-                                                ("hard_search_1k.parquet", 1071, {None})])
+@pytest.mark.parametrize(
+    "name,rows,ability", [("valid.parquet", 180, {"math", "qa"}), ("hard_search_1k.parquet", 1071, {None})]
+)
 def test_arpo_rl_parquet_loads_as_is(arpo_data_dir, name, rows, ability):
     import pyarrow.parquet as pq
 
@@ -123,18 +136,27 @@ def test_arpo_mixture_of_two_schemas(arpo_data_dir):
 
 
 def test_sharegpt_conversion(tmp_path):
-    row = {"system": "sys \x08oxed", "conversations": [
-        {"from": "human", "value": "q"}, {"from": "gpt", "value": "<think>t</think><answer>a</answer>"}]}
+    row = {
+        "system": "sys \x08oxed",
+        "conversations": [
+            {"from": "human", "value": "q"},
+            {"from": "gpt", "value": "<think>t</think><answer>a</answer>"},
+        ],
+    }
     assert sharegpt_to_messages(row) == [
-        {"role": "system", "content": "sys \\boxed"}, {"role": "user", "content": "q"},
-        {"role": "assistant", "content": "<think>t</think><answer>a</answer>"}]
+        {"role": "system", "content": "sys \\boxed"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "<think>t</think><answer>a</answer>"},
+    ]
     with pytest.raises(ValueError, match="Unknown sharegpt role 'bot'"):
         sharegpt_to_messages({"conversations": [{"from": "bot", "value": "x"}]})
     path = _jsonl(tmp_path / "s.jsonl", [row])
     ds = load_sft_dataset(path)
     assert ds.column_names == ["messages"] and ds[0]["messages"][2]["role"] == "assistant"
-    msgs = _jsonl(tmp_path / "m.jsonl", [{"messages": [{"role": "user", "content": "hi"},
-                                                       {"role": "assistant", "content": "yo"}]}])
+    msgs = _jsonl(
+        tmp_path / "m.jsonl",
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}],
+    )
     assert load_sft_dataset(msgs, system_prompt="S")[0]["messages"][0] == {"role": "system", "content": "S"}
     bad = _jsonl(tmp_path / "b.jsonl", [{"text": "x"}])
     with pytest.raises(DatasetColumnError, match="columns found: \\['text'\\]"):

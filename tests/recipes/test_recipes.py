@@ -76,10 +76,16 @@ def test_recipe_parses(path, tmp_path):
 def test_paper_rl_batch_arithmetic():
     """The 8-process batch sizes reproduce the scripts' train/mini batch (prompts x n)."""
     expected = {  # (train_batch_size, ppo_mini_batch_size) from spec/algorithms.md §10.2
-        "qwen2.5-7b-instruct/arpo": (128, 16), "qwen2.5-7b-instruct/aepo": (128, 16),
-        "qwen2.5-7b-instruct/grpo": (128, 16), "qwen2.5-7b-instruct/appo": (96, 16),
-        "qwen3-8b/arpo": (128, 16), "qwen3-8b/aepo": (128, 16), "qwen3-8b/appo": (128, 16),
-        "qwen3-14b/appo": (64, 8), "llama3.1-8b-instruct/arpo": (128, 16), "llama3.1-8b-instruct/appo": (96, 16),
+        "qwen2.5-7b-instruct/arpo": (128, 16),
+        "qwen2.5-7b-instruct/aepo": (128, 16),
+        "qwen2.5-7b-instruct/grpo": (128, 16),
+        "qwen2.5-7b-instruct/appo": (96, 16),
+        "qwen3-8b/arpo": (128, 16),
+        "qwen3-8b/aepo": (128, 16),
+        "qwen3-8b/appo": (128, 16),
+        "qwen3-14b/appo": (64, 8),
+        "llama3.1-8b-instruct/arpo": (128, 16),
+        "llama3.1-8b-instruct/appo": (96, 16),
     }
     for name, (batch, mini) in expected.items():
         r = yaml.safe_load((REPO_ROOT / "recipes" / f"{name}.yaml").read_text())

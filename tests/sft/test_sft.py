@@ -10,8 +10,11 @@ from appo_trl.sft import dataclass_types, result_spans, tokenize_conversation
 
 RECIPE = str(REPO_ROOT / "recipes" / "tiny" / "sft.yaml")
 TRACE = "<think>a</think><python>x</python><result>\n7\n</result><answer>7</answer>"
-MESSAGES = [{"role": "system", "content": "S"}, {"role": "user", "content": "q"},
-            {"role": "assistant", "content": TRACE}]
+MESSAGES = [
+    {"role": "system", "content": "S"},
+    {"role": "user", "content": "q"},
+    {"role": "assistant", "content": TRACE},
+]
 
 
 def _pieces(tok, out):
@@ -31,9 +34,22 @@ def test_mask_is_exactly_assistant_tokens_outside_results(tiny_tokenizer):
     n_prompt = len(tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"])
     assert all(m == 0 for _, m in pieces[:n_prompt])  # system, user and the assistant header: never trained
     assert pieces[n_prompt:] == [  # hand-checked, token by token
-        ("<think>", 1), ("a", 1), ("</think>", 1), ("<python>", 1), ("x", 1), ("</python>", 1),
-        ("<result>", 0), ("\n", 0), ("7", 0), ("\n", 0), ("</result>", 0),
-        ("<answer>", 1), ("7", 1), ("</answer>", 1), ("<|im_end|>", 1), ("\n", 0),
+        ("<think>", 1),
+        ("a", 1),
+        ("</think>", 1),
+        ("<python>", 1),
+        ("x", 1),
+        ("</python>", 1),
+        ("<result>", 0),
+        ("\n", 0),
+        ("7", 0),
+        ("\n", 0),
+        ("</result>", 0),
+        ("<answer>", 1),
+        ("7", 1),
+        ("</answer>", 1),
+        ("<|im_end|>", 1),
+        ("\n", 0),
     ]
     unmasked = tokenize_conversation(MESSAGES, tiny_tokenizer, mask_tool_results=False)["assistant_masks"]
     assert unmasked == [0] * n_prompt + [1] * 15 + [0]
@@ -44,10 +60,14 @@ def test_mask_is_exactly_assistant_tokens_outside_results(tiny_tokenizer):
 def test_result_tags_outside_assistant_and_multi_piece_tags(tiny_tokenizer):
     # A "<result>" mentioned in the system prompt is not an assistant span; tags that are not single tokens
     # are masked wherever a token overlaps them.
-    messages = [{"role": "system", "content": "results come in <result> tags"}, {"role": "user", "content": "q"},
-                {"role": "assistant", "content": "go [[OUT 42 OUT]] done"}]
-    out = tokenize_conversation(messages, tiny_tokenizer, assistant_only_loss=False,
-                                open_tag="[[OUT", close_tag="OUT]]")
+    messages = [
+        {"role": "system", "content": "results come in <result> tags"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "go [[OUT 42 OUT]] done"},
+    ]
+    out = tokenize_conversation(
+        messages, tiny_tokenizer, assistant_only_loss=False, open_tag="[[OUT", close_tag="OUT]]"
+    )
     trained = tiny_tokenizer.decode([i for i, m in zip(out["input_ids"], out["assistant_masks"]) if m])
     assert "42" not in trained and "[[" not in trained and "]]" not in trained
     assert "results come in <result> tags" in trained and "go" in trained and "done" in trained
@@ -65,8 +85,10 @@ def test_no_generation_markers_is_an_error(tiny_model_path):
 def _run(tiny_model_path, out, *extra):
     from appo_trl.sft import main
 
-    args = parse_recipe(dataclass_types(), ["--config", RECIPE, "--model_name_or_path", tiny_model_path,
-                                            "--output_dir", str(out), *extra])
+    args = parse_recipe(
+        dataclass_types(),
+        ["--config", RECIPE, "--model_name_or_path", tiny_model_path, "--output_dir", str(out), *extra],
+    )
     return main(*args)
 
 
@@ -92,9 +114,24 @@ def test_sft_trains_on_masked_labels_and_params_change(tiny_model_path, tiny_tok
 
 
 def test_sft_lora_and_packing(tiny_model_path, tmp_path):
-    trainer = _run(tiny_model_path, tmp_path / "lora", "--max_steps", "2", "--save_strategy", "no",
-                   "--use_peft", "true", "--lora_r", "4", "--lora_target_modules", "all-linear",
-                   "--packing", "true", "--max_length", "512")
+    trainer = _run(
+        tiny_model_path,
+        tmp_path / "lora",
+        "--max_steps",
+        "2",
+        "--save_strategy",
+        "no",
+        "--use_peft",
+        "true",
+        "--lora_r",
+        "4",
+        "--lora_target_modules",
+        "all-linear",
+        "--packing",
+        "true",
+        "--max_length",
+        "512",
+    )
     assert type(trainer.model).__name__.startswith("Peft")
     assert (tmp_path / "lora" / "adapter_model.safetensors").is_file()
     row = trainer.train_dataset[0]
@@ -126,8 +163,13 @@ def test_template_without_markers_gets_trls_training_template(tiny_model_path):
 
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     tok.chat_template = (importlib.resources.files("trl") / "chat_templates" / "qwen2_5.jinja").read_text()
-    args = SimpleNamespace(assistant_only_loss=True, mask_tool_results=True, tool_result_open="<result>",
-                           tool_result_close="</result>", dataset_num_proc=None)
+    args = SimpleNamespace(
+        assistant_only_loss=True,
+        mask_tool_results=True,
+        tool_result_open="<result>",
+        tool_result_close="</result>",
+        dataset_num_proc=None,
+    )
     row = tokenize_sft_dataset(Dataset.from_dict({"messages": [MESSAGES]}), tok, args)[0]
     trained = tok.decode([i for i, m in zip(row["input_ids"], row["assistant_masks"]) if m])
     assert trained == "\n<think>a</think><python>x</python><answer>7</answer><|im_end|>\n"  # TRL's markers

@@ -30,14 +30,46 @@ def runs(tiny_model_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed")
     model = ["--model_name_or_path", tiny_model_path]
     logs = {
-        "zero2": _launch([sys.executable, "-m", "appo_trl.cli", "sft", *COMMON, *model,
-                          "--output_dir", str(out / "zero2"), "--accelerate_config", "zero2",
-                          "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "29541"]),
-        "zero3": _launch([sys.executable, "-m", "accelerate.commands.launch",
-                          "--config_file", str(REPO_ROOT / "accelerate_configs" / "zero3.yaml"),
-                          "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "29542",
-                          str(REPO_ROOT / "sft" / "train.py"), *COMMON, *model,
-                          "--output_dir", str(out / "zero3")]),
+        "zero2": _launch(
+            [
+                sys.executable,
+                "-m",
+                "appo_trl.cli",
+                "sft",
+                *COMMON,
+                *model,
+                "--output_dir",
+                str(out / "zero2"),
+                "--accelerate_config",
+                "zero2",
+                "--num_processes",
+                "2",
+                "--mixed_precision",
+                "no",
+                "--main_process_port",
+                "29541",
+            ]
+        ),
+        "zero3": _launch(
+            [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--config_file",
+                str(REPO_ROOT / "accelerate_configs" / "zero3.yaml"),
+                "--num_processes",
+                "2",
+                "--mixed_precision",
+                "no",
+                "--main_process_port",
+                "29542",
+                str(REPO_ROOT / "sft" / "train.py"),
+                *COMMON,
+                *model,
+                "--output_dir",
+                str(out / "zero3"),
+            ]
+        ),
     }
     return out, logs
 

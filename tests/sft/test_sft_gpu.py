@@ -23,8 +23,20 @@ def _weights(path):
 def test_sft_bf16_on_cuda(tiny_model_path, tmp_path):
     from appo_trl.sft import dataclass_types, main
 
-    args = parse_recipe(dataclass_types(), ["--config", RECIPE, "--model_name_or_path", tiny_model_path,
-                                            "--output_dir", str(tmp_path / "bf16"), *GPU, "--save_strategy", "no"])
+    args = parse_recipe(
+        dataclass_types(),
+        [
+            "--config",
+            RECIPE,
+            "--model_name_or_path",
+            tiny_model_path,
+            "--output_dir",
+            str(tmp_path / "bf16"),
+            *GPU,
+            "--save_strategy",
+            "no",
+        ],
+    )
     trainer = main(*args)
     assert next(trainer.model.parameters()).device.type == "cuda"
     assert trainer.state.global_step == 2
@@ -36,10 +48,27 @@ def test_sft_bf16_on_cuda(tiny_model_path, tmp_path):
 @pytest.mark.slow
 def test_sft_fsdp_on_cuda(tiny_model_path, tmp_path):
     out = tmp_path / "fsdp"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO_ROOT / "accelerate_configs" / "fsdp.yaml"), "--num_processes", str(torch.cuda.device_count()),
-           "--main_process_port", "29544", str(REPO_ROOT / "sft" / "train.py"), "--config", RECIPE,
-           "--model_name_or_path", tiny_model_path, "--output_dir", str(out), *GPU, "--save_steps", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO_ROOT / "accelerate_configs" / "fsdp.yaml"),
+        "--num_processes",
+        str(torch.cuda.device_count()),
+        "--main_process_port",
+        "29544",
+        str(REPO_ROOT / "sft" / "train.py"),
+        "--config",
+        RECIPE,
+        "--model_name_or_path",
+        tiny_model_path,
+        "--output_dir",
+        str(out),
+        *GPU,
+        "--save_steps",
+        "2",
+    ]
     env = {**os.environ, "APPO_LAUNCHED": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=env, cwd=REPO_ROOT)
     log = proc.stdout + proc.stderr

@@ -141,6 +141,7 @@ def test_cli_serve_search_build_only(corpus_file, capsys):
 def test_executor_survives_successive_event_loops():
     tool = SleepyTool()
     ex = ToolExecutor({"sleepy": tool}, max_workers=1)
+
     async def batch():
         return await asyncio.gather(*(ex.execute("sleepy", "0.01") for _ in range(3)))
 

@@ -74,11 +74,25 @@ def select_branch_points(scores, valid, *, num_branches, max_per_row, strict=Non
     return pts
 
 
-def appo_dual_group_advantages(*, initial_rewards, branch_rewards, branch_rows, branch_positions, branch_scores,
-                               lengths, max_length, discount, m_scaling):
+def appo_dual_group_advantages(
+    *,
+    initial_rewards,
+    branch_rewards,
+    branch_rows,
+    branch_positions,
+    branch_scores,
+    lengths,
+    max_length,
+    discount,
+    m_scaling,
+):
     G, N = initial_rewards.shape
-    a_i = (initial_rewards - initial_rewards.mean(1, keepdim=True)) / (initial_rewards.std(1, correction=0, keepdim=True) + 1e-6)
-    a_b = (branch_rewards - branch_rewards.mean(1, keepdim=True)) / (branch_rewards.std(1, correction=0, keepdim=True) + 1e-6)
+    a_i = (initial_rewards - initial_rewards.mean(1, keepdim=True)) / (
+        initial_rewards.std(1, correction=0, keepdim=True) + 1e-6
+    )
+    a_b = (branch_rewards - branch_rewards.mean(1, keepdim=True)) / (
+        branch_rewards.std(1, correction=0, keepdim=True) + 1e-6
+    )
     out = a_i.unsqueeze(-1).expand(G, N, max_length).clone()
     t = torch.arange(max_length)
     for g in range(G):
@@ -111,6 +125,7 @@ def _clip(logps, old, adv, mask, *, eps_low, eps_high, **_):
 
 POLICY_LOSSES = {"clip": _clip, "dual_clip": _clip, "future_kl": _clip, "entropy_balanced": _clip}
 
+
 def arpo_branch_probability(entropy, root_entropy, *, base, weight, penalty_factor=None):
     delta = 0.0 if entropy != entropy or root_entropy != root_entropy else entropy - root_entropy
     if penalty_factor is None:
@@ -133,13 +148,23 @@ def aepo_initial_rollouts(root_entropy, tool_entropy, n):
 
 
 _MODULES = {
-    "arpo": dict(arpo_branch_probability=arpo_branch_probability, aepo_consecutive_penalty=aepo_consecutive_penalty,
-                 sample_branch_copies=sample_branch_copies, aepo_initial_rollouts=aepo_initial_rollouts),
-    "branching": dict(BranchPoint=BranchPoint, future_value=future_value, candidate_mask=candidate_mask,
-                      strict_candidates=strict_candidates,
-                      branch_scores=branch_scores, select_branch_points=select_branch_points),
-    "advantages": dict(appo_dual_group_advantages=appo_dual_group_advantages,
-                       entropy_aware_advantage=entropy_aware_advantage),
+    "arpo": dict(
+        arpo_branch_probability=arpo_branch_probability,
+        aepo_consecutive_penalty=aepo_consecutive_penalty,
+        sample_branch_copies=sample_branch_copies,
+        aepo_initial_rollouts=aepo_initial_rollouts,
+    ),
+    "branching": dict(
+        BranchPoint=BranchPoint,
+        future_value=future_value,
+        candidate_mask=candidate_mask,
+        strict_candidates=strict_candidates,
+        branch_scores=branch_scores,
+        select_branch_points=select_branch_points,
+    ),
+    "advantages": dict(
+        appo_dual_group_advantages=appo_dual_group_advantages, entropy_aware_advantage=entropy_aware_advantage
+    ),
     "losses": dict(POLICY_LOSSES=POLICY_LOSSES, PolicyLossOutput=PolicyLossOutput),
 }
 

@@ -31,14 +31,33 @@ def main(model_path, out):
     algo_fakes.install(_Patch())
     tok = AutoTokenizer.from_pretrained(model_path)
     engine = ScriptedEngine(tok, filler=8)
-    trainer = make_trainer(out, tok, model_path, engine, RewardSpy(), tools=["python"], rollout_strategy="appo",
-                           initial_rollouts=2, num_generations=4, per_device_train_batch_size=4, max_steps=2,
-                           max_completion_length=64, min_remaining_tokens=4)
+    trainer = make_trainer(
+        out,
+        tok,
+        model_path,
+        engine,
+        RewardSpy(),
+        tools=["python"],
+        rollout_strategy="appo",
+        initial_rollouts=2,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        max_steps=2,
+        max_completion_length=64,
+        min_remaining_tokens=4,
+    )
     seen = []
     orig = trainer._compute_loss
-    trainer._compute_loss = lambda m, i: seen.append(
-        (int(i["num_items_in_batch"]), int((i["completion_mask"] * i["tool_mask"]).sum()), i["completion_ids"].size(0))
-    ) or orig(m, i)
+    trainer._compute_loss = lambda m, i: (
+        seen.append(
+            (
+                int(i["num_items_in_batch"]),
+                int((i["completion_mask"] * i["tool_mask"]).sum()),
+                i["completion_ids"].size(0),
+            )
+        )
+        or orig(m, i)
+    )
     trainer.train()
     local = torch.tensor([s[1] for s in seen], dtype=torch.long)
     total = local.clone()

@@ -45,9 +45,14 @@ class ScriptedEngine:
         return self.tok.encode(text, add_special_tokens=False)
 
     def _segments(self, j: int):
-        think = "<think> what is the answer" + " the" * self.filler + " </think> <python> print(" + str(j) + ") </python>"
-        return [(self._ids(think), 1), (self._ids(f"<result> {j} </result>"), 0),
-                (self._ids(f"<answer> {j % 3} </answer>") + [self.tok.convert_tokens_to_ids("<|im_end|>")], 1)]
+        think = (
+            "<think> what is the answer" + " the" * self.filler + " </think> <python> print(" + str(j) + ") </python>"
+        )
+        return [
+            (self._ids(think), 1),
+            (self._ids(f"<result> {j} </result>"), 0),
+            (self._ids(f"<answer> {j % 3} </answer>") + [self.tok.convert_tokens_to_ids("<|im_end|>")], 1),
+        ]
 
     def _traj(self, prompt_ids, segments, **kw):
         ids, mask = [], []
@@ -64,8 +69,10 @@ class ScriptedEngine:
         self.hooks.append(hook)
         sizes = group_size if group_size is not None else n
         sizes = sizes if isinstance(sizes, list) else [sizes] * len(prompts)
-        groups = [[self._traj(p, self._segments(j), num_calls=1, group=g) for j in range(k)]
-                  for g, (p, k) in enumerate(zip(prompts, sizes))]
+        groups = [
+            [self._traj(p, self._segments(j), num_calls=1, group=g) for j in range(k)]
+            for g, (p, k) in enumerate(zip(prompts, sizes))
+        ]
         self.initial += [t for g in groups for t in g]
         return groups
 

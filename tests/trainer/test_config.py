@@ -36,8 +36,13 @@ def test_strategy_defaults(strategy, initial, loss_mode):
 def test_aepo_balanced_clipping_selects_its_loss_and_branch_cap_default():
     assert make(rollout_strategy="aepo", entropy_balanced_clipping=True).loss_mode == "entropy_balanced"
     # ⌈(8 - 3) / 3⌉ + 1 = 3
-    cfg = make(rollout_strategy="appo", num_generations=8, per_device_train_batch_size=8, initial_rollouts=3,
-               steps_per_generation=1)
+    cfg = make(
+        rollout_strategy="appo",
+        num_generations=8,
+        per_device_train_batch_size=8,
+        initial_rollouts=3,
+        steps_per_generation=1,
+    )
     assert cfg.max_branches_per_rollout == 3
 
 
@@ -58,8 +63,10 @@ def test_aepo_balanced_clipping_selects_its_loss_and_branch_cap_default():
         # 4 rows per rank, 2 groups of 2 would break groups across ranks
         (dict(num_generations=3), "divisible|multiple of num_generations"),
         # 8 rows = 2 groups of 4; APPO keeps 2 x 1 = 2 rows which cannot split into 4 micro-batches
-        (dict(rollout_strategy="appo", initial_rollouts=1, per_device_train_batch_size=2, steps_per_generation=4),
-         "split evenly"),
+        (
+            dict(rollout_strategy="appo", initial_rollouts=1, per_device_train_batch_size=2, steps_per_generation=4),
+            "split evenly",
+        ),
     ],
 )
 def test_invalid_combinations_fail_with_a_clear_message(kw, message):

@@ -13,11 +13,21 @@ HERE = os.path.dirname(__file__)
 
 @pytest.mark.slow
 def test_two_process_appo(tiny_model_path, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(HERE, "ddp_appo.py"), tiny_model_path, str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        os.path.join(HERE, "ddp_appo.py"),
+        tiny_model_path,
+        str(tmp_path),
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env,
-                          cwd=os.path.join(HERE, "..", ".."))
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=400, env=env, cwd=os.path.join(HERE, "..", "..")
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.load(open(tmp_path / "result.json"))
     assert result["ok"] and result["world"] == 2

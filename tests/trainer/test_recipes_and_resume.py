@@ -16,23 +16,41 @@ from tests.trainer.test_trainer import RewardSpy, make_trainer
     "name,expect",
     [
         ("arpo", dict(rollout_strategy="arpo", initial_rollouts=2, loss_mode="clip", arpo_entropy_timing="lookahead")),
-        ("aepo", dict(rollout_strategy="aepo", dynamic_rollouts=True, loss_mode="entropy_balanced",
-                      entropy_balanced_advantage=True)),
+        (
+            "aepo",
+            dict(
+                rollout_strategy="aepo",
+                dynamic_rollouts=True,
+                loss_mode="entropy_balanced",
+                entropy_balanced_advantage=True,
+            ),
+        ),
         ("appo", dict(rollout_strategy="appo", initial_rollouts=2, loss_mode="future_kl", drops_branch_rows=True)),
     ],
 )
 def test_tiny_recipes_parse(name, expect, tmp_path):
-    _, cfg, _ = parse_recipe(dataclass_types(), ["--config", str(REPO_ROOT / "recipes" / "tiny" / f"{name}.yaml"),
-                                                 "--output_dir", str(tmp_path)])
+    _, cfg, _ = parse_recipe(
+        dataclass_types(),
+        ["--config", str(REPO_ROOT / "recipes" / "tiny" / f"{name}.yaml"), "--output_dir", str(tmp_path)],
+    )
     assert cfg.tools == ["python"]
     assert {k: getattr(cfg, k) for k in expect} == expect
 
 
 def test_appo_checkpoint_resume_continues(tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch):
     algo_fakes.install(monkeypatch)
-    kw = dict(tools=["python"], rollout_strategy="appo", initial_rollouts=2, num_generations=4,
-              per_device_train_batch_size=4, max_completion_length=64, min_remaining_tokens=4, max_steps=2,
-              save_strategy="steps", save_steps=1)
+    kw = dict(
+        tools=["python"],
+        rollout_strategy="appo",
+        initial_rollouts=2,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        max_completion_length=64,
+        min_remaining_tokens=4,
+        max_steps=2,
+        save_strategy="steps",
+        save_steps=1,
+    )
     first_engine = ScriptedEngine(tiny_tokenizer, filler=8)
     first = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, first_engine, RewardSpy(), **kw)
     first.train()

@@ -33,8 +33,9 @@ class RecordingVLLMGeneration:
         self.syncs += 1
 
 
-def test_server_mode_generates_over_http_and_syncs_once_per_round(tmp_path, tiny_tokenizer, tiny_model_path,
-                                                                   monkeypatch):
+def test_server_mode_generates_over_http_and_syncs_once_per_round(
+    tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch
+):
     import trl.trainer.grpo_trainer as grpo_mod
 
     monkeypatch.setattr(grpo_mod, "VLLMGeneration", RecordingVLLMGeneration)
@@ -43,9 +44,20 @@ def test_server_mode_generates_over_http_and_syncs_once_per_round(tmp_path, tiny
     policy = fake_vllm.ScriptedPolicy(tiny_tokenizer, lambda ctx, rng: answer)
     with fake_vllm.FakeVLLMServer(policy, tiny_tokenizer, max_num_seqs=4) as server:
         reward = RewardSpy()
-        trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, None, reward, use_vllm=True,
-                               vllm_mode="server", vllm_server_base_url=server.url, num_generations=4,
-                               per_device_train_batch_size=4, max_steps=2, max_completion_length=16)
+        trainer = make_trainer(
+            tmp_path,
+            tiny_tokenizer,
+            tiny_model_path,
+            None,
+            reward,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_url=server.url,
+            num_generations=4,
+            per_device_train_batch_size=4,
+            max_steps=2,
+            max_completion_length=16,
+        )
         generate_calls = []
         orig = trainer._generate
         trainer._generate = lambda prompts: generate_calls.append(len(prompts)) or orig(prompts)
@@ -55,5 +67,7 @@ def test_server_mode_generates_over_http_and_syncs_once_per_round(tmp_path, tiny
     assert len(policy.requests) == 8  # 2 rounds x 4 rows over HTTP
     assert generate_calls == [4, 4]
     assert RecordingVLLMGeneration.instances[-1].syncs == 2  # once per round
-    assert all(t.endswith("<answer> 4 </answer>") or "<answer> 4 </answer>" in t for c in reward.calls for t in c["texts"])
+    assert all(
+        t.endswith("<answer> 4 </answer>") or "<answer> 4 </answer>" in t for c in reward.calls for t in c["texts"]
+    )
     assert all("sampling_per_token_logps" in s or "importance_sampling_ratio" in s for s in seen)

@@ -16,15 +16,27 @@ from appo_trl.trainer import APPOTrainer
 from tests.trainer import algo_fakes
 from tests.trainer.fakes import ScriptedEngine
 
-CPU = dict(use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no",
-           logging_steps=1, learning_rate=1e-2, beta=0.0, seed=0, loss_type="dapo")
+CPU = dict(
+    use_cpu=True,
+    bf16=False,
+    gradient_checkpointing=False,
+    report_to="none",
+    save_strategy="no",
+    logging_steps=1,
+    learning_rate=1e-2,
+    beta=0.0,
+    seed=0,
+    loss_type="dapo",
+)
 
 
 def dataset(k=8):
-    return Dataset.from_dict({
-        "prompt": [[{"role": "user", "content": f"what is {i} times 4"}] for i in range(k)],
-        "answer": [str(i % 3) for i in range(k)],
-    })
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"what is {i} times 4"}] for i in range(k)],
+            "answer": [str(i % 3) for i in range(k)],
+        }
+    )
 
 
 class RewardSpy:
@@ -35,16 +47,24 @@ class RewardSpy:
 
     def __call__(self, completions, answer, num_tool_calls, **kw):
         texts = [c[0]["content"] for c in completions]
-        rewards = [float(f"<answer> {a} </answer>" in t or f"<answer>{a}</answer>" in t) + 0.1 * len(t) / 100
-                   for t, a in zip(texts, answer)]
+        rewards = [
+            float(f"<answer> {a} </answer>" in t or f"<answer>{a}</answer>" in t) + 0.1 * len(t) / 100
+            for t, a in zip(texts, answer)
+        ]
         self.calls.append({"texts": texts, "num_tool_calls": list(num_tool_calls), "rewards": rewards})
         return rewards
 
 
 def make_trainer(tmp_path, tokenizer, model_path, engine, reward, **kw):
     args = APPOConfig(output_dir=str(tmp_path), **{**CPU, **kw})
-    return APPOTrainer(model=model_path, reward_funcs=[reward], args=args, train_dataset=dataset(),
-                       processing_class=tokenizer, rollout_engine=engine)
+    return APPOTrainer(
+        model=model_path,
+        reward_funcs=[reward],
+        args=args,
+        train_dataset=dataset(),
+        processing_class=tokenizer,
+        rollout_engine=engine,
+    )
 
 
 def spy_loss(trainer):
@@ -72,8 +92,18 @@ def _result_token_count(tokenizer, ids):
 
 def test_grpo_tool_loop_rows_masks_and_normaliser(tmp_path, tiny_tokenizer, tiny_model_path):
     engine, reward = ScriptedEngine(tiny_tokenizer), RewardSpy()
-    trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, engine, reward, tools=["python"],
-                           num_generations=4, per_device_train_batch_size=4, max_steps=2, max_completion_length=64)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        tiny_model_path,
+        engine,
+        reward,
+        tools=["python"],
+        num_generations=4,
+        per_device_train_batch_size=4,
+        max_steps=2,
+        max_completion_length=64,
+    )
     seen = spy_loss(trainer)
     before = _params(trainer.model)
     trainer.train()
@@ -92,8 +122,9 @@ def test_grpo_tool_loop_rows_masks_and_normaliser(tmp_path, tiny_tokenizer, tiny
     assert {"tools/call_frequency", "rollout/sampled_tokens", "completions/mean_length"} <= logged
 
 
-def test_appo_only_initial_rows_reach_the_loss_with_dual_group_advantages(tmp_path, tiny_tokenizer, tiny_model_path,
-                                                                          monkeypatch):
+def test_appo_only_initial_rows_reach_the_loss_with_dual_group_advantages(
+    tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch
+):
     algo_fakes.install(monkeypatch)
     import appo_trl.algorithms.advantages as adv_mod
 
@@ -108,10 +139,23 @@ def test_appo_only_initial_rows_reach_the_loss_with_dual_group_advantages(tmp_pa
     monkeypatch.setattr(adv_mod, "appo_dual_group_advantages", spy)
     engine, reward = ScriptedEngine(tiny_tokenizer, filler=12), RewardSpy()
     # 2 groups of n = 4 per round (N = 2 initial), split into 2 micro-batches of 2 kept rows
-    trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, engine, reward, tools=["python"],
-                           rollout_strategy="appo", initial_rollouts=2, num_generations=4,
-                           per_device_train_batch_size=4, steps_per_generation=2, gradient_accumulation_steps=2,
-                           max_steps=1, max_completion_length=64, min_remaining_tokens=4)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        tiny_model_path,
+        engine,
+        reward,
+        tools=["python"],
+        rollout_strategy="appo",
+        initial_rollouts=2,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        steps_per_generation=2,
+        gradient_accumulation_steps=2,
+        max_steps=1,
+        max_completion_length=64,
+        min_remaining_tokens=4,
+    )
     seen = spy_loss(trainer)
     before = _params(trainer.model)
     trainer.train()
@@ -145,13 +189,25 @@ def test_appo_only_initial_rows_reach_the_loss_with_dual_group_advantages(tmp_pa
 
 def test_custom_loss_path_matches_trl_loss_and_normaliser(tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch):
     algo_fakes.install(monkeypatch)
-    from appo_trl.trainer_loss import compute_policy_loss
     from trl import GRPOTrainer
 
+    from appo_trl.trainer_loss import compute_policy_loss
+
     engine, reward = ScriptedEngine(tiny_tokenizer), RewardSpy()
-    trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, engine, reward, tools=["python"],
-                           num_generations=4, per_device_train_batch_size=4, steps_per_generation=2,
-                           gradient_accumulation_steps=2, max_steps=1, max_completion_length=64)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        tiny_model_path,
+        engine,
+        reward,
+        tools=["python"],
+        num_generations=4,
+        per_device_train_batch_size=4,
+        steps_per_generation=2,
+        gradient_accumulation_steps=2,
+        max_steps=1,
+        max_completion_length=64,
+    )
     seen = spy_loss(trainer)
     trainer.train()
     inputs = seen[0]
@@ -181,10 +237,23 @@ def test_appo_reuses_the_branch_selection_forward_as_old_logps(tmp_path, tiny_to
 
     engine, reward = ScriptedEngine(tiny_tokenizer, filler=12), RewardSpy()
     # num_iterations = 2 makes TRL ask for old logps; GA = 1 so the first loss call sees θ_old
-    trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, engine, reward, tools=["python"],
-                           rollout_strategy="appo", initial_rollouts=2, num_generations=4, num_iterations=2,
-                           per_device_train_batch_size=4, max_steps=1, max_completion_length=64, min_remaining_tokens=4,
-                           learning_rate=0.0)  # θ stays θ_old, so the reference forward below is θ_old's
+    trainer = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        tiny_model_path,
+        engine,
+        reward,
+        tools=["python"],
+        rollout_strategy="appo",
+        initial_rollouts=2,
+        num_generations=4,
+        num_iterations=2,
+        per_device_train_batch_size=4,
+        max_steps=1,
+        max_completion_length=64,
+        min_remaining_tokens=4,
+        learning_rate=0.0,
+    )  # θ stays θ_old, so the reference forward below is θ_old's
     full_batch_forwards = []
     real_forward = GRPOTrainer._get_per_token_logps_and_entropies
 
@@ -207,8 +276,9 @@ def test_appo_reuses_the_branch_selection_forward_as_old_logps(tmp_path, tiny_to
     assert torch.allclose(first["old_per_token_logps"][mask], ref[mask], atol=1e-4)
 
 
-def test_aepo_entropy_aware_advantage_is_applied_with_trainer_entropies(tmp_path, tiny_tokenizer, tiny_model_path,
-                                                                        monkeypatch):
+def test_aepo_entropy_aware_advantage_is_applied_with_trainer_entropies(
+    tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch
+):
     algo_fakes.install(monkeypatch)
     import appo_trl.algorithms.advantages as adv_mod
     from appo_trl.trainer_loss import compute_policy_loss
@@ -222,10 +292,23 @@ def test_aepo_entropy_aware_advantage_is_applied_with_trainer_entropies(tmp_path
 
     monkeypatch.setattr(adv_mod, "entropy_aware_advantage", spy)
     engine, reward = ScriptedEngine(tiny_tokenizer), RewardSpy()
-    trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, engine, reward, tools=["python"],
-                           rollout_strategy="aepo", initial_rollouts=4, num_generations=4, per_device_train_batch_size=4,
-                           entropy_balanced_clipping=True, entropy_balanced_advantage=True,
-                           entropy_advantage_weight=0.5, max_steps=1, max_completion_length=64)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        tiny_model_path,
+        engine,
+        reward,
+        tools=["python"],
+        rollout_strategy="aepo",
+        initial_rollouts=4,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        entropy_balanced_clipping=True,
+        entropy_balanced_advantage=True,
+        entropy_advantage_weight=0.5,
+        max_steps=1,
+        max_completion_length=64,
+    )
     assert trainer._custom_loss and trainer.args.loss_mode == "entropy_balanced"
     seen = spy_loss(trainer)
     trainer.train()
@@ -244,19 +327,32 @@ def test_reward_names_resolve_through_the_registry(tmp_path, tiny_tokenizer, tin
 
     name = sorted(REWARD_FUNCS)[0]
     args = APPOConfig(output_dir=str(tmp_path), **{**CPU, "num_generations": 4, "per_device_train_batch_size": 4})
-    trainer = APPOTrainer(model=tiny_model_path, reward_funcs=[name], args=args, train_dataset=dataset(),
-                          processing_class=tiny_tokenizer)
+    trainer = APPOTrainer(
+        model=tiny_model_path, reward_funcs=[name], args=args, train_dataset=dataset(), processing_class=tiny_tokenizer
+    )
     assert trainer.reward_funcs[0] is REWARD_FUNCS[name]
 
 
 def test_engine_is_built_from_the_config(tmp_path, tiny_tokenizer, tiny_model_path):
     from appo_trl.rollout import RolloutEngine, TransformersBackend
 
-    args = APPOConfig(output_dir=str(tmp_path), **{**CPU, "num_generations": 4, "per_device_train_batch_size": 4},
-                      tools=["python"], tool_call_limit=5, rollout_strategy="appo", initial_rollouts=2,
-                      max_completion_length=48, entropy_topk=7)
-    trainer = APPOTrainer(model=tiny_model_path, reward_funcs=[RewardSpy()], args=args, train_dataset=dataset(),
-                          processing_class=tiny_tokenizer)
+    args = APPOConfig(
+        output_dir=str(tmp_path),
+        **{**CPU, "num_generations": 4, "per_device_train_batch_size": 4},
+        tools=["python"],
+        tool_call_limit=5,
+        rollout_strategy="appo",
+        initial_rollouts=2,
+        max_completion_length=48,
+        entropy_topk=7,
+    )
+    trainer = APPOTrainer(
+        model=tiny_model_path,
+        reward_funcs=[RewardSpy()],
+        args=args,
+        train_dataset=dataset(),
+        processing_class=tiny_tokenizer,
+    )
     assert not trainer._trl_sampler
     engine = trainer.rollout_engine
     try:

@@ -32,7 +32,9 @@ class ScriptedBackend:
             ids = self.tok.encode(" <answer> 4 </answer>", add_special_tokens=False) + [self.tok.eos_token_id]
             reason, stop = "eos", None
         else:
-            ids = self.tok.encode("<think> the answer </think> <python> print(2+2) </python>", add_special_tokens=False)
+            ids = self.tok.encode(
+                "<think> the answer </think> <python> print(2+2) </python>", add_special_tokens=False
+            )
             reason, stop = "stop", "</python>"
         ids = ids[: params.max_tokens]
         if len(ids) == params.max_tokens and reason == "eos":
@@ -61,8 +63,10 @@ def real_engine(tokenizer, **cfg):
 def _check_masks(tokenizer, seen):
     for inputs in seen:
         mask = inputs["completion_mask"] * inputs["tool_mask"]
-        assert int(inputs["num_items_in_batch"]) == int(sum((s["completion_mask"] * s["tool_mask"]).sum() for s in seen)) or \
-            len(seen) == 1
+        assert (
+            int(inputs["num_items_in_batch"]) == int(sum((s["completion_mask"] * s["tool_mask"]).sum() for s in seen))
+            or len(seen) == 1
+        )
         for row in range(mask.size(0)):
             ids = inputs["completion_ids"][row]
             start = (ids == tokenizer.convert_tokens_to_ids("<result>")).nonzero()
@@ -72,8 +76,18 @@ def _check_masks(tokenizer, seen):
 
 def test_grpo_through_the_real_engine(tmp_path, tiny_tokenizer, tiny_model_path):
     engine, reward = real_engine(tiny_tokenizer), RewardSpy()
-    trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, engine, reward, tools=["python"],
-                           num_generations=4, per_device_train_batch_size=4, max_steps=1, max_completion_length=96)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        tiny_model_path,
+        engine,
+        reward,
+        tools=["python"],
+        num_generations=4,
+        per_device_train_batch_size=4,
+        max_steps=1,
+        max_completion_length=96,
+    )
     seen = spy_loss(trainer)
     trainer.train()
     assert len(reward.calls[0]["texts"]) == 4 and reward.calls[0]["num_tool_calls"] == [1, 1, 1, 1]
@@ -83,15 +97,33 @@ def test_grpo_through_the_real_engine(tmp_path, tiny_tokenizer, tiny_model_path)
 
 
 @pytest.mark.parametrize("strategy", ["arpo", "aepo"])
-def test_arpo_aepo_branch_in_the_loop_and_refill_to_n(tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch, strategy):
+def test_arpo_aepo_branch_in_the_loop_and_refill_to_n(
+    tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch, strategy
+):
     algo_fakes.install(monkeypatch)
-    engine, reward = real_engine(tiny_tokenizer, hook_mode="lookahead", record_entropies=True, entropy_topk=2), RewardSpy()
+    engine, reward = (
+        real_engine(tiny_tokenizer, hook_mode="lookahead", record_entropies=True, entropy_topk=2),
+        RewardSpy(),
+    )
     extra = dict(dynamic_rollouts=True, dynamic_rollouts_source="reuse") if strategy == "aepo" else {}
-    trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, engine, reward, tools=["python"],
-                           rollout_strategy=strategy, initial_rollouts=2, num_generations=4,
-                           # P = 1: ARPO clip(τ + βΔH) with τ = 1; AEPO clip(1 − τ/f + βΔH) with τ = 0
-                           branch_probability=1.0 if strategy == "arpo" else 0.0,
-                           beam_size=2, per_device_train_batch_size=4, max_steps=1, max_completion_length=96, **extra)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        tiny_model_path,
+        engine,
+        reward,
+        tools=["python"],
+        rollout_strategy=strategy,
+        initial_rollouts=2,
+        num_generations=4,
+        # P = 1: ARPO clip(τ + βΔH) with τ = 1; AEPO clip(1 − τ/f + βΔH) with τ = 0
+        branch_probability=1.0 if strategy == "arpo" else 0.0,
+        beam_size=2,
+        per_device_train_batch_size=4,
+        max_steps=1,
+        max_completion_length=96,
+        **extra,
+    )
     seen = spy_loss(trainer)
     trainer.train()
     assert len(reward.calls) == 1 and len(reward.calls[0]["texts"]) == 4  # exactly n rows per group
@@ -106,10 +138,21 @@ def test_arpo_aepo_branch_in_the_loop_and_refill_to_n(tmp_path, tiny_tokenizer, 
 def test_appo_through_the_real_engine_drops_branch_rows(tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch):
     algo_fakes.install(monkeypatch)
     engine, reward = real_engine(tiny_tokenizer, record_entropies=True, entropy_topk=2), RewardSpy()
-    trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, engine, reward, tools=["python"],
-                           rollout_strategy="appo", initial_rollouts=2, num_generations=4,
-                           per_device_train_batch_size=4, max_steps=1, max_completion_length=96,
-                           min_remaining_tokens=2)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_tokenizer,
+        tiny_model_path,
+        engine,
+        reward,
+        tools=["python"],
+        rollout_strategy="appo",
+        initial_rollouts=2,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        max_steps=1,
+        max_completion_length=96,
+        min_remaining_tokens=2,
+    )
     seen = spy_loss(trainer)
     before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
     trainer.train()
