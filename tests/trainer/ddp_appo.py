@@ -14,21 +14,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from tests.trainer import algo_fakes  # noqa: E402
 from tests.trainer.fakes import ScriptedEngine  # noqa: E402
 from tests.trainer.test_trainer import RewardSpy, make_trainer  # noqa: E402
 
 
-class _Patch:
-    def setitem(self, d, k, v):
-        d[k] = v
-
-    def setattr(self, obj, name, value, raising=True):
-        setattr(obj, name, value)
-
-
 def main(model_path, out):
-    algo_fakes.install(_Patch())
     tok = AutoTokenizer.from_pretrained(model_path)
     engine = ScriptedEngine(tok, filler=8)
     trainer = make_trainer(

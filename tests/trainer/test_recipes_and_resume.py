@@ -7,7 +7,6 @@ import torch
 
 from appo_trl.recipes import REPO_ROOT, parse_recipe
 from appo_trl.train import dataclass_types
-from tests.trainer import algo_fakes
 from tests.trainer.fakes import ScriptedEngine
 from tests.trainer.test_trainer import RewardSpy, make_trainer
 
@@ -38,7 +37,6 @@ def test_tiny_recipes_parse(name, expect, tmp_path):
 
 
 def test_appo_checkpoint_resume_continues(tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch):
-    algo_fakes.install(monkeypatch)
     kw = dict(
         tools=["python"],
         rollout_strategy="appo",

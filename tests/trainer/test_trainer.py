@@ -13,7 +13,6 @@ from datasets import Dataset
 
 from appo_trl.config import APPOConfig
 from appo_trl.trainer import APPOTrainer
-from tests.trainer import algo_fakes
 from tests.trainer.fakes import ScriptedEngine
 
 CPU = dict(
@@ -125,7 +124,6 @@ def test_grpo_tool_loop_rows_masks_and_normaliser(tmp_path, tiny_tokenizer, tiny
 def test_appo_only_initial_rows_reach_the_loss_with_dual_group_advantages(
     tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch
 ):
-    algo_fakes.install(monkeypatch)
     import appo_trl.algorithms.advantages as adv_mod
 
     produced = []
@@ -188,7 +186,6 @@ def test_appo_only_initial_rows_reach_the_loss_with_dual_group_advantages(
 
 
 def test_custom_loss_path_matches_trl_loss_and_normaliser(tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch):
-    algo_fakes.install(monkeypatch)
     from trl import GRPOTrainer
 
     from appo_trl.trainer_loss import compute_policy_loss
@@ -232,7 +229,6 @@ def test_custom_loss_path_matches_trl_loss_and_normaliser(tmp_path, tiny_tokeniz
 
 
 def test_appo_reuses_the_branch_selection_forward_as_old_logps(tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch):
-    algo_fakes.install(monkeypatch)
     from trl import GRPOTrainer
 
     engine, reward = ScriptedEngine(tiny_tokenizer, filler=12), RewardSpy()
@@ -279,7 +275,6 @@ def test_appo_reuses_the_branch_selection_forward_as_old_logps(tmp_path, tiny_to
 def test_aepo_entropy_aware_advantage_is_applied_with_trainer_entropies(
     tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch
 ):
-    algo_fakes.install(monkeypatch)
     import appo_trl.algorithms.advantages as adv_mod
     from appo_trl.trainer_loss import compute_policy_loss
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from appo_trl.tools.base import ToolResult
-from tests.trainer import algo_fakes
 from tests.trainer.test_trainer import RewardSpy, make_trainer, spy_loss
 
 rollout = pytest.importorskip("appo_trl.rollout.engine")
@@ -100,7 +99,6 @@ def test_grpo_through_the_real_engine(tmp_path, tiny_tokenizer, tiny_model_path)
 def test_arpo_aepo_branch_in_the_loop_and_refill_to_n(
     tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch, strategy
 ):
-    algo_fakes.install(monkeypatch)
     engine, reward = (
         real_engine(tiny_tokenizer, hook_mode="lookahead", record_entropies=True, entropy_topk=2),
         RewardSpy(),
@@ -136,7 +134,6 @@ def test_arpo_aepo_branch_in_the_loop_and_refill_to_n(
 
 
 def test_appo_through_the_real_engine_drops_branch_rows(tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch):
-    algo_fakes.install(monkeypatch)
     engine, reward = real_engine(tiny_tokenizer, record_entropies=True, entropy_topk=2), RewardSpy()
     trainer = make_trainer(
         tmp_path,
