@@ -1,5 +1,5 @@
 # appo-trl developer commands. `make test` and `make demo` create .venv when it is missing.
-.PHONY: install test test-fast demo bench quality clean
+.PHONY: install test test-fast demo study bench quality clean
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -28,6 +28,10 @@ test-fast: install
 
 demo: install
 	$(VENV)/bin/appo demo
+
+# GRPO vs ARPO vs AEPO vs APPO from one SFT checkpoint, 3 seeds (docs/study.md); about an hour on 2 cores
+study: install
+	$(VENV)/bin/appo study
 
 bench: install
 	$(PY) bench/tools.py

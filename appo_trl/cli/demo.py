@@ -1,95 +1,204 @@
-"""`appo demo`: the main job on the embedded default, offline on CPU, in about a minute.
+"""`appo demo`: a tiny tool-using agent learns on CPU, and the held-out split shows it.
 
-1. builds the tiny random Qwen3 model (once, in `outputs/tiny-qwen3`);
-2. cold-starts it with SFT on the tiny tool-integrated traces (`recipes/tiny/sft.yaml`, 120 steps), so that
-   it writes `<think>`, `<python>` and `<answer>` blocks;
-3. trains it with RL (`recipes/tiny/appo.yaml` by default: APPO with the sandboxed python tool) on the tiny
-   arithmetic set, the python calls running for real in the sandbox;
-4. reloads the saved checkpoint with plain `transformers` and prints the per-step log.
+1. generates the synthetic task from `--seed` (`appo_trl.synthetic`): python arithmetic, search questions over an
+   invented encyclopedia, questions needing both; SFT traces, RL prompts and a disjoint held-out split;
+2. builds a tiny Qwen3 (4 layers, width 128) and cold-starts it with a short SFT on the traces;
+3. starts `appo serve-search` on 127.0.0.1 (a free port) over the encyclopedia; it is stopped at the end, always;
+4. `appo eval` of the SFT model on the held-out split: pass@1, pass@k, tool calls per sample;
+5. RL with `recipes/demo/appo.yaml` (APPO, the sandboxed python tool and the search tool, both for real);
+6. `appo eval` of RL checkpoints and of the final model on the same held-out questions.
 
-The model is tiny and the run is short: rewards are not expected to climb. The demo proves that every stage
-runs end to end (SFT, tool loop, branching, rewards, loss, checkpoint) on a machine with no GPU and no Hub.
+Prints a before/after table, writes `<workdir>/report.json` and `<workdir>/curves.png` (reward, held-out
+accuracy at the checkpoints, tool calls per sample over the RL steps). Sampling is at temperature 1 for
+training and evaluation alike. What it does not show: anything about large models; the task is synthetic and
+the model tiny. Seed spread and timings: docs/benchmarks.md ("Demo").
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
 import time
 from pathlib import Path
 
-from appo_trl.recipes import REPO_ROOT
 
-LOG_KEYS = ("reward", "reward_std", "loss", "tools/call_frequency", "branch/points_per_prompt",
-            "branch/loss_rows_frac", "completions/mean_length")  # fmt: skip
-
-
-def _resolve(path: str) -> str:
-    """Recipe and data paths are relative to the repository when not found from the working directory."""
-    if not path or os.path.exists(path):
-        return path
-    candidate = REPO_ROOT / path
-    return str(candidate) if candidate.exists() else path
+def _cpu_s() -> float:
+    """CPU seconds of this process and its finished children (sandbox workers, the search server)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _parse(types, recipe: str, overrides: list[str]):
-    from appo_trl.recipes import parse_recipe
-
-    parsed = parse_recipe(types, ["--config", _resolve(recipe), *overrides])
-    parsed[0].dataset_name = _resolve(parsed[0].dataset_name)
-    return parsed
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="appo demo", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--seed", type=int, default=0, help="task, model, SFT, RL and eval seed (default: %(default)s)")
+    p.add_argument("--workdir", default="outputs/demo", help="where everything goes (default: %(default)s)")
+    p.add_argument("--recipe", default="recipes/demo/appo.yaml", help="RL recipe (default: %(default)s)")
+    p.add_argument("--sft_steps", type=int, default=400, help="SFT cold-start steps (default: %(default)s)")
+    p.add_argument("--rl_steps", type=int, default=40, help="RL steps (default: %(default)s)")
+    p.add_argument(
+        "--checkpoints",
+        type=int,
+        default=2,
+        help="intermediate RL checkpoints evaluated on the held-out split (default: %(default)s)",
+    )
+    p.add_argument("--num_sft", type=int, default=800, help="SFT traces generated (default: %(default)s)")
+    p.add_argument("--num_heldout", type=int, default=96, help="held-out questions (default: %(default)s)")
+    p.add_argument("--eval_samples", type=int, default=4, help="samples per held-out question, the k of pass@k "
+                   "(default: %(default)s)")  # fmt: skip
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="further `--key value` overrides for the RL recipe")
+    return p
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="appo demo", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--recipe", default="recipes/tiny/appo.yaml", help="RL recipe (default: %(default)s)")
-    p.add_argument("--sft_recipe", default="recipes/tiny/sft.yaml", help="cold-start recipe (default: %(default)s)")
-    p.add_argument("--sft_steps", type=int, default=120, help="cold-start steps; 0 skips SFT (default: %(default)s)")
-    p.add_argument("--rl_steps", type=int, default=4, help="RL steps (default: %(default)s)")
-    p.add_argument("--workdir", default="outputs", help="where models and checkpoints go (default: %(default)s)")
-    p.add_argument("extra", nargs=argparse.REMAINDER, help="further `--key value` overrides for the RL recipe")
-    a = p.parse_args(argv)
+    a = parser().parse_args(argv)
+    if a.rl_steps < 1 or a.sft_steps < 1 or a.eval_samples < 1 or a.checkpoints < 0:
+        parser().error("--rl_steps, --sft_steps and --eval_samples must be >= 1, --checkpoints >= 0")
+    return 0 if run(a)["heldout_accuracy_rl"] is not None else 1
 
-    from appo_trl.tiny import build_tiny_model
 
-    start = time.time()
-    base, sft_dir, rl_dir = (str(Path(a.workdir, name)) for name in ("tiny-qwen3", "tiny-sft", "tiny-rl"))
-    if not Path(base, "config.json").is_file():
-        print(f"[demo] 1/4 building the tiny offline model in {base}")
-        build_tiny_model(base)
-    else:
-        print(f"[demo] 1/4 tiny model found in {base}")
+def _say(msg: str) -> None:
+    print(msg, flush=True)
 
-    policy = base
-    if a.sft_steps > 0:
-        from appo_trl import sft
 
-        print(f"[demo] 2/4 SFT cold start ({a.sft_steps} steps) -> {sft_dir}")
-        sft_args = _parse(sft.dataclass_types(), a.sft_recipe, [
-            "--model_name_or_path", base, "--output_dir", sft_dir, "--max_steps", str(a.sft_steps),
-            "--learning_rate", "3e-3", "--save_strategy", "no", "--logging_steps", str(max(1, a.sft_steps // 4)),
-        ])  # fmt: skip
-        sft.main(*sft_args)
-        policy = sft_dir
+def run(a, printer=_say) -> dict:
+    """The whole demo; returns the report (also written to `<workdir>/report.json`)."""
+    from appo_trl.synthetic import pipeline as P
+    from appo_trl.synthetic import write_task
 
-    from appo_trl.train import dataclass_types
-    from appo_trl.train import main as train
+    _silence_progress_bars()
+    work = Path(a.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    t0, c0 = time.monotonic(), _cpu_s()
+    times: dict[str, float] = {}
 
-    rl_args = _parse(dataclass_types(), a.recipe, [
-        "--model_name_or_path", policy, "--output_dir", rl_dir, "--max_steps", str(a.rl_steps),
-        "--save_strategy", "no", *a.extra,
-    ])  # fmt: skip
-    strategy = getattr(rl_args[1], "rollout_strategy", "grpo")
-    print(f"[demo] 3/4 RL with {a.recipe} ({strategy}, tools: {rl_args[1].tools}) -> {rl_dir}")
-    trainer = train(*rl_args)
+    def stage(name, start):
+        times[name] = round(time.monotonic() - start, 1)
 
-    from transformers import AutoModelForCausalLM
+    printer(f"[demo] 1/6 synthetic task (seed {a.seed}) -> {work / 'data'}")
+    paths = write_task(work / "data", a.seed, num_sft=a.num_sft, num_heldout=a.num_heldout)
+    printer(f"[demo] 2/6 tiny model + SFT cold start ({a.sft_steps} steps on {a.num_sft} traces)")
+    s = time.monotonic()
+    P.build_model(str(work / "model"), a.seed)
+    P.run_sft(str(work / "model"), paths["sft"], str(work / "sft"), steps=a.sft_steps, seed=a.seed)
+    stage("sft", s)
+    every = max(1, a.rl_steps // (a.checkpoints + 1))
+    save_steps = [every * (i + 1) for i in range(a.checkpoints) if every * (i + 1) < a.rl_steps]
+    evals: dict[int, dict] = {}
+    server: dict = {}
+    with P.search_server(paths["corpus"], str(work / "search_server.log")) as srv:
+        server = dict(srv)
+        printer(f"[demo] 3/6 appo serve-search on 127.0.0.1:{srv['port']} (pid {srv['pid']})")
 
-    AutoModelForCausalLM.from_pretrained(rl_dir)  # the checkpoint loads in plain transformers
-    print("[demo] 4/4 checkpoint reloaded with transformers; per-step log:")
-    for entry in trainer.state.log_history:
-        if "step" in entry and any(k in entry for k in LOG_KEYS):
-            shown = ", ".join(f"{k}={entry[k]:.4g}" for k in LOG_KEYS if k in entry)
-            print(f"  step {entry['step']}: {shown}")
-    print(f"[demo] done in {time.time() - start:.0f} s. Next: `appo train --config {a.recipe}` or README, GPU usage.")
-    return 0
+        def evaluate(step: int, model: str) -> dict:
+            s = time.monotonic()
+            r = P.evaluate_heldout(model, paths["registry"], srv["url"], str(work / "eval" / f"step{step}"),
+                                   num_samples=a.eval_samples, seed=a.seed)  # fmt: skip
+            times[f"eval_step{step}"] = round(time.monotonic() - s, 1)
+            printer(f"        held-out @ step {step:>3}: pass@1 {100 * r['pass@1']:.1f} %  pass@{r['k']} "
+                    f"{100 * r['pass@k']:.1f} %  tool calls/sample {r['calls_per_sample']:.2f}")  # fmt: skip
+            evals[step] = r
+            return r
+
+        printer(f"[demo] 4/6 appo eval of the SFT model ({a.num_heldout} held-out questions x {a.eval_samples})")
+        evaluate(0, str(work / "sft"))
+        printer(f"[demo] 5/6 RL: {a.recipe}, {a.rl_steps} steps, tools python + search")
+        s = time.monotonic()
+        args = P.rl_arguments(a.recipe, str(work / "sft"), paths["rl"], str(work / "rl"), srv["url"],
+                              steps=a.rl_steps, seed=a.seed, overrides=a.extra)  # fmt: skip
+        trainer, history = P.run_rl(args, save_steps=save_steps, printer=printer)
+        stage("rl", s)
+        strategy = args[1].rollout_strategy
+        del trainer
+        printer(f"[demo] 6/6 appo eval of the RL checkpoints (steps {[*save_steps, a.rl_steps]})")
+        for step in save_steps:
+            evaluate(step, str(work / "rl" / f"checkpoint-{step}"))
+        evaluate(a.rl_steps, str(work / "rl"))
+    server["stopped"] = True  # the context manager waited for the process to exit
+    sft, rl = evals[0], evals[a.rl_steps]
+    report = {
+        "heldout_accuracy_sft": sft["pass@1"],
+        "heldout_accuracy_rl": rl["pass@1"],
+        "heldout_pass_at_k_sft": sft["pass@k"],
+        "heldout_pass_at_k_rl": rl["pass@k"],
+        "k": sft["k"],
+        "rl_steps": a.rl_steps,
+        "seed": a.seed,
+        "strategy": strategy,
+        "recipe": a.recipe,
+        "sft_steps": a.sft_steps,
+        "heldout_questions": sft["questions"],
+        "eval": {str(k): v for k, v in sorted(evals.items())},
+        "rl_history": history,
+        "search_server": server,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "cpu_s": round(_cpu_s() - c0, 1),
+        "stage_wall_s": times,
+    }
+    (work / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    plot_curves(report, work / "curves.png")
+    _table(report, printer)
+    printer(f"[demo] wrote {work / 'report.json'} and {work / 'curves.png'} ({report['wall_s']:.0f} s wall, "
+            f"{report['cpu_s']:.0f} s CPU)")  # fmt: skip
+    return report
+
+
+def _table(r: dict, printer) -> None:
+    sft, rl = r["eval"]["0"], r["eval"][str(r["rl_steps"])]
+    k = r["k"]
+    rows = [("pass@1 (held-out)", 100 * sft["pass@1"], 100 * rl["pass@1"], "%"),
+            (f"pass@{k} (held-out)", 100 * sft["pass@k"], 100 * rl["pass@k"], "%"),
+            ("tool calls / sample", sft["calls_per_sample"], rl["calls_per_sample"], "")]  # fmt: skip
+    rows += [
+        (f"  pass@1 {fam}", 100 * sft["by_family"].get(fam, 0), 100 * v, "%") for fam, v in rl["by_family"].items()
+    ]
+    printer(f"\n  {'':24} {'SFT':>8} {r['strategy'].upper() + ' RL':>9} {'change':>8}")
+    for name, before, after, unit in rows:
+        printer(f"  {name:24} {before:>7.1f}{unit or ' '} {after:>8.1f}{unit or ' '} {after - before:>+7.1f}{unit}")
+    printer("")
+
+
+def plot_curves(report: dict, path: str | os.PathLike) -> None:
+    """Reward per RL step, held-out pass@1 at the evaluated checkpoints, tool calls per sample per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hist = report["rl_history"]
+    steps = [h["step"] for h in hist]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    rewards = [h["reward"] for h in hist]
+    axes[0].plot(steps, rewards, color="tab:blue", alpha=0.35, label="per step")
+    w = max(1, len(rewards) // 8)
+    smooth = [
+        sum(rewards[max(0, i - w + 1) : i + 1]) / len(rewards[max(0, i - w + 1) : i + 1]) for i in range(len(rewards))
+    ]
+    axes[0].plot(steps, smooth, color="tab:blue", label=f"mean of last {w}")
+    axes[0].set(xlabel="RL step", ylabel="training reward", title="reward")
+    axes[0].legend()
+    ev = sorted((int(s), v) for s, v in report["eval"].items())
+    axes[1].plot([s for s, _ in ev], [100 * v["pass@1"] for _, v in ev], marker="o", label="pass@1")
+    axes[1].plot([s for s, _ in ev], [100 * v["pass@k"] for _, v in ev], marker="s", ls="--",
+                 label=f"pass@{report['k']}")  # fmt: skip
+    axes[1].set(xlabel="RL step (0 = SFT)", ylabel="held-out accuracy (%)", title="held-out accuracy", ylim=(0, 100))
+    axes[1].legend()
+    axes[2].plot(steps, [h.get("calls", 0) for h in hist], color="tab:green", label="training rollouts")
+    axes[2].plot([s for s, _ in ev], [v["calls_per_sample"] for _, v in ev], marker="o", color="tab:olive",
+                 label="held-out eval")  # fmt: skip
+    axes[2].set(xlabel="RL step", ylabel="tool calls / sample", title="tool calls")
+    axes[2].legend()
+    fig.suptitle(f"appo demo: {report['strategy']} on the synthetic tool task, seed {report['seed']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _silence_progress_bars() -> None:
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    os.environ.setdefault("TQDM_DISABLE", "1")

@@ -137,6 +137,9 @@ class SyntheticTask:
 def _split(rng: random.Random, entities: list[Entity], count: int, seen: set[str]) -> list[Question]:
     """`count` questions, families in turn (python, search, both), search ones about `entities` only."""
     out: list[Question] = []
+    per_family = -(-count // len(FAMILIES))
+    if per_family > 2 * len(entities):  # 2 search questions and 8 multiplier questions per entity
+        raise ValueError(f"{count} questions need more than {len(entities)} entities for this split")
     while len(out) < count:
         family = FAMILIES[len(out) % len(FAMILIES)]
         if family == "python":
@@ -152,12 +155,14 @@ def _split(rng: random.Random, entities: list[Entity], count: int, seen: set[str
 
 
 def build_task(seed: int = 0, *, num_sft: int = 96, num_rl: int = 256, num_heldout: int = 96,
-               num_entities: int = 240) -> SyntheticTask:  # fmt: skip
+               num_entities: int | None = None) -> SyntheticTask:  # fmt: skip
     """The encyclopedia and the three disjoint splits, all determined by `seed`.
 
-    Entities are split 1/4 SFT, 1/2 RL, 1/4 held-out; python questions are fresh random expressions, kept
-    unique across splits.
+    Entities are split 1/4 SFT, 1/2 RL, 1/4 held-out (default count: enough for every split); python questions
+    are fresh random expressions, kept unique across splits.
     """
+    if num_entities is None:  # enough entities for every split's search questions (quarter, half, quarter)
+        num_entities = 4 * max(8, num_sft, num_rl // 2, num_heldout)
     if min(num_sft, num_rl, num_heldout) < 0 or num_entities < 8:
         raise ValueError("split sizes must be >= 0 and num_entities >= 8")
     rng = random.Random(seed)
