@@ -64,9 +64,10 @@ def test_written_files_and_trace_results_match_the_real_tools(tmp_path):
     from appo_trl.tools import build_tools
     from appo_trl.tools.search import format_results
 
-    paths = write_task(tmp_path, seed=5, num_sft=9, num_rl=6, num_heldout=6, num_entities=16)
+    paths = write_task(tmp_path, seed=5, num_sft=9, num_rl=6, num_heldout=6)
     rows = {k: [json.loads(x) for x in open(paths[k])] for k in ("sft", "rl", "heldout", "corpus")}
-    assert [len(rows[k]) for k in ("sft", "rl", "heldout", "corpus")] == [9, 6, 6, 32]
+    assert [len(rows[k]) for k in ("sft", "rl", "heldout")] == [9, 6, 6]
+    assert len(rows["corpus"]) == 2 * (3 + 2 + 2)  # two facts per entity, entities per split: n/6 + 1
     assert set(rows["rl"][0]) >= {"prompt", "answer"} and set(rows["heldout"][0]) >= {"question", "answer"}
     # the <result> text of each trace is what the python sandbox prints / what the search tool formats
     python = build_tools(["python"], {})["python"]
@@ -78,3 +79,15 @@ def test_written_files_and_trace_results_match_the_real_tools(tmp_path):
         for out in re.findall(r"</search> <result>\n(.*?)\n</result>", trace):
             assert out == format_results([out.removeprefix("Page 1: ")], 1) and out.removeprefix("Page 1: ") in by_text
     asyncio.run(python.aclose())
+
+
+def test_name_syllables_never_occur_inside_the_fixed_text():
+    """The demo tokenizer adds the syllables as tokens; they must not split any other word."""
+    from appo_trl.synthetic.task import SYLLABLES, SYSTEM_PROMPT
+
+    t = build_task(0)
+    names = {e.name for e in t.entities} | {e.capital for e in t.entities}
+    fixed = SYSTEM_PROMPT + " ".join(q.question + q.trace for q in t.sft[:60])
+    for name in sorted(names, key=len, reverse=True):
+        fixed = fixed.replace(name, " ")
+    assert not [s for s in SYLLABLES if s in fixed]

@@ -74,12 +74,14 @@ def search_server(corpus: str, log_path: str | None = None, timeout_s: float = 1
 
 def build_model(out_dir: str, seed: int) -> str:
     """The tiny Qwen3 at `MODEL_SIZE`, with a tokenizer whose pre-tokenizer isolates spaces, digits and
-    punctuation: a number or a name is then the same token sequence in the question, the tool call, the tool
-    result and the answer, so the copying the task needs is an identity map a tiny model learns in minutes.
-    (The vocabulary and merges are `build_tiny_model`'s; only the pre-tokenization changes.)"""
+    punctuation, and with the name syllables of the task as tokens: a number or a name is then the same token
+    sequence in the question, the tool call, the tool result and the answer, so the copying the task needs is an
+    identity map that a tiny model learns in minutes. (`build_tiny_model`'s vocabulary and merges are kept.)"""
+    import torch
     from tokenizers import pre_tokenizers
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from appo_trl.synthetic.task import SYLLABLES
     from appo_trl.tiny import build_tiny_model
 
     accepted = inspect.signature(build_tiny_model).parameters
@@ -90,7 +92,12 @@ def build_model(out_dir: str, seed: int) -> str:
         pre_tokenizers.Split(" ", "isolated"), pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.Punctuation("isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])  # fmt: skip
+    tok.add_tokens(SYLLABLES, special_tokens=False)
     tok.save_pretrained(out_dir)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(out_dir)
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    model.save_pretrained(out_dir)
     return out_dir
 
 
@@ -109,7 +116,7 @@ def run_sft(model: str, data: str, out_dir: str, *, steps: int, seed: int, lr: f
 
 
 def evaluate_heldout(model: str, registry: str, url: str, out_dir: str, *, num_samples: int, seed: int,
-                     max_completion_length: int = 160, temperature: float = 1.0) -> dict:  # fmt: skip
+                     max_completion_length: int = 128, temperature: float = 1.0) -> dict:  # fmt: skip
     """`appo eval` of `model` on the held-out split; returns the headline numbers (and writes report.json)."""
     from appo_trl.evaluation import evaluate
     from appo_trl.evaluation.config import EvalConfig
@@ -203,7 +210,7 @@ class StepLine:
     def __init__(self, total: int, save_steps: list[int] | None = None, printer=print, label: str = "RL"):
         self.total, self.save_steps, self.printer, self.label = total, set(save_steps or []), printer, label
         self.history: list[dict] = []
-        self._t = time.monotonic()
+        self._t, self._cpu = time.monotonic(), time.process_time()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         from transformers import TrainerControl  # noqa: F401 - the callback protocol
@@ -212,8 +219,8 @@ class StepLine:
             return
         now = time.monotonic()
         row = {"step": state.global_step, **{v: float(logs[k]) for k, v in self.KEYS.items() if k in logs}}
-        row["wall_s"] = now - self._t
-        self._t = now
+        row["wall_s"], row["cpu_s"] = now - self._t, time.process_time() - self._cpu
+        self._t, self._cpu = now, time.process_time()
         self.history.append(row)
         self.printer(f"  [{self.label}] step {state.global_step:>3}/{self.total}  reward {row['reward']:+.2f}  "
                      f"tool calls/sample {row.get('calls', 0):.2f}  {row['wall_s']:.1f} s")  # fmt: skip

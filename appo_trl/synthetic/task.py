@@ -30,8 +30,14 @@ from pathlib import Path
 
 SYSTEM_PROMPT = "Use <python> code </python> or <search> query </search>, then <answer> \\boxed{...} </answer>."
 RESULT = " <result>\n{}\n</result>"  # appo_trl.rollout.types.RolloutConfig.result_template
-SYLLABLES = ["vel", "mo", "ra", "tar", "ka", "lu", "ne", "dor", "bi", "zen", "fi", "ro", "mi", "sa", "tu", "len",
-             "gar", "pho", "qui", "ber", "osk", "an", "del", "vin"]  # fmt: skip
+# Names are two syllables, "Zor" + "vex" -> "Zorvex"; the demo tokenizer has each syllable as one token
+# (`appo_trl.synthetic.pipeline.build_model`), so a name is always the same two tokens. None of them occurs inside
+# the fixed words of the questions, traces and prompt (`test_demo_task.py` checks it).
+HEADS = ["Zor", "Vex", "Kri", "Jun", "Qua", "Zel", "Vo", "Kip", "Jax", "Zu", "Yol", "Xan", "Kev", "Jor", "Vux", "Zim",
+         "Kaz", "Yex", "Jil", "Vok"]  # fmt: skip
+TAILS = ["zo", "vex", "kri", "jun", "qua", "zel", "vok", "kip", "jax", "zu", "yol", "xan", "kev", "jor", "vux", "zim",
+         "kaz", "yex", "jil", "voz"]  # fmt: skip
+SYLLABLES = HEADS + TAILS
 OPS = ["+", "-", "*"]
 FAMILIES = ("python", "search", "both")
 
@@ -61,20 +67,15 @@ class Question:
                              {"role": "assistant", "content": self.trace}]}  # fmt: skip
 
 
-def _names(rng: random.Random, count: int, taken: set[str]) -> list[str]:
-    out = []
-    while len(out) < count:
-        name = "".join(rng.choice(SYLLABLES) for _ in range(rng.choice((2, 3)))).capitalize()
-        if name not in taken and len(name) <= 7:
-            taken.add(name)
-            out.append(name)
-    return out
-
-
 def make_entities(rng: random.Random, count: int) -> list[Entity]:
-    taken: set[str] = set()
-    names, capitals = _names(rng, count, taken), _names(rng, count, taken)
-    return [Entity(n, c, rng.randint(100, 9999)) for n, c in zip(names, capitals)]
+    """`count` entities with distinct names; capitals are other names (never an entity's, so a search for an
+    entity cannot hit the document of a capital with the same name)."""
+    names = [h + t for h in HEADS for t in TAILS]
+    if count > len(names) - 20:
+        raise ValueError(f"at most {len(names) - 20} entities (asked for {count})")
+    rng.shuffle(names)
+    cities = names[count:]
+    return [Entity(n, rng.choice(cities), rng.randint(100, 999)) for n in names[:count]]
 
 
 def corpus(entities: list[Entity]) -> list[dict]:
@@ -92,7 +93,7 @@ def search_result(doc: dict) -> str:
 
 
 def python_question(rng: random.Random) -> Question:
-    a, b, c = rng.randint(11, 99), rng.randint(11, 99), rng.randint(2, 99)
+    a, b, c = rng.randint(11, 99), rng.randint(2, 9), rng.randint(2, 9)
     op1, op2 = rng.choice(OPS), rng.choice(OPS)
     expr = f"{a} {op1} {b} {op2} {c}"
     value = str(eval(expr))  # noqa: S307 - our own three-number expression
@@ -154,24 +155,22 @@ def _split(rng: random.Random, entities: list[Entity], count: int, seen: set[str
     return out
 
 
-def build_task(seed: int = 0, *, num_sft: int = 96, num_rl: int = 256, num_heldout: int = 96,
-               num_entities: int | None = None) -> SyntheticTask:  # fmt: skip
+def build_task(seed: int = 0, *, num_sft: int = 96, num_rl: int = 256, num_heldout: int = 96) -> SyntheticTask:
     """The encyclopedia and the three disjoint splits, all determined by `seed`.
 
-    Entities are split 1/4 SFT, 1/2 RL, 1/4 held-out (default count: enough for every split); python questions
-    are fresh random expressions, kept unique across splits.
+    Each split gets its own entities (enough for its search questions: a third of the split, at most two per
+    entity); python questions are fresh random expressions, kept unique across splits.
     """
-    if num_entities is None:  # enough entities for every split's search questions (quarter, half, quarter)
-        num_entities = 4 * max(8, num_sft, num_rl // 2, num_heldout)
-    if min(num_sft, num_rl, num_heldout) < 0 or num_entities < 8:
-        raise ValueError("split sizes must be >= 0 and num_entities >= 8")
+    if min(num_sft, num_rl, num_heldout) < 0:
+        raise ValueError("split sizes must be >= 0")
     rng = random.Random(seed)
-    entities = make_entities(rng, num_entities)
-    q = num_entities // 4
+    need = [max(2, -(-n // 6) + 1) for n in (num_sft, num_rl, num_heldout)]
+    entities = make_entities(rng, sum(need))
+    a, b = need[0], need[0] + need[1]
     seen: set[str] = set()
-    sft = _split(rng, entities[:q], num_sft, seen)
-    rl = _split(rng, entities[q : 3 * q], num_rl, seen)
-    heldout = _split(rng, entities[3 * q :], num_heldout, seen)
+    sft = _split(rng, entities[:a], num_sft, seen)
+    rl = _split(rng, entities[a:b], num_rl, seen)
+    heldout = _split(rng, entities[b:], num_heldout, seen)
     return SyntheticTask(seed, entities, sft, rl, heldout)
 
 
