@@ -2,7 +2,7 @@
 
 1. generates the synthetic task from `--seed` (`appo_trl.synthetic`): python arithmetic, search questions over an
    invented encyclopedia, questions needing both; SFT traces, RL prompts and a disjoint held-out split;
-2. builds a tiny Qwen3 (4 layers, width 128) and cold-starts it with a short SFT on the traces;
+2. builds a tiny Qwen3 (2 layers, width 128, 0.8 M parameters) and cold-starts it with a short SFT on the traces;
 3. starts `appo serve-search` on 127.0.0.1 (a free port) over the encyclopedia; it is stopped at the end, always;
 4. `appo eval` of the SFT model on the held-out split: pass@1, pass@k, tool calls per sample;
 5. RL with `recipes/demo/appo.yaml` (APPO, the sandboxed python tool and the search tool, both for real);
@@ -35,15 +35,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="task, model, SFT, RL and eval seed (default: %(default)s)")
     p.add_argument("--workdir", default="outputs/demo", help="where everything goes (default: %(default)s)")
     p.add_argument("--recipe", default="recipes/demo/appo.yaml", help="RL recipe (default: %(default)s)")
-    p.add_argument("--sft_steps", type=int, default=400, help="SFT cold-start steps (default: %(default)s)")
-    p.add_argument("--rl_steps", type=int, default=40, help="RL steps (default: %(default)s)")
+    p.add_argument("--sft_steps", type=int, default=600, help="SFT cold-start steps (default: %(default)s)")
+    p.add_argument("--rl_steps", type=int, default=120, help="RL steps (default: %(default)s)")
     p.add_argument(
         "--checkpoints",
         type=int,
         default=2,
         help="intermediate RL checkpoints evaluated on the held-out split (default: %(default)s)",
     )
-    p.add_argument("--num_sft", type=int, default=800, help="SFT traces generated (default: %(default)s)")
+    p.add_argument("--num_sft", type=int, default=1200, help="SFT traces generated (default: %(default)s)")
     p.add_argument("--num_heldout", type=int, default=96, help="held-out questions (default: %(default)s)")
     p.add_argument("--eval_samples", type=int, default=4, help="samples per held-out question, the k of pass@k "
                    "(default: %(default)s)")  # fmt: skip
