@@ -20,14 +20,14 @@ import socket
 
 import pytest
 
-from appo_trl.cli.demo import parser, run
+from appo_trl.cli.demo import parse_args, run
 
 TOLERANCE = 0.2
 
 
 @pytest.mark.slow
 def test_short_demo_end_to_end(tmp_path):
-    a: argparse.Namespace = parser().parse_args([
+    a: argparse.Namespace = parse_args([
         "--workdir", str(tmp_path / "demo"), "--seed", "0", "--sft_steps", "120", "--num_sft", "240",
         "--rl_steps", "4", "--checkpoints", "1", "--num_heldout", "24", "--eval_samples", "2",
         "--per_device_train_batch_size", "8", "--max_completion_length", "128",

@@ -47,12 +47,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num_heldout", type=int, default=96, help="held-out questions (default: %(default)s)")
     p.add_argument("--eval_samples", type=int, default=4, help="samples per held-out question, the k of pass@k "
                    "(default: %(default)s)")  # fmt: skip
-    p.add_argument("extra", nargs=argparse.REMAINDER, help="further `--key value` overrides for the RL recipe")
+    p.epilog = "Any other `--key value` pair overrides the RL recipe (e.g. --learning_rate 1e-4)."
     return p
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The demo's own options; every other `--key value` pair is kept in `.extra` for the RL recipe."""
+    a, extra = parser().parse_known_args(argv)
+    a.extra = extra
+    return a
+
+
 def main(argv: list[str]) -> int:
-    a = parser().parse_args(argv)
+    a = parse_args(argv)
     if a.rl_steps < 1 or a.sft_steps < 1 or a.eval_samples < 1 or a.checkpoints < 0:
         parser().error("--rl_steps, --sft_steps and --eval_samples must be >= 1, --checkpoints >= 0")
     return 0 if run(a)["heldout_accuracy_rl"] is not None else 1
