@@ -75,6 +75,7 @@ def run(a, printer=_say) -> dict:
     from appo_trl.synthetic import write_task
 
     _silence_progress_bars()
+    P.stop_on_sigterm()
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     t0, c0 = time.monotonic(), _cpu_s()

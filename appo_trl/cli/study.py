@@ -54,6 +54,7 @@ def run(a, printer=_say) -> dict:
     from appo_trl.synthetic import write_task
 
     _silence_progress_bars()
+    P.stop_on_sigterm()
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     out_json = work / "study.json"
@@ -127,6 +128,7 @@ def summarize(done: dict, strategies) -> dict:
             "tool_calls_per_sample": per_step("calls"),
             "loss_rows_frac": per_step("loss_rows_frac"),
             "step_time_s": per_step("step_time"),
+            "cpu_s_per_step": per_step("cpu_s"),
         }
     return out
 
@@ -134,19 +136,21 @@ def summarize(done: dict, strategies) -> dict:
 def render(done: dict) -> str:
     sft = done["sft"]
     cfg = done.get("config", {})
+    seeds = sorted({r["seed"] for r in done["runs"].values()})  # the seeds that finished
     lines = [f"SFT start: held-out pass@1 {100 * sft['pass@1']:.1f} %, pass@{sft['k']} {100 * sft['pass@k']:.1f} %",
-             f"K = {cfg.get('rl_steps')} RL steps, seeds {cfg.get('seeds')}, {sft['questions']} held-out questions "
+             f"K = {cfg.get('rl_steps')} RL steps, seeds {seeds}, {sft['questions']} held-out questions "
              f"x {sft['k']} samples", "",
              "| strategy | held-out pass@1 after K (mean ± sd) | min..max | pass@k | train reward (last 10 steps) "
-             "| sampled tokens / step | tool calls / sample | rows reaching the loss | step time (s) |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| sampled tokens / step | tool calls / sample | rows reaching the loss | step time (s) | CPU s / step |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for s, v in done["summary"].items():
         m, sd = v["pass@1_mean_sd"]
         km, ksd = v["pass@k_mean_sd"]
         lines.append(
             f"| {s} | {100 * m:.1f} ± {100 * sd:.1f} % | {100 * min(v['pass@1']):.1f}..{100 * max(v['pass@1']):.1f}"
             f" | {100 * km:.1f} ± {100 * ksd:.1f} % | {v['reward_last10']:+.3f} | {v['sampled_tokens_per_step']:.0f}"
-            f" | {v['tool_calls_per_sample']:.2f} | {100 * v['loss_rows_frac']:.0f} % | {v['step_time_s']:.2f} |"
+            f" | {v['tool_calls_per_sample']:.2f} | {100 * v['loss_rows_frac']:.0f} % | {v['step_time_s']:.2f}"
+            f" | {v.get('cpu_s_per_step', float('nan')):.2f} |"
         )
     return "\n".join(lines) + "\n"
 

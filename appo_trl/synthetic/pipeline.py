@@ -46,7 +46,8 @@ def search_server(corpus: str, log_path: str | None = None, timeout_s: float = 1
     cmd = [sys.executable, "-m", "appo_trl.cli", "serve-search", "--corpus", corpus, "--host", "127.0.0.1",
            "--port", str(port)]  # fmt: skip
     log = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=_die_with_parent)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
@@ -72,6 +73,27 @@ def search_server(corpus: str, log_path: str | None = None, timeout_s: float = 1
                 proc.kill()
                 proc.wait()
         log.close()
+
+
+def _die_with_parent() -> None:
+    """In the server child (Linux): get SIGTERM when the demo process dies, even by SIGKILL."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit in the main thread, so `search_server` and other `finally` blocks run."""
+    import signal
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def build_model(out_dir: str, seed: int) -> str:
