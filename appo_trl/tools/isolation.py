@@ -183,7 +183,7 @@ def _v1_settings(memory_mb: int, max_processes: int, cpus: float) -> dict[str, t
     quota = max(1000, int(cpus * 100_000))
     return {
         "memory": ([("memory.limit_in_bytes", mem), ("memory.memsw.limit_in_bytes", mem)], "memory.oom_control"),
-        "pids": ([("pids.max", max_processes)], None),
+        "pids": ([("pids.max", max_processes + 1)], None),  # + the slot's worker
         "cpu": ([("cpu.cfs_period_us", 100_000), ("cpu.cfs_quota_us", quota)], None),
     }
 
@@ -215,7 +215,7 @@ def make_cgroups(memory_mb: int, max_processes: int, cpus: float) -> tuple[list[
                 with open(f"{base}/cgroup.subtree_control", "w") as fh:
                     fh.write("+memory +pids +cpu")
                 mem = memory_mb * 1024 * 1024
-                files = [("memory.max", mem), ("memory.swap.max", 0), ("pids.max", max_processes),
+                files = [("memory.max", mem), ("memory.swap.max", 0), ("pids.max", max_processes + 1),
                          ("cpu.max", f"{max(1000, int(cpus * 100_000))} 100000")]  # fmt: skip
                 binds += ["--bind", base, "/cg/v2"]
                 specs.append({"dir": "/cg/v2", "files": files, "oom": "memory.events"})
