@@ -35,6 +35,7 @@ from appo_trl.rollout.text import (
     PieceDecoder,
     StopMatcher,
     extract_call,
+    neutralise_result,
     neutralise_special_strings,
     topk_entropy,
     window_entropy,
@@ -348,6 +349,7 @@ class RolloutEngine:
             self._m["empty_calls"] += 1
             return False
         result = await self.executor.execute(tag, query)
+        result.text = neutralise_result(result.text, getattr(self.executor, "tools", ()), self.tokenizer)
         ids = self._result_ids(result.text)
         room = self._budget(traj)
         start = len(traj.completion_ids)
