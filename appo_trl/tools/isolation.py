@@ -155,7 +155,9 @@ def _root_userns() -> tuple[int, bool]:
         deadline = time.monotonic() + 10
         while os.readlink(f"/proc/{holder.pid}/ns/user") == mine:
             if holder.poll() is not None or time.monotonic() > deadline:
-                raise IsolationError(f"python sandbox: cannot create a user namespace here (`unshare --user` failed); {HINT}")
+                raise IsolationError(
+                    f"python sandbox: cannot create a user namespace here (`unshare --user` failed); {HINT}"
+                )
             time.sleep(0.001)
         base = (1 << 30) + secrets.randbelow(1 << 12) * (1 << 16)
         for name in ("uid_map", "gid_map"):

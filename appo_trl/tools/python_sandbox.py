@@ -106,7 +106,9 @@ class PythonToolConfig:
         if self.timeout_s <= 0:
             raise ValueError(f"python.timeout_s must be > 0, got {self.timeout_s}")
         if self.isolation not in ISOLATION_ALIASES:
-            raise ValueError(f"python.isolation must be one of bwrap, none (auto/namespace = bwrap); got {self.isolation!r}")
+            raise ValueError(
+                f"python.isolation must be one of bwrap, none (auto/namespace = bwrap); got {self.isolation!r}"
+            )
         self.isolation = ISOLATION_ALIASES[self.isolation]
         for name in ("memory_mb", "file_size_mb", "tmpfs_mb", "max_processes", "max_open_files", "max_output_chars",
                      "max_output_bytes", "cpus"):  # fmt: skip
@@ -232,7 +234,9 @@ class PythonSandbox:
             stderr_file.seek(0)
             said = stderr_file.read().decode(errors="replace").strip().splitlines()
             reason = said[-1] if said else f"exit code {proc.poll()}"
-            raise iso.IsolationError(f"python sandbox: the sandboxed interpreter failed to start ({reason}); {iso.HINT}")
+            raise iso.IsolationError(
+                f"python sandbox: the sandboxed interpreter failed to start ({reason}); {iso.HINT}"
+            )
         self.info = {"isolation": self.isolation, "distinct_ids": bool(hello.get("distinct_ids")),
                      "cgroups": int(hello.get("cgroups", 0))}  # fmt: skip
         self._z = z
@@ -399,7 +403,9 @@ class PythonSandbox:
             try:
                 await asyncio.to_thread(self.start)  # (re)start the zygote off the event loop
             except iso.IsolationError as exc:
-                return ToolResult(f"Error: the python sandbox is not available ({exc}).", ok=False, error="sandbox_down")
+                return ToolResult(
+                    f"Error: the python sandbox is not available ({exc}).", ok=False, error="sandbox_down"
+                )
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         call_id = secrets.token_hex(16)
