@@ -298,7 +298,9 @@ def build_launch(zygote_config: dict, memory_mb: int, max_processes: int, cpus: 
     argv = [
         bwrap, *user,
         "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-        "--die-with-parent", "--new-session", "--cap-add", "ALL", "--hostname", "sandbox",
+        # no --die-with-parent: it fires when the *thread* that started bwrap exits; the zygote exits when its
+        # stdin closes, i.e. when the trainer dies
+        "--new-session", "--cap-add", "ALL", "--hostname", "sandbox",
         "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc", *system, *_bind_tree(python_paths()),
         "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm",
         "--dir", "/sandbox", "--dir", "/cg", *cg_binds,
