@@ -300,7 +300,8 @@ def build_launch(zygote_config: dict, memory_mb: int, max_processes: int, cpus: 
         "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
         # no --die-with-parent: it fires when the *thread* that started bwrap exits; the zygote exits when its
         # stdin closes, i.e. when the trainer dies
-        "--new-session", "--cap-add", "ALL", "--hostname", "sandbox",
+        # --as-pid-1: the zygote is init of its pid namespace, so killing it kills everything in the sandbox
+        "--new-session", "--as-pid-1", "--cap-add", "ALL", "--hostname", "sandbox",
         "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc", *system, *_bind_tree(python_paths()),
         "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm",
         "--dir", "/sandbox", "--dir", "/cg", *cg_binds,

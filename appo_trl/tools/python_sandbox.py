@@ -161,6 +161,7 @@ class _Zygote:
         self.bytes_read = 0
         self.reads = 0
         self.bad_messages = 0
+        self.host_pid: int | None = None
         self.lock = threading.Lock()  # guards `pending` (the sandbox's own lock may be held while probing)
 
 
@@ -183,24 +184,13 @@ class PythonSandbox:
     # ---- lifecycle ------------------------------------------------------------------------------
     @property
     def zygote_pid(self) -> int | None:
-        """Host pid of the zygote process (inside bwrap); None when not running."""
+        """Host pid of the zygote process (init of the sandbox's pid namespace); None when not running."""
         z = self._z
         if z is None or z.proc.poll() is not None:
             return None
-        if self.isolation == "none":
-            return z.proc.pid
-        todo = [z.proc.pid]
-        while todo:
-            pid = todo.pop()
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                    if b"_zygote.py" in fh.read():
-                        return pid
-                with open(f"/proc/{pid}/task/{pid}/children") as fh:
-                    todo += [int(p) for p in fh.read().split()]
-            except OSError:
-                continue
-        return None
+        if z.host_pid is None:
+            z.host_pid = _find_zygote(z.proc.pid)
+        return z.host_pid
 
     def start(self) -> None:
         """Start the zygote (idempotent). Raises `IsolationError` when the configured isolation cannot be had."""
@@ -239,6 +229,7 @@ class PythonSandbox:
             )
         self.info = {"isolation": self.isolation, "distinct_ids": bool(hello.get("distinct_ids")),
                      "cgroups": int(hello.get("cgroups", 0))}  # fmt: skip
+        z.host_pid = _find_zygote(proc.pid)
         self._z = z
         threading.Thread(target=self._writer, args=(z,), name="appo-sandbox-writer", daemon=True).start()
         threading.Thread(target=self._reader, args=(z,), name="appo-sandbox-reader", daemon=True).start()
@@ -368,6 +359,12 @@ class PythonSandbox:
     def _kill(self, z: _Zygote) -> None:
         z.dead = True
         z.queue.put(None)
+        zygote = z.host_pid or (_find_zygote(z.proc.pid) if z.proc.poll() is None else None)
+        if zygote is not None:  # init of the sandbox's pid namespace: every process inside dies with it
+            try:
+                os.kill(zygote, signal.SIGKILL)
+            except OSError:
+                pass
         if z.proc.poll() is None:
             try:
                 os.killpg(z.proc.pid, signal.SIGKILL)
@@ -477,6 +474,23 @@ class PythonSandbox:
             return ToolResult(text, False, latency, cut or byte_cut, f"signal={name}", meta)
         text, cut = truncate_text(stderr or stdout or f"exit code {reply['exit_code']}", limit, keep="tail")
         return ToolResult(text, False, latency, cut or byte_cut, f"exit_code={reply['exit_code']}", meta)
+
+
+def _find_zygote(root: int) -> int | None:
+    """The zygote among `root` and its descendants: the first python process running `_zygote.py`."""
+    todo = [root]
+    while todo:
+        pid = todo.pop(0)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                args = fh.read().split(b"\0")
+            if any(a.endswith(b"_zygote.py") for a in args) and not args[0].endswith(b"bwrap"):
+                return pid
+            with open(f"/proc/{pid}/task/{pid}/children") as fh:
+                todo += [int(p) for p in fh.read().split()]
+        except OSError:
+            continue
+    return None
 
 
 def _set_result(fut: Any, value: Any) -> None:
