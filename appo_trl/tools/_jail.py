@@ -106,6 +106,18 @@ def _write(path, text):
         os.close(fd)
 
 
+def loopback_down():
+    """Take the sandbox network namespace's loopback down (bubblewrap brings it up): no call can reach another
+    call's sockets over 127.0.0.1, and calls lack the capability to bring it back up."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        flags = struct.unpack("16sH", fcntl.ioctl(s, 0x8913, struct.pack("16sH", b"lo", 0)))[1]  # SIOCGIFFLAGS
+        fcntl.ioctl(s, 0x8914, struct.pack("16sH", b"lo", flags & ~1))  # SIOCSIFFLAGS without IFF_UP
+
+
 def set_rlimits(limits):
     mb = 1024 * 1024
     rl = [

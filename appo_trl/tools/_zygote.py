@@ -255,6 +255,7 @@ class Zygote:
         self.hide = [tuple(pair) for pair in config.get("hide_paths", [])]
         self.unisolated = bool(config.get("unisolated"))
         if not self.unisolated:
+            _jail.loopback_down()
             self.pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
             self.cap_last = _jail.cap_last_cap()
             self.bpf = _jail.compile_seccomp()
