@@ -132,34 +132,42 @@ def set_rlimits(limits):
         resource.setrlimit(which, (soft, soft if hard is None else hard))
 
 
-def enter(limits, slot, hide_cgroups, distinct_ids, cap_last, bpf):
-    """Isolate the calling (freshly forked) process. `limits`: the zygote's validated limit settings."""
-    unshare(CLONE_NEWNS | CLONE_NEWIPC)
-    tmpfs = limits["tmpfs_mb"]
-    mount_tmpfs(WORKDIR, tmpfs, "0777")
-    mount_tmpfs("/tmp", tmpfs)
-    mount_tmpfs("/dev/shm", tmpfs)
-    check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
-    if hide_cgroups:  # the call's worker joined its cgroups already: hide the cgroup tree
-        mount_tmpfs(CGROUP_MOUNT, 1, "0555")
+def enter(limits, slot, hide_cgroups, distinct_ids, cap_last, bpf, skip=()):
+    """Isolate the calling (freshly forked) process. `limits`: the zygote's validated limit settings.
+
+    `skip` (benchmarks only, never set by the tool) names layers to leave out: "mounts", "ipc", "userns",
+    "seccomp"; it measures what each layer costs (docs/benchmarks.md)."""
+    flags = (0 if "mounts" in skip else CLONE_NEWNS) | (0 if "ipc" in skip else CLONE_NEWIPC)
+    if flags:
+        unshare(flags)
+    if "mounts" not in skip:
+        tmpfs = limits["tmpfs_mb"]
+        mount_tmpfs(WORKDIR, tmpfs, "0777")
+        mount_tmpfs("/tmp", tmpfs)
+        mount_tmpfs("/dev/shm", tmpfs)
+        check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
+        if hide_cgroups:  # the call's worker joined its cgroups already: hide the cgroup tree
+            mount_tmpfs(CGROUP_MOUNT, 1, "0555")
     _write("/proc/self/oom_score_adj", "1000")  # under memory pressure the call dies, never its worker
     set_rlimits(limits)
-    uid = gid = 0
-    if distinct_ids:  # the sandbox maps uids 1000.. to unused host uids: one per call in flight
-        uid = gid = 1000 + slot
-        os.setgroups([])
-        os.setresgid(gid, gid, gid)
-        os.setresuid(uid, uid, uid)
-    prctl(PR_SET_DUMPABLE, 1)  # our own /proc/self/uid_map must stay writable by us
-    unshare(CLONE_NEWUSER)
-    _write("/proc/self/setgroups", "deny")
-    _write("/proc/self/uid_map", f"{SANDBOX_UID} {uid} 1\n")
-    _write("/proc/self/gid_map", f"{SANDBOX_UID} {gid} 1\n")
-    drop_capabilities(cap_last)
+    if "userns" not in skip:
+        uid = gid = 0
+        if distinct_ids:  # the sandbox maps uids 1000.. to unused host uids: one per call in flight
+            uid = gid = 1000 + slot
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+        prctl(PR_SET_DUMPABLE, 1)  # our own /proc/self/uid_map must stay writable by us
+        unshare(CLONE_NEWUSER)
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/uid_map", f"{SANDBOX_UID} {uid} 1\n")
+        _write("/proc/self/gid_map", f"{SANDBOX_UID} {gid} 1\n")
+        drop_capabilities(cap_last)
     prctl(PR_SET_NO_NEW_PRIVS, 1)
-    load_seccomp(bpf)
+    if "seccomp" not in skip:
+        load_seccomp(bpf)
     prctl(PR_SET_PDEATHSIG, 9)  # the call dies with its worker (credential changes above reset this)
-    os.chdir(WORKDIR)
+    os.chdir(WORKDIR if "mounts" not in skip else "/")
 
 
 # ---- seccomp policy (compiled by the zygote with libseccomp) ---------------------------------------------

@@ -276,7 +276,7 @@ def check_available() -> None:
         raise IsolationError(f"python sandbox: pyseccomp/libseccomp unavailable ({exc}); {HINT}") from None
 
 
-def build_launch(zygote_config: dict, memory_mb: int, max_processes: int, cpus: float) -> Launch:
+def build_launch(zygote_config: dict, memory_mb: int, max_processes: int, cpus: float, cgroups: bool = True) -> Launch:
     """The bwrap command line that starts the zygote (see the module docstring for what it sets up)."""
     check_available()
     bwrap = shutil.which("bwrap")
@@ -288,7 +288,7 @@ def build_launch(zygote_config: dict, memory_mb: int, max_processes: int, cpus: 
     else:
         distinct = False
         user = ["--unshare-user", "--uid", "0", "--gid", "0"]
-    cg_binds, cg_specs, cg_made = make_cgroups(memory_mb, max_processes, cpus)
+    cg_binds, cg_specs, cg_made = make_cgroups(memory_mb, max_processes, cpus) if cgroups else ([], [], [])
     system = []
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):

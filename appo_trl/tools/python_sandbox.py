@@ -180,6 +180,7 @@ class PythonSandbox:
         self.isolation = self.config.isolation
         self.info: dict[str, Any] = {}
         self.hide_paths: list[tuple[str, str]] = iso.hidden_path_map()
+        self._skip_layers: tuple[str, ...] = ()  # benchmarks only (bench/tools.py): isolation layers left out
 
     # ---- lifecycle ------------------------------------------------------------------------------
     @property
@@ -201,11 +202,13 @@ class PythonSandbox:
 
     def _start_locked(self) -> None:
         cfg = self.config
-        zcfg = {"preload": list(cfg.preload), "limits": cfg.limits(), "max_request_bytes": 8 * MAX_CODE_BYTES}
+        zcfg = {"preload": list(cfg.preload), "limits": cfg.limits(), "max_request_bytes": 8 * MAX_CODE_BYTES,
+                "skip": list(self._skip_layers)}  # fmt: skip
         if cfg.isolation == "none":
             launch = iso.build_unisolated(zcfg)
         else:
-            launch = iso.build_launch(zcfg, cfg.memory_mb, cfg.max_processes, cfg.cpus)
+            cgroups = "cgroups" not in self._skip_layers
+            launch = iso.build_launch(zcfg, cfg.memory_mb, cfg.max_processes, cfg.cpus, cgroups=cgroups)
         self.hide_paths = launch.hide_paths
         stderr_file = tempfile.TemporaryFile()
         try:

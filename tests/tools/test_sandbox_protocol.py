@@ -130,7 +130,7 @@ for n, line in enumerate(sys.stdin):
 
 
 def test_malformed_replies_fail_only_the_call_they_name(monkeypatch):
-    def fake(zcfg, *args):
+    def fake(zcfg, *args, **kwargs):
         return iso.Launch([sys.executable, "-c", FAKE_ZYGOTE], (), [], False, [])
 
     monkeypatch.setattr(iso, "build_launch", fake)
@@ -220,8 +220,8 @@ def test_missing_bubblewrap_refuses_to_start(monkeypatch):
 def test_failed_jail_set_up_refuses_to_start(monkeypatch):
     real = iso.build_launch
 
-    def broken(zcfg, *args):
-        return real(dict(zcfg, limits=dict(zcfg["limits"], tmpfs_mb=-1)), *args)  # the tmpfs mount fails
+    def broken(zcfg, *args, **kwargs):
+        return real(dict(zcfg, limits=dict(zcfg["limits"], tmpfs_mb=-1)), *args, **kwargs)  # the tmpfs mount fails
 
     monkeypatch.setattr(iso, "build_launch", broken)
     t = PythonTool(CONFIG)
