@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
+import time
 
 import pytest
-
-import signal
-import time
 
 from appo_trl.tools.python_sandbox import PythonTool, PythonToolConfig
 

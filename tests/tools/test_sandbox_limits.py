@@ -4,7 +4,6 @@ call as a whole, and nothing (files, shared memory, network or mount changes) ou
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 import subprocess
 
@@ -59,7 +58,14 @@ def test_setsid_fork_bomb_does_not_kill_innocent_concurrent_calls(tool):
     texts = [r.text for r in results]
     assert texts[:4] == ["innocent"] * 4 and texts[5:] == ["innocent"] * 4, texts
     assert results[4].ok and int(results[4].text.split()[1]) < CONFIG.max_processes, results[4].text
-    assert asyncio.run(tool.call("import os\nprint(sorted(os.listdir('/proc'))[:0], [p for p in os.listdir('/proc') if p.isdigit()])")).text == "[] ['1']"
+    assert (
+        asyncio.run(
+            tool.call(
+                "import os\nprint(sorted(os.listdir('/proc'))[:0], [p for p in os.listdir('/proc') if p.isdigit()])"
+            )
+        ).text
+        == "[] ['1']"
+    )
 
 
 def test_memory_limit_counts_every_process_of_a_call():
@@ -118,5 +124,8 @@ def test_loopback_and_mount_changes_do_not_persist(tool):
         "import ctypes\nlibc = ctypes.CDLL(None)\nprint([libc.umount2(p, 2) for p in (b'/proc', b'/tmp', b'/usr')])"
     )
     run(tool, attack)
-    r = run(tool, LO_FLAGS + "import os\nprint(flags() & 1, os.path.exists('/proc/self/status'), os.path.isdir('/usr/lib'))")
+    r = run(
+        tool,
+        LO_FLAGS + "import os\nprint(flags() & 1, os.path.exists('/proc/self/status'), os.path.isdir('/usr/lib'))",
+    )
     assert r.text == "0 True True", r.text

@@ -163,7 +163,14 @@ def test_stalled_zygote_is_replaced_without_blocking_the_event_loop(tool, monkey
                 await asyncio.sleep(0.01)
 
         tick = asyncio.ensure_future(ticker())
-        results = await asyncio.gather(*(tool.call(big, ) for _ in range(30)))
+        results = await asyncio.gather(
+            *(
+                tool.call(
+                    big,
+                )
+                for _ in range(30)
+            )
+        )
         tick.cancel()
         return results, ticks
 
@@ -183,7 +190,11 @@ def test_dead_zygote_fails_calls_in_flight_and_leaves_no_files(tool):
     )
 
     async def go():
-        task = asyncio.ensure_future(tool.call(code, ))
+        task = asyncio.ensure_future(
+            tool.call(
+                code,
+            )
+        )
         await asyncio.sleep(1.0)
         os.kill(tool.sandbox.zygote_pid, signal.SIGKILL)
         return await asyncio.wait_for(task, 10)
