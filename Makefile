@@ -11,6 +11,15 @@ export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED ?= 1
 
 $(VENV)/.installed: pyproject.toml
+	@# the python tool's sandbox needs bubblewrap (and libseccomp2, a dependency of it on Debian)
+	@if ! command -v bwrap >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap libseccomp2; \
+		else \
+			echo "error: bubblewrap (bwrap) is missing; install it (Debian/Ubuntu: sudo apt-get install -y bubblewrap)" \
+				"or set python.isolation: none to run model code UNISOLATED" >&2; exit 1; \
+		fi; \
+	fi
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q -U pip
 	# CPU torch first: pip takes the local 2.13.0+cpu wheel instead of a CUDA download.
