@@ -206,9 +206,11 @@ class PythonSandbox:
         z = _Zygote(proc, launch, stderr_file)
         hello = self._read_hello(z)
         if hello is None:
-            self._kill(z)
+            z.proc.kill()
+            z.proc.wait()
             stderr_file.seek(0)
             said = stderr_file.read().decode(errors="replace").strip().splitlines()
+            self._kill(z)
             reason = said[-1] if said else f"exit code {proc.poll()}"
             raise iso.IsolationError(
                 f"python sandbox: the sandboxed interpreter failed to start ({reason}); {iso.HINT}"
