@@ -163,6 +163,7 @@ class PythonSandbox:
         self.isolation = self.config.isolation
         self.info: dict[str, Any] = {}
         self.hide_paths: list[tuple[str, str]] = iso.hidden_path_map()
+        self.start_error: iso.IsolationError | None = None
         self._skip_layers: tuple[str, ...] = ()  # benchmarks only (bench/tools.py): isolation layers left out
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -177,11 +178,19 @@ class PythonSandbox:
         return z.host_pid
 
     def start(self) -> None:
-        """Start the zygote (idempotent). Raises `IsolationError` when the configured isolation cannot be had."""
+        """Start the zygote (idempotent). Raises `IsolationError` when the configured isolation cannot be had;
+        that failure is final (isolation does not appear mid-run): later starts and calls fail at once."""
         with self._lock:
+            if self.start_error is not None:
+                raise self.start_error
             if self._z is not None and not self._z.dead and self._z.proc.poll() is None:
                 return
-            self._start_locked()
+            try:
+                self._start_locked()
+            except iso.IsolationError as exc:
+                self.start_error = exc
+                logger.error("%s", exc)
+                raise
 
     def _start_locked(self) -> None:
         cfg = self.config
@@ -387,10 +396,8 @@ class PythonSandbox:
         if z is None or z.dead or z.proc.poll() is not None:
             try:
                 await asyncio.to_thread(self.start)  # (re)start the zygote off the event loop
-            except iso.IsolationError as exc:
-                return ToolResult(
-                    f"Error: the python sandbox is not available ({exc}).", ok=False, error="sandbox_down"
-                )
+            except iso.IsolationError:  # logged once by start(); the code never runs unisolated
+                return ToolResult("Error: the python sandbox is not available.", ok=False, error="sandbox_down")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         call_id = secrets.token_hex(16)
