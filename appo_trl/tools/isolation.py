@@ -25,8 +25,10 @@ Layers (outer to inner), each a well-kept kernel primitive driven by a well-kept
    bwrap's `--seccomp FD` is not used because the zygote itself must still create namespaces and mounts.
 3. **Limits per call.** Where this process may create cgroups (root, cgroup v2 with memory/pids/cpu enabled,
    or the v1 hierarchies), each call in flight gets its own cgroup: memory (`memory.max` /
-   `memory.limit_in_bytes`, swap included) for all its processes together, `pids.max`, and a CPU quota of
-   `cpus` cores. Otherwise (e.g. a normal user without delegated cgroups) the limits are rlimits: RLIMIT_NPROC
+   `memory.limit_in_bytes`, swap included) for all its processes together, `pids.max`, and, when `cpus` is set,
+   a CPU quota (`cpu.max`). The CPU quota is off by default: the cpu controller makes the whole sandbox one
+   scheduling entity, which halved its throughput on a contended machine (docs/benchmarks.md); CPU time is
+   bounded by RLIMIT_CPU per process and the wall-clock deadline instead. Otherwise (e.g. a normal user without delegated cgroups) the limits are rlimits: RLIMIT_NPROC
    counts the call's processes *and threads* per call (the kernel counts it per user namespace, and every call
    has its own), RLIMIT_AS caps each process's address space, RLIMIT_CPU each process's CPU time. Every call
    also has RLIMIT_AS/CPU/FSIZE/NOFILE/NPROC/CORE, and a wall-clock deadline.
@@ -180,17 +182,18 @@ def _cgroup_lines() -> list[tuple[str, str]]:
     return out
 
 
-def _v1_settings(memory_mb: int, max_processes: int, cpus: float) -> dict[str, tuple[list, str | None]]:
+def _v1_settings(memory_mb: int, max_processes: int, cpus: float | None) -> dict[str, tuple[list, str | None]]:
     mem = memory_mb * 1024 * 1024
-    quota = max(1000, int(cpus * 100_000))
-    return {
+    out = {
         "memory": ([("memory.limit_in_bytes", mem), ("memory.memsw.limit_in_bytes", mem)], "memory.oom_control"),
         "pids": ([("pids.max", max_processes + 1)], None),  # + the slot's worker
-        "cpu": ([("cpu.cfs_period_us", 100_000), ("cpu.cfs_quota_us", quota)], None),
     }
+    if cpus is not None:
+        out["cpu"] = ([("cpu.cfs_period_us", 100_000), ("cpu.cfs_quota_us", max(1000, int(cpus * 100_000)))], None)
+    return out
 
 
-def make_cgroups(memory_mb: int, max_processes: int, cpus: float) -> tuple[list[str], list[dict], list[str]]:
+def make_cgroups(memory_mb: int, max_processes: int, cpus: float | None) -> tuple[list[str], list[dict], list[str]]:
     """Create this sandbox's cgroup directories (empty; the zygote adds one per call in flight).
 
     Returns `(bwrap bind args, zygote cgroup specs, host dirs to remove)`; empty lists when this process may not
@@ -209,16 +212,18 @@ def make_cgroups(memory_mb: int, max_processes: int, cpus: float) -> tuple[list[
                 available = fh.read().split()
         except OSError:
             available = []
-        if {"memory", "pids", "cpu"} <= set(available):
+        wanted = {"memory", "pids"} | ({"cpu"} if cpus is not None else set())
+        if wanted <= set(available):
             base = f"{v2_root}{v2_path.rstrip('/')}/{name}"
             try:
                 os.mkdir(base)
                 made.append(base)
                 with open(f"{base}/cgroup.subtree_control", "w") as fh:
-                    fh.write("+memory +pids +cpu")
+                    fh.write(" ".join(f"+{c}" for c in sorted(wanted)))
                 mem = memory_mb * 1024 * 1024
-                files = [("memory.max", mem), ("memory.swap.max", 0), ("pids.max", max_processes + 1),
-                         ("cpu.max", f"{max(1000, int(cpus * 100_000))} 100000")]  # fmt: skip
+                files = [("memory.max", mem), ("memory.swap.max", 0), ("pids.max", max_processes + 1)]
+                if cpus is not None:
+                    files.append(("cpu.max", f"{max(1000, int(cpus * 100_000))} 100000"))
                 binds += ["--bind", base, "/cg/v2"]
                 specs.append({"dir": "/cg/v2", "files": files, "oom": "memory.events"})
                 return binds, specs, made
@@ -276,7 +281,9 @@ def check_available() -> None:
         raise IsolationError(f"python sandbox: pyseccomp/libseccomp unavailable ({exc}); {HINT}") from None
 
 
-def build_launch(zygote_config: dict, memory_mb: int, max_processes: int, cpus: float, cgroups: bool = True) -> Launch:
+def build_launch(
+    zygote_config: dict, memory_mb: int, max_processes: int, cpus: float | None, cgroups: bool = True
+) -> Launch:
     """The bwrap command line that starts the zygote (see the module docstring for what it sets up)."""
     check_available()
     bwrap = shutil.which("bwrap")

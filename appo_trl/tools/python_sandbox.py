@@ -14,7 +14,7 @@ chosen and what they do not cover are described in `appo_trl/tools/isolation.py`
   size-capped tmpfs for its work dir (cwd, HOME), `/tmp` and `/dev/shm`, and its own ipc namespace, all gone
   when the call ends;
 - without network (no interface but a downed loopback, which it cannot bring up);
-- with per-call cgroup limits (memory of all its processes, pids, CPU quota) where the machine allows them,
+- with per-call cgroup limits (memory of all its processes, pids; a CPU quota on request) where allowed,
   else per-call RLIMIT_NPROC (threads counted) and per-process RLIMIT_AS/RLIMIT_CPU; plus a wall-clock deadline.
 
 Fail closed: when bubblewrap, user namespaces or libseccomp are missing, the tool refuses to start with one line
@@ -80,7 +80,8 @@ class PythonToolConfig:
         tmpfs_mb: size of each private tmpfs of a call (work dir, `/tmp`, `/dev/shm`), MiB.
         max_processes: processes + threads of one call (cgroup `pids.max` and RLIMIT_NPROC, both per call).
         max_open_files: open file descriptors rlimit.
-        cpus: CPU quota of one call in cores (cgroup `cpu.max`; not enforced without cgroups).
+        cpus: CPU quota of one call in cores (cgroup `cpu.max`). None (default): no quota, CPU time is bounded by
+            `cpu_s` per process and the deadline (the cpu controller halves throughput on a busy machine).
         max_output_chars: characters of stdout/traceback the model sees; longer output is cut (`truncated`).
         max_output_bytes: bytes kept per stream (stdout capped in the child before encoding, stderr keeps the
             tail); this bounds what one call can cost the trainer.
@@ -97,7 +98,7 @@ class PythonToolConfig:
     tmpfs_mb: int = 64
     max_processes: int = 64
     max_open_files: int = 256
-    cpus: float = 1.0
+    cpus: float | None = None
     max_output_chars: int = 4000
     max_output_bytes: int = 64 * 1024
     empty_output_text: str = "(no output: use print() to show values)"
@@ -114,7 +115,7 @@ class PythonToolConfig:
         self.isolation = ISOLATION_ALIASES[self.isolation]
         for name in ("memory_mb", "file_size_mb", "tmpfs_mb", "max_processes", "max_open_files", "max_output_chars",
                      "max_output_bytes", "cpus"):  # fmt: skip
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"python.{name} must be > 0, got {getattr(self, name)}")
         self.preload = tuple(self.preload)
 
