@@ -111,7 +111,7 @@ LAYER_NAMES = {
     "ipc": "+ ipc namespace",
     "userns": "+ user namespace, per-call uid, caps dropped",
     "seccomp": "+ seccomp filter",
-    "cgroups": "+ per-call cgroups (memory, pids, cpu)",
+    "cgroups": "+ per-call cgroups (memory, pids)",
 }
 
 
