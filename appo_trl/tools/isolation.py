@@ -7,13 +7,15 @@ Layers (outer to inner), each a well-kept kernel primitive driven by a well-kept
    `/etc`, the `/bin`-style links, the interpreter's own prefixes and site-packages (bound read-only), a fresh
    `/dev`, and the two zygote files. No home directory, no project directory (no `./.env`), no `/work`, no host
    `/tmp` (no unix sockets of the host), no host `/proc` (no other process's `environ` or `mem`), no network
-   interface but a downed loopback. Why bubblewrap: it is the sandbox Flatpak builds on, small, audited, and it
+   interface but a loopback, which the zygote takes down (bwrap brings it up). Why bubblewrap: it is the sandbox Flatpak builds on, small, audited, and it
    works both as root and unprivileged; a hand-written mount/namespace set-up would be ours to audit.
    - As **root**, the user namespace is prepared by us (`unshare --user` holding it, maps written by root):
      uid 0 inside is the trainer's uid (so the zygote can read a venv under a 0700 home through its binds) and
      uids 1000.. inside map to unused host uids `2^30 + k*2^16 + ...`, one per call in flight. A call's code thus
      runs as a host uid that owns no file. As a **normal user**, bwrap maps the user's uid alone; calls then run
      as that uid (in their own user namespace, without any capability) and see only the allow-listed files.
+   - The zygote forks one *worker* per concurrency slot (on demand); the worker joins the slot's cgroups once and
+     forks that slot's calls, so no call pays a cgroup migration (10-15 ms, docs/benchmarks.md).
 2. **Per call** (`_jail.enter`, in the forked child): pid 1 of a new pid namespace with its own `/proc`; new
    mount + ipc namespaces with size-capped private tmpfs on the work dir `/sandbox`, `/tmp` and `/dev/shm`;
    cgroups (below); rlimits; a per-call uid (root) and a per-call user namespace; every capability dropped;
@@ -28,21 +30,27 @@ Layers (outer to inner), each a well-kept kernel primitive driven by a well-kept
    `memory.limit_in_bytes`, swap included) for all its processes together, `pids.max`, and, when `cpus` is set,
    a CPU quota (`cpu.max`). The CPU quota is off by default: the cpu controller makes the whole sandbox one
    scheduling entity, which halved its throughput on a contended machine (docs/benchmarks.md); CPU time is
-   bounded by RLIMIT_CPU per process and the wall-clock deadline instead. Otherwise (e.g. a normal user without delegated cgroups) the limits are rlimits: RLIMIT_NPROC
-   counts the call's processes *and threads* per call (the kernel counts it per user namespace, and every call
-   has its own), RLIMIT_AS caps each process's address space, RLIMIT_CPU each process's CPU time. Every call
-   also has RLIMIT_AS/CPU/FSIZE/NOFILE/NPROC/CORE, and a wall-clock deadline.
+   bounded by RLIMIT_CPU per process and the wall-clock deadline instead. Without cgroups (e.g. a normal user
+   without delegated cgroups) the limits are rlimits: RLIMIT_NPROC counts the call's processes *and threads*
+   per call (the kernel counts it per user namespace, and every call has its own), RLIMIT_AS caps each
+   process's address space, RLIMIT_CPU each process's CPU time. Every call has RLIMIT_AS/CPU/FSIZE/NOFILE/
+   NPROC/CORE and a wall-clock deadline either way.
 
 What this does NOT protect against (see also `python_sandbox.py`):
 - Kernel exploits: the code shares the host kernel (namespaces and seccomp reduce, not remove, its surface).
-- Side channels and CPU contention: a call can use its CPU quota (or, without cgroups, a whole core) until its
-  deadline; timing and cache side channels between calls are not addressed.
+- Side channels and CPU contention: without `cpus`, a call can keep up to `max_processes` cores busy until
+  its CPU rlimit or deadline; timing and cache side channels between calls are not addressed.
+- An escape from a call's jail (a kernel bug) into its worker or the zygote: those run, as root, as host uid 0
+  with capabilities inside the sandbox's namespaces only, so they can read root-owned allow-listed files
+  (e.g. `/etc/shadow`) but still see no home, project or host process.
 - Reading allow-listed files: anything under `/usr`, `/etc` and the python prefixes that is world-readable (or,
   as a normal user, readable by that user) is readable by the code. Put no secret there.
 - Without cgroups, memory is limited per process (RLIMIT_AS, virtual memory), so a call may use up to
   `max_processes * memory_mb`; as a normal user the calls share that user's uid on the host.
-- Concurrent calls share the zygote's network namespace (no interface, loopback down): two calls *in flight at
-  the same time* can meet through abstract unix sockets, if both code snippets try. Nothing persists.
+- Concurrent calls share the zygote's network namespace (loopback down, no other interface): two calls *in
+  flight at the same time* can meet through abstract unix sockets, if both code snippets try. Nothing persists.
+- If the trainer is SIGKILLed, its empty per-sandbox cgroup directories (`appo-sandbox-<pid>-<hex>`) remain;
+  every process of the sandbox exits (its stdin closes).
 - `isolation: none` runs the code as the trainer's user with none of the above.
 """
 
