@@ -18,12 +18,16 @@ chosen and what they do not cover are described in `appo_trl/tools/isolation.py`
   else per-call RLIMIT_NPROC (threads counted) and per-process RLIMIT_AS/RLIMIT_CPU; plus a wall-clock deadline.
 
 Fail closed: when bubblewrap, user namespaces or libseccomp are missing, the tool refuses to start with one line
-saying why and what to change. `isolation: none` (explicit, logged as a warning) runs code unisolated.
+saying why and what to change (`PythonTool(...)` for a missing bwrap/pyseccomp, `start()` for anything found
+while setting the jail up, checked by a probe call); the failure is final, later calls fail without running
+code. Call `start()` before loading a model to fail early. `isolation: none` (explicit, logged as a warning on
+every start) runs code unisolated.
 
 The trainer side never blocks its event loop on the sandbox: requests go through a writer thread, replies are
 read by a buffered reader thread that validates every message (size-capped lines, unguessable 128-bit ids,
 typed fields). A zygote that dies or stops answering is replaced; the calls in flight fail cleanly. Output is
-capped (`max_output_bytes`) in the child before anything is encoded, and host paths are removed from it.
+capped (`max_output_bytes`) before anything is encoded: stdout in the child itself, stderr's tail in its
+worker; host paths are removed from it (tracebacks show `<stdlib>/...`, `<site-packages>/...`).
 
 ARPO semantics are kept: a bare final expression is printed; the result is stdout on success and the (trimmed)
 traceback on error. Unlike ARPO, code that prints nothing is **not** re-executed.
