@@ -143,7 +143,8 @@ class APPOTrainer(GRPOTrainer):
 
     @property
     def _custom_loss(self) -> bool:
-        return self.args.loss_mode != "clip" or self.args.entropy_balanced_advantage
+        a = self.args
+        return a.loss_mode != "clip" or a.entropy_balanced_advantage or (a.kl_clamp is not None and a.beta != 0.0)
 
     @property
     def processing_class_tokenizer(self):

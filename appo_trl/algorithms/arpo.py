@@ -8,7 +8,7 @@ prompt). A fresh state per `generate` call avoids the reference's never-cleared 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,18 +27,23 @@ def arpo_branch_probability(
 ) -> float:
     """Per-attempt branch probability from ΔH = `entropy` − `root_entropy` (NaN on either side → ΔH = 0).
 
-    ARPO (`penalty_factor=None`, spec §2.3): the reference draws u ~ U(0,1) and branches iff clip(u − βΔH) ≤ τ,
-    i.e. with probability P = clip(τ + β·ΔH, 0, 1) (τ = `base`, β = `weight`). Call it with ΔH alone as
-    `arpo_branch_probability(delta_h)`.
+    ARPO (`penalty_factor=None`, ARPO paper Eq. for P_t = α + β·ΔH_t, made stochastic by the released rollout):
+    the released code draws u ~ U(0,1) and branches iff clip(u − βΔH, 0, 1) ≤ τ, i.e. with probability
+    P = clip(τ + β·ΔH, 0, 1) for τ ∈ [0, 1) (τ = `base`, β = `weight`). At τ = 1 the clipped value is always
+    ≤ 1, so the reference always branches: P = 1 whatever ΔH (the closed form would give clip(1 + βΔH)).
 
-    AEPO (`penalty_factor=f`, spec §4.1): the reference branches iff clip(f·(u + βΔH)) ≥ τ. For f > 0 and
-    τ ∈ (0, 1] this is u ≥ τ/f − βΔH, so P = clip(1 − τ/f + β·ΔH, 0, 1); f ≤ 0 gives 0. At f = 1 this is
-    clip(1 − τ + βΔH), equal to ARPO's form only for τ = 0.5. f comes from `aepo_consecutive_penalty`.
-    Examples: ΔH = 1, τ = 0.5, β = 0.2 → ARPO 0.7; AEPO f = 0.9 → 1 − 0.5556 + 0.2 = 0.6444.
+    AEPO (`penalty_factor=f`, AEPO paper's consecutive-branch penalty): the released code branches iff
+    clip(f·(u + βΔH), 0, 1) ≥ τ. For f > 0 and τ ∈ (0, 1] this is u ≥ τ/f − βΔH, so P = clip(1 − τ/f + β·ΔH, 0, 1);
+    f ≤ 0 gives 0. At τ = 0 every value passes (≥ 0): P = 1 whatever ΔH and f. At f = 1 the AEPO form equals
+    ARPO's only for τ = 0.5. f comes from `aepo_consecutive_penalty`.
+    Examples: ΔH = 1, τ = 0.5, β = 0.2 → ARPO 0.7; AEPO f = 0.9 → 1 − 0.5556 + 0.2 = 0.6444;
+    ARPO τ = 1, β = 0.5, ΔH = −3 → 1.0; AEPO τ = 0, ΔH = −3 → 1.0 (docs/fidelity.md, "τ at its bounds").
     """
     delta = 0.0 if math.isnan(entropy) or math.isnan(root_entropy) else entropy - root_entropy
     if penalty_factor is None:
-        return _clip01(base + weight * delta)
+        return 1.0 if base >= 1.0 else _clip01(base + weight * delta)
+    if base <= 0.0:
+        return 1.0
     if penalty_factor <= 0:
         return 0.0
     return _clip01(1.0 - base / penalty_factor + weight * delta)
@@ -100,6 +105,51 @@ class ARPOBranchState:
         self.consecutive[prompt] = self.consecutive.get(prompt, 0) + 1 if created else 0
         return self.consecutive[prompt]
 
+    def end_batch_round(self, prompts: Iterable[Hashable], created: Iterable[Hashable]) -> None:
+        """The released AEPO rollout's update after one synchronous round of the whole batch.
+
+        Every prompt of `prompts` goes through `end_round` (+1 if it is in `created`, i.e. it made at least one new
+        trajectory this round: a branch *or* a refill from the bare prompt; else reset to 0), but only when some
+        prompt created something: a round in which nothing in the batch was created changes no counter.
+        Example: prompt a creates in rounds 1 and 2, nothing is created anywhere in round 3, a creates in round 4
+        → counters 1, 2, 2, 3 (a per-lineage count would reset in round 3).
+        """
+        made = set(created)
+        if not made:
+            return
+        for p in prompts:
+            self.end_round(p, p in made)
+
     def penalty_factor(self, prompt: Hashable, rate: float = 0.05) -> float:
         """`aepo_consecutive_penalty` of the prompt's current counter."""
         return aepo_consecutive_penalty(self.consecutive.get(prompt, 0), rate)
+
+
+@dataclass
+class PromptRoundCounter:
+    """The released AEPO consecutive-branch counter (per prompt, refills count, no reset in empty rounds),
+    fed by decisions that may arrive out of round order (an asynchronous sampler has no round barrier).
+
+    Round r is the r-th synchronous generation round of the released rollout: a root's k-th tool call is decided in
+    round k, a fork continues its parent's rounds, a refill created at the end of round R decides its first call in
+    round R + 1. `record(prompt, round)` notes that `prompt` created a trajectory in `round`; `counter(prompt,
+    round)` first closes every round < `round` not yet closed, in order, with `ARPOBranchState.end_batch_round`,
+    then returns the prompt's counter. Exact when decisions arrive in round order (as in the released sampler);
+    with asynchronous trajectories a creation recorded for an already closed round is counted in the next open one.
+    """
+
+    state: ARPOBranchState = field(default_factory=ARPOBranchState)
+    created: dict[int, set] = field(default_factory=dict)
+    prompts: set = field(default_factory=set)
+    closed: int = 0  # rounds < closed have been applied
+
+    def record(self, prompt: Hashable, round_index: int) -> None:
+        self.prompts.add(prompt)
+        self.created.setdefault(max(round_index, self.closed), set()).add(prompt)
+
+    def counter(self, prompt: Hashable, round_index: int) -> int:
+        self.prompts.add(prompt)
+        while self.closed < round_index:
+            self.state.end_batch_round(sorted(self.prompts, key=repr), self.created.pop(self.closed, set()))
+            self.closed += 1
+        return self.state.consecutive.get(prompt, 0)

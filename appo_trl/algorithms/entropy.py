@@ -51,16 +51,18 @@ def segment_entropy(
     window: int = 20,
     reduce: str = "sum",
     vocab_size: int | None = None,
+    empty: float = float("nan"),
 ) -> float:
     """ARPO's segment entropy: reduce the first `window` token entropies, divided by ln|V| if `vocab_size` (spec §2.3).
 
     H_seg = (1/ln|V|)·Σ_{j < min(window, len)} H_j with `reduce="sum"` (reference), or the mean with `"mean"`.
-    NaN entries are ignored; an empty segment gives NaN. Example: [1, 2, 3], window 2, sum → 3; with |V| = e² → 1.5.
+    NaN entries are ignored; an empty segment gives `empty`: NaN by default (the caller then treats ΔH as 0),
+    0.0 in the released ARPO/AEPO code (ΔH = 0 − H_root). Example: [1, 2, 3], window 2, sum → 3; with |V| = e² → 1.5.
     """
     h = torch.as_tensor(token_entropies, dtype=torch.float64).reshape(-1)[:window]
     h = h[~torch.isnan(h)]
     if h.numel() == 0:
-        return float("nan")
+        return float(empty)
     if reduce == "sum":
         val = float(h.sum())
     elif reduce == "mean":

@@ -108,6 +108,13 @@ def entropy_balanced_loss(
     return PolicyLossOutput(loss, None, metrics)
 
 
+def _masked_extreme(x: torch.Tensor, valid: torch.Tensor, kind: str) -> torch.Tensor:
+    """min or max of `x` over `valid` entries; NaN when there is none."""
+    if not bool(valid.any()):
+        return x.new_tensor(float("nan"))
+    return x[valid].min() if kind == "min" else x[valid].max()
+
+
 _DECAY_CACHE: dict[tuple, torch.Tensor] = {}
 
 
@@ -163,16 +170,21 @@ def future_kl_loss(
     clip_high_only: bool = True,
     safety_threshold: float | None = 6.0,
     chunk_size: int = 128,
+    unclipped_max: float = 10.0,
 ) -> PolicyLossOutput:
-    """APPO's FIPO-derived `future_kl` loss, exactly spec §5.2 item 8.
+    """APPO's FIPO-derived `future_kl` loss (APPO paper, future-aware advantage; FIPO, arXiv 2603.19835).
 
     d_t = clamp(logπθ − logπold, −20, 20); part_t = 1[d_t ≤ log c];
     FKL_t = Σ_{k≥t} γ_L^(k−t)·part_k·mask_k·d_k with γ_L = 2^(−1/decay_rate) (`discounted_future_sum`, chunked);
-    f_t = sg(clamp(exp(FKL_t), lo, 1+ε_f)), lo = 1 if `clip_high_only` else 1−ε_f;
+    f_t = sg(clamp(exp(FKL_t), lo, hi)) with hi = 1+ε_f and lo = 1 if `clip_high_only` else 1−ε_f; ε_f = 0 is
+    the released code's "no clip": f_t = min(exp(FKL_t), `unclipped_max` = 10), bounds (0, 10) for the metrics;
     safety: f_t = clamp(f_t, 0.8, 1.0) where A_t < 0 and ρ_t > `safety_threshold` (None disables);
     Ã_t = A_t·(1 + b·f_t), b = `weight`; L_t = dual-clip PPO with Ã (ε_l, ε_h, c).
     `keep_mask` is 0 on every sequence with more than one masked token where Ã < 0 and the dual clip is active
-    (ρ > c), 1 elsewhere. Metrics: fipo_iw_{mean,min,max,clip_upper,clip_lower,raw_mean}, dropped_seq_frac.
+    (ρ > c), 1 elsewhere. Metrics (as the released code defines them): fipo_iw_{mean,min,max} of the final f;
+    fipo_iw_clip_upper / _lower = share of tokens whose final (post-safety) f sits at a bound (f ≥ hi − 1e-7,
+    f ≤ lo + 1e-7; so θ = θ_old with `clip_high_only` gives clip_lower = 1); fipo_iw_raw_{mean,min,max} of
+    exp(FKL); dual_clip_frac; dropped_seq_frac. Example: ε_f = 0, FKL = 3 → f = min(e³, 10) = 10.
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
@@ -185,8 +197,12 @@ def future_kl_loss(
         gamma = 2.0 ** (-1.0 / decay_rate)
         fkl = discounted_future_sum(part * maskf * d, gamma, chunk_size)
         raw = torch.exp(fkl.clamp(max=20.0))
-        lo = 1.0 if clip_high_only else 1.0 - future_clip_ratio
-        f = raw.clamp(lo, 1.0 + future_clip_ratio)
+        if future_clip_ratio > 0:
+            lo, hi = (1.0 if clip_high_only else 1.0 - future_clip_ratio), 1.0 + future_clip_ratio
+            f = raw.clamp(lo, hi)
+        else:  # the released code's "no clip"
+            lo, hi = 0.0, unclipped_max
+            f = raw.clamp(max=unclipped_max)
         if safety_threshold is not None:
             unsafe = (advantages < 0) & (ratio.detach() > safety_threshold)
             f = torch.where(unsafe, f.clamp(0.8, 1.0), f)
@@ -196,18 +212,17 @@ def future_kl_loss(
     loss = _ppo(ratio, ratio.clamp(1 - eps_low, 1 + eps_high), adv, clip_ratio_c)
     with torch.no_grad():
         valid = maskf > 0
-        nan = f.new_tensor(float("nan"))
-        iw_min = torch.where(valid, f, float("inf")).min() if f.numel() else nan
-        iw_max = torch.where(valid, f, float("-inf")).max() if f.numel() else nan
         metrics = _clip_metrics(ratio, adv, maskf, eps_low, eps_high)
         metrics.update(
             {
                 "fipo_iw_mean": _masked_mean(f, maskf),
-                "fipo_iw_min": torch.where(torch.isfinite(iw_min), iw_min, nan),  # NaN when no valid token
-                "fipo_iw_max": torch.where(torch.isfinite(iw_max), iw_max, nan),
-                "fipo_iw_clip_upper": _masked_mean((raw > 1.0 + future_clip_ratio).float(), maskf),
-                "fipo_iw_clip_lower": _masked_mean((raw < lo).float(), maskf),
+                "fipo_iw_min": _masked_extreme(f, valid, "min"),  # NaN when no valid token
+                "fipo_iw_max": _masked_extreme(f, valid, "max"),
+                "fipo_iw_clip_upper": _masked_mean((f >= hi - 1e-7).float(), maskf),
+                "fipo_iw_clip_lower": _masked_mean((f <= lo + 1e-7).float(), maskf),
                 "fipo_iw_raw_mean": _masked_mean(raw, maskf),
+                "fipo_iw_raw_min": _masked_extreme(raw, valid, "min"),
+                "fipo_iw_raw_max": _masked_extreme(raw, valid, "max"),
                 "dual_clip_frac": _masked_mean(dual_active.float(), maskf),
                 "dropped_seq_frac": 1.0 - keep[:, 0].float().mean() if keep.numel() else f.new_tensor(0.0),
             }
