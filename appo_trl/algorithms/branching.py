@@ -39,11 +39,13 @@ def masked_zscore(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> tor
     Spec §5.2 item 3 / §5.5 item 1 (population std, ε = 1e-6). A row with no valid entry is all zeros.
     Example: x = [1, 2, 3], all valid → mean 2, std √(2/3) = 0.8165 → Z ≈ [−1.2247, 0, 1.2247].
     """
-    m = mask.to(x.dtype)
-    cnt = m.sum(-1, keepdim=True).clamp(min=1.0)
-    mu = (x * m).sum(-1, keepdim=True) / cnt
-    var = (((x - mu) * m) ** 2).sum(-1, keepdim=True) / cnt
-    return (x - mu) / (var.sqrt() + eps) * m
+    out = torch.zeros_like(x)
+    m = mask.bool()
+    for r in range(x.size(0)):  # the released code's exact ops, row by row (same rounding, same float noise)
+        v = x[r][m[r]]
+        if v.numel():
+            out[r][m[r]] = (v - v.mean()) / (v.std(correction=0) + eps)
+    return out
 
 
 def future_value(
