@@ -2,7 +2,7 @@
 
 A strategy orchestrates the rollout engine (`appo_trl.rollout`) and the pure branching / advantage maths
 (`appo_trl.algorithms`); it holds no maths of its own and no trainer state across rounds (checkpoint resume
-restarts a round from scratch, spec/trl-internals.md §8). Registry `STRATEGIES`: name -> class.
+restarts a round from scratch). Registry `STRATEGIES`: name -> class.
 
 - `grpo`: n independent rollouts per prompt through the tool loop; every row reaches the loss.
 - `arpo` / `aepo`: `initial_rollouts` per prompt, entropy-driven branching after tool results inside the tool

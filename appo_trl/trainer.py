@@ -1,6 +1,6 @@
 """`APPOTrainer`: TRL's `GRPOTrainer` with the agentic tool loop, branching rollouts and branch-aware losses.
 
-Override points (spec/trl-internals.md §8), everything else is TRL's:
+Override points of TRL's `GRPOTrainer`; everything else is TRL's:
 
 - `_generate(prompts)`: (for in-process `grpo` with no `tools`, TRL's own sampler runs unchanged) replaces TRL's sampler and tool loop with `appo_trl.rollout`'s engine, driven by the
   configured strategy (`appo_trl.strategies.STRATEGIES`: grpo, arpo, aepo, appo). Returns TRL's 8-tuple with
@@ -130,7 +130,7 @@ class APPOTrainer(GRPOTrainer):
         if self._custom_loss and self._entropy_bonus_enabled:
             raise ValueError(f"loss_mode={args.loss_mode} does not add TRL's entropy bonus; set entropy_coef=0.")
         self.strategy = STRATEGIES[args.rollout_strategy](self)
-        self.eval_strategy = GRPOStrategy(self)  # validation: no branching (spec/algorithms.md §2.1)
+        self.eval_strategy = GRPOStrategy(self)  # validation: no branching (as the released code: n = 1, no branching)
         self._rollout_engine = rollout_engine
         # in-process GRPO without tools and without an injected engine is exactly TRL's own sampler: keep it
         self._trl_sampler = (

@@ -1,8 +1,8 @@
-"""ARPO / AEPO rollout-time branching maths (spec/algorithms.md §2.3, §2.4, §4.1).
+"""ARPO / AEPO rollout-time branching maths (ARPO paper, entropy-based adaptive rollout; docs/fidelity.md).
 
 Scalar functions of entropies, probabilities and counts used by the rollout hook, plus `ARPOBranchState`, a
 small per-rollout-call state holder (H_root per trajectory, inherited by branches; consecutive-branch counter per
-prompt). A fresh state per `generate` call avoids the reference's never-cleared global dict (spec §11 item 11).
+prompt). A fresh state per `generate` call avoids the reference's never-cleared global dict (docs/fidelity.md).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def arpo_branch_probability(
 
 
 def aepo_consecutive_penalty(k: int, rate: float = 0.05) -> float:
-    """AEPO's consecutive-branch factor f = max(0, 1 − rate·k) after k consecutive branching rounds (spec §4.1).
+    """AEPO's consecutive-branch factor f = max(0, 1 − rate·k) after k consecutive branching rounds (AEPO paper; docs/fidelity.md).
 
     Example: k = 2, rate 0.05 → 0.9. Pass it as `penalty_factor` to `arpo_branch_probability`.
     """
@@ -58,7 +58,7 @@ def aepo_consecutive_penalty(k: int, rate: float = 0.05) -> float:
 
 
 def aepo_initial_rollouts(h_root: float, h_tool_avg: float, n: int, beta: float = 0.5) -> int:
-    """AEPO dynamic global budget: clamp(int(n·σ(β·(H_root − H_tool_avg))) + 1, 1, n) (spec §4.1 item 3).
+    """AEPO dynamic global budget: clamp(int(n·σ(β·(H_root − H_tool_avg))) + 1, 1, n) (AEPO paper; docs/fidelity.md).
 
     Example: ΔH = 0, n = 16 → int(8) + 1 = 9; ΔH = +∞ → 16; ΔH = −∞ → 1.
     """
@@ -68,7 +68,7 @@ def aepo_initial_rollouts(h_root: float, h_tool_avg: float, n: int, beta: float 
 
 
 def sample_branch_copies(prob: float, max_copies: int, rng: Any, slots: int | None = None) -> int:
-    """Number of branch copies from one source: one Bernoulli(`prob`) per potential copy (spec §2.3, §2.4).
+    """Number of branch copies from one source: one Bernoulli(`prob`) per potential copy (ARPO paper; docs/fidelity.md).
 
     min(`max_copies` (= beam_size − 1), `slots` (remaining group budget; None = unlimited)) attempts are drawn with
     `rng.random()` (a `random.Random`); each success is one copy.
@@ -79,10 +79,10 @@ def sample_branch_copies(prob: float, max_copies: int, rng: Any, slots: int | No
 
 @dataclass
 class ARPOBranchState:
-    """Branching state of one rollout call (spec §2.4): create one per `generate`, never a module-level global.
+    """Branching state of one rollout call (docs/fidelity.md): create one per `generate`, never a module-level global.
 
     `root_entropy[uid]` is H_root of a trajectory (its first-window entropy), inherited by its branches;
-    `consecutive[prompt]` counts the rounds in a row in which that prompt created new trajectories (AEPO §4.1).
+    `consecutive[prompt]` counts the rounds in a row in which that prompt created new trajectories (AEPO paper).
     """
 
     root_entropy: dict[Hashable, float] = field(default_factory=dict)

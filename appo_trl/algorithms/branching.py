@@ -1,4 +1,4 @@
-"""APPO branch-point maths (spec/algorithms.md §5.2 item 3, §5.5 items 1–4).
+"""APPO branch-point maths (APPO paper; docs/fidelity.md).
 
 All per-token inputs are (B, T) tensors over the initial rollouts (one row per rollout, completion tokens only),
 with a float/bool `mask` of scorable tokens. The functions are pure: no trainer or rollout state.
@@ -24,7 +24,7 @@ _TRIVIAL = string.whitespace + string.punctuation
 @dataclass
 class BranchPoint:
     """A selected branch point: `row` within the group's initial rollouts, completion `position` t (the branch
-    prefix is `response[:t+1]`, spec §5.2 item 3; t = −1 means the bare prompt), its score BS and whether it was a
+    prefix is `response[:t+1]` as in the released APPO code; t = −1 means the bare prompt), its score BS and whether it was a
     strict candidate (Z(H) > 0, Z(FV) > 0, BS > 0) or a fallback / duplicate."""
 
     row: int
@@ -36,7 +36,7 @@ class BranchPoint:
 def masked_zscore(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Per-row z-score over masked entries, Z(x) = (x − mean_v(x)) / (std_v(x, correction=0) + ε); 0 where invalid.
 
-    Spec §5.2 item 3 / §5.5 item 1 (population std, ε = 1e-6). A row with no valid entry is all zeros.
+    APPO paper; docs/fidelity.md (population std, ε = 1e-6). A row with no valid entry is all zeros.
     Example: x = [1, 2, 3], all valid → mean 2, std √(2/3) = 0.8165 → Z ≈ [−1.2247, 0, 1.2247].
     """
     out = torch.zeros_like(x)
@@ -58,7 +58,7 @@ def future_value(
 ) -> torch.Tensor:
     """FutureValue FV_t = clip(exp(clamp(Σ_{k≥t} γ^(k−t)·m_k·(ℓ^train_k − ℓ^sampler_k), −20, 20)), 1−ε, 1+ε).
 
-    Spec §5.2 item 3 and §5.5 item 3 (γ = `gamma`: 2^(−1/64) proposed, 1.0 code-faithful; ε = 0.2). NaN sampler
+    APPO paper; docs/fidelity.md (γ = `gamma`: 2^(−1/64) proposed, 1.0 code-faithful; ε = 0.2). NaN sampler
     (or trainer) logprobs — tool tokens, missing entries — count as masked. Returns (B, T); positions after a row's
     last valid token have an empty sum and get FV = 1.
     """
@@ -83,7 +83,7 @@ def candidate_mask(
     exclude_last: bool = True,
     max_length: int | None = None,
 ) -> torch.Tensor:
-    """Bool (B, T) of positions that may be branch points (spec §5.5 items 1 and 4).
+    """Bool (B, T) of positions that may be branch points (APPO paper; docs/fidelity.md).
 
     A position t is a candidate when `mask[t]` is set, `(max_length or T) − (t+1) ≥ min_remaining` (room left for
     the continuation; pass the generation limit as `max_length`, otherwise the padded width T is used), it is not
@@ -173,7 +173,7 @@ def select_branch_points(
     strict: torch.Tensor | None = None,
     fallback_mask: torch.Tensor | None = None,
 ) -> list[BranchPoint]:
-    """Exactly `num_branches` branch points for one prompt, pooled over its initial rollouts (spec §5.5 item 4).
+    """Exactly `num_branches` branch points for one prompt, pooled over its initial rollouts (APPO paper; docs/fidelity.md).
 
     `scores`/`valid` are (N, T) for the group's N initial rows. Order of filling:
     1. strict candidates (`strict`, default `valid & scores > 0`; pass `strict_candidates(...)` for the full

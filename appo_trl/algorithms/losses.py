@@ -1,4 +1,4 @@
-"""Per-token policy losses (spec/algorithms.md §3.2, §4.2, §5.2 item 8; trl-internals.md §6).
+"""Per-token policy losses (verl's dual-clip PPO, AEPO paper, APPO paper / FIPO; TRL's GRPOTrainer; docs/fidelity.md).
 
 Every loss has the same signature
 
@@ -44,7 +44,7 @@ def _clip_metrics(ratio, adv, mask, eps_low, eps_high) -> dict[str, torch.Tensor
 
 
 def _ppo(ratio, clipped_ratio, adv, clip_ratio_c):
-    """max(−Aρ, −A·ρ̄) and, if `clip_ratio_c` is set, min(·, −A·c) where A < 0 (verl dual clip, spec §3.2)."""
+    """max(−Aρ, −A·ρ̄) and, if `clip_ratio_c` is set, min(·, −A·c) where A < 0 (verl dual clip)."""
     loss = torch.maximum(-adv * ratio, -adv * clipped_ratio)
     if clip_ratio_c is not None:
         loss = torch.where(adv < 0, torch.minimum(loss, -adv * clip_ratio_c), loss)
@@ -52,7 +52,7 @@ def _ppo(ratio, clipped_ratio, adv, clip_ratio_c):
 
 
 def clip_loss(logps, old_logps, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2) -> PolicyLossOutput:
-    """PPO clipped surrogate, as TRL's GRPO loss (spec §3.2, trl-internals §6).
+    """PPO clipped surrogate, as TRL's GRPO loss (TRL's GRPOTrainer).
 
     L_t = −min(ρ_t·A_t, clip(ρ_t, 1−ε_l, 1+ε_h)·A_t).
     """
@@ -67,7 +67,7 @@ def clip_loss(logps, old_logps, advantages, mask, *, eps_low: float = 0.2, eps_h
 def dual_clip_loss(
     logps, old_logps, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2, clip_ratio_c: float = 3.0
 ) -> PolicyLossOutput:
-    """Dual-clip PPO (verl default used by ARPO, spec §3.2).
+    """Dual-clip PPO (verl's default, used by the released ARPO code; docs/fidelity.md).
 
     L_t = max(−A_t·ρ_t, −A_t·clip(ρ_t, 1−ε_l, 1+ε_h)); where A_t < 0: L_t = min(L_t, −A_t·c), c = `clip_ratio_c` (> 1).
     """
@@ -92,7 +92,7 @@ def entropy_balanced_loss(
     eps_high: float = 0.2,
     clip_ratio_c: float | None = 3.0,
 ) -> PolicyLossOutput:
-    """AEPO entropy clipping-balanced loss (spec §4.2); dual clip with c = `clip_ratio_c` (None disables it).
+    """AEPO entropy clipping-balanced loss (AEPO paper; docs/fidelity.md); dual clip with c = `clip_ratio_c` (None disables it).
 
     The upper clip bound is the stop-gradient tensor (1+ε_h)·ρ/sg(ρ): its value is 1+ε_h (the forward pass equals
     PPO) but its gradient is (1+ε_h)·∇logπ. Gradient coefficient F on ∇logπ (dL/dlogπ = −A·F):
@@ -130,7 +130,7 @@ def _decay_matrix(n: int, gamma: float, device, dtype) -> torch.Tensor:
 
 
 def discounted_future_sum(x: torch.Tensor, gamma: float, chunk_size: int = 128) -> torch.Tensor:
-    """S_t = Σ_{k≥t} γ^(k−t)·x_k along the last dim of (B, T) `x`, computed in chunks (spec §5.2 item 8).
+    """S_t = Σ_{k≥t} γ^(k−t)·x_k along the last dim of (B, T) `x`, computed in chunks (future-KL of FIPO / APPO).
 
     The sequence is padded to a multiple of `chunk_size` C and viewed as (B, n_c, C); one matmul with the C×C decay
     matrix gives the within-chunk sums L, and the tail carried into chunk j is Σ_{i>j} γ^(C·(i−j)−t')·L_i[0],
