@@ -166,7 +166,7 @@ class APPOConfig(GRPOConfig):
         default="nan",
         metadata=_h(
             "ARPO/AEPO: entropy of an empty segment (a tool call right after a result). `nan` (ours): unknown, "
-            "ΔH = 0. `zero` (released code): H = 0, so ΔH = −H_root."
+            "ΔH = 0. `zero` (released code): H = 0, so ΔH = −H_root. Example: H_root = 1, τ 0.5, β 0.2 → P 0.5 vs 0.3."
         ),
     )
     advantage_std_eps: float = field(
@@ -213,7 +213,8 @@ class APPOConfig(GRPOConfig):
         metadata=_h(
             "AEPO: what the consecutive-branch count l follows. `lineage` (ours): fork points of the trajectory's "
             "own lineage in a row that forked. `prompt` (released code): rounds in a row in which the prompt created "
-            "a trajectory (fork or refill), not reset by rounds in which nothing in the batch was created."
+            "a trajectory (fork or refill), not reset by rounds in which nothing in the batch was created. Example: "
+            "a prompt forks in round 1, nobody in round 2 → round-3 P = 1 − 0.5/0.95 = 0.474 (prompt) vs 0.5."
         ),
     )
     entropy_balanced_clipping: bool | None = field(
@@ -234,7 +235,7 @@ class APPOConfig(GRPOConfig):
         default=True,
         metadata=_h(
             "AEPO: clamp the entropy-aware factor 1 + a·z to [0, 2] (ours); False = released code (z < −1/a flips "
-            "the advantage's sign)."
+            "the advantage's sign). Example: a = 0.2, z = −6 → factor 0 vs −0.2."
         ),
     )
     entropy_advantage_weight: float = field(default=0.2, metadata=_h("AEPO: weight a of the entropy-aware advantage."))
@@ -264,7 +265,8 @@ class APPOConfig(GRPOConfig):
         default="whitespace_punct",
         metadata=_h(
             "APPO: tokens that are never branch points. `whitespace_punct` (ours): whitespace- or punctuation-only "
-            "and special tokens; `whitespace` (released code): whitespace-only; `none`."
+            "and special tokens; `whitespace` (released code): whitespace-only, so `,` and the EOS may be picked; "
+            "`none`."
         ),
     )
     branch_allow_last_token: bool = field(
@@ -278,7 +280,8 @@ class APPOConfig(GRPOConfig):
         default="candidates",
         metadata=_h(
             "APPO: tokens over which Z(H) and Z(FV) are taken per rollout: `candidates` (ours, the tokens that can "
-            "be picked) or `loss_mask` (released code: every sampled token, filtered ones included)."
+            "be picked) or `loss_mask` (released code: every sampled token, filtered ones included). Example: H = "
+            "[0, 1, 5] with the 5 on a filtered token → Z(H) of the middle token +1.0 (candidates) vs −0.46."
         ),
     )
     fv_degeneracy_guard: bool = field(
