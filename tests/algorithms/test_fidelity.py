@@ -507,3 +507,19 @@ def test_loss_step_aepo_entropy_aware_advantage_clamp_switch():
     z = [-2 / math.sqrt(20)] * 4 + [8 / math.sqrt(20)]
     assert raw == pytest.approx(-sum(1 + 3 * v for v in z) / 5, rel=1e-5)
     assert clamped == pytest.approx(-(0 * 4 + min(1 + 3 * z[4], 2.0)) / 5, rel=1e-5)
+
+
+def test_loss_step_reference_aepo_skips_the_entropy_aware_advantage():
+    h = torch.tensor([[0.0, 0.0, 0.0, 0.0, 10.0]])
+    adv, zeros = torch.ones(1, 5), torch.zeros(1, 5)
+    ref, _ = _loss_step(make(reference="aepo", entropy_advantage_weight=3.0), zeros, adv, entropies=h)
+    assert ref == pytest.approx(-1.0)  # ρ = 1: −mean(A), no entropy reweighting (the released code skips it)
+
+
+@pytest.mark.parametrize("algo,tau", [("arpo", 1.0), ("aepo", 0.0)])
+def test_hook_branches_always_at_the_bound_under_the_preset(algo, tau):
+    # ΔH = −3, β = 0.5 (issue example): the released rule branches on every draw
+    cfg = make(reference=algo, branch_probability=tau, entropy_weight=0.5, beam_size=4)
+    hook = BranchHook(cfg, seed=0, penalty=algo == "aepo")
+    copies = [hook(_ctx(f"t{i}", 0, 1, h=0.0, root=3.0)) for i in range(20)]
+    assert copies == [3] * 20
