@@ -68,7 +68,7 @@ class APPOConfig(GRPOConfig):
 
     `reference: arpo | aepo | appo` sets every switch of that algorithm to the released implementation's
     behaviour (`REFERENCE_PRESETS`); a switch set explicitly to a value other than its default and other than
-    the preset's value is an error.
+    the preset's value is an error; one left at (or set to) its default takes the preset's value.
     """
 
     reference: str | None = field(
