@@ -93,6 +93,20 @@ class APPOConfig(GRPOConfig):
     rollout_concurrency: int = field(
         default=64, metadata=_h("Maximum sampler requests in flight per rank (async tool loop).")
     )
+    # --- vLLM weight sync (server mode) ---------------------------------------------------------------------
+    vllm_weight_sync: str = field(
+        default="auto",
+        metadata=_h(
+            "How weights reach the vLLM server once per round: `nccl` (TRL's weight-transfer engine, CUDA only), "
+            "`disk` (safetensors + POST /collective_rpc reload_weights + /reset_prefix_cache; the server needs "
+            "VLLM_SERVER_DEV_MODE=1 and must read the folder), or `auto` (disk when the trainer or the server "
+            "runs on CPU, else nccl). See appo_trl.vllm_weight_sync."
+        ),
+    )
+    vllm_weight_sync_dir: str | None = field(
+        default=None,
+        metadata=_h("disk sync: folder the server reads the weights from (default: a temporary folder)."),
+    )
     # --- strategy -------------------------------------------------------------------------------------------
     rollout_strategy: str = field(
         default="grpo", metadata=_h("Rollout strategy: `grpo` (no branching), `arpo`, `aepo` or `appo`.")
@@ -443,6 +457,8 @@ class APPOConfig(GRPOConfig):
                 self._fail(
                     f"loss_mode={self.loss_mode} does not support top_entropy_quantile < 1; use loss_mode=clip."
                 )
+        if self.vllm_weight_sync not in ("auto", "nccl", "disk"):
+            self._fail(f"vllm_weight_sync must be auto, nccl or disk (got {self.vllm_weight_sync!r}).")
         if self.use_vllm and self.vllm_mode != "server":
             self._fail(
                 "the tool loop samples through vLLM's HTTP server only: set vllm_mode=server "

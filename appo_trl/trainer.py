@@ -32,6 +32,7 @@ from appo_trl.config import APPOConfig
 from appo_trl.strategies import STRATEGIES, GRPOStrategy, RoundBatch
 from appo_trl.trainer_loss import compute_policy_loss
 from appo_trl.trainer_utils import pad_rows, select_rows
+from appo_trl.vllm_weight_sync import prepare_vllm_server
 
 
 def resolve_reward_funcs(reward_funcs):
@@ -115,18 +116,19 @@ class APPOTrainer(GRPOTrainer):
     ):
         if not isinstance(args, APPOConfig):
             raise TypeError("APPOTrainer needs an APPOConfig (it carries the strategy, tools and loss settings).")
-        super().__init__(
-            model=model,
-            reward_funcs=resolve_reward_funcs(reward_funcs),
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            reward_processing_classes=reward_processing_classes,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            peft_config=peft_config,
-        )
+        with prepare_vllm_server(args):  # server checks; disk weight sync on a CPU trainer/server (else TRL's NCCL)
+            super().__init__(
+                model=model,
+                reward_funcs=resolve_reward_funcs(reward_funcs),
+                args=args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                reward_processing_classes=reward_processing_classes,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                peft_config=peft_config,
+            )
         if self._custom_loss and self._entropy_bonus_enabled:
             raise ValueError(f"loss_mode={args.loss_mode} does not add TRL's entropy bonus; set entropy_coef=0.")
         self.strategy = STRATEGIES[args.rollout_strategy](self)
