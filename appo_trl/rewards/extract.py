@@ -1,4 +1,4 @@
-"""Answer extraction from tool-integrated-reasoning completions (ARPO's reward format).
+"""Answer extraction from tool-integrated-reasoning completions (ARPO's reward).
 
 The training reward takes the first `<answer>…</answer>` block, then the last `\\boxed{…}` inside it (brace
 matched; the `\\boxed ` and `\\fbox{…}` forms are handled too) and strips the wrapper. These helpers are pure
@@ -24,7 +24,8 @@ def model_text(text: str) -> str:
 
 
 def answer_block(text: str) -> str | None:
-    """Content of the first `<answer>(.*?)</answer>` block of the model's own text (tool results ignored)."""
+    """Content of the first `<answer>(.*?)</answer>` block of the model's own text (tool results ignored;
+    ARPO's reward), or `None` when there is none."""
     m = _ANSWER.search(model_text(text))
     return m.group(1) if m else None
 
@@ -33,7 +34,7 @@ def last_boxed(text: str) -> str | None:
     """The last `\\boxed{…}` / `\\boxed …` / `\\fbox{…}` expression of `text`, wrapper included, or `None`.
 
     Braces are matched by depth counting, so `\\boxed{\\frac{1}{2}}` is returned whole. The `\\boxed x` form
-    (a space instead of a brace) ends at the next `$` or end of text (as ARPO's reward does).
+    (a space instead of a brace) ends at the next `$` or end of text (ARPO's reward).
 
     Example: `last_boxed("a \\boxed{1} b \\boxed{\\frac{1}{2}}")` → `"\\boxed{\\frac{1}{2}}"`.
     """
@@ -78,7 +79,7 @@ def extract_answer(text: str) -> str | None:
 
     Order: the last boxed expression inside the first `<answer>` block (stripped); else the whole stripped answer
     block; else the last boxed expression anywhere in the text. The reward (`deep_research`) is stricter and uses
-    `answer_block` + `last_boxed` directly (a missing box there scores −1).
+    `answer_block` + `last_boxed` directly (a missing box there scores −1, ARPO paper, hierarchical reward).
     """
     block = answer_block(text or "")
     if block is not None:
