@@ -187,7 +187,7 @@ class ChatToolFormat:
         for call in traj.tool_calls:
             text = decode(traj.completion_ids[pos : call.start], skip_special_tokens=True)
             cut = text.rfind(self.open)
-            content = text[:cut] if cut >= 0 else text
+            content = (text[:cut] if cut >= 0 else text).rstrip()
             try:
                 arguments = json.loads(call.query)
             except (json.JSONDecodeError, TypeError):
