@@ -64,7 +64,22 @@ class APPOConfig(GRPOConfig):
     the source trajectory's prefix and optimises the initial rollouts only (spec/algorithms.md §2, §4, §5.5).
     """
 
-    tools: list[str] = field(default_factory=list, metadata=_h("Tools the agent may call, e.g. `python search`."))
+    tools: list[str] = field(
+        default_factory=list,
+        metadata=_h(
+            "Tools the agent may call: built-in `python`, `search`, or (tool_format=chat) Python functions / dotted "
+            "import paths such as `tools.lookup` (resolved from the recipe's folder, then the working directory). "
+            "Schemas come from signatures and docstrings, as in TRL's `GRPOTrainer(tools=...)`."
+        ),
+    )
+    tool_format: str | None = field(
+        default=None,
+        metadata=_h(
+            "`tags` (ARPO: <python>...</python>, results in <result>) or `chat` (the model's chat template: tool "
+            "schemas in the prompt, <tool_call> JSON, results as `tool` messages). Default: chat when any tool is "
+            "a Python function or dotted path, else tags."
+        ),
+    )
     tool_config: dict | str | None = field(
         default=None, metadata=_h("Per-tool parameters as a mapping (YAML) or JSON string, keyed by tool name.")
     )
@@ -234,6 +249,15 @@ class APPOConfig(GRPOConfig):
         super().__post_init__()
         self._validate_appo()
 
+    def to_dict(self):
+        """`TrainingArguments.to_dict` with Python tool functions written as their dotted names (for logging)."""
+        from appo_trl.tools.callables import tool_label
+
+        out = super().to_dict()
+        if out.get("tools"):
+            out["tools"] = [tool_label(t) for t in out["tools"]]
+        return out
+
     @property
     def branch_rows_per_prompt(self) -> int:
         """n − N: rows per prompt produced by branching (0 for grpo)."""
@@ -308,6 +332,12 @@ class APPOConfig(GRPOConfig):
                 self._fail(
                     f"loss_mode={self.loss_mode} does not support top_entropy_quantile < 1; use loss_mode=clip."
                 )
+        if self.tool_format not in (None, "tags", "chat"):
+            self._fail(f"tool_format={self.tool_format!r}; choose one of ('tags', 'chat').")
+        if isinstance(self.tools, str) or callable(self.tools):  # `tools: python` in YAML, `tools=func` in Python
+            self.tools = [self.tools]
+        if self.max_tool_calling_iterations is not None:  # TRL's name for the per-rollout tool-call budget
+            self.tool_call_limit = self.max_tool_calling_iterations
         if self.use_vllm and self.vllm_mode != "server":
             self._fail(
                 "the tool loop samples through vLLM's HTTP server only: set vllm_mode=server "

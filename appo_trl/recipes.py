@@ -34,6 +34,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE_CONFIG_DIRS = (Path.cwd() / "accelerate_configs", REPO_ROOT / "accelerate_configs")
 
 
+LAST_RECIPE_DIR: str | None = None  # folder of the last recipe parsed (custom tools are imported from it)
+
+
 class RecipeError(ValueError):
     """A recipe or command line that cannot be parsed (unknown key, missing file, bad value)."""
 
@@ -96,6 +99,8 @@ def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> tuple:
         if i + 1 >= len(argv):
             raise RecipeError("--config needs a path to a recipe YAML.")
         config = load_recipe(argv[i + 1])
+        global LAST_RECIPE_DIR
+        LAST_RECIPE_DIR = str(Path(argv[i + 1]).resolve().parent)  # dotted tool paths resolve from here first
         del argv[i : i + 2]
     env = config.pop("env", None) or {}
     if not isinstance(env, dict):

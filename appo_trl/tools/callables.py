@@ -213,6 +213,8 @@ def tool_label(spec: Any) -> str:
         return spec
     name = getattr(spec, "__qualname__", None) or getattr(spec, "__name__", None)
     module = getattr(spec, "__module__", None)
+    if name and "<locals>" in name:  # a function defined inside another one: its own name reads best
+        return getattr(spec, "__name__", name)
     return f"{module}.{name}" if name and module and not module.startswith("appo_user_tools_") else (name or repr(spec))
 
 
