@@ -30,7 +30,7 @@ PAPER_RECIPES = {
 
 
 def _stage_types(path: Path):
-    if path.stem == "sft":
+    if path.stem.startswith("sft"):
         from appo_trl.sft import dataclass_types
     else:
         from appo_trl.train import dataclass_types
