@@ -156,6 +156,7 @@ def tokenize_conversation(
     """
     messages = chat_messages(messages)
     tools = (json.loads(tools) if isinstance(tools, str) else tools) or None
+
     def render(msgs):
         return tokenizer.apply_chat_template(msgs, chat_template=chat_template, tokenize=False, tools=tools)
 
@@ -180,7 +181,9 @@ def tokenize_conversation(
     else:
         mask = [1] * len(input_ids)
     if mask_tool_results:
-        spans = _assistant_result_spans(text, messages, open_tag, close_tag) + _tool_content_spans(text, messages, render)
+        spans = _assistant_result_spans(text, messages, open_tag, close_tag) + _tool_content_spans(
+            text, messages, render
+        )
         for start, end in spans:
             for i, (s, e) in enumerate(offsets):
                 if s < end and e > start:

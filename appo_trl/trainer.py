@@ -165,7 +165,9 @@ class APPOTrainer(GRPOTrainer):
         if tools is not None and not isinstance(tools, (list, tuple)):
             tools = [tools]
         if tools and args.tools:
-            raise ValueError("APPOTrainer: pass tools either as APPOTrainer(tools=...) or APPOConfig(tools=...), not both.")
+            raise ValueError(
+                "APPOTrainer: pass tools either as APPOTrainer(tools=...) or APPOConfig(tools=...), not both."
+            )
         specs = list(tools or args.tools or [])
         if not tool_dirs:  # `appo train --config R`: the recipe's folder, then the working directory
             from appo_trl import recipes

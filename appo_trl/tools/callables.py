@@ -89,9 +89,7 @@ class FunctionTool:
         self.func = func
         self.schema = tool_schema(func)
         self.name = self.tag = self.schema["function"]["name"]
-        self.is_async = inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
-            getattr(func, "__call__", None)
-        )
+        self.is_async = inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
         self.max_chars = max_chars
 
     async def call(self, text: str) -> ToolResult:
@@ -215,7 +213,9 @@ def tool_label(spec: Any) -> str:
     module = getattr(spec, "__module__", None)
     if name and "<locals>" in name:  # a function defined inside another one: its own name reads best
         return getattr(spec, "__name__", name)
-    return f"{module}.{name}" if name and module and not module.startswith("appo_user_tools_") else (name or repr(spec))
+    return (
+        f"{module}.{name}" if name and module and not module.startswith("appo_user_tools_") else (name or repr(spec))
+    )
 
 
 def is_builtin(spec: Any) -> bool:

@@ -103,8 +103,14 @@ def test_markers_and_tool_turn_come_from_the_template(chat, tok, enc):
     assert (chat.open, chat.close) == ("<tool_call>", "</tool_call>")
     assert chat.stop_strings == ["</tool_call>"]
     ids = chat.result_ids("multiply", "6", limit=10_000)
-    assert tok.decode(ids) == "<|im_end|>\n<|im_start|>user\n<tool_response>\n6\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-    pre, post = enc("<|im_end|>\n<|im_start|>user\n<tool_response>\n"), enc("\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert (
+        tok.decode(ids)
+        == "<|im_end|>\n<|im_start|>user\n<tool_response>\n6\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    pre, post = (
+        enc("<|im_end|>\n<|im_start|>user\n<tool_response>\n"),
+        enc("\n</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+    )
     assert ids == pre + enc("6") + post  # template parts and the result tokenised on their own
     assert ids.count(tok.eos_token_id) == 2  # end of the assistant turn and of the tool turn: template tokens
 
@@ -132,7 +138,9 @@ def test_parse_takes_the_last_call_and_string_arguments(chat):
 
 def test_one_call_then_answer_matches_the_rendered_conversation(make_engine, tok, enc):
     messages = [{"role": "user", "content": "What is 6 times 7?"}]
-    prompt = tok.apply_chat_template(messages, tools=[multiply], add_generation_prompt=True, return_dict=True)["input_ids"]
+    prompt = tok.apply_chat_template(messages, tools=[multiply], add_generation_prompt=True, return_dict=True)[
+        "input_ids"
+    ]
     t0 = enc("<think>multiply</think>\n" + call_text("multiply", {"a": 6, "b": 7}))
     t1 = enc("The answer is \\boxed{42}.") + [tok.eos_token_id]
     engine, policy = make_engine(by_responses(tok, [t0 + enc(" never"), t1]), [multiply])

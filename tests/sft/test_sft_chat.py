@@ -46,7 +46,9 @@ def test_tool_turns_are_masked_and_calls_are_trained(row, tiny_chat_tokenizer, a
 
 def test_result_equal_to_text_of_the_call_masks_the_tool_turn_not_the_call(tiny_chat_tokenizer):
     tok = tiny_chat_tokenizer
-    calls = json.dumps([{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "5 * 1"}}}])
+    calls = json.dumps(
+        [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "5 * 1"}}}]
+    )
     messages = [
         {"role": "user", "content": "What is 5 * 1?"},
         {"role": "assistant", "content": "", "tool_calls": calls, "name": None},

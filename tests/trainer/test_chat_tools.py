@@ -51,7 +51,11 @@ class ScriptedBackend:
             call = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
             ids, reason, stop = enc("<think> six times seven </think>\n" + call), "stop", "</tool_call>"
         else:
-            ids, reason, stop = enc("<think> six times seven </think> <python> print(6*7) </python>"), "stop", "</python>"
+            ids, reason, stop = (
+                enc("<think> six times seven </think> <python> print(6*7) </python>"),
+                "stop",
+                "</python>",
+            )
         ids = ids[: params.max_tokens]
         tops = [{i: -0.5, (i + 1) % len(self.tok): -1.0} for i in ids] if params.logprobs else None
         return Segment(ids, [-0.5] * len(ids), tops, reason, stop)
