@@ -2,6 +2,9 @@
 
 Override points (spec/trl-internals.md §8), everything else is TRL's:
 
+- `__init__(..., tools=...)`: TRL's `tools=` (functions, built-in names, dotted paths), resolved and checked
+  before the model loads; `tool_format: chat` renders their schemas into prompts through TRL's own
+  `_tokenize_prompts` (`self.tools`) and hands completions to rewards in TRL's tool-loop message shape.
 - `_generate(prompts)`: (for in-process `grpo` with no `tools`, TRL's own sampler runs unchanged) replaces TRL's sampler and tool loop with `appo_trl.rollout`'s engine, driven by the
   configured strategy (`appo_trl.strategies.STRATEGIES`: grpo, arpo, aepo, appo). Returns TRL's 8-tuple with
   the exact sampled ids, `tool_mask` = 1 on sampled tokens only, sampler logprobs (NaN on tool tokens), and
@@ -104,7 +107,9 @@ class APPOTrainer(GRPOTrainer):
     rendered by the chat template and calls are `<tool_call>` JSON, as in TRL; `"tags"` is ARPO's format. Every
     tool is checked here, before the model loads. Plus `rollout_engine`: an object with the
     `appo_trl.rollout.RolloutEngine` interface (`rollout`, `branch_many`, `run`), built from the config when
-    omitted. TRL's `environment_factory` and `rollout_func` are not supported.
+    omitted, and `tool_dirs`: folders searched first for dotted tool paths (default: the folder of the recipe
+    `appo train` parsed, then the working directory). TRL's `environment_factory` and `rollout_func` are not
+    supported.
     """
 
     _tag_names = ["trl", "grpo", "appo", "appo-trl"]
