@@ -123,6 +123,8 @@ class ChatToolFormat:
     def _template_parts(self, name: str) -> tuple[list[int], list[int]]:
         """Token ids of the template text before and after a tool result (cached per tool name)."""
         if name not in self._suffix_cache:
+            if len(self._suffix_cache) >= 256:  # names come from sampled text: keep the cache bounded
+                self._suffix_cache.clear()
             call = {"type": "function", "function": {"name": name, "arguments": {}}}
             messages = [
                 {"role": "user", "content": "dummy"},
