@@ -198,3 +198,12 @@ def test_warns_when_no_rollout_called_a_tool(tmp_path, tiny_chat_model_path, tin
         trainer.train()
     [msg] = [r.getMessage() for r in caplog.records if "No rollout called a tool" in r.getMessage()]
     assert "(multiply) in 1 round(s)" in msg and "ARPO branches only after tool results: no branching happened" in msg
+
+
+def test_config_tool_fields(tmp_path):
+    base = dict(output_dir=str(tmp_path), **CPU)
+    assert APPOConfig(**base, max_tool_calling_iterations=5).tool_call_limit == 5  # TRL's name, same budget
+    assert APPOConfig(**base, tools="python").tools == ["python"]  # `tools: python` in YAML
+    assert APPOConfig(**base, tools=[multiply]).to_dict()["tools"] == ["tests.trainer.test_chat_tools.multiply"]
+    with pytest.raises(ValueError, match="tool_format='json'"):
+        APPOConfig(**base, tool_format="json")
