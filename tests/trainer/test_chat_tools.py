@@ -204,6 +204,6 @@ def test_config_tool_fields(tmp_path):
     base = dict(output_dir=str(tmp_path), **CPU)
     assert APPOConfig(**base, max_tool_calling_iterations=5).tool_call_limit == 5  # TRL's name, same budget
     assert APPOConfig(**base, tools="python").tools == ["python"]  # `tools: python` in YAML
-    assert APPOConfig(**base, tools=[multiply]).to_dict()["tools"] == ["tests.trainer.test_chat_tools.multiply"]
+    assert APPOConfig(**base, tools=[multiply]).to_dict()["tools"] == [f"{multiply.__module__}.multiply"]
     with pytest.raises(ValueError, match="tool_format='json'"):
         APPOConfig(**base, tool_format="json")
