@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from pathlib import Path
 
 import pytest
+import trl
 
 from appo_trl.rollout import RolloutConfig, RolloutEngine
 from appo_trl.rollout.chat_format import ChatTemplateToolError, ChatToolFormat
@@ -270,3 +272,32 @@ def test_hook_runs_after_each_tool_result_on_sampled_tokens(make_engine, tok, en
     assert not math.isnan(seen[0][2])  # entropy of the look-ahead tokens, all sampled
     assert fork.meta["origin"] == "fork" and fork.completion_ids[: rec.end] == root.completion_ids[: rec.end]
     assert fork.completion_ids == root.completion_ids  # the scripted policy continues the same way
+
+
+TRL_TEMPLATES = Path(trl.__file__).parent / "chat_templates"
+
+
+@pytest.mark.parametrize("name", ["qwen2_5", "qwen3", "qwen3_instruct_2507"])
+def test_real_qwen_templates_shipped_with_trl(tiny_chat_model_path, name):
+    """The markers and the tool turn are learnt from the template text, not hard-coded for the tiny model."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model_path)
+    tok.chat_template = (TRL_TEMPLATES / f"{name}.jinja").read_text()
+    chat = ChatToolFormat(tok)
+    assert (chat.open, chat.close) == ("<tool_call>", "</tool_call>")
+    inserted = tok.decode(chat.result_ids("multiply", "42", 10_000))
+    assert (
+        inserted
+        == "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_think", "gptoss"])
+def test_templates_without_json_tool_calls_fail_at_construction(tiny_chat_model_path, name):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model_path)
+    tok.chat_template = (TRL_TEMPLATES / f"{name}.jinja").read_text()
+    with pytest.raises(ChatTemplateToolError, match="JSON object with `name` and `arguments`"):
+        ChatToolFormat(tok)
