@@ -133,10 +133,14 @@ def check_tools(training_args) -> None:
     names = list(getattr(training_args, "tools", None) or [])
     if not names:
         return
+    from appo_trl import recipes
     from appo_trl.tools import build_tools
+    from appo_trl.tools.registry import default_tool_format
 
+    tool_format = getattr(training_args, "tool_format", None) or default_tool_format(names)
+    tool_dirs = [recipes.LAST_RECIPE_DIR] if recipes.LAST_RECIPE_DIR else []  # custom tools: the recipe's folder
     try:
-        tools = build_tools(names, _tool_config(training_args))
+        tools = build_tools(names, _tool_config(training_args), tool_format, tool_dirs)
     except PreflightError:
         raise
     except (ValueError, TypeError) as exc:

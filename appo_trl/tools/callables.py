@@ -91,6 +91,8 @@ class FunctionTool:
         self.name = self.tag = self.schema["function"]["name"]
         self.is_async = inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
         self.max_chars = max_chars
+        if callable(getattr(func, "check", None)):  # a built-in's start-up check (search server health, ...)
+            self.check = func.check
 
     async def call(self, text: str) -> ToolResult:
         try:
@@ -148,6 +150,8 @@ def builtin_function(name: str, tool: Tool) -> Callable:
     else:
         raise ToolSpecError(f"no chat-format wrapper for built-in tool {name!r}")
     func.aclose = tool.aclose  # closing the wrapper closes the sandbox / search client
+    if callable(getattr(tool, "check", None)):
+        func.check = tool.check
     return func
 
 

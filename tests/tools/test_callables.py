@@ -88,3 +88,18 @@ def test_formats_and_builtin_wrappers():
     assert tools["python"].schema["function"]["parameters"]["required"] == ["code"]
     with pytest.raises(ToolSpecError, match="need tool_format=chat"):
         build_tools([add], tool_format="tags")
+
+
+def test_preflight_builds_chat_recipe_tools_from_the_recipe_folder(tmp_path, monkeypatch):
+    """`appo train` checks tools before the model loads: a chat recipe's dotted tool must pass that check."""
+    from appo_trl import preflight
+    from appo_trl.recipes import REPO_ROOT
+    from appo_trl.train import dataclass_types
+
+    monkeypatch.chdir(tmp_path)  # not the repository: `tools.calculator` must come from the recipe's folder
+    recipe = str(REPO_ROOT / "recipes" / "tiny" / "appo_chat.yaml")
+    _, training_args, _ = parse_recipe(dataclass_types(), ["--config", recipe, "--output_dir", str(tmp_path / "o")])
+    preflight.check_tools(training_args)
+    training_args.tools = ["tools.no_such_tool"]
+    with pytest.raises(preflight.PreflightError, match="has no attribute 'no_such_tool'"):
+        preflight.check_tools(training_args)
