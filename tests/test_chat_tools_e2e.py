@@ -127,6 +127,8 @@ def test_cold_started_chat_model_calls_the_custom_tool_branches_and_trains(strat
     )  # fmt: skip
     assert trainer.tool_specs[0].__name__ == "calculator"  # tools.calculator from the recipe's folder
     before = [p.detach().clone() for p in trainer.model.parameters()]
+    batches, generate = [], trainer.strategy.generate
+    trainer.strategy.generate = lambda *a, **k: batches.append(generate(*a, **k)) or batches[-1]
     trainer.train()
     logs = [e for e in trainer.state.log_history if "reward" in e]
     assert sum(e.get("tools/calculator/calls", 0) for e in logs) > 0, "the cold-started model never called the tool"
@@ -140,4 +142,15 @@ def test_cold_started_chat_model_calls_the_custom_tool_branches_and_trains(strat
         assert sum(e["branch/points_per_prompt"] for e in logs) > 0
     else:
         assert origins.count("branch") == 2 * len(reward.rounds)  # n - N = 2 branches per prompt per round
+        # some branch points lie after a tool result: the branch keeps the parent's tool turn token for token
+        after = []
+        for batch in batches:
+            by_uid = {t.uid: t for t in batch.rows}
+            for t in batch.rows:
+                parent = by_uid.get(t.parent)
+                if t.meta.get("origin") == "branch" and any(c.end <= t.branch_pos for c in parent.tool_calls):
+                    assert t.completion_ids[: t.branch_pos] == parent.completion_ids[: t.branch_pos]
+                    assert t.tool_calls[0] == parent.tool_calls[0] and t.loss_mask[t.branch_pos] == 1  # sampled on
+                    after.append(t)
+        assert after, "no APPO branch point after a tool result"
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters())), "no update"
