@@ -129,6 +129,10 @@ class APPOTrainer(GRPOTrainer):
         )
         if self._custom_loss and self._entropy_bonus_enabled:
             raise ValueError(f"loss_mode={args.loss_mode} does not add TRL's entropy bonus; set entropy_coef=0.")
+        from appo_trl.hub import strategy_card
+
+        self._name, self._paper = strategy_card(args.rollout_strategy)  # model card: this strategy's paper
+        self._tag_names = ["trl", "appo-trl", args.rollout_strategy]
         self.strategy = STRATEGIES[args.rollout_strategy](self)
         self.eval_strategy = GRPOStrategy(self)  # validation: no branching (spec/algorithms.md §2.1)
         self._rollout_engine = rollout_engine
@@ -164,6 +168,19 @@ class APPOTrainer(GRPOTrainer):
             closer = getattr(self._rollout_engine, "close", None)
             if closer is not None:
                 closer()
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's card, naming the strategy's method and paper, and a local base model by its path."""
+        import os
+
+        from trl.trainer.utils import get_config_model_id
+
+        from appo_trl.hub import fix_local_base_model
+
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if self.is_world_process_zero():
+            base = get_config_model_id(self.model.config)
+            fix_local_base_model(os.path.join(self.args.output_dir, "README.md"), base)
 
     # ---- generation ------------------------------------------------------------------------------------------
     def _round_seed(self) -> int:
