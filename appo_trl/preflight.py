@@ -57,6 +57,7 @@ def check_model_source(name_or_path: str | None, revision: str | None = None, tr
     if os.path.exists(expanded):
         raise ModelPathError(f"Model path {name_or_path!r} is a file; point model_name_or_path at a model folder.")
     if _looks_local(name_or_path):
+        hint = f"; {TINY_MODEL_HINT.format(path=name_or_path)}"  # the usual cause on a fresh clone
         raise ModelPathError(
             f"Model folder {name_or_path!r} does not exist (looked for {os.path.abspath(expanded)}){hint}."
         )
