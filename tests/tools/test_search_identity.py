@@ -119,3 +119,33 @@ def test_defaults_leave_port_8000_to_vllm_and_keep_no_shared_cache_file(tmp_path
     assert resolved["search"] == {"max_results": 3, "cache_path": str(tmp_path / "run" / "search_cache.sqlite")}
     args.tool_config = {"search": {"cache_path": "/shared/mine.sqlite"}}
     assert default_search_cache(args)["search"]["cache_path"] == "/shared/mine.sqlite"
+
+
+def _replay(cache_path, query="capital", **kw):
+    tool = SearchTool(backend="cache", cache_path=str(cache_path), **kw)
+
+    async def go():
+        try:
+            return await tool.call(query)
+        finally:
+            await tool.aclose()
+
+    return asyncio.run(go())
+
+
+def test_cache_only_replay_of_a_sqlite_cache_needs_the_same_parameters(tmp_path, loopback):
+    cache = tmp_path / "c.sqlite"
+    with loopback(create_app(BM25Index(_corpus(tmp_path / "a.jsonl", "The capital is Paris.")))) as base:
+        live = _search(cache, f"{base}/retrieve", max_results=2)
+    replay = _replay(cache, max_results=2)
+    assert replay.ok and replay.meta["cache_hit"] and replay.text == live.text
+    other = _replay(cache, max_results=5)
+    assert not other.ok and other.error == "not_in_cache"
+
+
+def test_seeded_entries_answer_a_live_backend_with_the_same_parameters(tmp_path, loopback):
+    seed = tmp_path / "seed.json"
+    seed.write_text(json.dumps({"capital": "Page 1: seeded"}))
+    with loopback(create_app(BM25Index(_corpus(tmp_path / "a.jsonl", "The capital is Paris.")))) as base:
+        hit = _search(tmp_path / "c.sqlite", f"{base}/retrieve", seed_path=str(seed))
+    assert hit.ok and hit.meta["cache_hit"] and hit.text == "Page 1: seeded"
