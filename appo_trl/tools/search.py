@@ -21,7 +21,9 @@ backend's identity. For `local` that is the corpus fingerprint the server report
 `appo serve-search`; with `check_server: false`, any Search-R1 server, identified by its URL); for `web`, the
 market and location. The identity is resolved before the cache is consulted, so a server that is down, or
 that is not a search server (vLLM on port 8000), gets an error result, never a stale cached one. Entries
-imported with `seed_path` answer any backend with the same parameters (the user vouches for them). There is
+imported with `seed_path` answer any backend with the same parameters (the user vouches for them); the
+`cache` backend (replay) answers from any backend's entries with the same parameters, and from entries
+stored without parameters (caches written before they were keyed). There is
 no default cache file: `appo train` and `appo eval` put one in the run's output folder unless `cache_path`
 is set (so runs do not share one file in the home directory by accident).
 """
@@ -391,11 +393,11 @@ class SearchTool:
         if cfg.seed_path:
             if not isinstance(self.cache, SearchCache):
                 raise ValueError("search.seed_path needs a SQLite cache_path (and cache: true)")
-            self.cache.seed_from_json(cfg.seed_path, scope=self._scope(SEED_IDENTITY))
+            self.cache.seed_from_json(cfg.seed_path, scope=self._scope(), source=SEED_IDENTITY)
 
-    def _scope(self, identity: str) -> str:
-        """Cache scope: the parameters that shape a formatted result, then the backend identity."""
-        return f"k={self.config.max_results};len={self.config.result_length}\x1e{identity}"
+    def _scope(self) -> str:
+        """Cache scope: the parameters that shape a formatted result (the source is the backend identity)."""
+        return f"k={self.config.max_results};len={self.config.result_length}"
 
     def check(self) -> None:
         """Start-up check: the backend is reachable and is what the config says (raises ValueError)."""
@@ -411,9 +413,10 @@ class SearchTool:
             return None
         if isinstance(self.cache, JsonReplayCache):
             return self.cache.get(query)
-        if identity is None:  # replay only: whatever backend produced the entry, with these parameters
-            return self.cache.get_any(query, self._scope(""))
-        return self.cache.get(query, self._scope(identity)) or self.cache.get(query, self._scope(SEED_IDENTITY))
+        scope = self._scope()
+        if identity is None:  # replay only: any backend's entry with these parameters (or a pre-scope entry)
+            return self.cache.get_any(query, scope) or self.cache.get(query)
+        return self.cache.get(query, scope, identity) or self.cache.get(query, scope, SEED_IDENTITY)
 
     def _scrub(self, text: str) -> str:
         return self.backend.scrub(text) if hasattr(self.backend, "scrub") else text
@@ -460,7 +463,7 @@ class SearchTool:
                                   meta={"cache_hit": False, "attempts": attempt + 1})  # fmt: skip
         result = sanitize_text(format_results(snippets, cfg.max_results, cfg.result_length))
         if self.cache is not None and isinstance(self.cache, SearchCache) and result != NO_RESULTS:
-            await asyncio.to_thread(self.cache.put, query, result, self._scope(identity))
+            await asyncio.to_thread(self.cache.put, query, result, self._scope(), identity)
         count = 0 if result == NO_RESULTS else result.count("\nPage ") + 1
         meta = {"cache_hit": False, "attempts": attempt + 1, "results": count}
         return ToolResult(result, True, time.perf_counter() - start, meta=meta)

@@ -149,3 +149,13 @@ def test_seeded_entries_answer_a_live_backend_with_the_same_parameters(tmp_path,
     with loopback(create_app(BM25Index(_corpus(tmp_path / "a.jsonl", "The capital is Paris.")))) as base:
         hit = _search(tmp_path / "c.sqlite", f"{base}/retrieve", seed_path=str(seed))
     assert hit.ok and hit.meta["cache_hit"] and hit.text == "Page 1: seeded"
+
+
+def test_cache_only_replay_reads_unscoped_entries(tmp_path):
+    """Entries stored without scope (older cache files, `cache.put_many` as bench/tools.py does) replay as before."""
+    cache = tmp_path / "c.sqlite"
+    tool = SearchTool(backend="cache", cache_path=str(cache))
+    tool.cache.put_many([("query number 1", "Page 1: result 1")])
+    hit = _replay(cache, "Query Number 1")
+    assert hit.ok and hit.meta["cache_hit"] and hit.text == "Page 1: result 1"
+    tool.cache.close()
