@@ -115,6 +115,9 @@ class APPOTrainer(GRPOTrainer):
     ):
         if not isinstance(args, APPOConfig):
             raise TypeError("APPOTrainer needs an APPOConfig (it carries the strategy, tools and loss settings).")
+        from appo_trl.preflight import check_reward_columns  # before the model loads
+
+        check_reward_columns(reward_funcs if isinstance(reward_funcs, list) else [reward_funcs], train_dataset)
         super().__init__(
             model=model,
             reward_funcs=resolve_reward_funcs(reward_funcs),

@@ -225,3 +225,18 @@ def test_check_hub(monkeypatch, api, repo, expected):
     else:
         with pytest.raises(PreflightError, match=expected.replace("(", r"\(").replace(")", r"\)")):
             check_hub(args, api=api)
+
+
+def test_trainer_api_checks_reward_columns_before_the_model_loads():
+    from datasets import Dataset
+
+    from appo_trl.config import APPOConfig
+    from appo_trl.errors import PreflightError
+    from appo_trl.rewards import REWARD_FUNCS
+    from appo_trl.trainer import APPOTrainer
+
+    args = APPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", num_generations=2,
+                      per_device_train_batch_size=2)  # fmt: skip
+    data = Dataset.from_list([{"prompt": "What is 1+1?"}])
+    with pytest.raises(PreflightError, match="reward 'qa_f1' needs gold answers"):
+        APPOTrainer("no/such-model", reward_funcs=[REWARD_FUNCS["qa_f1"]], args=args, train_dataset=data)
