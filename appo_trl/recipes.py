@@ -198,6 +198,14 @@ def launch_command(launch: dict[str, str], entry_script: str | os.PathLike, scri
     return [*cmd, str(entry_script), *script_argv]
 
 
+def check_before_relaunch(dataclass_types: Sequence[type], argv: Sequence[str]) -> None:
+    """When `argv` will be relaunched through `accelerate launch`, parse it here first: a configuration error
+    is then one `RecipeError` in this process instead of a failure report from every launched rank."""
+    launch, rest = split_launch_args(argv)
+    if launch and os.environ.get("APPO_LAUNCHED") != "1":
+        parse_recipe(dataclass_types, rest)
+
+
 def maybe_relaunch(argv: Sequence[str], entry_script: str | os.PathLike) -> int | None:
     """Re-run `entry_script` under `accelerate launch` when launch flags are present.
 

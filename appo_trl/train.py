@@ -112,9 +112,10 @@ def main(script_args, training_args, model_args, recipe=None) -> APPOTrainer:  #
 
 def cli(argv: list[str] | None = None) -> int:
     """`appo train` (and the `accelerate launch` entry): parse, check, train. Raises `ConfigError` on bad input."""
-    from appo_trl.recipes import maybe_relaunch, parse_recipe
+    from appo_trl.recipes import check_before_relaunch, maybe_relaunch, parse_recipe
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    check_before_relaunch(dataclass_types(), argv)  # one line here, not one torchrun failure report per rank
     code = maybe_relaunch(argv, __file__)
     if code is not None:
         return code

@@ -240,3 +240,15 @@ def test_trainer_api_checks_reward_columns_before_the_model_loads():
     data = Dataset.from_list([{"prompt": "What is 1+1?"}])
     with pytest.raises(PreflightError, match="reward 'qa_f1' needs gold answers"):
         APPOTrainer("no/such-model", reward_funcs=[REWARD_FUNCS["qa_f1"]], args=args, train_dataset=data)
+
+
+def test_config_error_with_launch_flags_is_reported_before_relaunching(workdir, capfd, monkeypatch):
+    import appo_trl.recipes
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("relaunched a recipe that does not parse")
+
+    monkeypatch.setattr(appo_trl.recipes.subprocess, "call", no_launch)
+    monkeypatch.delenv("APPO_LAUNCHED", raising=False)
+    assert appo(["train", "--config", recipe(workdir, rollout_strategy="apo"), "--num_processes", "2"]) == 2
+    assert "rollout_strategy='apo'" in one_error_line(capfd)
