@@ -252,3 +252,31 @@ def test_config_error_with_launch_flags_is_reported_before_relaunching(workdir, 
     monkeypatch.delenv("APPO_LAUNCHED", raising=False)
     assert appo(["train", "--config", recipe(workdir, rollout_strategy="apo"), "--num_processes", "2"]) == 2
     assert "rollout_strategy='apo'" in one_error_line(capfd)
+
+
+def test_load_in_4bit_builds_trl_quantization_config_when_bitsandbytes_and_cuda_exist(monkeypatch):
+    """The QLoRA branch (as `trl grpo`): BitsAndBytesConfig from TRL's get_quantization_config in model_init_kwargs."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+    from trl import ModelConfig
+
+    from appo_trl.errors import PreflightError
+    from appo_trl.preflight import check_quantization
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: object() if n == "bitsandbytes" else real_find_spec(n, *a)
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    training = SimpleNamespace(use_cpu=False, model_init_kwargs={"dtype": "bfloat16"})
+    with pytest.raises(PreflightError, match="set use_peft=true"):
+        check_quantization(ModelConfig(model_name_or_path="m", load_in_4bit=True), training)
+    model_args = ModelConfig(model_name_or_path="m", load_in_4bit=True, use_peft=True, dtype="bfloat16",
+                             bnb_4bit_quant_type="nf4")  # fmt: skip
+    check_quantization(model_args, training)
+    quant = training.model_init_kwargs["quantization_config"]
+    assert (
+        quant.load_in_4bit and quant.bnb_4bit_quant_type == "nf4" and training.model_init_kwargs["dtype"] == "bfloat16"
+    )
