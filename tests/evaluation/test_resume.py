@@ -83,3 +83,14 @@ def test_eval_checks_the_search_server_before_the_model_loads(eval_registry, tmp
                  tool_config={"search": {"url": "http://127.0.0.1:9/retrieve", "timeout_s": 2}})  # fmt: skip
     with pytest.raises(PreflightError, match="no search server at http://127.0.0.1:9/health"):
         check_output_dir(cfg)
+
+
+def test_appo_eval_unknown_benchmark_is_one_line_exit_2(eval_registry, tmp_path, capfd):
+    from appo_trl.cli import main as appo
+
+    reg, root = eval_registry
+    argv = ["eval", "--registry", reg, "--data_root", root, "--benchmarks", "mathb", "nope",
+            "--model", "m", "--output_dir", str(tmp_path / "o")]  # fmt: skip
+    assert appo(argv) == 2
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "Unknown benchmarks ['nope']" in err[0]
