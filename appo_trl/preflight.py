@@ -51,7 +51,7 @@ def check_model_source(name_or_path: str | None, revision: str | None = None, tr
     expanded = os.path.expanduser(name_or_path)
     hint = f"; {TINY_MODEL_HINT.format(path=name_or_path)}" if "tiny" in name_or_path.lower() else ""
     if os.path.isdir(expanded):
-        if not os.path.isfile(os.path.join(expanded, "config.json")):
+        if not any(os.path.isfile(os.path.join(expanded, f)) for f in ("config.json", "adapter_config.json")):
             raise ModelPathError(f"Model folder {name_or_path!r} has no config.json: not a saved model{hint}.")
         return
     if os.path.exists(expanded):
