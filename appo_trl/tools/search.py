@@ -185,17 +185,19 @@ class LocalRetrieverBackend:
         self.config = config
         self._clients = _LoopClients(timeout=config.timeout_s, trust_env=False)
         self._queue: list[tuple[str, asyncio.Future]] = []
-        self._flusher: asyncio.Task | None = None
+        self._flush_scheduled = False  # a flusher that has not taken the queue yet
 
     async def search(self, query: str) -> list[str]:
         fut = asyncio.get_running_loop().create_future()
         self._queue.append((query, fut))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.ensure_future(self._flush())
+        if not self._flush_scheduled:  # (a flusher already posting its batch does not see this query)
+            self._flush_scheduled = True
+            asyncio.ensure_future(self._flush())
         return await fut
 
     async def _flush(self) -> None:
         await asyncio.sleep(0)  # let the other calls of this event-loop tick join the batch
+        self._flush_scheduled = False
         batch, self._queue = self._queue, []
         try:
             results = await self._post([q for q, _ in batch])
@@ -385,6 +387,7 @@ class SearchTool:
         cfg = self.config
         self.backend = SEARCH_BACKENDS[cfg.backend](cfg)
         self._identity: str | None = None  # resolved on first use (`/health` for local)
+        self._identity_task: asyncio.Task | None = None
         self.cache: SearchCache | JsonReplayCache | None = None
         if cfg.backend == "cache" and str(cfg.cache_path).endswith(".json"):
             self.cache = JsonReplayCache(cfg.cache_path)
@@ -408,6 +411,23 @@ class SearchTool:
             except BackendError as exc:
                 raise ValueError(self._scrub(str(exc))) from None
 
+    async def _resolve_identity(self) -> str:
+        """The backend identity, asked once for all concurrent calls of this event loop (they then resume
+        together, so their queries still go out as one batch); a failure is retried by the next call."""
+        if self._identity is not None:
+            return self._identity
+        loop = asyncio.get_running_loop()
+        pending = self._identity_task
+        if (
+            pending is None
+            or pending.get_loop() is not loop
+            or (pending.done() and (pending.cancelled() or pending.exception()))
+        ):
+            pending = self._identity_task = loop.create_task(self.backend.identity())
+        identity = await asyncio.shield(pending)
+        self._identity = identity
+        return identity
+
     def _cached(self, query: str, identity: str | None) -> str | None:
         if self.cache is None:
             return None
@@ -428,13 +448,11 @@ class SearchTool:
             return ToolResult("Error: empty search query.", ok=False, error="empty_input")
         identity = None
         if self.config.backend != "cache":  # who answers decides which cache entries apply
-            if self._identity is None:
-                try:
-                    self._identity = await self.backend.identity()
-                except BackendError as exc:
-                    return ToolResult(self._scrub(f"Search failed: {exc}"), False, time.perf_counter() - start,
-                                      error="backend_error", meta={"cache_hit": False})  # fmt: skip
-            identity = self._identity
+            try:
+                identity = await self._resolve_identity()
+            except BackendError as exc:
+                return ToolResult(self._scrub(f"Search failed: {exc}"), False, time.perf_counter() - start,
+                                  error="backend_error", meta={"cache_hit": False})  # fmt: skip
         hit = self._cached(query, identity)
         if hit is not None:
             return ToolResult(hit, True, time.perf_counter() - start, meta={"cache_hit": True})
@@ -457,7 +475,7 @@ class SearchTool:
                     delay *= 2
                     continue
                 if exc.transient:  # the server may come back with another corpus: ask /health again
-                    self._identity = None
+                    self._identity = self._identity_task = None
                 message = self._scrub(f"Search failed: {exc}")
                 return ToolResult(message, False, time.perf_counter() - start, error="backend_error",
                                   meta={"cache_hit": False, "attempts": attempt + 1})  # fmt: skip

@@ -159,3 +159,38 @@ def test_cache_only_replay_reads_unscoped_entries(tmp_path):
     hit = _replay(cache, "Query Number 1")
     assert hit.ok and hit.meta["cache_hit"] and hit.text == "Page 1: result 1"
     tool.cache.close()
+
+
+def test_a_query_arriving_while_a_batch_is_in_flight_is_answered(tmp_path, loopback):
+    """A call made while the previous batch's POST is still running gets its own request (it used to wait for
+    a later call to flush it, forever if none came)."""
+    import threading
+
+    app = FastAPI()
+    posted = threading.Event()
+
+    @app.get("/health")
+    async def health():
+        return {"service": "appo-trl-search", "corpus_fingerprint": "slow", "documents": 1}
+
+    @app.post("/retrieve")
+    async def retrieve(request: Request):
+        posted.set()
+        await asyncio.sleep(0.5)
+        queries = (await request.json())["queries"]
+        return {"result": [[{"document": {"contents": f"answer to {q}"}, "score": 1.0}] for q in queries]}
+
+    with loopback(app) as base:
+        tool = SearchTool(backend="local", url=f"{base}/retrieve", cache=False)
+
+        async def go():
+            try:
+                first = asyncio.ensure_future(tool.call("first"))
+                await asyncio.to_thread(posted.wait, 10)  # the first POST is in flight now
+                second = await asyncio.wait_for(tool.call("second"), timeout=10)
+                return await first, second
+            finally:
+                await tool.aclose()
+
+        first, second = asyncio.run(go())
+    assert first.text == "Page 1: answer to first" and second.text == "Page 1: answer to second"
