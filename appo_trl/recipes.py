@@ -128,7 +128,13 @@ def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> tuple:
     except RecipeError:
         raise
     except (ValueError, TypeError) as exc:  # a config's __post_init__ rejected the combination
-        raise RecipeError(str(exc)) from exc
+        message = str(exc)
+        if "generation_batch_size" in message and "--generation_batch_size" not in argv:
+            message += (
+                " (generation_batch_size = per_device_train_batch_size × steps_per_generation × processes; "
+                "choose them so that it is a multiple of num_generations)"
+            )
+        raise RecipeError(message) from exc
 
 
 def _raise_recipe_error(message: str):

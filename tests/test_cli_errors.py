@@ -108,7 +108,8 @@ def test_missing_recipe_file(workdir, capfd):
 
 def test_batch_shape_error(workdir, capfd):
     assert appo(["train", "--config", recipe(workdir, per_device_train_batch_size=3)]) == 2
-    assert "must be divisible by num_generations (4)" in one_error_line(capfd)
+    line = one_error_line(capfd)
+    assert "must be divisible by num_generations (4)" in line and "per_device_train_batch_size ×" in line
 
 
 def test_unknown_keys_are_one_line(workdir, capfd):
