@@ -11,6 +11,11 @@ and for multi-node `--num_machines`, `--machine_rank`, `--main_process_ip`) are 
 `accelerate launch`; otherwise the stage runs in this process. Config names resolve to the repository's
 `accelerate_configs/<name>.yaml`.
 
+Every problem is a `RecipeError` (`appo_trl.errors`), which the CLI prints as one line with exit code 2:
+malformed YAML (file:line:column), an unknown key, a value argparse cannot convert, a scalar of the wrong
+type, or a combination a config's `__post_init__` rejects. A scalar where a list is expected is read as a
+one-element list.
+
 What this does not do: it does not merge several recipes or nest sections (a recipe is flat, like open-r1's).
 """
 
@@ -148,7 +153,7 @@ def coerce_recipe_values(parser, config: dict) -> dict:
     """Check YAML values against the parser's field types before argparse sees them.
 
     A scalar where a list is expected (`tools: python`, `reward_funcs: math_verify`) becomes a one-element
-    list. A value of the wrong type for an int/float/str/bool field (`num_generations: 4.5`, `seed: [1]`)
+    list. A non-string value of the wrong type for an int or float field (`num_generations: 4.5`, `seed: [1]`)
     raises `RecipeError` naming the key; strings are left to argparse, which converts or rejects them with
     the flag's name (`argument --num_generations: invalid int value: 'four'`).
     """

@@ -93,6 +93,11 @@ def test_string_for_an_int(workdir, capfd):
     assert "invalid int value: 'four'" in one_error_line(capfd)
 
 
+def test_float_for_an_int(workdir, capfd):
+    assert appo(["train", "--config", recipe(workdir, num_generations=4.5)]) == 2
+    assert "recipe key 'num_generations' expects an integer, got 4.5" in one_error_line(capfd)
+
+
 def test_malformed_yaml_names_file_line_and_column(workdir, capfd):
     path = workdir / "bad.yaml"
     path.write_text("model_name_or_path: model\nlearning_rate: 1e-6\ntools: [python\n")
