@@ -149,6 +149,25 @@ def _raise_recipe_error(message: str):
 _SCALARS = (str, int, float, bool)
 
 
+def _scalar_kinds(dataclass_types: Sequence[type]) -> dict[str, type]:
+    """Field name -> `int` or `float` for fields typed so (`X | None` included), from the type hints."""
+    import types
+    import typing
+
+    kinds: dict[str, type] = {}
+    for dc in dataclass_types:
+        try:
+            hints = typing.get_type_hints(dc)
+        except Exception:  # noqa: BLE001 - unresolvable hints: leave those fields to argparse
+            continue
+        for name, hint in hints.items():
+            args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+            args = tuple(a for a in args if a is not type(None))
+            if len(args) == 1 and args[0] in (int, float):
+                kinds[name] = args[0]
+    return kinds
+
+
 def coerce_recipe_values(parser, config: dict) -> dict:
     """Check YAML values against the parser's field types before argparse sees them.
 
@@ -159,6 +178,7 @@ def coerce_recipe_values(parser, config: dict) -> dict:
     """
     config = dict(config)
     actions = {a.dest: a for a in parser._actions}
+    kinds = _scalar_kinds(parser.dataclass_types)
     for key, value in config.items():
         action = actions.get(key)
         if action is None or value is None:
@@ -167,7 +187,7 @@ def coerce_recipe_values(parser, config: dict) -> dict:
             if isinstance(value, _SCALARS):
                 config[key] = [value]
             continue
-        kind = action.type
+        kind = kinds.get(key)
         if kind is int and (isinstance(value, bool) or not isinstance(value, (int, str))):
             raise RecipeError(f"recipe key {key!r} expects an integer, got {value!r}.")
         if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float, str))):
