@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from appo_trl.hub import push_model, recipe_dict
-from appo_trl.recipes import parse_recipe
+from appo_trl.recipes import REPO_ROOT, parse_recipe
 from appo_trl.train import dataclass_types
 
 
@@ -98,3 +98,17 @@ def test_trl_local_card_names_strategy_method_and_local_base_model(strategy, tit
     assert "[None]" not in card and f"fine-tuned version of the local model `{tiny_model_path}`" in card
     if strategy != "grpo":
         assert "DeepSeekMath" not in card
+
+
+SHIPPED_RL_RECIPES = sorted(
+    str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "recipes").glob("*/*.yaml") if p.name != "sft.yaml"
+)
+
+
+@pytest.mark.parametrize("path", SHIPPED_RL_RECIPES)
+def test_every_shipped_rl_recipe_round_trips_through_the_card_recipe(path, tmp_path):
+    args = parse_recipe(dataclass_types(), ["--config", str(REPO_ROOT / path), "--use_cpu", "true", "--bf16", "false"])
+    emitted = recipe_dict(*args)
+    out = tmp_path / "r.yaml"
+    out.write_text(yaml.safe_dump(emitted))
+    assert recipe_dict(*parse_recipe(dataclass_types(), ["--config", str(out)])) == emitted
