@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig, ScriptArguments
 
+from appo_trl.reference import REFERENCE_PRESETS
+
 
 @dataclass
 class APPOScriptArguments(ScriptArguments):
@@ -48,54 +50,6 @@ CUSTOM_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
 DEFAULT_LOSS_MODE = {"grpo": "clip", "arpo": "clip", "aepo": "clip", "appo": "future_kl"}
 
 
-# `reference: <algo>` -> the switch values that reproduce the released implementation (docs/fidelity.md)
-_REFERENCE_COMMON = {
-    "vllm_importance_sampling_correction": False,  # no counterpart in any released code
-    "use_bias_correction_kl": False,  # verl's k3 KL has no importance-sampling factor
-    "kl_clamp": 10.0,  # verl clamps k3 to [-10, 10]
-    "loss_type": "bnpo",  # verl token-mean per micro-batch, divided by the accumulation steps
-    "advantage_std_eps": 1e-6,
-    "empty_segment_entropy": "zero",
-}
-REFERENCE_PRESETS = {
-    "arpo": {
-        **_REFERENCE_COMMON,
-        "rollout_strategy": "arpo",
-        "loss_mode": "dual_clip",  # verl's dual clip, c = 3
-        "arpo_entropy_timing": "faithful",
-    },
-    "aepo": {
-        **_REFERENCE_COMMON,
-        "rollout_strategy": "aepo",
-        "loss_mode": "entropy_balanced",
-        "entropy_balanced_clipping": True,
-        "entropy_balanced_advantage": False,  # set in the scripts but skipped (entropy_coeff = 0)
-        "entropy_advantage_clamp": False,
-        "aepo_penalty_scope": "prompt",
-        "arpo_entropy_timing": "faithful",
-        "dynamic_rollouts": False,  # ENABLE_DYNAMIC_ROLLOUTS=False in every released script
-        "dynamic_rollouts_source": "probe",
-    },
-    "appo": {
-        **_REFERENCE_COMMON,
-        "rollout_strategy": "appo",
-        "loss_mode": "future_kl",
-        "future_kl_normalizer": "kept_tokens",
-        "fv_gamma": 1.0,
-        "m_scaling": "reward_noop",
-        "advantage_mode": "dual_group",
-        "branch_entropy_source": "sampler_topk",
-        "branch_zscore_scope": "loss_mask",
-        "branch_token_filter": "whitespace",
-        "branch_allow_last_token": True,
-        "max_branches_per_rollout": None,
-        "min_remaining_tokens": 1,
-        "fv_degeneracy_guard": False,
-        "resample_selected_token": False,
-    },
-}
-
-
 def _h(text: str) -> dict:
     return {"help": text}
 
@@ -114,7 +68,7 @@ class APPOConfig(GRPOConfig):
 
     `reference: arpo | aepo | appo` sets every switch of that algorithm to the released implementation's
     behaviour (`REFERENCE_PRESETS`); a switch set explicitly to a value other than its default and other than
-    the preset's value is an error.
+    the preset's value is an error; one left at (or set to) its default takes the preset's value.
     """
 
     reference: str | None = field(
@@ -195,7 +149,7 @@ class APPOConfig(GRPOConfig):
         default="nan",
         metadata=_h(
             "ARPO/AEPO: entropy of an empty segment (a tool call right after a result). `nan` (ours): unknown, "
-            "ΔH = 0. `zero` (released code): H = 0, so ΔH = −H_root."
+            "ΔH = 0. `zero` (released code): H = 0, so ΔH = −H_root. Example: H_root = 1, τ 0.5, β 0.2 → P 0.5 vs 0.3."
         ),
     )
     advantage_std_eps: float = field(
@@ -242,7 +196,8 @@ class APPOConfig(GRPOConfig):
         metadata=_h(
             "AEPO: what the consecutive-branch count l follows. `lineage` (ours): fork points of the trajectory's "
             "own lineage in a row that forked. `prompt` (released code): rounds in a row in which the prompt created "
-            "a trajectory (fork or refill), not reset by rounds in which nothing in the batch was created."
+            "a trajectory (fork or refill), not reset by rounds in which nothing in the batch was created. Example: "
+            "a prompt forks in round 1, nobody in round 2 → round-3 P = 1 − 0.5/0.95 = 0.474 (prompt) vs 0.5."
         ),
     )
     entropy_balanced_clipping: bool | None = field(
@@ -263,7 +218,7 @@ class APPOConfig(GRPOConfig):
         default=True,
         metadata=_h(
             "AEPO: clamp the entropy-aware factor 1 + a·z to [0, 2] (ours); False = released code (z < −1/a flips "
-            "the advantage's sign)."
+            "the advantage's sign). Example: a = 0.2, z = −6 → factor 0 vs −0.2."
         ),
     )
     entropy_advantage_weight: float = field(default=0.2, metadata=_h("AEPO: weight a of the entropy-aware advantage."))
@@ -293,7 +248,8 @@ class APPOConfig(GRPOConfig):
         default="whitespace_punct",
         metadata=_h(
             "APPO: tokens that are never branch points. `whitespace_punct` (ours): whitespace- or punctuation-only "
-            "and special tokens; `whitespace` (released code): whitespace-only; `none`."
+            "and special tokens; `whitespace` (released code): whitespace-only, so `,` and the EOS may be picked; "
+            "`none`."
         ),
     )
     branch_allow_last_token: bool = field(
@@ -307,7 +263,8 @@ class APPOConfig(GRPOConfig):
         default="candidates",
         metadata=_h(
             "APPO: tokens over which Z(H) and Z(FV) are taken per rollout: `candidates` (ours, the tokens that can "
-            "be picked) or `loss_mask` (released code: every sampled token, filtered ones included)."
+            "be picked) or `loss_mask` (released code: every sampled token, filtered ones included). Example: H = "
+            "[0, 1, 5] with the 5 on a filtered token → Z(H) of the middle token +1.0 (candidates) vs −0.46."
         ),
     )
     fv_degeneracy_guard: bool = field(

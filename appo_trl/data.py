@@ -57,7 +57,7 @@ PASSTHROUGH_COLUMNS = ("ability", "data_source")
 MIXTURE_SEED = 42
 
 # System prompts by name (`system_prompt: tir` in a recipe). Literal text works too; these are our own
-# wording of the tool-integrated reasoning (TIR) format the rewards check (see ARPO's released tool-call format, docs/fidelity.md).
+# wording of the tool-integrated reasoning (TIR) format the rewards check (ARPO's released tool-call format).
 _TIR_FORMAT = (
     "Think step by step inside <think> </think>. Whenever a tool helps, call it by writing the call between "
     "its tags and stop; the result comes back between <result> and </result>, after which you continue "

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import sys
 from collections.abc import Sequence
@@ -226,13 +225,9 @@ def main(script_args, training_args, model_args, recipe=None):
     from appo_trl.hub import defer_push, push_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    name = model_args.model_name_or_path
-    if not name:
-        raise ValueError("No model given: set `model_name_or_path` in the recipe or pass --model_name_or_path.")
-    if name.startswith((".", "/", "~", "outputs/")) and not os.path.isdir(os.path.expanduser(name)):
-        raise FileNotFoundError(
-            f"Model folder {name!r} does not exist (for the tiny CPU model: `appo tiny-model {name}`)."
-        )
+    from appo_trl import preflight
+
+    preflight.check_model_source(model_args.model_name_or_path, model_args.model_revision)
     set_seed(training_args.seed)
     training_args.model_init_kwargs = {
         "revision": model_args.model_revision,
@@ -240,6 +235,8 @@ def main(script_args, training_args, model_args, recipe=None):
         "dtype": model_args.dtype,
         **(training_args.model_init_kwargs or {}),
     }
+    preflight.check_quantization(model_args, training_args)  # QLoRA, or a clear error: never ignored
+    preflight.check_hub(training_args)  # before the model loads, not after training
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
     dataset = load_sft_dataset(
         script_args.dataset_name,

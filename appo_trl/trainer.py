@@ -135,6 +135,9 @@ class APPOTrainer(GRPOTrainer):
         if not isinstance(args, APPOConfig):
             raise TypeError("APPOTrainer needs an APPOConfig (it carries the strategy, tools and loss settings).")
         self._resolve_tool_specs(args, tools, tool_dirs)  # fails here, before the model loads
+        from appo_trl.preflight import check_reward_columns  # before the model loads
+
+        check_reward_columns(reward_funcs if isinstance(reward_funcs, list) else [reward_funcs], train_dataset)
         with prepare_vllm_server(args):  # server checks; disk weight sync on a CPU trainer/server (else TRL's NCCL)
             super().__init__(
                 model=model,
@@ -151,6 +154,10 @@ class APPOTrainer(GRPOTrainer):
         if self._custom_loss and self._entropy_bonus_enabled:
             raise ValueError(f"loss_mode={args.loss_mode} does not add TRL's entropy bonus; set entropy_coef=0.")
         self._setup_chat_tools(train_dataset)
+        from appo_trl.hub import strategy_card
+
+        self._name, self._paper = strategy_card(args.rollout_strategy)  # model card: this strategy's paper
+        self._tag_names = ["trl", "appo-trl", args.rollout_strategy]
         self.strategy = STRATEGIES[args.rollout_strategy](self)
         self.eval_strategy = GRPOStrategy(self)  # validation: no branching (as the released code: n = 1, no branching)
         self._rollout_engine = rollout_engine
@@ -238,6 +245,19 @@ class APPOTrainer(GRPOTrainer):
             closer = getattr(self._rollout_engine, "close", None)
             if closer is not None:
                 closer()
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's card, naming the strategy's method and paper, and a local base model by its path."""
+        import os
+
+        from trl.trainer.utils import get_config_model_id
+
+        from appo_trl.hub import fix_local_base_model
+
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if self.is_world_process_zero():
+            base = get_config_model_id(self.model.config)
+            fix_local_base_model(os.path.join(self.args.output_dir, "README.md"), base)
 
     # ---- generation ------------------------------------------------------------------------------------------
     def _round_seed(self) -> int:

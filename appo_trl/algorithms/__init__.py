@@ -1,5 +1,7 @@
 """Pure tensor/list maths of GRPO, ARPO, AEPO and APPO (ARPO, AEPO and APPO papers; docs/fidelity.md).
-No trainer or rollout state; this package imports neither `appo_trl.rollout` nor the trainer. Per-token tensors are (B, T); masks float or bool.
+
+No trainer or rollout state; this package imports neither `appo_trl.rollout` nor the trainer. Per-token tensors
+are (B, T); masks float or bool.
 
 `entropy` (ARPO paper; released ARPO/APPO entropy estimator)
 - `topk_entropy(top_logprobs) -> Tensor (T,)`: −Σ p·log p over top-k ∪ sampled, clamped ≥ 0 (None rows → NaN).

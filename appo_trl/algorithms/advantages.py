@@ -121,7 +121,7 @@ def entropy_aware_advantage(
     weight: float = 0.2,
     clamp: tuple[float, float] | None = (0.0, 2.0),
 ) -> torch.Tensor:
-    """AEPO entropy-aware advantage Ã_t = A_t·clamp(1 + a·z_t, lo, hi), z_t = (H_t − μ)/σ (AEPO paper; docs/fidelity.md).
+    """AEPO entropy-aware advantage Ã_t = A_t·clamp(1 + a·z_t, lo, hi), z_t = (H_t − μ)/σ (AEPO paper).
 
     μ and σ (unbiased std, as `Tensor.std()` in the reference; σ := 1 when 0 or undefined) are taken over the
     masked tokens of the whole tensor passed in, so the caller decides the scope (micro-batch = reference,

@@ -50,7 +50,7 @@ def arpo_branch_probability(
 
 
 def aepo_consecutive_penalty(k: int, rate: float = 0.05) -> float:
-    """AEPO's consecutive-branch factor f = max(0, 1 − rate·k) after k consecutive branching rounds (AEPO paper; docs/fidelity.md).
+    """AEPO's consecutive-branch factor f = max(0, 1 − rate·k) after k consecutive branching rounds (AEPO paper).
 
     Example: k = 2, rate 0.05 → 0.9. Pass it as `penalty_factor` to `arpo_branch_probability`.
     """
@@ -68,7 +68,7 @@ def aepo_initial_rollouts(h_root: float, h_tool_avg: float, n: int, beta: float 
 
 
 def sample_branch_copies(prob: float, max_copies: int, rng: Any, slots: int | None = None) -> int:
-    """Number of branch copies from one source: one Bernoulli(`prob`) per potential copy (ARPO paper; docs/fidelity.md).
+    """Number of branch copies from one source: one Bernoulli(`prob`) per potential copy (ARPO paper).
 
     min(`max_copies` (= beam_size − 1), `slots` (remaining group budget; None = unlimited)) attempts are drawn with
     `rng.random()` (a `random.Random`); each success is one copy.

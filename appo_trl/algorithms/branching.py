@@ -24,8 +24,8 @@ _TRIVIAL = string.whitespace + string.punctuation
 @dataclass
 class BranchPoint:
     """A selected branch point: `row` within the group's initial rollouts, completion `position` t (the branch
-    prefix is `response[:t+1]` as in the released APPO code; t = −1 means the bare prompt), its score BS and whether it was a
-    strict candidate (Z(H) > 0, Z(FV) > 0, BS > 0) or a fallback / duplicate."""
+    prefix is `response[:t+1]` as in the released APPO code; t = −1 means the bare prompt), its score BS and
+    whether it was a strict candidate (Z(H) > 0, Z(FV) > 0, BS > 0) or a fallback / duplicate."""
 
     row: int
     position: int
@@ -173,7 +173,7 @@ def select_branch_points(
     strict: torch.Tensor | None = None,
     fallback_mask: torch.Tensor | None = None,
 ) -> list[BranchPoint]:
-    """Exactly `num_branches` branch points for one prompt, pooled over its initial rollouts (APPO paper; docs/fidelity.md).
+    """Exactly `num_branches` branch points for one prompt, pooled over its initial rollouts (APPO paper).
 
     `scores`/`valid` are (N, T) for the group's N initial rows. Order of filling:
     1. strict candidates (`strict`, default `valid & scores > 0`; pass `strict_candidates(...)` for the full

@@ -92,7 +92,7 @@ def entropy_balanced_loss(
     eps_high: float = 0.2,
     clip_ratio_c: float | None = 3.0,
 ) -> PolicyLossOutput:
-    """AEPO entropy clipping-balanced loss (AEPO paper; docs/fidelity.md); dual clip with c = `clip_ratio_c` (None disables it).
+    """AEPO entropy clipping-balanced loss (AEPO paper); dual clip with c = `clip_ratio_c` (None disables it).
 
     The upper clip bound is the stop-gradient tensor (1+ε_h)·ρ/sg(ρ): its value is 1+ε_h (the forward pass equals
     PPO) but its gradient is (1+ε_h)·∇logπ. Gradient coefficient F on ∇logπ (dL/dlogπ = −A·F):

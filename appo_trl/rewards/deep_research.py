@@ -1,4 +1,4 @@
-"""ARPO's training reward, reproduced exactly (ARPO paper, hierarchical reward; docs/fidelity.md; identical in AEPO and APPO).
+"""ARPO's training reward, reproduced exactly (ARPO paper, hierarchical reward; identical in AEPO and APPO).
 
 score = −1 if the format is invalid or no boxed answer can be extracted; otherwise Acc = max-over-golds token-F1
 of the normalised boxed answer, plus 0.1 when Acc > 0 and the response contains both `</search>` and `</python>`.

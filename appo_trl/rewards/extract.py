@@ -1,4 +1,4 @@
-"""Answer extraction from tool-integrated-reasoning completions (ARPO paper, hierarchical reward; docs/fidelity.md).
+"""Answer extraction from tool-integrated-reasoning completions (ARPO's reward).
 
 The training reward takes the first `<answer>…</answer>` block, then the last `\\boxed{…}` inside it (brace
 matched; the `\\boxed ` and `\\fbox{…}` forms are handled too) and strips the wrapper. These helpers are pure
@@ -22,7 +22,7 @@ def last_boxed(text: str) -> str | None:
     """The last `\\boxed{…}` / `\\boxed …` / `\\fbox{…}` expression of `text`, wrapper included, or `None`.
 
     Braces are matched by depth counting, so `\\boxed{\\frac{1}{2}}` is returned whole. The `\\boxed x` form
-    (a space instead of a brace) ends at the next `$` or end of text (ARPO paper, hierarchical reward; docs/fidelity.md).
+    (a space instead of a brace) ends at the next `$` or end of text (ARPO's reward).
 
     Example: `last_boxed("a \\boxed{1} b \\boxed{\\frac{1}{2}}")` → `"\\boxed{\\frac{1}{2}}"`.
     """

@@ -18,7 +18,7 @@ _SPECIAL = ("yes", "no", "noanswer")
 
 
 def normalize_answer(s: str) -> str:
-    """Lowercase, drop punctuation, drop articles (a|an|the), collapse whitespace (SQuAD normalisation, as ARPO's reward).
+    """Lowercase, drop punctuation, drop articles (a|an|the), collapse whitespace (SQuAD normalisation).
 
     Example: `normalize_answer("The  Eiffel-Tower!")` → `"eiffeltower"`.
     """

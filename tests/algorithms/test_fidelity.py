@@ -443,3 +443,83 @@ def test_item10_entropy_aware_advantage_without_clamp_flips_the_sign():
         1 - 3 * 2 / math.sqrt(20), rel=1e-5
     )
     assert entropy_aware_advantage(a, h, m, weight=3.0)[0, 0].item() == 0.0
+
+
+# ----------------------------------------------------------------------------- the whole loss step, reference vs ours
+def _loss_step(cfg, logps, adv, *, ref_logps=None, entropies=None):
+    """`compute_policy_loss` on fixed per-token logps (old logps 0) with a stand-in trainer and model forward."""
+    from collections import defaultdict
+
+    from appo_trl.trainer_loss import compute_policy_loss
+
+    B, T = logps.shape
+    ents = entropies if entropies is not None else torch.ones(B, T)
+    acc = SimpleNamespace(num_processes=1, gather=lambda x: x.reshape(-1), reduce=lambda x, reduction: x)
+    trainer = SimpleNamespace(
+        **vars(_trainer(cfg)),
+        model=SimpleNamespace(training=True),
+        _metrics={"train": defaultdict(list)},
+        use_vllm=False,
+        vllm_importance_sampling_correction=False,
+        aux_loss_enabled=False,
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, ents, None),
+    )
+    trainer.accelerator = acc
+    inputs = {
+        "prompt_ids": torch.zeros(B, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long),
+        "completion_mask": torch.ones(B, T),
+        "advantages": adv,
+        "old_per_token_logps": torch.zeros(B, T),
+        "num_items_in_batch": torch.tensor(float(B * T)),
+    }
+    if ref_logps is not None:
+        inputs["ref_per_token_logps"] = ref_logps
+    return compute_policy_loss(trainer, None, inputs).item(), trainer._metrics["train"]
+
+
+def test_loss_step_reference_appo_reproduces_item1_and_item2():
+    logps = torch.tensor([[math.log(4), math.log(4), 0.0], [0.0, 0.0, 0.0]])
+    adv = torch.tensor([[-1.0] * 3, [1.0] * 3])
+    ref, metrics = _loss_step(make(reference="appo"), logps, adv)
+    ours, _ = _loss_step(make(rollout_strategy="appo"), logps, adv)
+    assert (ref, ours) == (pytest.approx(-2.0), pytest.approx(-1.0))
+    assert metrics["future_kl/dropped_seq_frac"] == [pytest.approx(0.5)]
+
+
+def test_loss_step_reference_kl_is_clamped():
+    # θ = θ_old, A = 0: the loss is beta·mean k3; ℓ_ref − ℓ_θ = 3 → k3 = 16.09 (ours) vs clamp 10 (released)
+    kw = dict(beta=0.5)
+    zeros, ref_lp = torch.zeros(1, 2), torch.full((1, 2), 3.0)
+    ref, _ = _loss_step(make(reference="arpo", **kw), zeros, zeros, ref_logps=ref_lp)
+    ours, _ = _loss_step(make(rollout_strategy="arpo", loss_mode="dual_clip", **kw), zeros, zeros, ref_logps=ref_lp)
+    assert (ref, ours) == (pytest.approx(0.5 * 10), pytest.approx(0.5 * (math.exp(3) - 4), rel=1e-6))
+
+
+def test_loss_step_aepo_entropy_aware_advantage_clamp_switch():
+    # A = 1 on 5 tokens, H = [0, 0, 0, 0, 10] (z₀ = −0.4472), weight 3: factor −0.342 (no clamp) vs 0 (clamp)
+    h = torch.tensor([[0.0, 0.0, 0.0, 0.0, 10.0]])
+    adv, zeros = torch.ones(1, 5), torch.zeros(1, 5)
+    kw = dict(rollout_strategy="aepo", entropy_advantage_weight=3.0, loss_type="bnpo")
+    clamped, _ = _loss_step(make(**kw), zeros, adv, entropies=h)
+    raw, _ = _loss_step(make(**kw, entropy_advantage_clamp=False), zeros, adv, entropies=h)
+    z = [-2 / math.sqrt(20)] * 4 + [8 / math.sqrt(20)]
+    assert raw == pytest.approx(-sum(1 + 3 * v for v in z) / 5, rel=1e-5)
+    assert clamped == pytest.approx(-(0 * 4 + min(1 + 3 * z[4], 2.0)) / 5, rel=1e-5)
+
+
+def test_loss_step_reference_aepo_skips_the_entropy_aware_advantage():
+    h = torch.tensor([[0.0, 0.0, 0.0, 0.0, 10.0]])
+    adv, zeros = torch.ones(1, 5), torch.zeros(1, 5)
+    ref, _ = _loss_step(make(reference="aepo", entropy_advantage_weight=3.0), zeros, adv, entropies=h)
+    assert ref == pytest.approx(-1.0)  # ρ = 1: −mean(A), no entropy reweighting (the released code skips it)
+
+
+@pytest.mark.parametrize("algo,tau", [("arpo", 1.0), ("aepo", 0.0)])
+def test_hook_branches_always_at_the_bound_under_the_preset(algo, tau):
+    # ΔH = −3, β = 0.5 (issue example): the released rule branches on every draw
+    cfg = make(reference=algo, branch_probability=tau, entropy_weight=0.5, beam_size=4)
+    hook = BranchHook(cfg, seed=0, penalty=algo == "aepo")
+    copies = [hook(_ctx(f"t{i}", 0, 1, h=0.0, root=3.0)) for i in range(20)]
+    assert copies == [3] * 20

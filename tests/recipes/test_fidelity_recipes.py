@@ -10,7 +10,8 @@ from appo_trl.config import REFERENCE_PRESETS
 from appo_trl.recipes import REPO_ROOT, parse_recipe
 from appo_trl.train import dataclass_types
 
-PAPER = sorted(p for p in (REPO_ROOT / "recipes").rglob("*.yaml") if "tiny" not in p.parts and "data" not in p.parts)
+PAPER_MODELS = ("qwen2.5-7b-instruct", "qwen3-8b", "qwen3-14b", "llama3.1-8b-instruct")  # not tiny/ or demo/
+PAPER = sorted(p for m in PAPER_MODELS for p in (REPO_ROOT / "recipes" / m).glob("*.yaml"))
 REFERENCE = sorted(p for p in PAPER if p.stem.endswith("-reference"))
 
 
