@@ -79,7 +79,22 @@ class APPOConfig(GRPOConfig):
         ),
     )
 
-    tools: list[str] = field(default_factory=list, metadata=_h("Tools the agent may call, e.g. `python search`."))
+    tools: list[str] = field(
+        default_factory=list,
+        metadata=_h(
+            "Tools the agent may call: built-in `python`, `search`, or (tool_format=chat) Python functions / dotted "
+            "import paths such as `tools.lookup` (resolved from the recipe's folder, then the working directory). "
+            "Schemas come from signatures and docstrings, as in TRL's `GRPOTrainer(tools=...)`."
+        ),
+    )
+    tool_format: str | None = field(
+        default=None,
+        metadata=_h(
+            "`tags` (ARPO: <python>...</python>, results in <result>) or `chat` (the model's chat template: tool "
+            "schemas in the prompt, <tool_call> JSON, results as `tool` messages). Default: chat when any tool is "
+            "a Python function or dotted path, else tags."
+        ),
+    )
     tool_config: dict | str | None = field(
         default=None, metadata=_h("Per-tool parameters as a mapping (YAML) or JSON string, keyed by tool name.")
     )
@@ -340,6 +355,15 @@ class APPOConfig(GRPOConfig):
         super().__post_init__()
         self._validate_appo()
 
+    def to_dict(self):
+        """`TrainingArguments.to_dict` with Python tool functions written as their dotted names (for logging)."""
+        from appo_trl.tools.callables import tool_label
+
+        out = super().to_dict()
+        if out.get("tools"):
+            out["tools"] = [tool_label(t) for t in out["tools"]]
+        return out
+
     def _apply_reference(self):
         """Set every switch of `REFERENCE_PRESETS[reference]`; refuse an explicit conflicting value."""
         if self.reference is None:
@@ -457,6 +481,12 @@ class APPOConfig(GRPOConfig):
                 self._fail(
                     f"loss_mode={self.loss_mode} does not support top_entropy_quantile < 1; use loss_mode=clip."
                 )
+        if self.tool_format not in (None, "tags", "chat"):
+            self._fail(f"tool_format={self.tool_format!r}; choose one of ('tags', 'chat').")
+        if isinstance(self.tools, str) or callable(self.tools):  # `tools: python` in YAML, `tools=func` in Python
+            self.tools = [self.tools]
+        if self.max_tool_calling_iterations is not None:  # TRL's name for the per-rollout tool-call budget
+            self.tool_call_limit = self.max_tool_calling_iterations
         if self.vllm_weight_sync not in ("auto", "nccl", "disk"):
             self._fail(f"vllm_weight_sync must be auto, nccl or disk (got {self.vllm_weight_sync!r}).")
         if self.use_vllm and self.vllm_mode != "server":

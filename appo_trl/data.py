@@ -42,6 +42,7 @@ and no network access of its own (a Hub id goes through `datasets.load_dataset`,
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -400,6 +401,16 @@ def sharegpt_to_messages(
     return messages
 
 
+def _chat_message(m) -> dict:
+    """A chat message with `role`/`content`, keeping chat-format tool calls (`tool_calls` as a JSON string, the
+    tool message's `name`) so that every row has the same columns whatever its roles."""
+    out = {"role": m["role"], "content": m.get("content") or ""}
+    calls, name = m.get("tool_calls"), m.get("name")
+    out["tool_calls"] = (calls if isinstance(calls, str) else json.dumps(calls)) if calls else None
+    out["name"] = name
+    return out
+
+
 def sft_converter(messages_column: str = "messages", system_prompt: str | None = None):
     """A `convert(dataset, source)` producing `messages` rows from `messages` or sharegpt data."""
     system_text = resolve_system_prompt(system_prompt)
@@ -407,7 +418,11 @@ def sft_converter(messages_column: str = "messages", system_prompt: str | None =
     def convert(ds, source: str):
         features = ds.features
         if messages_column in features:
-            get = lambda row: [{"role": m["role"], "content": m["content"]} for m in row[messages_column]]  # noqa: E731
+            fields = getattr(features[messages_column], "feature", None)
+            if isinstance(fields, dict) and set(fields) <= {"role", "content"}:
+                get = lambda row: [{"role": m["role"], "content": m["content"]} for m in row[messages_column]]  # noqa: E731
+            else:  # messages with more fields (chat-format `tool_calls`, tool `name`): keep those two
+                get = lambda row: [_chat_message(m) for m in row[messages_column]]  # noqa: E731
         elif "conversations" in features:
             get = sharegpt_to_messages
         else:
@@ -422,7 +437,10 @@ def sft_converter(messages_column: str = "messages", system_prompt: str | None =
                 messages = [{"role": "system", "content": system_text}] + [
                     m for m in messages if m["role"] != "system"
                 ]
-            return {"messages": [{"role": m["role"], "content": repair_text(m["content"])} for m in messages]}
+            out = {"messages": [{**m, "content": repair_text(m["content"] or "")} for m in messages]}
+            if "tools" in features:  # TRL's per-row tool schemas (list or JSON string), rendered by the template
+                out["tools"] = row["tools"] if isinstance(row["tools"], str) else json.dumps(row["tools"])
+            return out
 
         return ds.map(row_fn, remove_columns=ds.column_names, desc=f"SFT rows from {os.path.basename(source)}")
 

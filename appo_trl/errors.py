@@ -39,7 +39,7 @@ class DataError(ConfigError):
     """A dataset that cannot be used as configured (missing path, empty file, missing column)."""
 
 
-class ModelPathError(ConfigError):
+class ModelPathError(ConfigError, FileNotFoundError):
     """A model that is neither a local folder nor available from the Hub."""
 
 

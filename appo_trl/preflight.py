@@ -51,12 +51,13 @@ def check_model_source(name_or_path: str | None, revision: str | None = None, tr
     expanded = os.path.expanduser(name_or_path)
     hint = f"; {TINY_MODEL_HINT.format(path=name_or_path)}" if "tiny" in name_or_path.lower() else ""
     if os.path.isdir(expanded):
-        if not os.path.isfile(os.path.join(expanded, "config.json")):
+        if not any(os.path.isfile(os.path.join(expanded, f)) for f in ("config.json", "adapter_config.json")):
             raise ModelPathError(f"Model folder {name_or_path!r} has no config.json: not a saved model{hint}.")
         return
     if os.path.exists(expanded):
         raise ModelPathError(f"Model path {name_or_path!r} is a file; point model_name_or_path at a model folder.")
     if _looks_local(name_or_path):
+        hint = f"; {TINY_MODEL_HINT.format(path=name_or_path)}"  # the usual cause on a fresh clone
         raise ModelPathError(
             f"Model folder {name_or_path!r} does not exist (looked for {os.path.abspath(expanded)}){hint}."
         )
@@ -101,13 +102,18 @@ def check_quantization(model_args, training_args) -> None:
 
 
 def check_reward_columns(reward_names, dataset, answer_column: str = "answer") -> None:
-    """Every built-in reward that scores against gold answers finds one of `GOLD_COLUMNS` in `dataset`."""
+    """Every built-in reward (by name or function) that scores against gold answers finds one of `GOLD_COLUMNS`
+    in `dataset`; custom rewards are not checked (their needs are unknown)."""
     from appo_trl.rewards import REWARD_FUNCS
 
-    columns = list(getattr(dataset, "column_names", None) or [])
+    if dataset is None or not hasattr(dataset, "column_names"):
+        return  # e.g. an IterableDataset without known columns: nothing to check
+    columns = list(dataset.column_names or [])
     if any(c in columns for c in GOLD_COLUMNS):
         return
-    needing = [n for n in reward_names if isinstance(n, str) and n in REWARD_FUNCS and n not in GOLD_FREE_REWARDS]
+    by_func = {id(fn): name for name, fn in REWARD_FUNCS.items()}
+    names = [n if isinstance(n, str) else by_func.get(id(n)) for n in reward_names]
+    needing = [n for n in names if n in REWARD_FUNCS and n not in GOLD_FREE_REWARDS]
     if needing:
         raise PreflightError(
             f"reward {needing[0]!r} needs gold answers, but the dataset has no answer column {answer_column!r} "
@@ -133,10 +139,14 @@ def check_tools(training_args) -> None:
     names = list(getattr(training_args, "tools", None) or [])
     if not names:
         return
+    from appo_trl import recipes
     from appo_trl.tools import build_tools
+    from appo_trl.tools.registry import default_tool_format
 
+    tool_format = getattr(training_args, "tool_format", None) or default_tool_format(names)
+    tool_dirs = [recipes.LAST_RECIPE_DIR] if recipes.LAST_RECIPE_DIR else []  # custom tools: the recipe's folder
     try:
-        tools = build_tools(names, _tool_config(training_args))
+        tools = build_tools(names, _tool_config(training_args), tool_format, tool_dirs)
     except PreflightError:
         raise
     except (ValueError, TypeError) as exc:

@@ -11,6 +11,11 @@ and for multi-node `--num_machines`, `--machine_rank`, `--main_process_ip`) are 
 `accelerate launch`; otherwise the stage runs in this process. Config names resolve to the repository's
 `accelerate_configs/<name>.yaml`.
 
+Every problem is a `RecipeError` (`appo_trl.errors`), which the CLI prints as one line with exit code 2:
+malformed YAML (file:line:column), an unknown key, a value argparse cannot convert, a scalar of the wrong
+type, or a combination a config's `__post_init__` rejects. A scalar where a list is expected is read as a
+one-element list.
+
 What this does not do: it does not merge several recipes or nest sections (a recipe is flat, like open-r1's).
 """
 
@@ -34,6 +39,9 @@ LAUNCH_FLAGS = (
 )  # fmt: skip
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE_CONFIG_DIRS = (Path.cwd() / "accelerate_configs", REPO_ROOT / "accelerate_configs")
+
+
+LAST_RECIPE_DIR: str | None = None  # folder of the last recipe parsed (custom tools are imported from it)
 
 
 def valid_keys(dataclass_types: Sequence[type]) -> set[str]:
@@ -105,6 +113,8 @@ def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> tuple:
         if i + 1 >= len(argv):
             raise RecipeError("--config needs a path to a recipe YAML.")
         config = load_recipe(argv[i + 1])
+        global LAST_RECIPE_DIR
+        LAST_RECIPE_DIR = str(Path(argv[i + 1]).resolve().parent)  # dotted tool paths resolve from here first
         del argv[i : i + 2]
     env = config.pop("env", None) or {}
     if not isinstance(env, dict):
@@ -128,7 +138,13 @@ def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> tuple:
     except RecipeError:
         raise
     except (ValueError, TypeError) as exc:  # a config's __post_init__ rejected the combination
-        raise RecipeError(str(exc)) from exc
+        message = str(exc)
+        if "generation_batch_size" in message and "--generation_batch_size" not in argv:
+            message += (
+                " (generation_batch_size = per_device_train_batch_size × steps_per_generation × processes; "
+                "choose them so that it is a multiple of num_generations)"
+            )
+        raise RecipeError(message) from exc
 
 
 def _raise_recipe_error(message: str):
@@ -138,16 +154,36 @@ def _raise_recipe_error(message: str):
 _SCALARS = (str, int, float, bool)
 
 
+def _scalar_kinds(dataclass_types: Sequence[type]) -> dict[str, type]:
+    """Field name -> `int` or `float` for fields typed so (`X | None` included), from the type hints."""
+    import types
+    import typing
+
+    kinds: dict[str, type] = {}
+    for dc in dataclass_types:
+        try:
+            hints = typing.get_type_hints(dc)
+        except Exception:  # noqa: BLE001 - unresolvable hints: leave those fields to argparse
+            continue
+        for name, hint in hints.items():
+            args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+            args = tuple(a for a in args if a is not type(None))
+            if len(args) == 1 and args[0] in (int, float):
+                kinds[name] = args[0]
+    return kinds
+
+
 def coerce_recipe_values(parser, config: dict) -> dict:
     """Check YAML values against the parser's field types before argparse sees them.
 
     A scalar where a list is expected (`tools: python`, `reward_funcs: math_verify`) becomes a one-element
-    list. A value of the wrong type for an int/float/str/bool field (`num_generations: 4.5`, `seed: [1]`)
+    list. A non-string value of the wrong type for an int or float field (`num_generations: 4.5`, `seed: [1]`)
     raises `RecipeError` naming the key; strings are left to argparse, which converts or rejects them with
     the flag's name (`argument --num_generations: invalid int value: 'four'`).
     """
     config = dict(config)
     actions = {a.dest: a for a in parser._actions}
+    kinds = _scalar_kinds(parser.dataclass_types)
     for key, value in config.items():
         action = actions.get(key)
         if action is None or value is None:
@@ -156,7 +192,7 @@ def coerce_recipe_values(parser, config: dict) -> dict:
             if isinstance(value, _SCALARS):
                 config[key] = [value]
             continue
-        kind = action.type
+        kind = kinds.get(key)
         if kind is int and (isinstance(value, bool) or not isinstance(value, (int, str))):
             raise RecipeError(f"recipe key {key!r} expects an integer, got {value!r}.")
         if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float, str))):
@@ -196,6 +232,14 @@ def launch_command(launch: dict[str, str], entry_script: str | os.PathLike, scri
         if flag in launch:
             cmd += [flag, launch[flag]]
     return [*cmd, str(entry_script), *script_argv]
+
+
+def check_before_relaunch(dataclass_types: Sequence[type], argv: Sequence[str]) -> None:
+    """When `argv` will be relaunched through `accelerate launch`, parse it here first: a configuration error
+    is then one `RecipeError` in this process instead of a failure report from every launched rank."""
+    launch, rest = split_launch_args(argv)
+    if launch and os.environ.get("APPO_LAUNCHED") != "1":
+        parse_recipe(dataclass_types, rest)
 
 
 def maybe_relaunch(argv: Sequence[str], entry_script: str | os.PathLike) -> int | None:

@@ -27,8 +27,11 @@ def _check_model_path(name_or_path: str | None) -> None:
     check_model_source(name_or_path)
 
 
-def main(script_args, training_args, model_args) -> APPOTrainer:  # noqa: F821
+def main(script_args, training_args, model_args, recipe=None) -> APPOTrainer:  # noqa: F821
     """Train with already-parsed arguments and return the trainer (its state holds the log history).
+
+    `recipe` is what the pushed model card prints; default: the settings as parsed, before this function
+    fills in run-specific values (`appo_trl.hub.recipe_dict`), so the card's recipe re-runs.
 
     Everything that can be checked without the weights is checked first (`appo_trl.preflight`): the model
     source, 4-bit loading, the data and the columns the rewards need, the tools and the search server, Hub
@@ -40,11 +43,12 @@ def main(script_args, training_args, model_args) -> APPOTrainer:  # noqa: F821
     from appo_trl import preflight
     from appo_trl.checkpoints import resolve_resume_checkpoint
     from appo_trl.data import load_rl_dataset
-    from appo_trl.hub import defer_push, push_model
+    from appo_trl.hub import defer_push, push_model, recipe_dict
     from appo_trl.rewards import get_reward_func
     from appo_trl.trainer import APPOTrainer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    recipe = recipe if recipe is not None else recipe_dict(script_args, training_args, model_args)
     model_init_kwargs = {
         "revision": model_args.model_revision,
         "attn_implementation": model_args.attn_implementation,
@@ -101,15 +105,17 @@ def main(script_args, training_args, model_args) -> APPOTrainer:  # noqa: F821
             trainer,
             algorithm=getattr(training_args, "rollout_strategy", "grpo"),
             args=(script_args, training_args, model_args),
+            recipe=recipe,
         )
     return trainer
 
 
 def cli(argv: list[str] | None = None) -> int:
     """`appo train` (and the `accelerate launch` entry): parse, check, train. Raises `ConfigError` on bad input."""
-    from appo_trl.recipes import maybe_relaunch, parse_recipe
+    from appo_trl.recipes import check_before_relaunch, maybe_relaunch, parse_recipe
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    check_before_relaunch(dataclass_types(), argv)  # one line here, not one torchrun failure report per rank
     code = maybe_relaunch(argv, __file__)
     if code is not None:
         return code

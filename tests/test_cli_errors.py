@@ -93,6 +93,11 @@ def test_string_for_an_int(workdir, capfd):
     assert "invalid int value: 'four'" in one_error_line(capfd)
 
 
+def test_float_for_an_int(workdir, capfd):
+    assert appo(["train", "--config", recipe(workdir, num_generations=4.5)]) == 2
+    assert "recipe key 'num_generations' expects an integer, got 4.5" in one_error_line(capfd)
+
+
 def test_malformed_yaml_names_file_line_and_column(workdir, capfd):
     path = workdir / "bad.yaml"
     path.write_text("model_name_or_path: model\nlearning_rate: 1e-6\ntools: [python\n")
@@ -108,7 +113,8 @@ def test_missing_recipe_file(workdir, capfd):
 
 def test_batch_shape_error(workdir, capfd):
     assert appo(["train", "--config", recipe(workdir, per_device_train_batch_size=3)]) == 2
-    assert "must be divisible by num_generations (4)" in one_error_line(capfd)
+    line = one_error_line(capfd)
+    assert "must be divisible by num_generations (4)" in line and "per_device_train_batch_size ×" in line
 
 
 def test_unknown_keys_are_one_line(workdir, capfd):
@@ -225,3 +231,58 @@ def test_check_hub(monkeypatch, api, repo, expected):
     else:
         with pytest.raises(PreflightError, match=expected.replace("(", r"\(").replace(")", r"\)")):
             check_hub(args, api=api)
+
+
+def test_trainer_api_checks_reward_columns_before_the_model_loads():
+    from datasets import Dataset
+
+    from appo_trl.config import APPOConfig
+    from appo_trl.errors import PreflightError
+    from appo_trl.rewards import REWARD_FUNCS
+    from appo_trl.trainer import APPOTrainer
+
+    args = APPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", num_generations=2,
+                      per_device_train_batch_size=2)  # fmt: skip
+    data = Dataset.from_list([{"prompt": "What is 1+1?"}])
+    with pytest.raises(PreflightError, match="reward 'qa_f1' needs gold answers"):
+        APPOTrainer("no/such-model", reward_funcs=[REWARD_FUNCS["qa_f1"]], args=args, train_dataset=data)
+
+
+def test_config_error_with_launch_flags_is_reported_before_relaunching(workdir, capfd, monkeypatch):
+    import appo_trl.recipes
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("relaunched a recipe that does not parse")
+
+    monkeypatch.setattr(appo_trl.recipes.subprocess, "call", no_launch)
+    monkeypatch.delenv("APPO_LAUNCHED", raising=False)
+    assert appo(["train", "--config", recipe(workdir, rollout_strategy="apo"), "--num_processes", "2"]) == 2
+    assert "rollout_strategy='apo'" in one_error_line(capfd)
+
+
+def test_load_in_4bit_builds_trl_quantization_config_when_bitsandbytes_and_cuda_exist(monkeypatch):
+    """The QLoRA branch (as `trl grpo`): BitsAndBytesConfig from TRL's get_quantization_config in model_init_kwargs."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+    from trl import ModelConfig
+
+    from appo_trl.errors import PreflightError
+    from appo_trl.preflight import check_quantization
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: object() if n == "bitsandbytes" else real_find_spec(n, *a)
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    training = SimpleNamespace(use_cpu=False, model_init_kwargs={"dtype": "bfloat16"})
+    with pytest.raises(PreflightError, match="set use_peft=true"):
+        check_quantization(ModelConfig(model_name_or_path="m", load_in_4bit=True), training)
+    model_args = ModelConfig(model_name_or_path="m", load_in_4bit=True, use_peft=True, dtype="bfloat16",
+                             bnb_4bit_quant_type="nf4")  # fmt: skip
+    check_quantization(model_args, training)
+    quant = training.model_init_kwargs["quantization_config"]
+    assert (
+        quant.load_in_4bit and quant.bnb_4bit_quant_type == "nf4" and training.model_init_kwargs["dtype"] == "bfloat16"
+    )

@@ -35,7 +35,10 @@ class EvalConfig:
         max_model_len: prompt + completion + tool results, tokens.
         call_limit: tool calls per sample across all tools (None: 3 for math, 6 otherwise).
         prompt: system prompt style overriding every benchmark's own (None keeps the registry's).
-        tools: tool names overriding every benchmark's own (None keeps the registry's).
+        tools: tool names overriding every benchmark's own (None keeps the registry's); with
+            `tool_format: chat` also dotted import paths of Python functions (`my_tools.lookup`).
+        tool_format: `tags` (ARPO's `<python>` / `<search>` tags, the training default for these benchmarks) or
+            `chat` (the model's chat template: tool schemas in the prompt, `<tool_call>` JSON, `tool` messages).
         search_backend: search tool backend: `cache` replays a frozen cache (reproducible scores; a query
             missing from the cache gets a "not in cache" result), `local` a retriever server, `web` live search.
         search_cache: the search cache file (ARPO's `{query: text}` json or the project's SQLite cache).
@@ -67,6 +70,7 @@ class EvalConfig:
     call_limit: int | None = None
     prompt: str | None = None
     tools: list[str] | None = None
+    tool_format: str = "tags"
     search_backend: str = "cache"
     search_cache: str | None = None
     tool_config: dict | str | None = None
@@ -89,6 +93,8 @@ class EvalConfig:
             raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
         if self.ks and max(self.ks) > self.num_samples:
             raise ValueError(f"ks {self.ks} exceed num_samples={self.num_samples} (pass@k needs k <= n)")
+        if self.tool_format not in ("tags", "chat"):
+            raise ValueError(f"tool_format must be 'tags' or 'chat', got {self.tool_format!r}")
         if self.backend not in ("vllm", "transformers"):
             raise ValueError(f"backend must be 'vllm' or 'transformers', got {self.backend!r}")
 
@@ -98,6 +104,7 @@ class EvalConfig:
         if isinstance(raw, str):
             raw = json.loads(raw)
         params = {name: dict(raw.get(name) or {}) for name in names if name in raw or name == "search"}
+        params = {k: v for k, v in params.items() if k in ("python", "search")}  # built-in tools take parameters
         if "search" in params:
             params["search"].setdefault("backend", self.search_backend)
             if self.search_cache:

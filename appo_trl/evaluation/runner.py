@@ -239,10 +239,17 @@ def judge_missing(config: EvalConfig, items: list[dict[str, Any]], judgments_pat
 
 
 def check_output_dir(config: EvalConfig) -> None:
-    """The resume check alone (benchmarks, questions, `run.json`), for callers that load a model afterwards."""
+    """The checks that need no model, for callers that load one afterwards: benchmarks, questions, the
+    resume check (`run.json`), and the tools the benchmarks use (a search server that is down or not ours)."""
+    from types import SimpleNamespace
+
+    from appo_trl.preflight import check_tools
+
     benches = select_benchmarks(config)
     examples = {b.name: load_examples(b, config.data_root, config.limit) for b in benches}
     check_resume(config, examples, config.output_dir)
+    names = sorted({t for b in benches for t in b.tools})
+    check_tools(SimpleNamespace(tools=names, tool_config=config.tool_params(names)))
 
 
 def evaluate(config: EvalConfig, generate: GenerateFn, *, judge=None, show_progress: bool = True) -> dict[str, Any]:

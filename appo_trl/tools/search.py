@@ -21,7 +21,9 @@ backend's identity. For `local` that is the corpus fingerprint the server report
 `appo serve-search`; with `check_server: false`, any Search-R1 server, identified by its URL); for `web`, the
 market and location. The identity is resolved before the cache is consulted, so a server that is down, or
 that is not a search server (vLLM on port 8000), gets an error result, never a stale cached one. Entries
-imported with `seed_path` answer any backend with the same parameters (the user vouches for them). There is
+imported with `seed_path` answer any backend with the same parameters (the user vouches for them); the
+`cache` backend (replay) answers from any backend's entries with the same parameters, and from entries
+stored without parameters (caches written before they were keyed). There is
 no default cache file: `appo train` and `appo eval` put one in the run's output folder unless `cache_path`
 is set (so runs do not share one file in the home directory by accident).
 """
@@ -183,17 +185,19 @@ class LocalRetrieverBackend:
         self.config = config
         self._clients = _LoopClients(timeout=config.timeout_s, trust_env=False)
         self._queue: list[tuple[str, asyncio.Future]] = []
-        self._flusher: asyncio.Task | None = None
+        self._flush_scheduled = False  # a flusher that has not taken the queue yet
 
     async def search(self, query: str) -> list[str]:
         fut = asyncio.get_running_loop().create_future()
         self._queue.append((query, fut))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.ensure_future(self._flush())
+        if not self._flush_scheduled:  # (a flusher already posting its batch does not see this query)
+            self._flush_scheduled = True
+            asyncio.ensure_future(self._flush())
         return await fut
 
     async def _flush(self) -> None:
         await asyncio.sleep(0)  # let the other calls of this event-loop tick join the batch
+        self._flush_scheduled = False
         batch, self._queue = self._queue, []
         try:
             results = await self._post([q for q, _ in batch])
@@ -383,6 +387,7 @@ class SearchTool:
         cfg = self.config
         self.backend = SEARCH_BACKENDS[cfg.backend](cfg)
         self._identity: str | None = None  # resolved on first use (`/health` for local)
+        self._identity_task: asyncio.Task | None = None
         self.cache: SearchCache | JsonReplayCache | None = None
         if cfg.backend == "cache" and str(cfg.cache_path).endswith(".json"):
             self.cache = JsonReplayCache(cfg.cache_path)
@@ -391,11 +396,11 @@ class SearchTool:
         if cfg.seed_path:
             if not isinstance(self.cache, SearchCache):
                 raise ValueError("search.seed_path needs a SQLite cache_path (and cache: true)")
-            self.cache.seed_from_json(cfg.seed_path, scope=self._scope(SEED_IDENTITY))
+            self.cache.seed_from_json(cfg.seed_path, scope=self._scope(), source=SEED_IDENTITY)
 
-    def _scope(self, identity: str) -> str:
-        """Cache scope: the parameters that shape a formatted result, then the backend identity."""
-        return f"k={self.config.max_results};len={self.config.result_length}\x1e{identity}"
+    def _scope(self) -> str:
+        """Cache scope: the parameters that shape a formatted result (the source is the backend identity)."""
+        return f"k={self.config.max_results};len={self.config.result_length}"
 
     def check(self) -> None:
         """Start-up check: the backend is reachable and is what the config says (raises ValueError)."""
@@ -406,14 +411,32 @@ class SearchTool:
             except BackendError as exc:
                 raise ValueError(self._scrub(str(exc))) from None
 
+    async def _resolve_identity(self) -> str:
+        """The backend identity, asked once for all concurrent calls of this event loop (they then resume
+        together, so their queries still go out as one batch); a failure is retried by the next call."""
+        if self._identity is not None:
+            return self._identity
+        loop = asyncio.get_running_loop()
+        pending = self._identity_task
+        if (
+            pending is None
+            or pending.get_loop() is not loop
+            or (pending.done() and (pending.cancelled() or pending.exception()))
+        ):
+            pending = self._identity_task = loop.create_task(self.backend.identity())
+        identity = await asyncio.shield(pending)
+        self._identity = identity
+        return identity
+
     def _cached(self, query: str, identity: str | None) -> str | None:
         if self.cache is None:
             return None
         if isinstance(self.cache, JsonReplayCache):
             return self.cache.get(query)
-        if identity is None:  # replay only: whatever backend produced the entry, with these parameters
-            return self.cache.get_any(query, self._scope(""))
-        return self.cache.get(query, self._scope(identity)) or self.cache.get(query, self._scope(SEED_IDENTITY))
+        scope = self._scope()
+        if identity is None:  # replay only: any backend's entry with these parameters (or a pre-scope entry)
+            return self.cache.get_any(query, scope) or self.cache.get(query)
+        return self.cache.get(query, scope, identity) or self.cache.get(query, scope, SEED_IDENTITY)
 
     def _scrub(self, text: str) -> str:
         return self.backend.scrub(text) if hasattr(self.backend, "scrub") else text
@@ -425,13 +448,11 @@ class SearchTool:
             return ToolResult("Error: empty search query.", ok=False, error="empty_input")
         identity = None
         if self.config.backend != "cache":  # who answers decides which cache entries apply
-            if self._identity is None:
-                try:
-                    self._identity = await self.backend.identity()
-                except BackendError as exc:
-                    return ToolResult(self._scrub(f"Search failed: {exc}"), False, time.perf_counter() - start,
-                                      error="backend_error", meta={"cache_hit": False})  # fmt: skip
-            identity = self._identity
+            try:
+                identity = await self._resolve_identity()
+            except BackendError as exc:
+                return ToolResult(self._scrub(f"Search failed: {exc}"), False, time.perf_counter() - start,
+                                  error="backend_error", meta={"cache_hit": False})  # fmt: skip
         hit = self._cached(query, identity)
         if hit is not None:
             return ToolResult(hit, True, time.perf_counter() - start, meta={"cache_hit": True})
@@ -454,13 +475,13 @@ class SearchTool:
                     delay *= 2
                     continue
                 if exc.transient:  # the server may come back with another corpus: ask /health again
-                    self._identity = None
+                    self._identity = self._identity_task = None
                 message = self._scrub(f"Search failed: {exc}")
                 return ToolResult(message, False, time.perf_counter() - start, error="backend_error",
                                   meta={"cache_hit": False, "attempts": attempt + 1})  # fmt: skip
         result = sanitize_text(format_results(snippets, cfg.max_results, cfg.result_length))
         if self.cache is not None and isinstance(self.cache, SearchCache) and result != NO_RESULTS:
-            await asyncio.to_thread(self.cache.put, query, result, self._scope(identity))
+            await asyncio.to_thread(self.cache.put, query, result, self._scope(), identity)
         count = 0 if result == NO_RESULTS else result.count("\nPage ") + 1
         meta = {"cache_hit": False, "attempts": attempt + 1, "results": count}
         return ToolResult(result, True, time.perf_counter() - start, meta=meta)

@@ -73,3 +73,24 @@ def test_samples_without_run_file_are_refused(eval_registry, tmp_path):
 def test_eval_search_cache_defaults_into_the_output_dir(tmp_path):
     cfg = EvalConfig(output_dir=str(tmp_path / "ev"), search_backend="local")
     assert cfg.tool_params(["search"])["search"]["cache_path"] == str(tmp_path / "ev" / "search_cache.sqlite")
+
+
+def test_eval_checks_the_search_server_before_the_model_loads(eval_registry, tmp_path):
+    from appo_trl.errors import PreflightError
+    from appo_trl.evaluation.runner import check_output_dir
+
+    cfg = config(eval_registry, tmp_path, benchmarks=["qab"], search_backend="local",
+                 tool_config={"search": {"url": "http://127.0.0.1:9/retrieve", "timeout_s": 2}})  # fmt: skip
+    with pytest.raises(PreflightError, match="no search server at http://127.0.0.1:9/health"):
+        check_output_dir(cfg)
+
+
+def test_appo_eval_unknown_benchmark_is_one_line_exit_2(eval_registry, tmp_path, capfd):
+    from appo_trl.cli import main as appo
+
+    reg, root = eval_registry
+    argv = ["eval", "--registry", reg, "--data_root", root, "--benchmarks", "mathb", "nope",
+            "--model", "m", "--output_dir", str(tmp_path / "o")]  # fmt: skip
+    assert appo(argv) == 2
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "Unknown benchmarks ['nope']" in err[0]

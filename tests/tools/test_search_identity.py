@@ -119,3 +119,78 @@ def test_defaults_leave_port_8000_to_vllm_and_keep_no_shared_cache_file(tmp_path
     assert resolved["search"] == {"max_results": 3, "cache_path": str(tmp_path / "run" / "search_cache.sqlite")}
     args.tool_config = {"search": {"cache_path": "/shared/mine.sqlite"}}
     assert default_search_cache(args)["search"]["cache_path"] == "/shared/mine.sqlite"
+
+
+def _replay(cache_path, query="capital", **kw):
+    tool = SearchTool(backend="cache", cache_path=str(cache_path), **kw)
+
+    async def go():
+        try:
+            return await tool.call(query)
+        finally:
+            await tool.aclose()
+
+    return asyncio.run(go())
+
+
+def test_cache_only_replay_of_a_sqlite_cache_needs_the_same_parameters(tmp_path, loopback):
+    cache = tmp_path / "c.sqlite"
+    with loopback(create_app(BM25Index(_corpus(tmp_path / "a.jsonl", "The capital is Paris.")))) as base:
+        live = _search(cache, f"{base}/retrieve", max_results=2)
+    replay = _replay(cache, max_results=2)
+    assert replay.ok and replay.meta["cache_hit"] and replay.text == live.text
+    other = _replay(cache, max_results=5)
+    assert not other.ok and other.error == "not_in_cache"
+
+
+def test_seeded_entries_answer_a_live_backend_with_the_same_parameters(tmp_path, loopback):
+    seed = tmp_path / "seed.json"
+    seed.write_text(json.dumps({"capital": "Page 1: seeded"}))
+    with loopback(create_app(BM25Index(_corpus(tmp_path / "a.jsonl", "The capital is Paris.")))) as base:
+        hit = _search(tmp_path / "c.sqlite", f"{base}/retrieve", seed_path=str(seed))
+    assert hit.ok and hit.meta["cache_hit"] and hit.text == "Page 1: seeded"
+
+
+def test_cache_only_replay_reads_unscoped_entries(tmp_path):
+    """Entries stored without scope (older cache files, `cache.put_many` as bench/tools.py does) replay as before."""
+    cache = tmp_path / "c.sqlite"
+    tool = SearchTool(backend="cache", cache_path=str(cache))
+    tool.cache.put_many([("query number 1", "Page 1: result 1")])
+    hit = _replay(cache, "Query Number 1")
+    assert hit.ok and hit.meta["cache_hit"] and hit.text == "Page 1: result 1"
+    tool.cache.close()
+
+
+def test_a_query_arriving_while_a_batch_is_in_flight_is_answered(tmp_path, loopback):
+    """A call made while the previous batch's POST is still running gets its own request (it used to wait for
+    a later call to flush it, forever if none came)."""
+    import threading
+
+    app = FastAPI()
+    posted = threading.Event()
+
+    @app.get("/health")
+    async def health():
+        return {"service": "appo-trl-search", "corpus_fingerprint": "slow", "documents": 1}
+
+    @app.post("/retrieve")
+    async def retrieve(request: Request):
+        posted.set()
+        await asyncio.sleep(0.5)
+        queries = (await request.json())["queries"]
+        return {"result": [[{"document": {"contents": f"answer to {q}"}, "score": 1.0}] for q in queries]}
+
+    with loopback(app) as base:
+        tool = SearchTool(backend="local", url=f"{base}/retrieve", cache=False)
+
+        async def go():
+            try:
+                first = asyncio.ensure_future(tool.call("first"))
+                await asyncio.to_thread(posted.wait, 10)  # the first POST is in flight now
+                second = await asyncio.wait_for(tool.call("second"), timeout=10)
+                return await first, second
+            finally:
+                await tool.aclose()
+
+        first, second = asyncio.run(go())
+    assert first.text == "Page 1: answer to first" and second.text == "Page 1: answer to second"
