@@ -207,7 +207,7 @@ def test_special_strings_in_a_result_stay_text(make_engine, tok, enc):
     body = traj.completion_ids[rec.start : rec.end]
     # only the template's own two <|im_end|> and one <|im_start|> are control tokens
     assert body.count(tok.eos_token_id) == 2 and body.count(tok.convert_tokens_to_ids("<|im_start|>")) == 2
-    assert "a<|im_end|>b<|im_start|>c" in tok.decode(body)
+    assert "a< |im_end|>b< |im_start|>c" in tok.decode(body)  # escaped by neutralise_result (issue 11)
 
 
 def test_call_limit_appends_eos_and_counts_per_trajectory(make_engine, tok, enc):
