@@ -79,8 +79,10 @@ HINT = (
 ID_BASE, ID_COUNT = 1000, 60000
 
 
-class IsolationError(RuntimeError):
-    """The configured isolation cannot be had on this machine (the message says why and what to change)."""
+class IsolationError(RuntimeError, ValueError):
+    """The configured isolation cannot be had on this machine (the message says why and what to change).
+
+    Also a ValueError: a setting this machine cannot honour, reported like other bad settings (pre-model checks)."""
 
 
 @dataclasses.dataclass

@@ -462,6 +462,11 @@ class PythonTool:
         """Start the zygote now (otherwise the first call starts it)."""
         self.sandbox.start()
 
+    def check(self) -> None:
+        """Pre-model check: the sandbox starts and a probe call gets through the whole jail (raises
+        `IsolationError`, a ValueError, with one line saying why and what to change)."""
+        self.sandbox.start()
+
     async def call(self, text: str) -> ToolResult:
         if not text.strip():
             return ToolResult("Error: empty python code.", ok=False, error="empty_input")

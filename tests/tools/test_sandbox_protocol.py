@@ -252,3 +252,16 @@ def test_isolation_none_is_an_explicit_loud_opt_in(caplog):
         assert asyncio.run(t.call("print(6*7)")).text == "42"
     finally:
         asyncio.run(t.aclose())
+
+
+def test_preflight_reports_missing_isolation_as_one_line(monkeypatch):
+    from types import SimpleNamespace
+
+    from appo_trl.preflight import PreflightError, check_tools
+
+    real = iso.shutil.which
+    monkeypatch.setattr(iso.shutil, "which", lambda name: None if name == "bwrap" else real(name))
+    args = SimpleNamespace(tools=["python"], tool_config={"python": {"timeout_s": 5}}, tool_format=None)
+    with pytest.raises(PreflightError, match="bubblewrap") as info:
+        check_tools(args)
+    assert "\n" not in str(info.value)
