@@ -28,7 +28,7 @@ def test_after_a_sync_the_server_samples_from_the_trainers_weights(
                           mode="server", server_base_url=vllm_server.url, sync_dir=str(tmp_path / "w"))  # fmt: skip
     assert sync.vllm_client.get_server_info()["model_config"]["logprobs_mode"] == "processed_logprobs"
     # a long prompt (over one 128-token block) so the server caches its prefix under the old weights
-    prompt = tiny_tokenizer("What is 17 plus 25? " * 30, add_special_tokens=False)["input_ids"]
+    prompt = tiny_tokenizer("What is 17 plus 25? " * 40, add_special_tokens=False)["input_ids"]
     assert len(prompt) > 256
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=9)
     before = generate(vllm_server, prompt, params)
