@@ -64,8 +64,10 @@ def load_recipe(path: str | os.PathLike) -> dict:
 
 
 def split_launch_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
-    """Pull the launch flags out of argv: returns ({flag: value}, remaining argv)."""
-    launch, rest, it = {}, [], iter(argv)
+    """Pull the launch flags out of argv: returns ({flag: value}, remaining argv). Dash-style names are accepted."""
+    from appo_trl.arguments import normalize_flags
+
+    launch, rest, it = {}, [], iter(normalize_flags(argv))
     for arg in it:
         flag, eq, value = arg.partition("=")
         if flag in LAUNCH_FLAGS:
