@@ -29,6 +29,7 @@ from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 
 from appo_trl.config import APPOConfig
+from appo_trl.console import canonical_metrics, install_step_line
 from appo_trl.strategies import STRATEGIES, GRPOStrategy, RoundBatch
 from appo_trl.trainer_loss import compute_policy_loss
 from appo_trl.trainer_utils import pad_rows, select_rows
@@ -127,6 +128,7 @@ class APPOTrainer(GRPOTrainer):
             optimizers=optimizers,
             peft_config=peft_config,
         )
+        install_step_line(self)  # one readable console line per step; the trackers still get every metric
         if self._custom_loss and self._entropy_bonus_enabled:
             raise ValueError(f"loss_mode={args.loss_mode} does not add TRL's entropy bonus; set entropy_coef=0.")
         self.strategy = STRATEGIES[args.rollout_strategy](self)
@@ -230,13 +232,17 @@ class APPOTrainer(GRPOTrainer):
         m["completions/min_length"].append(sampled.float().min().item())
         m["completions/max_length"].append(sampled.float().max().item())
         m["completions/clipped_ratio"].append(truncated.float().mean().item())
-        m["tools/call_frequency"].append(calls.float().mean().item())
-        m["tools/calls_per_round"].append(calls.sum().item())
+        terminated = sampled[~truncated.bool()].float()  # TRL's keys: lengths of completions that ended
+        terminated = terminated if terminated.numel() else torch.zeros(1, device=device)
+        m["completions/mean_terminated_length"].append(terminated.mean().item())
+        m["completions/min_terminated_length"].append(terminated.min().item())
+        m["completions/max_terminated_length"].append(terminated.max().item())
+        m["tools/call_frequency"].append(calls.float().mean().item())  # executed calls: `tools/calls` (engine)
         m["rollout/sampled_tokens"].append(new_tokens.sum().item())  # branch prefixes counted once, in the parent
         m["branch/loss_rows_frac"].append(kept.mean().item())
         engine = self._rollout_engine
         if engine is not None and hasattr(engine, "metrics"):  # local engine/tool statistics (no collective)
-            for key, value in engine.metrics().items():
+            for key, value in canonical_metrics(engine.metrics()).items():  # one name per quantity
                 if isinstance(value, (int, float)):
                     m[key if "/" in key else f"rollout/{key}"].append(float(value))
             if hasattr(engine, "reset_metrics"):
