@@ -42,10 +42,12 @@ def main(script_args, training_args, model_args) -> APPOTrainer:  # noqa: F821
     from appo_trl.data import load_rl_dataset
     from appo_trl.hub import defer_push, push_model
     from appo_trl.rewards import get_reward_func
+    from appo_trl.trackers import prepare_trackers
     from appo_trl.trainer import APPOTrainer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_model_path(model_args.model_name_or_path)
+    prepare_trackers(training_args)  # a missing tracker package fails here; wandb offline without an account
     set_seed(training_args.seed)
 
     model_init_kwargs = {
