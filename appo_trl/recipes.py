@@ -26,11 +26,14 @@ from pathlib import Path
 
 import yaml
 
+from appo_trl.recipe_paths import SHIPPED_ROOT, find_recipe, resolve_recipe_paths
+
 LAUNCH_FLAGS = (
     "--accelerate_config", "--num_processes", "--mixed_precision", "--main_process_port",
     "--num_machines", "--machine_rank", "--main_process_ip",
 )  # fmt: skip
-REPO_ROOT = Path(__file__).resolve().parents[1]
+# the repository in a checkout, the copies inside the wheel otherwise (see appo_trl.recipe_paths)
+REPO_ROOT = SHIPPED_ROOT
 ACCELERATE_CONFIG_DIRS = (Path.cwd() / "accelerate_configs", REPO_ROOT / "accelerate_configs")
 
 
@@ -52,8 +55,12 @@ def _unknown_key_error(keys: Sequence[str], known: set[str], where: str) -> Reci
 
 
 def load_recipe(path: str | os.PathLike) -> dict:
-    """Read a recipe YAML into a dict (no validation beyond "it is a mapping")."""
-    path = Path(path)
+    """Read a recipe YAML into a dict (no validation beyond "it is a mapping").
+
+    A relative path that does not exist from the working directory is looked up among the shipped recipes.
+    The values are as written; `parse_recipe` resolves relative input paths against the recipe file.
+    """
+    path = find_recipe(path)
     if not path.is_file():
         raise RecipeError(f"Recipe file not found: {path}")
     with open(path) as f:
@@ -97,7 +104,7 @@ def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> tuple:
         i = argv.index("--config")
         if i + 1 >= len(argv):
             raise RecipeError("--config needs a path to a recipe YAML.")
-        config = load_recipe(argv[i + 1])
+        config = resolve_recipe_paths(load_recipe(argv[i + 1]), find_recipe(argv[i + 1]))
         del argv[i : i + 2]
     env = config.pop("env", None) or {}
     if not isinstance(env, dict):
