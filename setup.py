@@ -11,7 +11,11 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 # folder -> file patterns shipped (recipes, their tiny data, launcher configs, eval configs; no scripts)
-SHIPPED = {"recipes": ("*.yaml", "*.jsonl", "*.json"), "accelerate_configs": ("*.yaml",), "eval": ("*.yaml",)}
+SHIPPED = {
+    "recipes": ("*.yaml", "*.jsonl", "*.json"),
+    "accelerate_configs": ("*.yaml",),
+    "eval": ("*.yaml", "*.jsonl", "*.json"),  # eval configs and the tiny eval sets (eval/data/tiny)
+}
 
 
 class BuildPyWithResources(build_py):
