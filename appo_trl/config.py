@@ -233,6 +233,7 @@ class APPOConfig(GRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         self._validate_appo()
+        self._warn_no_effect()
 
     @property
     def branch_rows_per_prompt(self) -> int:
@@ -314,6 +315,24 @@ class APPOConfig(GRPOConfig):
                 "(colocate mode is not supported by appo-trl's rollout engine)."
             )
         self._validate_batching()
+
+    def _warn_no_effect(self):
+        """Settings that are valid but make a strategy do nothing useful: warned once, the run goes on."""
+        import warnings
+
+        if (
+            self.rollout_strategy == "appo"
+            and self.branch_rows_per_prompt > 0
+            and self.min_remaining_tokens >= self.max_completion_length
+        ):
+            warnings.warn(
+                f"APPOConfig: min_remaining_tokens={self.min_remaining_tokens} >= max_completion_length="
+                f"{self.max_completion_length}: no token can be a branch point, so every one of the "
+                f"{self.branch_rows_per_prompt} branches per prompt is a fallback (`branch/fallback_frac` = 1). "
+                "Lower min_remaining_tokens (e.g. to max_completion_length // 4).",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def _validate_batching(self):
         """Groups stay on one rank, and the rows left after dropping branches still split into micro-batches.
