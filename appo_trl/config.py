@@ -78,6 +78,13 @@ class APPOConfig(GRPOConfig):
     rollout_concurrency: int = field(
         default=64, metadata=_h("Maximum sampler requests in flight per rank (async tool loop).")
     )
+    dump_rollouts: int = field(
+        default=0,
+        metadata=_h(
+            "Groups per training step written to `output_dir/rollouts/step_<N>.jsonl` (main process; 0 = off). "
+            "`appo rollouts OUTPUT_DIR` shows them as branch trees: fork points, rewards, tool calls."
+        ),
+    )
     # --- strategy -------------------------------------------------------------------------------------------
     rollout_strategy: str = field(
         default="grpo", metadata=_h("Rollout strategy: `grpo` (no branching), `arpo`, `aepo` or `appo`.")
@@ -298,6 +305,8 @@ class APPOConfig(GRPOConfig):
             or self.min_remaining_tokens < 0
         ):
             self._fail("tool_call_limit, min_remaining_tokens must be >= 0 and entropy_tokens, entropy_topk >= 1.")
+        if self.dump_rollouts < 0:
+            self._fail(f"dump_rollouts={self.dump_rollouts} must be >= 0 (groups written per step).")
         if self.max_branches_per_rollout is None:
             self.max_branches_per_rollout = math.ceil(self.branch_rows_per_prompt / self.initial_rollouts) + 1
         if self.loss_mode != "clip":

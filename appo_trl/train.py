@@ -87,6 +87,7 @@ def main(script_args, training_args, model_args) -> APPOTrainer:  # noqa: F821
     checkpoint = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model(training_args.output_dir)  # also saves the tokenizer; main process only
+    trainer.save_state()  # trainer_state.json (the log history `appo plot OUTPUT_DIR` draws)
     logger.info("Saved model to %s", training_args.output_dir)
     if push:
         push_model(

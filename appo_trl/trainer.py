@@ -30,6 +30,7 @@ from trl.data_utils import is_conversational
 
 from appo_trl.config import APPOConfig
 from appo_trl.console import canonical_metrics, install_step_line
+from appo_trl.rollout_dump import dump_round
 from appo_trl.strategies import STRATEGIES, GRPOStrategy, RoundBatch
 from appo_trl.trainer_loss import compute_policy_loss
 from appo_trl.trainer_utils import pad_rows, select_rows
@@ -138,6 +139,11 @@ class APPOTrainer(GRPOTrainer):
         self._trl_sampler = (
             args.rollout_strategy == "grpo" and not args.tools and not args.use_vllm and rollout_engine is None
         )
+        if args.dump_rollouts and self._trl_sampler:
+            raise ValueError(
+                "dump_rollouts needs appo-trl's rollout engine, but grpo without tools runs TRL's own sampler: "
+                "enable a tool (tools: [python]) or use TRL's log_completions instead."
+            )
         self._round: RoundBatch | None = None
         self._round_rewards: torch.Tensor | None = None
         self._round_index = 0
@@ -327,6 +333,8 @@ class APPOTrainer(GRPOTrainer):
         local = rewards_per_func[start : start + num_rows]
         rewards = (local * self.reward_weights.to(local.device).unsqueeze(0)).nansum(dim=1)
         out["advantages"] = strategy.advantages(batch, rewards, out["advantages"], out["completion_ids"].size(1))
+        if mode == "train" and self.args.dump_rollouts:  # sample groups for `appo rollouts OUTPUT_DIR`
+            dump_round(self, inputs, batch, rewards, out)
         if not all(batch.keep):
             keep = torch.tensor([i for i, k in enumerate(batch.keep) if k], dtype=torch.long)
             out = select_rows(out, keep, num_rows)
