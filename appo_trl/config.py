@@ -340,7 +340,7 @@ class APPOConfig(GRPOConfig):
                 f"{self.branch_rows_per_prompt} branches per prompt is a fallback (`branch/fallback_frac` = 1). "
                 "Lower min_remaining_tokens (e.g. to max_completion_length // 4).",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,  # the line that built the config (past __init__ and __post_init__)
             )
 
     def _validate_batching(self):
