@@ -50,8 +50,9 @@ def test_bench_accepts_quick_and_json(path):
 @pytest.mark.slow
 @pytest.mark.parametrize("path", _benchmarks(), ids=lambda p: p.stem)
 def test_bench_quick_json_runs(path, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("PYTHONPATH", None)  # the benchmark must find the package and bench/ on its own, from any cwd
+    # this tree's package (not another install), run from another directory
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": str(BENCH.parent)}  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(path), "--quick", "--json"],
         cwd=tmp_path,
