@@ -45,9 +45,9 @@ def main(script_args, training_args, model_args) -> APPOTrainer:  # noqa: F821
     from appo_trl.trackers import prepare_trackers
     from appo_trl.trainer import APPOTrainer
 
+    prepare_trackers(training_args)  # a missing tracker package fails here; wandb offline without an account
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_model_path(model_args.model_name_or_path)
-    prepare_trackers(training_args)  # a missing tracker package fails here; wandb offline without an account
     set_seed(training_args.seed)
 
     model_init_kwargs = {

@@ -129,11 +129,11 @@ class APPOTrainer(GRPOTrainer):
             optimizers=optimizers,
             peft_config=peft_config,
         )
-        install_step_line(self)  # one readable console line per step; the trackers still get every metric
         if self._custom_loss and self._entropy_bonus_enabled:
             raise ValueError(f"loss_mode={args.loss_mode} does not add TRL's entropy bonus; set entropy_coef=0.")
         self.strategy = STRATEGIES[args.rollout_strategy](self)
         self.eval_strategy = GRPOStrategy(self)  # validation: no branching (spec/algorithms.md §2.1)
+        install_step_line(self)  # one readable console line per step; the trackers still get every metric
         self._rollout_engine = rollout_engine
         # in-process GRPO without tools and without an injected engine is exactly TRL's own sampler: keep it
         self._trl_sampler = (
