@@ -133,7 +133,6 @@ class APPOTrainer(GRPOTrainer):
             raise ValueError(f"loss_mode={args.loss_mode} does not add TRL's entropy bonus; set entropy_coef=0.")
         self.strategy = STRATEGIES[args.rollout_strategy](self)
         self.eval_strategy = GRPOStrategy(self)  # validation: no branching (spec/algorithms.md §2.1)
-        install_step_line(self)  # one readable console line per step; the trackers still get every metric
         self._rollout_engine = rollout_engine
         # in-process GRPO without tools and without an injected engine is exactly TRL's own sampler: keep it
         self._trl_sampler = (
@@ -144,6 +143,7 @@ class APPOTrainer(GRPOTrainer):
                 "dump_rollouts needs appo-trl's rollout engine, but grpo without tools runs TRL's own sampler: "
                 "enable a tool (tools: [python]) or use TRL's log_completions instead."
             )
+        install_step_line(self)  # one readable console line per step; the trackers still get every metric
         self._round: RoundBatch | None = None
         self._round_rewards: torch.Tensor | None = None
         self._round_index = 0
