@@ -6,7 +6,7 @@ trainer logs each quantity once, under one name (everything still goes to the tr
 | quantity                                   | canonical key                         | dropped duplicates                 |
 |--------------------------------------------|---------------------------------------|------------------------------------|
 | tool calls executed this step (all tools)  | `tools/calls`                         | `rollout/tool_calls`, `tools/calls_per_round` |
-| ... per tool (with two tools or more)      | `tools/<tag>/calls`                   | `rollout/tool/<tag>/calls`         |
+| ... per tool (a breakdown of the total)    | `tools/<tag>/calls`                   | `rollout/tool/<tag>/calls`         |
 | failed calls per tool                      | `tools/<tag>/failures`                | `rollout/tool/<tag>/failures`, `rollout/tool_failures` |
 | tool time per tool                         | `tools/<tag>/latency_mean_s`, `_max_s`| `rollout/tool/<tag>/time_s`        |
 | calls per completion (mean over rows)      | `tools/call_frequency` (TRL's name)   |                                    |
@@ -40,15 +40,10 @@ ACCURACY_REWARDS = ("math_verify", "qa_em", "accuracy", "accuracy_reward", "exac
 def canonical_metrics(raw: dict[str, float]) -> dict[str, float]:
     """Engine/executor metrics with the duplicates of canonical keys removed (see the module table).
 
-    With a single tool its `tools/<tag>/calls` and `tools/<tag>/timeouts` equal the totals and are dropped too.
+    The per-tool breakdown `tools/<tag>/*` is kept even with a single tool, so the keys do not depend on how many
+    tools a recipe enables (dashboards and `appo_trl.synthetic` read `tools/python/calls`).
     """
-    out = {k: v for k, v in raw.items() if not _DUPLICATE.match(k)}
-    tags = {k.split("/")[1] for k in out if k.startswith("tools/") and k.endswith("/calls") and k.count("/") == 2}
-    if len(tags) == 1:
-        (tag,) = tags
-        out.pop(f"tools/{tag}/calls", None)
-        out.pop(f"tools/{tag}/timeouts", None)
-    return out
+    return {k: v for k, v in raw.items() if not _DUPLICATE.match(k)}
 
 
 def accuracy_of(logs: dict) -> float | None:
