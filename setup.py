@@ -12,7 +12,7 @@ from setuptools.command.build_py import build_py
 
 # folder -> file patterns shipped (recipes, their tiny data, launcher configs, eval configs; no scripts)
 SHIPPED = {
-    "recipes": ("*.yaml", "*.jsonl", "*.json"),
+    "recipes": ("*.yaml", "*.jsonl", "*.json", "*.py"),  # *.py: custom tools next to a recipe (tools.calculator)
     "accelerate_configs": ("*.yaml",),
     "eval": ("*.yaml", "*.jsonl", "*.json"),  # eval configs and the tiny eval sets (eval/data/tiny)
 }

@@ -2,6 +2,8 @@
 
 Every subcommand module exposes `main(argv: list[str]) -> int` and parses its own arguments, so
 `appo --help` stays instant (no torch import) and a new command is one file plus one registry line.
+A configuration mistake (`appo_trl.errors.ConfigError`) prints one line and exits 2; `--debug` anywhere on
+the command line shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" Did you mean: {', '.join(close)}?" if close else ""
         print(f"appo: unknown command {name!r}.{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
+    from appo_trl.errors import run_cli
+
     module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    return run_cli(f"appo {name}", module.main, rest)  # configuration errors: one line, exit 2 (--debug: traceback)
 
 
 if __name__ == "__main__":

@@ -57,10 +57,17 @@ def main(argv: list[str]) -> int:
     except (RecipeError, ValueError) as e:
         print(f"appo eval: {e}", file=sys.stderr)
         return 2
+    from appo_trl.errors import ConfigError, DataError
     from appo_trl.evaluation.inference import build_generator
     from appo_trl.evaluation.report import print_summary
-    from appo_trl.evaluation.runner import evaluate
+    from appo_trl.evaluation.runner import check_output_dir, evaluate
 
+    try:  # before the model loads: benchmarks, data files, tools, and resume only the same run
+        check_output_dir(config)
+    except ConfigError:
+        raise
+    except (KeyError, OSError, ValueError) as exc:  # registry and data-file problems: one line, exit 2
+        raise DataError(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)) from exc
     report = evaluate(config, build_generator(config))
     print_summary(report)
     print(f"reports written to {config.output_dir}/report.{{json,md,png}}")

@@ -1,4 +1,4 @@
-"""Answer extraction from tool-integrated-reasoning completions (spec/algorithms.md §6.1 step 2).
+"""Answer extraction from tool-integrated-reasoning completions (ARPO's reward).
 
 The training reward takes the first `<answer>…</answer>` block, then the last `\\boxed{…}` inside it (brace
 matched; the `\\boxed ` and `\\fbox{…}` forms are handled too) and strips the wrapper. These helpers are pure
@@ -13,7 +13,7 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def answer_block(text: str) -> str | None:
-    """Content of the first `<answer>(.*?)</answer>` block (spec §6.1 step 2), or `None` when there is none."""
+    """Content of the first `<answer>(.*?)</answer>` block (ARPO's reward), or `None` when there is none."""
     m = _ANSWER.search(text or "")
     return m.group(1) if m else None
 
@@ -22,7 +22,7 @@ def last_boxed(text: str) -> str | None:
     """The last `\\boxed{…}` / `\\boxed …` / `\\fbox{…}` expression of `text`, wrapper included, or `None`.
 
     Braces are matched by depth counting, so `\\boxed{\\frac{1}{2}}` is returned whole. The `\\boxed x` form
-    (a space instead of a brace) ends at the next `$` or end of text (spec §6.1 step 2).
+    (a space instead of a brace) ends at the next `$` or end of text (ARPO's reward).
 
     Example: `last_boxed("a \\boxed{1} b \\boxed{\\frac{1}{2}}")` → `"\\boxed{\\frac{1}{2}}"`.
     """
@@ -67,7 +67,7 @@ def extract_answer(text: str) -> str | None:
 
     Order: the last boxed expression inside the first `<answer>` block (stripped); else the whole stripped answer
     block; else the last boxed expression anywhere in the text. The reward (`deep_research`) is stricter and uses
-    `answer_block` + `last_boxed` directly (a missing box there scores −1, spec §6.1).
+    `answer_block` + `last_boxed` directly (a missing box there scores −1, ARPO paper, hierarchical reward).
     """
     block = answer_block(text or "")
     if block is not None:

@@ -1,0 +1,266 @@
+"""The stages `appo demo` and `appo study` chain on the synthetic task: model, SFT, search server, eval, RL, plot.
+
+- `search_server(corpus)`: runs `appo serve-search` as a subprocess on 127.0.0.1 on a free port, waits for
+  `/health`, yields the `/retrieve` URL and always stops the server (also on errors and Ctrl-C).
+- `build_model(dir, seed)`: the tiny Qwen3 at the demo size (explicit sizes, `appo_trl.tiny.build_tiny_model`).
+- `run_sft(...)`: the cold start through `appo_trl.sft.main` on the task's SFT traces.
+- `evaluate_heldout(...)`: `appo eval` (`appo_trl.evaluation.evaluate`, in-process transformers backend, the
+  real python sandbox and search tool) on the held-out split; returns pass@1, pass@k and tool calls per sample.
+- `run_rl(...)`: `appo_trl.train`'s trainer on a `recipes/demo/<strategy>.yaml` recipe, with one short console
+  line per step instead of TRL's metric dictionaries, and checkpoints saved at the given steps.
+
+Nothing here tunes anything or picks a seed: every number comes from the arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+# the demo model: big enough to learn copying in a few hundred SFT steps, small enough for seconds per RL step
+MODEL_SIZE = {"num_layers": 4, "hidden_size": 128, "vocab_size": 512, "max_position_embeddings": 1024}
+ARCH = {"head_dim": 16, "tie_word_embeddings": True}  # passed only where build_tiny_model accepts them
+SEARCH_TOOL = {"backend": "local", "max_results": 1, "cache": False}  # every query reaches the server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def search_server(corpus: str, log_path: str | None = None, timeout_s: float = 120.0):
+    """`appo serve-search --corpus corpus` on 127.0.0.1:<free port>; yields the retrieve URL, stops it on exit."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "appo_trl.cli", "serve-search", "--corpus", corpus, "--host", "127.0.0.1",
+           "--port", str(port)]  # fmt: skip
+    log = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"appo serve-search exited with code {proc.returncode} (log: {log_path})")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if json.load(r).get("status") == "ok":
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"appo serve-search did not answer /health within {timeout_s:g} s")
+            time.sleep(0.2)
+        yield {"url": base + "/retrieve", "pid": proc.pid, "port": port}
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+def build_model(out_dir: str, seed: int) -> str:
+    from appo_trl.tiny import build_tiny_model
+
+    accepted = inspect.signature(build_tiny_model).parameters
+    extra = {k: v for k, v in ARCH.items() if k in accepted}
+    return build_tiny_model(out_dir, seed=seed, **MODEL_SIZE, **extra)
+
+
+def run_sft(model: str, data: str, out_dir: str, *, steps: int, seed: int, lr: float = 3e-3, batch: int = 8) -> str:
+    from appo_trl import sft
+    from appo_trl.recipes import REPO_ROOT, parse_recipe
+
+    args = parse_recipe(sft.dataclass_types(), [
+        "--config", str(REPO_ROOT / "recipes" / "demo" / "sft.yaml"), "--model_name_or_path", model,
+        "--dataset_name", data, "--output_dir", out_dir, "--max_steps", str(steps), "--seed", str(seed),
+        "--learning_rate", str(lr), "--per_device_train_batch_size", str(batch),
+    ])  # fmt: skip
+    with _quiet():
+        sft.main(*args)
+    return out_dir
+
+
+def evaluate_heldout(model: str, registry: str, url: str, out_dir: str, *, num_samples: int, seed: int,
+                     max_completion_length: int = 160, temperature: float = 1.0) -> dict:  # fmt: skip
+    """`appo eval` of `model` on the held-out split; returns the headline numbers (and writes report.json)."""
+    from appo_trl.evaluation import evaluate
+    from appo_trl.evaluation.config import EvalConfig
+    from appo_trl.evaluation.inference import build_generator
+
+    config = EvalConfig(
+        benchmarks=["synthetic"], registry=registry, output_dir=out_dir, model=model, backend="transformers",
+        num_samples=num_samples, seed=seed, temperature=temperature, top_p=1.0, top_k=-1,
+        max_completion_length=max_completion_length, max_model_len=1024, call_limit=3,
+        tool_config={"search": {**SEARCH_TOOL, "url": url}}, concurrency=16,
+    )  # fmt: skip
+    with _quiet():
+        report = evaluate(config, build_generator(config), show_progress=False)
+    r = report["benchmarks"]["synthetic"]
+    ks = sorted(int(k) for k in r["pass@k"])
+    stats = r["tools_stats"]
+    return {
+        "pass@1": r["pass@k"]["1"],
+        "pass@k": r["pass@k"][str(ks[-1])],
+        "k": ks[-1],
+        "questions": r["questions"],
+        "calls_per_sample": stats["calls_per_sample"],
+        "calls_by_tool": stats["calls_per_sample_by_tool"],
+        "failed_call_share": stats["failed_call_share"],
+        "by_family": _by_family(out_dir, registry),
+    }
+
+
+def _by_family(out_dir: str, registry: str) -> dict[str, float]:
+    """pass@1 per question family, from the stored samples (em of the extracted answer)."""
+    from appo_trl.evaluation.metrics import extract_prediction
+    from appo_trl.rewards.qa import exact_match
+
+    heldout = json.loads(Path(registry).read_text())["benchmarks"]["synthetic"]["path"]
+    rows = [json.loads(line) for line in Path(heldout).read_text().splitlines() if line.strip()]
+    hits: dict[str, list[float]] = {}
+    for line in Path(out_dir, "samples.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        row = rows[rec["index"]]
+        hits.setdefault(row["family"], []).append(exact_match(extract_prediction(rec["completion"]), row["answer"]))
+    return {f: sum(v) / len(v) for f, v in sorted(hits.items())}
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Library loggers down to warnings while a stage runs (the demo prints its own progress lines)."""
+    import logging
+
+    import transformers
+
+    logging.basicConfig(level=logging.WARNING)  # later basicConfig(level=INFO) calls become no-ops
+    old = logging.getLogger().level, transformers.logging.get_verbosity()
+    logging.getLogger().setLevel(logging.WARNING)
+    transformers.logging.set_verbosity_warning()
+    try:
+        with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+            yield
+    finally:
+        logging.getLogger().setLevel(old[0])
+        transformers.logging.set_verbosity(old[1])
+
+
+def rl_arguments(recipe: str, model: str, data: str, out_dir: str, url: str, *, steps: int, seed: int,
+                 save_steps: list[int] | None = None, overrides: list[str] | None = None):  # fmt: skip
+    """(script, training, model) arguments of `recipe` with the demo's model, data, search URL and seed."""
+    from appo_trl.recipes import REPO_ROOT, parse_recipe
+    from appo_trl.synthetic.task import SYSTEM_PROMPT
+    from appo_trl.train import dataclass_types
+
+    path = recipe if os.path.exists(recipe) else str(REPO_ROOT / recipe)
+    tool_config = json.dumps({"search": {**SEARCH_TOOL, "url": url}})
+    return parse_recipe(dataclass_types(), [
+        "--config", path, "--model_name_or_path", model, "--dataset_name", data, "--output_dir", out_dir,
+        "--max_steps", str(steps), "--seed", str(seed), "--tool_config", tool_config,
+        "--system_prompt", SYSTEM_PROMPT, *(overrides or []),
+    ])  # fmt: skip
+
+
+class StepLine:
+    """A `TrainerCallback` printing one short line per RL step and keeping the per-step numbers.
+
+    `history` holds, per step: reward, held-out-free training metrics (tool calls per sample, sampled tokens,
+    rows reaching the loss) and the step's wall time. Checkpoints are saved (model only) at `save_steps`.
+    """
+
+    KEYS = {"reward": "reward", "tools/call_frequency": "calls", "rollout/sampled_tokens": "sampled_tokens",
+            "branch/loss_rows_frac": "loss_rows_frac", "step_time": "step_time", "entropy": "entropy"}  # fmt: skip
+
+    def __init__(self, total: int, save_steps: list[int] | None = None, printer=print, label: str = "RL"):
+        self.total, self.save_steps, self.printer, self.label = total, set(save_steps or []), printer, label
+        self.history: list[dict] = []
+        self._t = time.monotonic()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        from transformers import TrainerControl  # noqa: F401 - the callback protocol
+
+        if not logs or "reward" not in logs:
+            return
+        now = time.monotonic()
+        row = {"step": state.global_step, **{v: float(logs[k]) for k, v in self.KEYS.items() if k in logs}}
+        row["wall_s"] = now - self._t
+        self._t = now
+        self.history.append(row)
+        self.printer(f"  [{self.label}] step {state.global_step:>3}/{self.total}  reward {row['reward']:+.2f}  "
+                     f"tool calls/sample {row.get('calls', 0):.2f}  {row['wall_s']:.1f} s")  # fmt: skip
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step in self.save_steps:
+            control.should_save = True
+        return control
+
+
+def _callback_class():
+    from transformers import TrainerCallback
+
+    return type("StepLineCallback", (StepLine, TrainerCallback), {})
+
+
+def run_rl(args, *, save_steps: list[int] | None = None, printer=print, label: str = "RL"):
+    """Train like `appo_trl.train.main` (same trainer, data and rewards) with `StepLine` progress instead of
+    TRL's metric dictionaries; returns (trainer, per-step history). Checkpoints: `<output_dir>/checkpoint-<s>`."""
+    from transformers import AutoTokenizer, PrinterCallback, ProgressCallback, set_seed
+
+    from appo_trl.data import load_rl_dataset
+    from appo_trl.rewards import get_reward_func
+    from appo_trl.trainer import APPOTrainer
+
+    script_args, training_args, model_args = args
+    training_args.save_strategy = "steps" if save_steps else "no"
+    training_args.save_steps = 10**9  # saving happens at `save_steps` only (StepLine sets should_save)
+    training_args.save_only_model = True
+    training_args.disable_tqdm = True
+    set_seed(training_args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, padding_side="left")
+    callback = _callback_class()(training_args.max_steps, save_steps, printer, label)
+    with _quiet():
+        trainer = APPOTrainer(
+            model=model_args.model_name_or_path,
+            reward_funcs=[get_reward_func(n) for n in script_args.reward_funcs],
+            args=training_args,
+            train_dataset=load_rl_dataset(script_args),
+            processing_class=tokenizer,
+            callbacks=[callback],
+        )
+        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
+    with _quiet_logging_only():
+        trainer.train()
+    with _quiet():
+        trainer.save_model(training_args.output_dir)
+    return trainer, callback.history
+
+
+@contextlib.contextmanager
+def _quiet_logging_only():
+    import logging
+
+    import transformers
+
+    logging.basicConfig(level=logging.WARNING)
+    old = logging.getLogger().level, transformers.logging.get_verbosity()
+    logging.getLogger().setLevel(logging.WARNING)
+    transformers.logging.set_verbosity_warning()
+    try:
+        yield
+    finally:
+        logging.getLogger().setLevel(old[0])
+        transformers.logging.set_verbosity(old[1])

@@ -1,0 +1,193 @@
+"""A synthetic tool-use task generated from a seed: arithmetic for `python`, invented facts for `search`, and both.
+
+Three question families, each answerable only with the tools (a tiny model cannot multiply 3-digit numbers in
+its head, and the facts are invented, so no pretraining could know them):
+
+- `python`: "What is 37 * 14 + 52?"; the trace copies the expression into `print(...)` and boxes the printed value.
+- `search`: "What is the capital of Velmora?"; the trace searches `capital of Velmora` in the generated
+  encyclopedia (one document per fact: "The capital of Velmora is Tarsk.") and boxes the value it reads.
+- `both`: "What is the population of Velmora times 7?"; search the population, then `print(4521 * 7)`.
+
+`build_task(seed)` returns the encyclopedia and three disjoint splits: SFT traces (the `<think>`, `<python>` /
+`<search>`, `<result>`, `<answer>\\boxed{}` format of the tiny recipes), RL prompts and held-out questions. The
+entities are partitioned between splits, so no held-out search question is about an entity seen in SFT or RL,
+and no question text appears in two splits. The encyclopedia holds every entity (the search tool must find the
+held-out ones too). `write_task(out_dir, seed)` writes `corpus.jsonl`, `sft.jsonl`, `rl.jsonl`, `heldout.jsonl`
+and an eval registry `benchmarks.yaml` (benchmark `synthetic`) for `appo eval`.
+
+Tool results inside the traces are the exact text the tools return through the rollout engine
+(`RolloutConfig.result_template`, the search tool's `Page 1: ...` lines with `max_results: 1`), so SFT teaches
+the same token sequences RL and evaluation later sample. This module does no I/O besides `write_task`, starts no
+server and calls no tool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+SYSTEM_PROMPT = "Use <python> code </python> or <search> query </search>, then <answer> \\boxed{...} </answer>."
+RESULT = " <result>\n{}\n</result>"  # appo_trl.rollout.types.RolloutConfig.result_template
+SYLLABLES = ["vel", "mo", "ra", "tar", "ka", "lu", "ne", "dor", "bi", "zen", "fi", "ro", "mi", "sa", "tu", "len",
+             "gar", "pho", "qui", "ber", "osk", "an", "del", "vin"]  # fmt: skip
+OPS = ["+", "-", "*"]
+FAMILIES = ("python", "search", "both")
+
+
+@dataclasses.dataclass
+class Entity:
+    name: str
+    capital: str
+    population: int
+
+
+@dataclasses.dataclass
+class Question:
+    family: str
+    question: str
+    answer: str
+    trace: str  # the assistant turn of an ideal solution, tool results included
+
+    def rl_row(self) -> dict:
+        return {"prompt": self.question, "answer": self.answer, "family": self.family, "data_source": "synthetic"}
+
+    def eval_row(self) -> dict:
+        return {"question": self.question, "answer": [self.answer], "family": self.family}
+
+    def sft_row(self) -> dict:
+        return {"messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": self.question},
+                             {"role": "assistant", "content": self.trace}]}  # fmt: skip
+
+
+def _names(rng: random.Random, count: int, taken: set[str]) -> list[str]:
+    out = []
+    while len(out) < count:
+        name = "".join(rng.choice(SYLLABLES) for _ in range(rng.choice((2, 3)))).capitalize()
+        if name not in taken and len(name) <= 7:
+            taken.add(name)
+            out.append(name)
+    return out
+
+
+def make_entities(rng: random.Random, count: int) -> list[Entity]:
+    taken: set[str] = set()
+    names, capitals = _names(rng, count, taken), _names(rng, count, taken)
+    return [Entity(n, c, rng.randint(100, 9999)) for n, c in zip(names, capitals)]
+
+
+def corpus(entities: list[Entity]) -> list[dict]:
+    """One short document per fact (`contents`, the retriever server's field)."""
+    docs = []
+    for e in entities:
+        docs.append({"id": f"{e.name}-capital", "contents": f"The capital of {e.name} is {e.capital}."})
+        docs.append({"id": f"{e.name}-population", "contents": f"The population of {e.name} is {e.population}."})
+    return docs
+
+
+def search_result(doc: dict) -> str:
+    """What the search tool shows for a top-1 hit (`appo_trl.tools.search.format_results`)."""
+    return f"Page 1: {doc['contents']}"
+
+
+def python_question(rng: random.Random) -> Question:
+    a, b, c = rng.randint(11, 99), rng.randint(11, 99), rng.randint(2, 99)
+    op1, op2 = rng.choice(OPS), rng.choice(OPS)
+    expr = f"{a} {op1} {b} {op2} {c}"
+    value = str(eval(expr))  # noqa: S307 - our own three-number expression
+    trace = (f"<think>I will compute it with python.</think><python>print({expr})</python>{RESULT.format(value)}"
+             f"<answer>\\boxed{{{value}}}</answer>")  # fmt: skip
+    return Question("python", f"What is {expr}?", value, trace)
+
+
+def search_question(rng: random.Random, e: Entity) -> Question:
+    attr = rng.choice(("capital", "population"))
+    value = str(getattr(e, attr))
+    query = f"{attr} of {e.name}"
+    doc = {"contents": f"The {attr} of {e.name} is {value}."}
+    trace = (f"<think>I will search for it.</think><search>{query}</search>{RESULT.format(search_result(doc))}"
+             f"<answer>\\boxed{{{value}}}</answer>")  # fmt: skip
+    return Question("search", f"What is the {attr} of {e.name}?", value, trace)
+
+
+def both_question(rng: random.Random, e: Entity) -> Question:
+    k = rng.randint(2, 9)
+    value = str(e.population * k)
+    doc = {"contents": f"The population of {e.name} is {e.population}."}
+    trace = (f"<think>I will search, then compute.</think><search>population of {e.name}</search>"
+             f"{RESULT.format(search_result(doc))}<python>print({e.population} * {k})</python>{RESULT.format(value)}"
+             f"<answer>\\boxed{{{value}}}</answer>")  # fmt: skip
+    return Question("both", f"What is the population of {e.name} times {k}?", value, trace)
+
+
+@dataclasses.dataclass
+class SyntheticTask:
+    seed: int
+    entities: list[Entity]
+    sft: list[Question]
+    rl: list[Question]
+    heldout: list[Question]
+
+    @property
+    def corpus(self) -> list[dict]:
+        return corpus(self.entities)
+
+
+def _split(rng: random.Random, entities: list[Entity], count: int, seen: set[str]) -> list[Question]:
+    """`count` questions, families in turn (python, search, both), search ones about `entities` only."""
+    out: list[Question] = []
+    while len(out) < count:
+        family = FAMILIES[len(out) % len(FAMILIES)]
+        if family == "python":
+            q = python_question(rng)
+        elif family == "search":
+            q = search_question(rng, rng.choice(entities))
+        else:
+            q = both_question(rng, rng.choice(entities))
+        if q.question not in seen:
+            seen.add(q.question)
+            out.append(q)
+    return out
+
+
+def build_task(seed: int = 0, *, num_sft: int = 96, num_rl: int = 256, num_heldout: int = 96,
+               num_entities: int = 240) -> SyntheticTask:  # fmt: skip
+    """The encyclopedia and the three disjoint splits, all determined by `seed`.
+
+    Entities are split 1/4 SFT, 1/2 RL, 1/4 held-out; python questions are fresh random expressions, kept
+    unique across splits.
+    """
+    if min(num_sft, num_rl, num_heldout) < 0 or num_entities < 8:
+        raise ValueError("split sizes must be >= 0 and num_entities >= 8")
+    rng = random.Random(seed)
+    entities = make_entities(rng, num_entities)
+    q = num_entities // 4
+    seen: set[str] = set()
+    sft = _split(rng, entities[:q], num_sft, seen)
+    rl = _split(rng, entities[q : 3 * q], num_rl, seen)
+    heldout = _split(rng, entities[3 * q :], num_heldout, seen)
+    return SyntheticTask(seed, entities, sft, rl, heldout)
+
+
+def _jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+
+
+def write_task(out_dir: str | Path, seed: int = 0, **sizes) -> dict[str, str]:
+    """Write the task files into `out_dir`; returns their paths by name (corpus, sft, rl, heldout, registry)."""
+    task = build_task(seed, **sizes)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {name: out / f"{name}.jsonl" for name in ("corpus", "sft", "rl", "heldout")}
+    _jsonl(paths["corpus"], task.corpus)
+    _jsonl(paths["sft"], [q.sft_row() for q in task.sft])
+    _jsonl(paths["rl"], [q.rl_row() for q in task.rl])
+    _jsonl(paths["heldout"], [q.eval_row() for q in task.heldout])
+    registry = {
+        "tasks": {"qa": {"metric": "em", "pass_metric": "em", "tools": ["python", "search"]}},
+        "benchmarks": {"synthetic": {"path": str(paths["heldout"].resolve()), "task": "qa", "prompt": SYSTEM_PROMPT}},
+    }
+    paths["registry"] = out / "benchmarks.yaml"
+    paths["registry"].write_text(json.dumps(registry, indent=1), encoding="utf-8")  # JSON is valid YAML
+    return {k: str(v) for k, v in paths.items()}

@@ -1,0 +1,80 @@
+"""The synthetic demo task (appo_trl.synthetic): determinism, disjoint splits, correct traces, real tools agree."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+
+from appo_trl.rewards.deep_research import compute_score
+from appo_trl.synthetic import build_task, write_task
+from appo_trl.synthetic.task import corpus
+
+
+def test_same_seed_same_task_other_seed_other_task():
+    a, b, c = build_task(3), build_task(3), build_task(4)
+    assert [q.question for q in a.rl] == [q.question for q in b.rl]
+    assert a.corpus == b.corpus
+    assert [q.question for q in a.heldout] != [q.question for q in c.heldout]
+
+
+def test_splits_share_no_question_and_no_searched_entity():
+    t = build_task(0)
+    splits = {"sft": t.sft, "rl": t.rl, "heldout": t.heldout}
+    questions = {k: {q.question for q in v} for k, v in splits.items()}
+    assert not questions["sft"] & questions["rl"] and not questions["sft"] & questions["heldout"]
+    assert not questions["rl"] & questions["heldout"]
+    names = {e.name for e in t.entities}
+
+    def entities(qs):
+        return {w.rstrip("?") for q in qs for w in q.question.split() if w.rstrip("?") in names}
+
+    held = entities(t.heldout)
+    assert held and not held & entities(t.sft) and not held & entities(t.rl)
+    assert {q.family for q in t.heldout} == {"python", "search", "both"}
+
+
+def test_traces_are_valid_and_score_full_marks():
+    t = build_task(1)
+    for q in t.sft:
+        bonus = 0.1 if q.family == "both" else 0.0  # ARPO's multi-tool bonus
+        assert compute_score(q.trace, q.answer) == pytest.approx(1.0 + bonus), q.trace
+        assert q.trace.count("<result>") == {"python": 1, "search": 1, "both": 2}[q.family]
+
+
+def test_answers_follow_from_the_encyclopedia_and_the_arithmetic():
+    t = build_task(2)
+    facts = {d["contents"] for d in corpus(t.entities)}
+    for q in t.heldout + t.rl:
+        if q.family == "python":
+            expr = re.fullmatch(r"What is (.+)\?", q.question).group(1)
+            assert str(eval(expr)) == q.answer  # noqa: S307 - generated arithmetic
+        elif q.family == "search":
+            attr, name = re.fullmatch(r"What is the (\w+) of (\w+)\?", q.question).groups()
+            assert f"The {attr} of {name} is {q.answer}." in facts
+        else:
+            name, k = re.fullmatch(r"What is the population of (\w+) times (\d+)\?", q.question).groups()
+            pop = next(e.population for e in t.entities if e.name == name)
+            assert int(q.answer) == pop * int(k)
+
+
+def test_written_files_and_trace_results_match_the_real_tools(tmp_path):
+    from appo_trl.tools import build_tools
+    from appo_trl.tools.search import format_results
+
+    paths = write_task(tmp_path, seed=5, num_sft=9, num_rl=6, num_heldout=6, num_entities=16)
+    rows = {k: [json.loads(x) for x in open(paths[k])] for k in ("sft", "rl", "heldout", "corpus")}
+    assert [len(rows[k]) for k in ("sft", "rl", "heldout", "corpus")] == [9, 6, 6, 32]
+    assert set(rows["rl"][0]) >= {"prompt", "answer"} and set(rows["heldout"][0]) >= {"question", "answer"}
+    # the <result> text of each trace is what the python sandbox prints / what the search tool formats
+    python = build_tools(["python"], {})["python"]
+    by_text = {d["contents"] for d in rows["corpus"]}
+    for row in rows["sft"]:
+        trace = row["messages"][-1]["content"]
+        for code, out in re.findall(r"<python>(.*?)</python> <result>\n(.*?)\n</result>", trace):
+            assert asyncio.run(python.call(code)).text == out
+        for out in re.findall(r"</search> <result>\n(.*?)\n</result>", trace):
+            assert out == format_results([out.removeprefix("Page 1: ")], 1) and out.removeprefix("Page 1: ") in by_text
+    asyncio.run(python.aclose())
