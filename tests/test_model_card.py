@@ -101,7 +101,7 @@ def test_trl_local_card_names_strategy_method_and_local_base_model(strategy, tit
 
 
 SHIPPED_RL_RECIPES = sorted(
-    str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "recipes").glob("*/*.yaml") if p.name != "sft.yaml"
+    str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "recipes").glob("*/*.yaml") if not p.stem.startswith("sft")
 )
 
 
