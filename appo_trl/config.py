@@ -105,6 +105,13 @@ class APPOConfig(GRPOConfig):
             "At the limit the trajectory ends. Released values: 3 reasoning, 6 deep search."
         ),
     )
+    dump_rollouts: int = field(
+        default=0,
+        metadata=_h(
+            "Groups per training step written to `output_dir/rollouts/step_<N>.jsonl` (main process; 0 = off). "
+            "`appo rollouts OUTPUT_DIR` shows them as branch trees: fork points, rewards, tool calls."
+        ),
+    )
     rollout_concurrency: int = field(
         default=64, metadata=_h("Maximum sampler requests in flight per rank (async tool loop).")
     )
@@ -354,6 +361,7 @@ class APPOConfig(GRPOConfig):
         self._apply_reference()
         super().__post_init__()
         self._validate_appo()
+        self._warn_no_effect()
 
     def to_dict(self):
         """`TrainingArguments.to_dict` with Python tool functions written as their dotted names (for logging)."""
@@ -439,6 +447,8 @@ class APPOConfig(GRPOConfig):
                 self._fail(f"{name}={getattr(self, name)!r}; choose one of {allowed}.")
         if self.beam_size < 1:
             self._fail(f"beam_size={self.beam_size} must be >= 1.")
+        if self.dump_rollouts < 0:
+            self._fail(f"dump_rollouts={self.dump_rollouts} must be >= 0 (groups written per step).")
         for name in ("branch_probability", "reward_scale_discount", "future_kl_clip_ratio"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 self._fail(f"{name}={getattr(self, name)} must be in [0, 1].")
@@ -533,4 +543,22 @@ class APPOConfig(GRPOConfig):
                 f"initial rollouts = {rows // n * self.initial_rollouts} rows, which must split evenly into "
                 f"steps_per_generation = {spg} micro-batches; raise per_device_train_batch_size or change "
                 "initial_rollouts."
+            )
+
+    def _warn_no_effect(self):
+        """Settings that are valid but make a strategy do nothing useful: warned once, the run goes on."""
+        import warnings
+
+        if (
+            self.rollout_strategy == "appo"
+            and self.branch_rows_per_prompt > 0
+            and self.min_remaining_tokens >= self.max_completion_length
+        ):
+            warnings.warn(
+                f"APPOConfig: min_remaining_tokens={self.min_remaining_tokens} >= max_completion_length="
+                f"{self.max_completion_length}: no token can be a branch point, so every one of the "
+                f"{self.branch_rows_per_prompt} branches per prompt is a fallback (`branch/fallback_frac` = 1). "
+                "Lower min_remaining_tokens (e.g. to max_completion_length // 4).",
+                UserWarning,
+                stacklevel=4,  # the line that built the config (past __init__ and __post_init__)
             )

@@ -32,12 +32,14 @@ from pathlib import Path
 import yaml
 
 from appo_trl.errors import RecipeError
+from appo_trl.recipe_paths import SHIPPED_ROOT, find_recipe, resolve_recipe_paths
 
 LAUNCH_FLAGS = (
     "--accelerate_config", "--num_processes", "--mixed_precision", "--main_process_port",
     "--num_machines", "--machine_rank", "--main_process_ip",
 )  # fmt: skip
-REPO_ROOT = Path(__file__).resolve().parents[1]
+# the repository in a checkout, the copies inside the wheel otherwise (see appo_trl.recipe_paths)
+REPO_ROOT = SHIPPED_ROOT
 ACCELERATE_CONFIG_DIRS = (Path.cwd() / "accelerate_configs", REPO_ROOT / "accelerate_configs")
 
 
@@ -58,8 +60,12 @@ def _unknown_key_error(keys: Sequence[str], known: set[str], where: str) -> Reci
 
 
 def load_recipe(path: str | os.PathLike) -> dict:
-    """Read a recipe YAML into a dict (no validation beyond "it is a mapping")."""
-    path = Path(path)
+    """Read a recipe YAML into a dict (no validation beyond "it is a mapping").
+
+    A relative path that does not exist from the working directory is looked up among the shipped recipes.
+    The values are as written; `parse_recipe` resolves relative input paths against the recipe file.
+    """
+    path = find_recipe(path)
     if not path.is_file():
         raise RecipeError(f"Recipe file not found: {path}")
     try:
@@ -81,8 +87,10 @@ def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
 
 
 def split_launch_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
-    """Pull the launch flags out of argv: returns ({flag: value}, remaining argv)."""
-    launch, rest, it = {}, [], iter(argv)
+    """Pull the launch flags out of argv: returns ({flag: value}, remaining argv). Dash-style names are accepted."""
+    from appo_trl.arguments import normalize_flags
+
+    launch, rest, it = {}, [], iter(normalize_flags(argv))
     for arg in it:
         flag, eq, value = arg.partition("=")
         if flag in LAUNCH_FLAGS:
@@ -112,9 +120,9 @@ def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> tuple:
         i = argv.index("--config")
         if i + 1 >= len(argv):
             raise RecipeError("--config needs a path to a recipe YAML.")
-        config = load_recipe(argv[i + 1])
+        config = resolve_recipe_paths(load_recipe(argv[i + 1]), find_recipe(argv[i + 1]))
         global LAST_RECIPE_DIR
-        LAST_RECIPE_DIR = str(Path(argv[i + 1]).resolve().parent)  # dotted tool paths resolve from here first
+        LAST_RECIPE_DIR = str(find_recipe(argv[i + 1]).resolve().parent)  # dotted tool paths resolve from here first
         del argv[i : i + 2]
     env = config.pop("env", None) or {}
     if not isinstance(env, dict):

@@ -223,8 +223,10 @@ def main(script_args, training_args, model_args, recipe=None):
     from appo_trl.checkpoints import resolve_resume_checkpoint
     from appo_trl.data import load_sft_dataset
     from appo_trl.hub import defer_push, push_model
+    from appo_trl.trackers import prepare_trackers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    prepare_trackers(training_args)  # a missing tracker package fails here; wandb offline without an account
     from appo_trl import preflight
 
     preflight.check_model_source(model_args.model_name_or_path, model_args.model_revision)

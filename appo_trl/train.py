@@ -45,8 +45,10 @@ def main(script_args, training_args, model_args, recipe=None) -> APPOTrainer:  #
     from appo_trl.data import load_rl_dataset
     from appo_trl.hub import defer_push, push_model, recipe_dict
     from appo_trl.rewards import get_reward_func
+    from appo_trl.trackers import prepare_trackers
     from appo_trl.trainer import APPOTrainer
 
+    prepare_trackers(training_args)  # a missing tracker package fails here; wandb offline without an account
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     recipe = recipe if recipe is not None else recipe_dict(script_args, training_args, model_args)
     model_init_kwargs = {
@@ -99,6 +101,7 @@ def main(script_args, training_args, model_args, recipe=None) -> APPOTrainer:  #
     checkpoint = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model(training_args.output_dir)  # also saves the tokenizer; main process only
+    trainer.save_state()  # trainer_state.json (the log history `appo plot OUTPUT_DIR` draws)
     logger.info("Saved model to %s", training_args.output_dir)
     if push:
         push_model(

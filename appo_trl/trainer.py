@@ -33,6 +33,8 @@ from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 
 from appo_trl.config import APPOConfig
+from appo_trl.console import canonical_metrics, install_step_line
+from appo_trl.rollout_dump import dump_round
 from appo_trl.strategies import STRATEGIES, GRPOStrategy, RoundBatch
 from appo_trl.trainer_loss import compute_policy_loss
 from appo_trl.trainer_utils import pad_rows, select_rows
@@ -165,6 +167,12 @@ class APPOTrainer(GRPOTrainer):
         self._trl_sampler = (
             args.rollout_strategy == "grpo" and not self.tool_specs and not args.use_vllm and rollout_engine is None
         )
+        if args.dump_rollouts and self._trl_sampler:
+            raise ValueError(
+                "dump_rollouts needs appo-trl's rollout engine, but grpo without tools runs TRL's own sampler: "
+                "enable a tool (tools: [python]) or use TRL's log_completions instead."
+            )
+        install_step_line(self)  # one readable console line per step; the trackers still get every metric
         self._tool_idle_rounds = 0
         self._round: RoundBatch | None = None
         self._round_rewards: torch.Tensor | None = None
@@ -326,15 +334,19 @@ class APPOTrainer(GRPOTrainer):
         m["completions/min_length"].append(sampled.float().min().item())
         m["completions/max_length"].append(sampled.float().max().item())
         m["completions/clipped_ratio"].append(truncated.float().mean().item())
-        m["tools/call_frequency"].append(calls.float().mean().item())
-        m["tools/calls_per_round"].append(calls.sum().item())
+        terminated = sampled[~truncated.bool()].float()  # TRL's keys: lengths of completions that ended
+        terminated = terminated if terminated.numel() else torch.zeros(1, device=device)
+        m["completions/mean_terminated_length"].append(terminated.mean().item())
+        m["completions/min_terminated_length"].append(terminated.min().item())
+        m["completions/max_terminated_length"].append(terminated.max().item())
+        m["tools/call_frequency"].append(calls.float().mean().item())  # executed calls: `tools/calls` (engine)
         if mode == "train":
             self._warn_if_no_tool_calls(int(calls.sum().item()), strategy.name)
         m["rollout/sampled_tokens"].append(new_tokens.sum().item())  # branch prefixes counted once, in the parent
         m["branch/loss_rows_frac"].append(kept.mean().item())
         engine = self._rollout_engine
         if engine is not None and hasattr(engine, "metrics"):  # local engine/tool statistics (no collective)
-            for key, value in engine.metrics().items():
+            for key, value in canonical_metrics(engine.metrics()).items():  # one name per quantity
                 if isinstance(value, (int, float)):
                     m[key if "/" in key else f"rollout/{key}"].append(float(value))
             if hasattr(engine, "reset_metrics"):
@@ -445,6 +457,8 @@ class APPOTrainer(GRPOTrainer):
         local = rewards_per_func[start : start + num_rows]
         rewards = (local * self.reward_weights.to(local.device).unsqueeze(0)).nansum(dim=1)
         out["advantages"] = strategy.advantages(batch, rewards, out["advantages"], out["completion_ids"].size(1))
+        if mode == "train" and self.args.dump_rollouts:  # sample groups for `appo rollouts OUTPUT_DIR`
+            dump_round(self, inputs, batch, rewards, out)
         if not all(batch.keep):
             keep = torch.tensor([i for i, k in enumerate(batch.keep) if k], dtype=torch.long)
             out = select_rows(out, keep, num_rows)

@@ -143,7 +143,7 @@ def test_missing_local_model_folder_is_named(workdir, capfd):
     "keys,expected",
     [
         ({"dataset_name": "data/nope.jsonl"}, "Dataset path 'data/nope.jsonl' does not exist"),
-        ({"dataset_name": "empty.jsonl"}, "Dataset file 'empty.jsonl' is empty"),
+        ({"dataset_name": "empty.jsonl"}, "empty.jsonl' is empty"),  # resolved next to the recipe
         ({"prompt_column": "question"}, "has no prompt column 'question'; columns found: ['answer', 'prompt']"),
         ({"answer_column": "gold"}, "has no answer column 'gold'"),
     ],

@@ -184,5 +184,5 @@ def test_recipe_from_argv_is_the_yaml_plus_overrides():
         ]
     )
     assert recipe["learning_rate"] == 2e-5 and recipe["packing"] is True and recipe["use_peft"] is True
-    assert recipe["mask_tool_results"] is True and recipe["dataset_name"] == "recipes/tiny/data/sft_tir.jsonl"
+    assert recipe["mask_tool_results"] is True and recipe["dataset_name"] == "data/sft_tir.jsonl"
     assert "env" not in recipe and "num_processes" not in recipe and "hub_token" not in recipe

@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("appo_trl.cli.sft", "SFT cold start from a YAML recipe (TRL SFTTrainer)"),
     "eval": ("appo_trl.cli.eval", "tool-integrated evaluation with pass@k, judge and reports"),
     "demo": ("appo_trl.cli.demo", "build the tiny offline model and run the tiny recipe end to end on CPU"),
+    "plot": ("appo_trl.cli.plot", "training curves (reward, accuracy, tool calls, branches, step time) to a PNG"),
+    "rollouts": ("appo_trl.cli.rollouts", "sample trajectories of a run as branch trees (needs --dump_rollouts)"),
     "tool": ("appo_trl.cli.tool", "run one tool call (python sandbox or search) and print JSON"),
     "serve-search": ("appo_trl.cli.serve_search", "local BM25 retriever server (Search-R1 /retrieve protocol)"),
     "tiny-model": ("appo_trl.cli.tiny_model", "build a tiny random Qwen3 model + tokenizer, offline"),
