@@ -7,8 +7,6 @@ server's message in `{"error": {"message": ...}}`; `/v1/models` reports `max_mod
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from appo_trl.rollout import RolloutConfig, RolloutEngine, SamplingParams
@@ -20,18 +18,12 @@ from appo_trl.rollout.vllm_server import (
     parse_choice,
 )
 from bench.fake_vllm import FakeVLLMServer, ScriptedPolicy
+from tests.rollout.conftest import generate_once
 
 pytestmark = pytest.mark.network
 
 
-def _gen(backend, prompt, params):
-    async def go():
-        try:
-            return await backend.generate(prompt, params)
-        finally:
-            await backend.aclose()
-
-    return asyncio.run(go())
+_gen = generate_once
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ import sysconfig
 import pytest
 
 from appo_trl.tools.python_sandbox import PythonTool, PythonToolConfig
+from tests.tools.conftest import assert_alive, running_python_tool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,15 +31,11 @@ UMOUNT_PROC = "import ctypes\nctypes.CDLL(None).umount2(b'/proc', 2)\n"
 
 @pytest.fixture(scope="module")
 def tool():
-    t = PythonTool(CONFIG)
-    t.start()
-    yield t
-    asyncio.run(t.aclose())
+    with running_python_tool(CONFIG) as t:
+        yield t
 
 
-def alive(tool, code):
-    after = asyncio.run(tool.call("print(6*7)"))
-    assert after.ok and after.text == "42", f"sandbox broken after {code!r}: {after}"
+alive = assert_alive
 
 
 def run(tool, code):

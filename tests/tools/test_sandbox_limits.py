@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from appo_trl.tools.python_sandbox import PythonTool, PythonToolConfig
+from tests.tools.conftest import assert_alive, running_python_tool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,16 +20,13 @@ CONFIG = PythonToolConfig(timeout_s=8.0, memory_mb=1024, max_processes=32, max_o
 
 @pytest.fixture(scope="module")
 def tool():
-    t = PythonTool(CONFIG)
-    t.start()
-    yield t
-    asyncio.run(t.aclose())
+    with running_python_tool(CONFIG) as t:
+        yield t
 
 
 def run(tool, code):
     result = asyncio.run(tool.call(code))
-    after = asyncio.run(tool.call("print(6*7)"))
-    assert after.ok and after.text == "42", f"sandbox broken after {code!r}: {after}"
+    assert_alive(tool, code)
     return result
 
 

@@ -21,6 +21,7 @@ import pytest
 from appo_trl.tools import isolation as iso
 from appo_trl.tools import python_sandbox as ps
 from appo_trl.tools.python_sandbox import PythonTool, PythonToolConfig
+from tests.tools.conftest import running_python_tool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,10 +31,8 @@ CONFIG = PythonToolConfig(timeout_s=5.0, memory_mb=1024, max_processes=32, max_o
 
 @pytest.fixture
 def tool():
-    t = PythonTool(CONFIG)
-    t.start()
-    yield t
-    asyncio.run(t.aclose())
+    with running_python_tool(CONFIG) as t:
+        yield t
 
 
 async def _gather(tool, codes):
