@@ -10,9 +10,11 @@ the maths in `appo_trl.algorithms`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig, ScriptArguments
+
+from appo_trl.reference import REFERENCE_PRESETS
 
 
 @dataclass
@@ -43,7 +45,7 @@ class APPOScriptArguments(ScriptArguments):
 
 ROLLOUT_STRATEGIES = ("grpo", "arpo", "aepo", "appo")
 LOSS_MODES = ("clip", "dual_clip", "future_kl", "entropy_balanced")
-# Loss normalisers the custom (non-TRL) loss modes reproduce exactly (spec/trl-internals.md §6.2 step 10).
+# Loss normalisers the custom (non-TRL) loss modes reproduce exactly (TRL `GRPOTrainer._compute_loss`).
 CUSTOM_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
 DEFAULT_LOSS_MODE = {"grpo": "clip", "arpo": "clip", "aepo": "clip", "appo": "future_kl"}
 
@@ -61,10 +63,38 @@ class APPOConfig(GRPOConfig):
     after tool results with probability clip(τ + β·ΔH); `aepo` adds a dynamic initial budget, a consecutive-branch
     penalty and entropy-balanced clipping / advantage; `appo` starts `initial_rollouts`, scores every token with
     BS_t = Z(H)·Z(FV) after one trainer forward, branches at the top n − initial points, credits branch outcomes to
-    the source trajectory's prefix and optimises the initial rollouts only (spec/algorithms.md §2, §4, §5.5).
+    the source trajectory's prefix and optimises the initial rollouts only (ARPO, AEPO and APPO papers; every
+    place where our defaults differ from the released code is listed in docs/fidelity.md).
+
+    `reference: arpo | aepo | appo` sets every switch of that algorithm to the released implementation's
+    behaviour (`REFERENCE_PRESETS`); a switch set explicitly to a value other than its default and other than
+    the preset's value is an error; one left at (or set to) its default takes the preset's value.
     """
 
-    tools: list[str] = field(default_factory=list, metadata=_h("Tools the agent may call, e.g. `python search`."))
+    reference: str | None = field(
+        default=None,
+        metadata=_h(
+            "`arpo`, `aepo` or `appo`: reproduce that algorithm's released implementation (sets the strategy and "
+            "every fidelity switch, see docs/fidelity.md); unset = our defaults."
+        ),
+    )
+
+    tools: list[str] = field(
+        default_factory=list,
+        metadata=_h(
+            "Tools the agent may call: built-in `python`, `search`, or (tool_format=chat) Python functions / dotted "
+            "import paths such as `tools.lookup` (resolved from the recipe's folder, then the working directory). "
+            "Schemas come from signatures and docstrings, as in TRL's `GRPOTrainer(tools=...)`."
+        ),
+    )
+    tool_format: str | None = field(
+        default=None,
+        metadata=_h(
+            "`tags` (ARPO: <python>...</python>, results in <result>) or `chat` (the model's chat template: tool "
+            "schemas in the prompt, <tool_call> JSON, results as `tool` messages). Default: chat when any tool is "
+            "a Python function or dotted path, else tags."
+        ),
+    )
     tool_config: dict | str | None = field(
         default=None, metadata=_h("Per-tool parameters as a mapping (YAML) or JSON string, keyed by tool name.")
     )
@@ -75,8 +105,29 @@ class APPOConfig(GRPOConfig):
             "At the limit the trajectory ends. Released values: 3 reasoning, 6 deep search."
         ),
     )
+    dump_rollouts: int = field(
+        default=0,
+        metadata=_h(
+            "Groups per training step written to `output_dir/rollouts/step_<N>.jsonl` (main process; 0 = off). "
+            "`appo rollouts OUTPUT_DIR` shows them as branch trees: fork points, rewards, tool calls."
+        ),
+    )
     rollout_concurrency: int = field(
         default=64, metadata=_h("Maximum sampler requests in flight per rank (async tool loop).")
+    )
+    # --- vLLM weight sync (server mode) ---------------------------------------------------------------------
+    vllm_weight_sync: str = field(
+        default="auto",
+        metadata=_h(
+            "How weights reach the vLLM server once per round: `nccl` (TRL's weight-transfer engine, CUDA only), "
+            "`disk` (safetensors + POST /collective_rpc reload_weights + /reset_prefix_cache; the server needs "
+            "VLLM_SERVER_DEV_MODE=1 and must read the folder), or `auto` (disk when the trainer or the server "
+            "runs on CPU, else nccl). See appo_trl.vllm_weight_sync."
+        ),
+    )
+    vllm_weight_sync_dir: str | None = field(
+        default=None,
+        metadata=_h("disk sync: folder the server reads the weights from (default: a temporary folder)."),
     )
     # --- strategy -------------------------------------------------------------------------------------------
     rollout_strategy: str = field(
@@ -101,6 +152,20 @@ class APPOConfig(GRPOConfig):
         ),
     )
     entropy_weight: float = field(default=0.2, metadata=_h("ARPO/AEPO: entropy weight β in P = clip(τ + β·ΔH, 0, 1)."))
+    empty_segment_entropy: str = field(
+        default="nan",
+        metadata=_h(
+            "ARPO/AEPO: entropy of an empty segment (a tool call right after a result). `nan` (ours): unknown, "
+            "ΔH = 0. `zero` (released code): H = 0, so ΔH = −H_root. Example: H_root = 1, τ 0.5, β 0.2 → P 0.5 vs 0.3."
+        ),
+    )
+    advantage_std_eps: float = field(
+        default=1e-4,
+        metadata=_h(
+            "ε in the group advantage (r − mean)/(std + ε) of grpo/arpo/aepo: 1e-4 is TRL's, the released code uses "
+            "1e-6 (needs scale_rewards=group). Example: rewards [1, 0], std 0.7071 → A₀ 0.70700 vs 0.70711."
+        ),
+    )
     entropy_tokens: int = field(
         default=20, metadata=_h("Tokens after a tool result (or at the root) whose entropy forms H (ARPO window).")
     )
@@ -126,9 +191,6 @@ class APPOConfig(GRPOConfig):
             "`reuse` takes H_root / H_tool from the first initial rollout (no extra rollout)."
         ),
     )
-    initial_entropy_tokens: int = field(
-        default=50, metadata=_h("AEPO: max tokens of the root-entropy probe generation.")
-    )
     branch_penalty: float = field(
         default=0.05,
         metadata=_h(
@@ -136,18 +198,34 @@ class APPOConfig(GRPOConfig):
             "that created branches. 0 disables it."
         ),
     )
-    entropy_balanced_clipping: bool = field(
-        default=False,
+    aepo_penalty_scope: str = field(
+        default="lineage",
         metadata=_h(
-            "AEPO: entropy-balanced clipping (the clipped upper branch keeps its gradient through "
-            "(1+ε_h)·ρ/sg(ρ)); selects `loss_mode: entropy_balanced`."
+            "AEPO: what the consecutive-branch count l follows. `lineage` (ours): fork points of the trajectory's "
+            "own lineage in a row that forked. `prompt` (released code): rounds in a row in which the prompt created "
+            "a trajectory (fork or refill), not reset by rounds in which nothing in the batch was created. Example: "
+            "a prompt forks in round 1, nobody in round 2 → round-3 P = 1 − 0.5/0.95 = 0.474 (prompt) vs 0.5."
         ),
     )
-    entropy_balanced_advantage: bool = field(
-        default=False,
+    entropy_balanced_clipping: bool | None = field(
+        default=None,
         metadata=_h(
-            "AEPO: entropy-aware advantage A·clamp(1 + a·z(H_t), 0, 2), actually applied (the reference "
-            "silently skips it when entropy_coeff = 0)."
+            "AEPO: entropy-balanced clipping (the clipped upper branch keeps its gradient through "
+            "(1+ε_h)·ρ/sg(ρ)); selects `loss_mode: entropy_balanced`. Default: on for aepo, off otherwise."
+        ),
+    )
+    entropy_balanced_advantage: bool | None = field(
+        default=None,
+        metadata=_h(
+            "AEPO: entropy-aware advantage A·clamp(1 + a·z(H_t), 0, 2), actually applied. Default: on for aepo "
+            "(the released code sets it but silently skips it because entropy_coeff = 0; `reference: aepo` is off)."
+        ),
+    )
+    entropy_advantage_clamp: bool = field(
+        default=True,
+        metadata=_h(
+            "AEPO: clamp the entropy-aware factor 1 + a·z to [0, 2] (ours); False = released code (z < −1/a flips "
+            "the advantage's sign). Example: a = 0.2, z = −6 → factor 0 vs −0.2."
         ),
     )
     entropy_advantage_weight: float = field(default=0.2, metadata=_h("AEPO: weight a of the entropy-aware advantage."))
@@ -159,11 +237,11 @@ class APPOConfig(GRPOConfig):
             "0.8, 1.2). Default matches the future-KL horizon 2^(−1/64); the reference uses 1.0."
         ),
     )
-    max_branches_per_rollout: int | None = field(
-        default=None,
+    max_branches_per_rollout: str | None = field(
+        default="auto",
         metadata=_h(
-            "APPO: cap of branch points per initial rollout; default ⌈(n − N)/N⌉ + 1. Exceeded only as a "
-            "fallback to keep the group at exactly n."
+            "APPO: cap of branch points per initial rollout: `auto` (ours) = ⌈(n − N)/N⌉ + 1, an integer, or null = "
+            "no cap (released code). Exceeded only as a fallback to keep the group at exactly n."
         ),
     )
     min_remaining_tokens: int = field(
@@ -171,7 +249,37 @@ class APPOConfig(GRPOConfig):
     )
     exclude_whitespace_punct: bool = field(
         default=True,
-        metadata=_h("APPO: whitespace- or punctuation-only tokens (and the final EOS) are never branch points."),
+        metadata=_h("APPO: False disables the token filter of `branch_token_filter` (every token may be a point)."),
+    )
+    branch_token_filter: str = field(
+        default="whitespace_punct",
+        metadata=_h(
+            "APPO: tokens that are never branch points. `whitespace_punct` (ours): whitespace- or punctuation-only "
+            "and special tokens; `whitespace` (released code): whitespace-only, so `,` and the EOS may be picked; "
+            "`none`."
+        ),
+    )
+    branch_allow_last_token: bool = field(
+        default=False,
+        metadata=_h(
+            "APPO: True lets a row's last sampled token (usually the EOS) be a branch point (released code); False "
+            "(ours) excludes it: a branch after the EOS only re-samples padding."
+        ),
+    )
+    branch_zscore_scope: str = field(
+        default="candidates",
+        metadata=_h(
+            "APPO: tokens over which Z(H) and Z(FV) are taken per rollout: `candidates` (ours, the tokens that can "
+            "be picked) or `loss_mask` (released code: every sampled token, filtered ones included). Example: H = "
+            "[0, 1, 5] with the 5 on a filtered token → Z(H) of the middle token +1.0 (candidates) vs −0.46."
+        ),
+    )
+    fv_degeneracy_guard: bool = field(
+        default=True,
+        metadata=_h(
+            "APPO: a rollout whose FV is constant (std < 1e-4, the on-policy case) gets Z(FV) := 1 so BS = Z(H) "
+            "(ours); False = released code, where BS ≈ 0 and float noise / token order picks the points."
+        ),
     )
     resample_selected_token: bool = field(
         default=False,
@@ -220,7 +328,26 @@ class APPOConfig(GRPOConfig):
         default=64.0, metadata=_h("future_kl: half-life in tokens; γ_L = 2^(−1/decay_rate).")
     )
     future_kl_clip_ratio: float = field(
-        default=0.2, metadata=_h("future_kl: clip ε_f of the future importance weight.")
+        default=0.2,
+        metadata=_h(
+            "future_kl: clip ε_f of the future importance weight (also the FV clip of APPO's branch score). 0 is "
+            "the released code's 'no clip' (weight ≤ 10) and is accepted only with `reference: appo`."
+        ),
+    )
+    future_kl_normalizer: str = field(
+        default="loss_type",
+        metadata=_h(
+            "future_kl: denominator when the safety rule drops sequences. `loss_type` (ours): TRL's normaliser, "
+            "dropped tokens still counted; `kept_tokens` (released code, needs loss_type=bnpo): token mean over the "
+            "kept rows of the micro-batch. Example: one of two 3-token rows dropped, kept loss −6 → −1.0 vs −2.0."
+        ),
+    )
+    kl_clamp: float | None = field(
+        default=None,
+        metadata=_h(
+            "Clamp of the per-token k3 KL estimate to [−c, c] (only with beta ≠ 0): null (ours, TRL) or 10 "
+            "(released verl code). Example: logπ − logπ_ref = 3 → k3 = e³ − 4 = 16.09, clamped 10."
+        ),
     )
     future_kl_weight: float = field(default=1.0, metadata=_h("future_kl: weight b in Ã = A·(1 + b·f)."))
     future_kl_clip_high_only: bool = field(
@@ -231,8 +358,37 @@ class APPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        self._apply_reference()
         super().__post_init__()
         self._validate_appo()
+        self._warn_no_effect()
+
+    def to_dict(self):
+        """`TrainingArguments.to_dict` with Python tool functions written as their dotted names (for logging)."""
+        from appo_trl.tools.callables import tool_label
+
+        out = super().to_dict()
+        if out.get("tools"):
+            out["tools"] = [tool_label(t) for t in out["tools"]]
+        return out
+
+    def _apply_reference(self):
+        """Set every switch of `REFERENCE_PRESETS[reference]`; refuse an explicit conflicting value."""
+        if self.reference is None:
+            return
+        if self.reference not in REFERENCE_PRESETS:
+            self._fail(f"reference={self.reference!r}; choose one of {tuple(REFERENCE_PRESETS)}.")
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, value in REFERENCE_PRESETS[self.reference].items():
+            current = getattr(self, name)
+            if current == value:
+                continue
+            if current != defaults[name]:
+                self._fail(
+                    f"reference={self.reference} sets {name}={value!r} (the released code's behaviour), but the "
+                    f"config sets {name}={current!r}; remove one of them."
+                )
+            setattr(self, name, value)
 
     @property
     def branch_rows_per_prompt(self) -> int:
@@ -257,9 +413,14 @@ class APPOConfig(GRPOConfig):
             self._fail(f"initial_rollouts={self.initial_rollouts} must be in [1, num_generations={n}].")
         if self.rollout_strategy == "grpo" and self.initial_rollouts != n:
             self._fail("rollout_strategy=grpo does not branch: initial_rollouts must equal num_generations.")
+        is_aepo = self.rollout_strategy == "aepo"
+        if self.entropy_balanced_clipping is None:  # `rollout_strategy: aepo` alone is AEPO
+            self.entropy_balanced_clipping = is_aepo and self.loss_mode in (None, "entropy_balanced")
+        if self.entropy_balanced_advantage is None:
+            self.entropy_balanced_advantage = is_aepo
         if self.loss_mode is None:
             self.loss_mode = DEFAULT_LOSS_MODE[self.rollout_strategy]
-            if self.rollout_strategy == "aepo" and self.entropy_balanced_clipping:
+            if is_aepo and self.entropy_balanced_clipping:
                 self.loss_mode = "entropy_balanced"
         if self.loss_mode not in LOSS_MODES:
             self._fail(f"loss_mode={self.loss_mode!r}; choose one of {LOSS_MODES}.")
@@ -275,15 +436,38 @@ class APPOConfig(GRPOConfig):
             "advantage_mode": ("dual_group", "group"),
             "m_scaling": ("advantage", "reward_noop"),
             "branch_entropy_source": ("sampler_topk", "trainer"),
+            "empty_segment_entropy": ("nan", "zero"),
+            "aepo_penalty_scope": ("lineage", "prompt"),
+            "branch_token_filter": ("whitespace_punct", "whitespace", "none"),
+            "branch_zscore_scope": ("candidates", "loss_mask"),
+            "future_kl_normalizer": ("loss_type", "kept_tokens"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 self._fail(f"{name}={getattr(self, name)!r}; choose one of {allowed}.")
         if self.beam_size < 1:
             self._fail(f"beam_size={self.beam_size} must be >= 1.")
+        if self.dump_rollouts < 0:
+            self._fail(f"dump_rollouts={self.dump_rollouts} must be >= 0 (groups written per step).")
         for name in ("branch_probability", "reward_scale_discount", "future_kl_clip_ratio"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 self._fail(f"{name}={getattr(self, name)} must be in [0, 1].")
+        if self.future_kl_clip_ratio == 0.0 and self.reference != "appo":
+            self._fail(
+                "future_kl_clip_ratio=0 means 'no clip' (weight clamped to ≤ 10) in the released APPO code; set "
+                "reference: appo to use that meaning, or a ratio in (0, 1]."
+            )
+        if self.future_kl_normalizer == "kept_tokens" and (self.loss_mode != "future_kl" or self.loss_type != "bnpo"):
+            self._fail(
+                "future_kl_normalizer=kept_tokens is verl's token mean over the kept rows of a micro-batch: it needs "
+                f"loss_mode=future_kl and loss_type=bnpo (got {self.loss_mode!r}, {self.loss_type!r})."
+            )
+        if self.kl_clamp is not None and self.kl_clamp <= 0:
+            self._fail(f"kl_clamp={self.kl_clamp} must be > 0 (or null for no clamp).")
+        if not self.advantage_std_eps > 0:
+            self._fail(f"advantage_std_eps={self.advantage_std_eps} must be > 0.")
+        if self.advantage_std_eps != 1e-4 and self.scale_rewards not in ("group", True):
+            self._fail(f"advantage_std_eps needs scale_rewards=group (got {self.scale_rewards!r}).")
         if not 0.0 < self.fv_gamma <= 1.0:
             self._fail(f"fv_gamma={self.fv_gamma} must be in (0, 1].")
         if self.clip_ratio_c <= 1.0:
@@ -297,9 +481,8 @@ class APPOConfig(GRPOConfig):
             or self.min_remaining_tokens < 0
         ):
             self._fail("tool_call_limit, min_remaining_tokens must be >= 0 and entropy_tokens, entropy_topk >= 1.")
-        if self.max_branches_per_rollout is None:
-            self.max_branches_per_rollout = math.ceil(self.branch_rows_per_prompt / self.initial_rollouts) + 1
-        if self.loss_mode != "clip":
+        self._resolve_branch_cap()
+        if self.loss_mode != "clip" or (self.kl_clamp is not None and self.beta != 0.0):
             if self.loss_type not in CUSTOM_LOSS_TYPES:
                 self._fail(
                     f"loss_mode={self.loss_mode} supports loss_type in {CUSTOM_LOSS_TYPES} (got {self.loss_type!r})."
@@ -308,12 +491,36 @@ class APPOConfig(GRPOConfig):
                 self._fail(
                     f"loss_mode={self.loss_mode} does not support top_entropy_quantile < 1; use loss_mode=clip."
                 )
+        if self.tool_format not in (None, "tags", "chat"):
+            self._fail(f"tool_format={self.tool_format!r}; choose one of ('tags', 'chat').")
+        if isinstance(self.tools, str) or callable(self.tools):  # `tools: python` in YAML, `tools=func` in Python
+            self.tools = [self.tools]
+        if self.max_tool_calling_iterations is not None:  # TRL's name for the per-rollout tool-call budget
+            self.tool_call_limit = self.max_tool_calling_iterations
+        if self.vllm_weight_sync not in ("auto", "nccl", "disk"):
+            self._fail(f"vllm_weight_sync must be auto, nccl or disk (got {self.vllm_weight_sync!r}).")
         if self.use_vllm and self.vllm_mode != "server":
             self._fail(
                 "the tool loop samples through vLLM's HTTP server only: set vllm_mode=server "
                 "(colocate mode is not supported by appo-trl's rollout engine)."
             )
         self._validate_batching()
+
+    def _resolve_branch_cap(self):
+        """`auto` → ⌈(n − N)/N⌉ + 1; null / "none" → no cap (None); an integer (or its string) → that cap (≥ 1)."""
+        cap = self.max_branches_per_rollout
+        if isinstance(cap, str) and cap.strip().lower() in ("none", "null"):
+            cap = None
+        if cap == "auto":
+            cap = math.ceil(self.branch_rows_per_prompt / self.initial_rollouts) + 1
+        elif cap is not None:
+            try:
+                cap = int(cap)
+            except (TypeError, ValueError):
+                self._fail(f"max_branches_per_rollout={cap!r}; use auto, a positive integer or null (no cap).")
+            if cap < 1:
+                self._fail(f"max_branches_per_rollout={cap} must be >= 1 (null = no cap).")
+        self.max_branches_per_rollout = cap
 
     def _validate_batching(self):
         """Groups stay on one rank, and the rows left after dropping branches still split into micro-batches.
@@ -336,4 +543,22 @@ class APPOConfig(GRPOConfig):
                 f"initial rollouts = {rows // n * self.initial_rollouts} rows, which must split evenly into "
                 f"steps_per_generation = {spg} micro-batches; raise per_device_train_batch_size or change "
                 "initial_rollouts."
+            )
+
+    def _warn_no_effect(self):
+        """Settings that are valid but make a strategy do nothing useful: warned once, the run goes on."""
+        import warnings
+
+        if (
+            self.rollout_strategy == "appo"
+            and self.branch_rows_per_prompt > 0
+            and self.min_remaining_tokens >= self.max_completion_length
+        ):
+            warnings.warn(
+                f"APPOConfig: min_remaining_tokens={self.min_remaining_tokens} >= max_completion_length="
+                f"{self.max_completion_length}: no token can be a branch point, so every one of the "
+                f"{self.branch_rows_per_prompt} branches per prompt is a fallback (`branch/fallback_frac` = 1). "
+                "Lower min_remaining_tokens (e.g. to max_completion_length // 4).",
+                UserWarning,
+                stacklevel=4,  # the line that built the config (past __init__ and __post_init__)
             )

@@ -19,7 +19,9 @@ RL rows (`load_rl_dataset`) always come out as:
 - `prompt`: a list of chat messages `{role, content}`. A string prompt becomes one user message; the
   configured system prompt (registry name from `SYSTEM_PROMPTS` or literal text) is prepended, replacing a
   system message the data already carries.
-- `answer`: the gold answer, `str` or `list[str]`; TRL passes it to every reward function as a kwarg.
+- `answer`: the gold answer, `str` or `list[str]`; TRL passes it to every reward function as a kwarg. With
+  the default `answer_column` the column is optional (rewards that need it are checked at start-up); a
+  configured `answer_column` must exist.
 - `ability`, `data_source`: copied when the source has them.
 
 ARPO's RL parquet files (verl schema: `prompt` messages, `reward_model.ground_truth`, `ability`,
@@ -27,7 +29,8 @@ ARPO's RL parquet files (verl schema: `prompt` messages, `reward_model.ground_tr
 present, the answer is `reward_model.ground_truth`. Their system prompt contains a literal backspace
 (`"\\x08oxed"`, an unescaped `"\\b"` in ARPO's export); every message is repaired back to `\\boxed`.
 Any column may be a dotted path into a struct column (`answer_column: reward_model.ground_truth`).
-A missing column is an error naming the column, the source and the columns found.
+A missing column is an error naming the column, the source and the columns found. A local path that does not
+exist, an empty data file or an empty split is a `DataError` naming it (never a Hub lookup of a local path).
 
 SFT rows (`load_sft_dataset`) come out as `messages`; LLaMA-Factory sharegpt records (`system`,
 `conversations: [{from, value}]`, ARPO-SFT's format) are converted by `sharegpt_to_messages`.
@@ -39,11 +42,14 @@ and no network access of its own (a Hub id goes through `datasets.load_dataset`,
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from appo_trl.errors import DataError
 
 DATA_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 ARPO_ANSWER_PATH = "reward_model.ground_truth"
@@ -51,7 +57,7 @@ PASSTHROUGH_COLUMNS = ("ability", "data_source")
 MIXTURE_SEED = 42
 
 # System prompts by name (`system_prompt: tir` in a recipe). Literal text works too; these are our own
-# wording of the tool-integrated reasoning (TIR) format the rewards check (see spec §1.1).
+# wording of the tool-integrated reasoning (TIR) format the rewards check (ARPO's released tool-call format).
 _TIR_FORMAT = (
     "Think step by step inside <think> </think>. Whenever a tool helps, call it by writing the call between "
     "its tags and stop; the result comes back between <result> and </result>, after which you continue "
@@ -71,7 +77,11 @@ SYSTEM_PROMPTS: dict[str, str] = {
 }
 
 
-class DatasetColumnError(KeyError):
+class DataPathError(DataError, FileNotFoundError):
+    """A local dataset path that does not exist."""
+
+
+class DatasetColumnError(DataError, KeyError):
     """A configured column is missing from a source (the message names the columns that exist)."""
 
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable
@@ -94,7 +104,7 @@ class DataSource:
 def parse_sources(spec: str | Mapping | Sequence | None) -> list[DataSource]:
     """Turn a recipe's `dataset_name` (string, `a@0.5,b@1` string, mapping or list) into `DataSource`s."""
     if spec is None or spec == "":
-        raise ValueError("No dataset given: set `dataset_name` in the recipe or pass --dataset_name.")
+        raise DataError("No dataset given: set `dataset_name` in the recipe or pass --dataset_name.")
     if isinstance(spec, Mapping):
         items = list(spec.items())
     elif isinstance(spec, str):
@@ -112,7 +122,7 @@ def parse_sources(spec: str | Mapping | Sequence | None) -> list[DataSource]:
     sources = [DataSource(str(path), float(weight)) for path, weight in items]
     for s in sources:
         if not s.path or s.weight <= 0:
-            raise ValueError(f"Invalid dataset source {s}: needs a path and a weight > 0.")
+            raise DataError(f"Invalid dataset source {s}: needs a path and a weight > 0.")
     return sources
 
 
@@ -124,21 +134,52 @@ def load_source(path: str, split: str = "train", config_name: str | None = None)
     if os.path.isfile(expanded):
         builder = DATA_FILE_BUILDERS.get(os.path.splitext(expanded)[1].lower())
         if builder is None:
-            raise ValueError(f"Unsupported data file {path!r}: use one of {sorted(DATA_FILE_BUILDERS)}.")
+            raise DataError(f"Unsupported data file {path!r}: use one of {sorted(DATA_FILE_BUILDERS)}.")
         if split != "train":  # never hand the training rows back as an evaluation split
-            raise ValueError(
+            raise DataError(
                 f"{path!r} is a single file, which only provides the 'train' split, not {split!r}; "
                 "point dataset_name at a folder with per-split files (e.g. train.parquet, test.parquet)."
             )
-        return datasets.load_dataset(builder, data_files=expanded, split="train")
-    if os.path.isdir(expanded) or path.startswith((".", "/", "~")):
+        if builder == "json" and not _has_content(expanded):
+            raise DataError(f"Dataset file {path!r} is empty (no records).")
+        ds = datasets.load_dataset(builder, data_files=expanded, split="train")
+    elif os.path.isdir(expanded) or _looks_local(path):
         if not os.path.isdir(expanded):
-            raise FileNotFoundError(f"Dataset path {path!r} does not exist.")
+            raise DataPathError(f"Dataset path {path!r} does not exist (looked for {os.path.abspath(expanded)}).")
         loaded = datasets.load_dataset(expanded)
+        ds = _split(loaded, split, path)
     else:
-        loaded = datasets.load_dataset(path, name=config_name)
+        try:
+            loaded = datasets.load_dataset(path, name=config_name)
+        except (ConnectionError, FileNotFoundError, OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DataError(
+                f"Dataset {path!r} is not a local file or folder (no {os.path.abspath(expanded)}) and could not be "
+                f"loaded from the Hub: {first}"
+            ) from exc
+        ds = _split(loaded, split, path)
+    if len(ds) == 0:
+        raise DataError(f"Dataset {path!r} has no rows in split {split!r}.")
+    return ds
+
+
+def _looks_local(path: str) -> bool:
+    """A path that can only mean a local file or folder: `./x`, `/x`, `~/x`, `a/b/c`, or a data-file suffix."""
+    return (
+        path.startswith((".", "/", "~"))
+        or path.count("/") > 1
+        or os.path.splitext(path)[1].lower() in DATA_FILE_BUILDERS
+    )
+
+
+def _has_content(path: str) -> bool:
+    with open(path, "rb") as fh:
+        return any(line.strip() for line in fh)
+
+
+def _split(loaded, split: str, path: str):
     if split not in loaded:
-        raise ValueError(f"Split {split!r} not found in {path!r}; available splits: {sorted(loaded)}.")
+        raise DataError(f"Split {split!r} not found in {path!r}; available splits: {sorted(loaded)}.")
     return loaded[split]
 
 
@@ -256,7 +297,7 @@ def normalize_answer(answer: Any) -> str | list[str]:
     if isinstance(answer, str):
         return answer
     if answer is None:
-        raise ValueError("A row has no gold answer (None).")
+        raise DataError("A row has no gold answer (None).")
     if isinstance(answer, (list, tuple)) or hasattr(answer, "tolist"):
         values = answer.tolist() if hasattr(answer, "tolist") else list(answer)
         return [str(v) for v in values]
@@ -273,14 +314,17 @@ def rl_converter(prompt_column: str = "prompt", answer_column: str = "answer", s
         if not has_column(features, answer_col) and answer_col == "answer" and has_column(features, ARPO_ANSWER_PATH):
             answer_col = ARPO_ANSWER_PATH  # ARPO / verl schema
         _require(features, prompt_column, "prompt", source)
-        _require(features, answer_col, "answer", source)
+        # the default `answer` column is optional (a format-only or custom reward may need none); rewards that
+        # need gold answers are checked against the loaded columns at start-up (appo_trl.preflight)
+        with_answer = has_column(features, answer_col)
+        if answer_column != "answer" or with_answer:
+            _require(features, answer_col, "answer", source)
         keep = [c for c in PASSTHROUGH_COLUMNS if c in features]
 
         def row_fn(row):
-            out = {
-                "prompt": to_messages(get_column(row, prompt_column), system_text),
-                "answer": normalize_answer(get_column(row, answer_col)),
-            }
+            out = {"prompt": to_messages(get_column(row, prompt_column), system_text)}
+            if with_answer:
+                out["answer"] = normalize_answer(get_column(row, answer_col))
             for c in keep:
                 out[c] = None if row[c] is None else str(row[c])
             return out
@@ -288,23 +332,21 @@ def rl_converter(prompt_column: str = "prompt", answer_column: str = "answer", s
         return ds.map(
             row_fn,
             remove_columns=ds.column_names,
-            features=_rl_features(ds, answer_col, keep),
+            features=_rl_features(ds, answer_col if with_answer else None, keep),
             desc=f"RL rows from {os.path.basename(source)}",
         )
 
     return convert
 
 
-def _rl_features(ds, answer_col: str, keep: Sequence[str]):
+def _rl_features(ds, answer_col: str | None, keep: Sequence[str]):
     from datasets import Features, List, Value
 
-    sample = get_column(ds[0], answer_col) if len(ds) else ""
-    answer = (
-        Value("string")
-        if isinstance(sample, str) or not (isinstance(sample, (list, tuple)) or hasattr(sample, "tolist"))
-        else List(Value("string"))
-    )
-    feats = {"prompt": List({"role": Value("string"), "content": Value("string")}), "answer": answer}
+    feats = {"prompt": List({"role": Value("string"), "content": Value("string")})}
+    if answer_col is not None:
+        sample = get_column(ds[0], answer_col) if len(ds) else ""
+        is_list = isinstance(sample, (list, tuple)) or hasattr(sample, "tolist")
+        feats["answer"] = List(Value("string")) if is_list and not isinstance(sample, str) else Value("string")
     feats.update({c: Value("string") for c in keep})
     return Features(feats)
 
@@ -359,6 +401,16 @@ def sharegpt_to_messages(
     return messages
 
 
+def _chat_message(m) -> dict:
+    """A chat message with `role`/`content`, keeping chat-format tool calls (`tool_calls` as a JSON string, the
+    tool message's `name`) so that every row has the same columns whatever its roles."""
+    out = {"role": m["role"], "content": m.get("content") or ""}
+    calls, name = m.get("tool_calls"), m.get("name")
+    out["tool_calls"] = (calls if isinstance(calls, str) else json.dumps(calls)) if calls else None
+    out["name"] = name
+    return out
+
+
 def sft_converter(messages_column: str = "messages", system_prompt: str | None = None):
     """A `convert(dataset, source)` producing `messages` rows from `messages` or sharegpt data."""
     system_text = resolve_system_prompt(system_prompt)
@@ -366,7 +418,11 @@ def sft_converter(messages_column: str = "messages", system_prompt: str | None =
     def convert(ds, source: str):
         features = ds.features
         if messages_column in features:
-            get = lambda row: [{"role": m["role"], "content": m["content"]} for m in row[messages_column]]  # noqa: E731
+            fields = getattr(features[messages_column], "feature", None)
+            if isinstance(fields, dict) and set(fields) <= {"role", "content"}:
+                get = lambda row: [{"role": m["role"], "content": m["content"]} for m in row[messages_column]]  # noqa: E731
+            else:  # messages with more fields (chat-format `tool_calls`, tool `name`): keep those two
+                get = lambda row: [_chat_message(m) for m in row[messages_column]]  # noqa: E731
         elif "conversations" in features:
             get = sharegpt_to_messages
         else:
@@ -381,7 +437,10 @@ def sft_converter(messages_column: str = "messages", system_prompt: str | None =
                 messages = [{"role": "system", "content": system_text}] + [
                     m for m in messages if m["role"] != "system"
                 ]
-            return {"messages": [{"role": m["role"], "content": repair_text(m["content"])} for m in messages]}
+            out = {"messages": [{**m, "content": repair_text(m["content"] or "")} for m in messages]}
+            if "tools" in features:  # TRL's per-row tool schemas (list or JSON string), rendered by the template
+                out["tools"] = row["tools"] if isinstance(row["tools"], str) else json.dumps(row["tools"])
+            return out
 
         return ds.map(row_fn, remove_columns=ds.column_names, desc=f"SFT rows from {os.path.basename(source)}")
 

@@ -47,6 +47,53 @@ CARD_METRICS = (
 )
 IGNORE_ON_UPLOAD = ("checkpoint-*", "checkpoint-*/**", "runs/**", "*.pt", "*.pth", "rng_state*", "training_args.bin")
 
+# The method each strategy implements, for both model cards (TRL's local card and the pushed one).
+STRATEGY_PAPERS: dict[str, dict[str, str]] = {
+    "grpo": {
+        "name": "GRPO",
+        "title": "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
+        "id": "2402.03300",
+        "citation": "@article{shao2024deepseekmath,\n"
+        "    title        = {{DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models}},\n"
+        "    author       = {Zhihong Shao and Peiyi Wang and Qihao Zhu and Runxin Xu and Junxiao Song and "
+        "Mingchuan Zhang and Y. K. Li and Y. Wu and Daya Guo},\n"
+        "    year         = 2024,\n"
+        "    eprint       = {arXiv:2402.03300},\n"
+        "}",
+    },
+    "arpo": {
+        "name": "ARPO",
+        "title": "Agentic Reinforced Policy Optimization",
+        "id": "2507.19849",
+        "citation": "@article{arpo2025,\n"
+        "    title        = {{Agentic Reinforced Policy Optimization}},\n"
+        "    year         = 2025,\n"
+        "    eprint       = {arXiv:2507.19849},\n"
+        "}",
+    },
+    "aepo": {
+        "name": "AEPO",
+        "title": "Agentic Entropy-Balanced Policy Optimization",
+        "id": "2510.14545",
+        "citation": "@article{aepo2025,\n"
+        "    title        = {{Agentic Entropy-Balanced Policy Optimization}},\n"
+        "    year         = 2025,\n"
+        "    eprint       = {arXiv:2510.14545},\n"
+        "}",
+    },
+    "appo": {
+        "name": "APPO",
+        "title": "Agentic Procedural Policy Optimization",
+        "id": "2606.12384",
+        "citation": "@article{appo2026,\n"
+        "    title        = {{Agentic Procedural Policy Optimization}},\n"
+        "    year         = 2026,\n"
+        "    eprint       = {arXiv:2606.12384},\n"
+        "}",
+    },
+}
+TRL_NO_BASE_MODEL = "[None](https://huggingface.co/None)"  # what TRL's card template renders for a local base
+
 ALGORITHM_TITLES = {
     "sft": "SFT cold start (supervised fine-tuning on tool-integrated reasoning traces)",
     "grpo": "GRPO (Group Relative Policy Optimization)",
@@ -63,7 +110,26 @@ def defer_push(training_args) -> bool:
     return requested
 
 
+def strategy_card(strategy: str) -> tuple[str, dict[str, str]]:
+    """(trainer name, TRL `_paper` dict) of a rollout strategy, for TRL's `create_model_card`."""
+    paper = STRATEGY_PAPERS.get(str(strategy).lower(), STRATEGY_PAPERS["grpo"])
+    return paper["name"], {k: paper[k] for k in ("title", "id", "citation")}
+
+
+def fix_local_base_model(readme_path: str, base_model: str | None) -> None:
+    """TRL's card names a local base model "[None](https://huggingface.co/None)": name the folder instead."""
+    if not base_model or not os.path.isfile(readme_path):
+        return
+    with open(readme_path, encoding="utf-8") as f:
+        text = f.read()
+    if TRL_NO_BASE_MODEL in text:
+        with open(readme_path, "w", encoding="utf-8") as f:
+            f.write(text.replace(TRL_NO_BASE_MODEL, f"the local model `{base_model}`"))
+
+
 def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _plain(dataclasses.asdict(value))
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, Mapping):
@@ -78,21 +144,46 @@ def _plain(value: Any) -> Any:
 
 
 def _is_secret(name: str) -> bool:
-    return any(marker in name.lower() for marker in SECRET_MARKERS)
+    """`hub_token`, `api_key`, `client_secret`...: a marker as a whole `_`-separated part (so `min_remaining_tokens`
+    or `entropy_tokens`, which are settings, stay in the recipe)."""
+    lowered = name.lower()
+    parts = set(lowered.split("_"))
+    return any(marker in parts if "_" not in marker else marker in lowered for marker in SECRET_MARKERS)
+
+
+# fields that `__post_init__` fills from others, or that one run sets for itself: never part of a recipe
+DERIVED_FIELDS = ("generation_batch_size", "logging_dir", "model_init_kwargs", "push_to_hub", "hub_token")
+
+
+# passed through to the baseline so that it can be built on this machine (bf16 needs a GPU); still recorded
+BASELINE_PASSTHROUGH = ("output_dir", "use_cpu", "bf16", "fp16")
+
+
+def _baseline(obj: Any) -> Any | None:
+    """An instance of `type(obj)` built from its defaults (post-init normalised), or None when that fails."""
+    try:
+        return type(obj)(**{k: getattr(obj, k) for k in BASELINE_PASSTHROUGH if hasattr(obj, k)})
+    except Exception:  # noqa: BLE001 - fall back to the declared defaults
+        return None
 
 
 def recipe_dict(*args: Any) -> dict[str, Any]:
-    """The settings of a run: every dataclass field (of all `args`) whose value differs from its declared default.
+    """The settings of a run as a recipe that re-runs: every field that differs from its default.
 
-    Values derived in `__post_init__` (e.g. GRPO's `steps_per_generation`) show up too: the card records what
-    ran. Pass the recipe itself to `push_model(recipe=...)` to show the YAML as written instead.
+    Defaults are taken after `__post_init__` (so normalised values such as TrainingArguments'
+    `accelerator_config` do not show up), fields derived from others are left out (`DERIVED_FIELDS`: GRPO's
+    `generation_batch_size` follows from `steps_per_generation`, and the two may not both be set), and no
+    value is a Python repr. Pass the recipe itself to `push_model(recipe=...)` to show the YAML as written.
     """
     recipe: dict[str, Any] = {}
     for obj in args:
+        baseline = _baseline(obj)
         for f in dataclasses.fields(obj):
-            if not f.init or _is_secret(f.name):
+            if not f.init or _is_secret(f.name) or f.name in DERIVED_FIELDS:
                 continue
-            if f.default is not dataclasses.MISSING:
+            if baseline is not None and f.name not in BASELINE_PASSTHROUGH:
+                default = getattr(baseline, f.name)
+            elif f.default is not dataclasses.MISSING:
                 default = f.default
             elif f.default_factory is not dataclasses.MISSING:
                 default = f.default_factory()
@@ -233,6 +324,10 @@ def build_model_card(
     ]
     if framework_versions:
         lines += ["## Framework versions", ""] + [f"- {k}: {v}" for k, v in framework_versions.items()] + [""]
+    paper = STRATEGY_PAPERS.get(algorithm)
+    if paper is not None:
+        lines += ["## Citation", "", f"{paper['name']} was introduced in [{paper['title']}]"
+                  f"(https://huggingface.co/papers/{paper['id']}):", "", "```bibtex", paper["citation"], "```", ""]  # fmt: skip
     return "\n".join(lines)
 
 

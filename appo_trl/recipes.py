@@ -11,6 +11,11 @@ and for multi-node `--num_machines`, `--machine_rank`, `--main_process_ip`) are 
 `accelerate launch`; otherwise the stage runs in this process. Config names resolve to the repository's
 `accelerate_configs/<name>.yaml`.
 
+Every problem is a `RecipeError` (`appo_trl.errors`), which the CLI prints as one line with exit code 2:
+malformed YAML (file:line:column), an unknown key, a value argparse cannot convert, a scalar of the wrong
+type, or a combination a config's `__post_init__` rejects. A scalar where a list is expected is read as a
+one-element list.
+
 What this does not do: it does not merge several recipes or nest sections (a recipe is flat, like open-r1's).
 """
 
@@ -26,16 +31,19 @@ from pathlib import Path
 
 import yaml
 
+from appo_trl.errors import RecipeError
+from appo_trl.recipe_paths import SHIPPED_ROOT, find_recipe, resolve_recipe_paths
+
 LAUNCH_FLAGS = (
     "--accelerate_config", "--num_processes", "--mixed_precision", "--main_process_port",
     "--num_machines", "--machine_rank", "--main_process_ip",
 )  # fmt: skip
-REPO_ROOT = Path(__file__).resolve().parents[1]
+# the repository in a checkout, the copies inside the wheel otherwise (see appo_trl.recipe_paths)
+REPO_ROOT = SHIPPED_ROOT
 ACCELERATE_CONFIG_DIRS = (Path.cwd() / "accelerate_configs", REPO_ROOT / "accelerate_configs")
 
 
-class RecipeError(ValueError):
-    """A recipe or command line that cannot be parsed (unknown key, missing file, bad value)."""
+LAST_RECIPE_DIR: str | None = None  # folder of the last recipe parsed (custom tools are imported from it)
 
 
 def valid_keys(dataclass_types: Sequence[type]) -> set[str]:
@@ -43,29 +51,46 @@ def valid_keys(dataclass_types: Sequence[type]) -> set[str]:
 
 
 def _unknown_key_error(keys: Sequence[str], known: set[str], where: str) -> RecipeError:
-    lines = []
+    items = []
     for key in keys:
         close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
         hint = f" (did you mean: {', '.join(close)}?)" if close else ""
-        lines.append(f"  {key}{hint}")
-    return RecipeError(f"Unknown {where} key(s):\n" + "\n".join(lines))
+        items.append(f"{key}{hint}")
+    return RecipeError(f"Unknown {where} key(s): " + "; ".join(items))
 
 
 def load_recipe(path: str | os.PathLike) -> dict:
-    """Read a recipe YAML into a dict (no validation beyond "it is a mapping")."""
-    path = Path(path)
+    """Read a recipe YAML into a dict (no validation beyond "it is a mapping").
+
+    A relative path that does not exist from the working directory is looked up among the shipped recipes.
+    The values are as written; `parse_recipe` resolves relative input paths against the recipe file.
+    """
+    path = find_recipe(path)
     if not path.is_file():
         raise RecipeError(f"Recipe file not found: {path}")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as exc:
+        raise RecipeError(_yaml_error(path, exc)) from exc
     if not isinstance(data, dict):
         raise RecipeError(f"Recipe {path} must be a YAML mapping, got {type(data).__name__}.")
     return data
 
 
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
+    """`recipe.yaml:3:7: malformed YAML: <problem>` (1-based line and column, as editors show them)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = " ".join(str(p) for p in (getattr(exc, "context", None), getattr(exc, "problem", None)) if p)
+    return f"{where}: malformed YAML: {problem or exc}"
+
+
 def split_launch_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
-    """Pull the launch flags out of argv: returns ({flag: value}, remaining argv)."""
-    launch, rest, it = {}, [], iter(argv)
+    """Pull the launch flags out of argv: returns ({flag: value}, remaining argv). Dash-style names are accepted."""
+    from appo_trl.arguments import normalize_flags
+
+    launch, rest, it = {}, [], iter(normalize_flags(argv))
     for arg in it:
         flag, eq, value = arg.partition("=")
         if flag in LAUNCH_FLAGS:
@@ -95,7 +120,9 @@ def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> tuple:
         i = argv.index("--config")
         if i + 1 >= len(argv):
             raise RecipeError("--config needs a path to a recipe YAML.")
-        config = load_recipe(argv[i + 1])
+        config = resolve_recipe_paths(load_recipe(argv[i + 1]), find_recipe(argv[i + 1]))
+        global LAST_RECIPE_DIR
+        LAST_RECIPE_DIR = str(find_recipe(argv[i + 1]).resolve().parent)  # dotted tool paths resolve from here first
         del argv[i : i + 2]
     env = config.pop("env", None) or {}
     if not isinstance(env, dict):
@@ -111,11 +138,74 @@ def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> tuple:
         os.environ[str(name)] = str(value)
 
     parser = TrlParser(dataclass_types)
+    parser.error = _raise_recipe_error  # argparse would print the whole usage (hundreds of flags) and exit
+    config = coerce_recipe_values(parser, config)
     parser.set_defaults_with_config(**config)
     try:
         return tuple(parser.parse_args_into_dataclasses(args=argv))
-    except SystemExit as exc:  # argparse already printed the reason
-        raise RecipeError(f"Invalid arguments: {' '.join(argv)}") from exc
+    except RecipeError:
+        raise
+    except (ValueError, TypeError) as exc:  # a config's __post_init__ rejected the combination
+        message = str(exc)
+        if "generation_batch_size" in message and "--generation_batch_size" not in argv:
+            message += (
+                " (generation_batch_size = per_device_train_batch_size × steps_per_generation × processes; "
+                "choose them so that it is a multiple of num_generations)"
+            )
+        raise RecipeError(message) from exc
+
+
+def _raise_recipe_error(message: str):
+    raise RecipeError(f"invalid value: {message}")
+
+
+_SCALARS = (str, int, float, bool)
+
+
+def _scalar_kinds(dataclass_types: Sequence[type]) -> dict[str, type]:
+    """Field name -> `int` or `float` for fields typed so (`X | None` included), from the type hints."""
+    import types
+    import typing
+
+    kinds: dict[str, type] = {}
+    for dc in dataclass_types:
+        try:
+            hints = typing.get_type_hints(dc)
+        except Exception:  # noqa: BLE001 - unresolvable hints: leave those fields to argparse
+            continue
+        for name, hint in hints.items():
+            args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+            args = tuple(a for a in args if a is not type(None))
+            if len(args) == 1 and args[0] in (int, float):
+                kinds[name] = args[0]
+    return kinds
+
+
+def coerce_recipe_values(parser, config: dict) -> dict:
+    """Check YAML values against the parser's field types before argparse sees them.
+
+    A scalar where a list is expected (`tools: python`, `reward_funcs: math_verify`) becomes a one-element
+    list. A non-string value of the wrong type for an int or float field (`num_generations: 4.5`, `seed: [1]`)
+    raises `RecipeError` naming the key; strings are left to argparse, which converts or rejects them with
+    the flag's name (`argument --num_generations: invalid int value: 'four'`).
+    """
+    config = dict(config)
+    actions = {a.dest: a for a in parser._actions}
+    kinds = _scalar_kinds(parser.dataclass_types)
+    for key, value in config.items():
+        action = actions.get(key)
+        if action is None or value is None:
+            continue
+        if action.nargs in ("+", "*"):
+            if isinstance(value, _SCALARS):
+                config[key] = [value]
+            continue
+        kind = kinds.get(key)
+        if kind is int and (isinstance(value, bool) or not isinstance(value, (int, str))):
+            raise RecipeError(f"recipe key {key!r} expects an integer, got {value!r}.")
+        if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float, str))):
+            raise RecipeError(f"recipe key {key!r} expects a number, got {value!r}.")
+    return config
 
 
 def resolve_accelerate_config(name_or_path: str) -> Path:
@@ -150,6 +240,14 @@ def launch_command(launch: dict[str, str], entry_script: str | os.PathLike, scri
         if flag in launch:
             cmd += [flag, launch[flag]]
     return [*cmd, str(entry_script), *script_argv]
+
+
+def check_before_relaunch(dataclass_types: Sequence[type], argv: Sequence[str]) -> None:
+    """When `argv` will be relaunched through `accelerate launch`, parse it here first: a configuration error
+    is then one `RecipeError` in this process instead of a failure report from every launched rank."""
+    launch, rest = split_launch_args(argv)
+    if launch and os.environ.get("APPO_LAUNCHED") != "1":
+        parse_recipe(dataclass_types, rest)
 
 
 def maybe_relaunch(argv: Sequence[str], entry_script: str | os.PathLike) -> int | None:

@@ -14,6 +14,12 @@ the assistant mask comes from `apply_chat_template(return_assistant_tokens_mask=
 pre-tokenised (`input_ids`, `assistant_masks`): TRL 1.16 builds `labels` from `assistant_masks`,
 truncates to `max_length` (dropping rows left without a trained token) and packs (`packing`) itself.
 
+Chat-format traces (TRL's tool-calling shape: assistant messages with `tool_calls`, `tool` messages, and a
+per-row `tools` column of JSON schemas) are rendered with `tools=` so that the prompt matches what RL with
+`tool_format: chat` shows the model. The tool turns lie outside the template's generation markers, so
+`assistant_only_loss` already leaves them out; `mask_tool_results` also masks every `tool` message's content
+when `assistant_only_loss` is off.
+
 Entry points: `main(script_args, training_args, model_args)` (parsed recipe -> finished trainer) and
 `cli(argv)` (`appo sft`, `sft/train.py`; relaunches through `accelerate launch` with launch flags).
 What this module does not do: generate SFT data, or train on anything but chat conversations.
@@ -21,8 +27,8 @@ What this module does not do: generate SFT data, or train on anything but chat c
 
 from __future__ import annotations
 
+import json
 import logging
-import os
 import re
 import sys
 from collections.abc import Sequence
@@ -103,6 +109,34 @@ def _assistant_result_spans(text: str, messages, open_tag: str, close_tag: str) 
     return spans
 
 
+def chat_messages(messages) -> list[dict]:
+    """Messages as the chat template expects them: `tool_calls` decoded from JSON strings, empty fields dropped."""
+    out = []
+    for m in messages:
+        m = {k: v for k, v in dict(m).items() if v is not None or k == "content"}
+        if isinstance(m.get("tool_calls"), str):
+            m["tool_calls"] = json.loads(m["tool_calls"])
+        if m.get("content") is None:
+            m["content"] = ""
+        out.append(m)
+    return out
+
+
+def _tool_content_spans(text: str, messages, render) -> list[tuple[int, int]]:
+    """Character spans of the `tool` messages' contents in the rendered text. Each is searched from where the
+    conversation before it ends (`render(messages[:i])`), so a result equal to text of the call is not confused."""
+    spans = []
+    for i, message in enumerate(messages):
+        content = message.get("content") or ""
+        if message["role"] != "tool" or not content:
+            continue
+        prefix = render(messages[:i])
+        at = text.find(content, len(prefix) if text.startswith(prefix) else 0)
+        if at >= 0:
+            spans.append((at, at + len(content)))
+    return spans
+
+
 def tokenize_conversation(
     messages,
     tokenizer,
@@ -112,18 +146,27 @@ def tokenize_conversation(
     mask_tool_results: bool = True,
     open_tag: str = "<result>",
     close_tag: str = "</result>",
+    tools: list | str | None = None,
 ) -> dict[str, list[int]]:
     """Token ids of a conversation and its loss mask (`assistant_masks`: 1 = trained).
 
+    `tools`: JSON schemas (a list or a JSON string, TRL's `tools` column) rendered by the template.
     Raises `ValueError` when `assistant_only_loss` is set but the template marks no assistant token.
     """
-    text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False)
+    messages = chat_messages(messages)
+    tools = (json.loads(tools) if isinstance(tools, str) else tools) or None
+
+    def render(msgs):
+        return tokenizer.apply_chat_template(msgs, chat_template=chat_template, tokenize=False, tools=tools)
+
+    text = render(messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids, offsets = enc["input_ids"], enc["offset_mapping"]
     if assistant_only_loss:
         processed = tokenizer.apply_chat_template(
-            messages, chat_template=chat_template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
+            messages, chat_template=chat_template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+            tools=tools,
+        )  # fmt: skip
         if list(processed["input_ids"]) != list(input_ids):
             raise ValueError(
                 "Tokenising the rendered chat differs from apply_chat_template's ids; cannot align masks."
@@ -137,7 +180,10 @@ def tokenize_conversation(
     else:
         mask = [1] * len(input_ids)
     if mask_tool_results:
-        for start, end in _assistant_result_spans(text, messages, open_tag, close_tag):
+        spans = _assistant_result_spans(text, messages, open_tag, close_tag) + _tool_content_spans(
+            text, messages, render
+        )
+        for start, end in spans:
             for i, (s, e) in enumerate(offsets):
                 if s < end and e > start:
                     mask[i] = 0
@@ -159,7 +205,7 @@ def tokenize_sft_dataset(dataset, tokenizer, training_args, messages_column: str
         close_tag=training_args.tool_result_close,
     )
     return dataset.map(
-        lambda row: tokenize_conversation(row[messages_column], tokenizer, **kwargs),
+        lambda row: tokenize_conversation(row[messages_column], tokenizer, tools=row.get("tools"), **kwargs),
         remove_columns=dataset.column_names,
         num_proc=training_args.dataset_num_proc,
         desc="Tokenising and masking conversations",
@@ -177,15 +223,13 @@ def main(script_args, training_args, model_args, recipe=None):
     from appo_trl.checkpoints import resolve_resume_checkpoint
     from appo_trl.data import load_sft_dataset
     from appo_trl.hub import defer_push, push_model
+    from appo_trl.trackers import prepare_trackers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    name = model_args.model_name_or_path
-    if not name:
-        raise ValueError("No model given: set `model_name_or_path` in the recipe or pass --model_name_or_path.")
-    if name.startswith((".", "/", "~", "outputs/")) and not os.path.isdir(os.path.expanduser(name)):
-        raise FileNotFoundError(
-            f"Model folder {name!r} does not exist (for the tiny CPU model: `appo tiny-model {name}`)."
-        )
+    prepare_trackers(training_args)  # a missing tracker package fails here; wandb offline without an account
+    from appo_trl import preflight
+
+    preflight.check_model_source(model_args.model_name_or_path, model_args.model_revision)
     set_seed(training_args.seed)
     training_args.model_init_kwargs = {
         "revision": model_args.model_revision,
@@ -193,6 +237,8 @@ def main(script_args, training_args, model_args, recipe=None):
         "dtype": model_args.dtype,
         **(training_args.model_init_kwargs or {}),
     }
+    preflight.check_quantization(model_args, training_args)  # QLoRA, or a clear error: never ignored
+    preflight.check_hub(training_args)  # before the model loads, not after training
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
     dataset = load_sft_dataset(
         script_args.dataset_name,

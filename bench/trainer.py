@@ -12,9 +12,8 @@ CUDA and is replaced by a no-op recorder.
 Figures: `step_time_ratio_appo_vs_grpo` (mean optimizer-step wall time after a warm-up step),
 `sampled_tokens_ratio` (policy-sampled tokens per step, branch prefixes not counted), `tool_calls_ratio`,
 `loss_rows_ratio` (rows reaching `_compute_loss`), `loss_time_ratio_future_kl_vs_trl` (`_compute_loss`
-forward+backward on the same APPO batch, future_kl vs TRL's loss). When `appo_trl.algorithms` has not landed,
-its pieces come from the contract fakes in tests/trainer/algo_fakes.py and the JSON says so
-(`algorithms: "contract-fakes"`); the future-KL loss time is then not reported.
+forward+backward on the same APPO batch, future_kl vs TRL's loss). The benchmark imports only the package and
+`bench/` (never `tests/`), so it runs from any checkout; `make test` runs it once with `--quick --json`.
 """
 
 from __future__ import annotations
@@ -42,22 +41,6 @@ from appo_trl.tools.base import ToolResult  # noqa: E402
 from bench.fake_vllm import FakeVLLMServer, ScriptedPolicy  # noqa: E402
 
 WORDS = "the of a is what who when where capital country river city year born answer question".split()
-
-
-class _Patch:
-    def setitem(self, d, k, v):
-        d[k] = v
-
-    def setattr(self, obj, name, value, raising=True):
-        setattr(obj, name, value)
-
-
-def install_algorithms() -> str:
-    """`appo_trl.algorithms` where it has landed; contract fakes (tests/trainer/algo_fakes.py) for the rest."""
-    from tests.trainer import algo_fakes
-
-    faked = algo_fakes.install(_Patch())
-    return "appo_trl.algorithms" if not faked else "contract-fakes: " + ",".join(faked)
 
 
 class LatencyPython:
@@ -228,14 +211,13 @@ def loss_times(trainer, batch, repeats):
     return statistics.median(times["trl"]), statistics.median(times["future_kl"])
 
 
-def main():
+def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="4 prompts per step, n = 8 (4 initial), 2 steps")
     ap.add_argument("--json", action="store_true", help="print one JSON object of the figures as the last line")
-    opts = ap.parse_args()
+    opts = ap.parse_args(argv)
     prompts, n, initial, steps, budget = (4, 8, 4, 2, 256) if opts.quick else (16, 16, 8, 3, 320)
     torch.manual_seed(0)
-    algorithms = install_algorithms()
     from appo_trl.tiny import build_tiny_model
 
     tmp = tempfile.mkdtemp(prefix="bench-trainer-")
@@ -243,7 +225,6 @@ def main():
     tok = AutoTokenizer.from_pretrained(model_path)
     policy = ScriptedPolicy(tok, make_script(tok))
     figures = {
-        "algorithms": algorithms,
         "prompts_per_step": prompts,
         "n": n,
         "initial_rollouts": initial,
@@ -264,13 +245,8 @@ def main():
     figures["sampled_tokens_ratio"] = a["sampled_tokens_per_step"] / g["sampled_tokens_per_step"]
     figures["tool_calls_ratio"] = a["tool_calls_per_step"] / g["tool_calls_per_step"]
     figures["loss_rows_ratio"] = a["loss_rows_per_step"] / g["loss_rows_per_step"]
-    if "losses" not in algorithms:  # the real policy losses are installed
-        t_trl, t_fkl = loss_times(appo_trainer, appo_batch, 10)
-        figures.update(
-            loss_time_trl_s=t_trl, loss_time_future_kl_s=t_fkl, loss_time_ratio_future_kl_vs_trl=t_fkl / t_trl
-        )
-    else:
-        figures["loss_time_ratio_future_kl_vs_trl"] = None
+    t_trl, t_fkl = loss_times(appo_trainer, appo_batch, 3 if opts.quick else 10)
+    figures.update(loss_time_trl_s=t_trl, loss_time_future_kl_s=t_fkl, loss_time_ratio_future_kl_vs_trl=t_fkl / t_trl)
     for k, v in figures.items():
         if not isinstance(v, list):
             print(f"{k:40s} {v:.4f}" if isinstance(v, float) else f"{k:40s} {v}")

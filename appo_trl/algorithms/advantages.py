@@ -1,4 +1,4 @@
-"""Advantage estimators (spec/algorithms.md §3.2, §4.3, §5.2 item 7, §5.5 item 6).
+"""Advantage estimators (ARPO, AEPO and APPO papers; docs/fidelity.md).
 
 - `group_advantages`: GRPO group-relative advantages (TRL/verl style), flat (P·G,) rewards in prompt-major order.
 - `appo_dual_group_advantages`: APPO's dual-group advantage with prefix credit and saliency-decayed scale,
@@ -19,7 +19,7 @@ def group_advantages(
     std: str = "population",
     eps: float = 1e-4,
 ) -> torch.Tensor:
-    """A_i = (r_i − mean_g(r)) / (std + ε) over consecutive groups of `group_size` (spec §3.2, trl-internals §6).
+    """A_i = (r_i − mean_g(r)) / (std + ε) over consecutive groups of `group_size` (GRPO as in TRL and verl).
 
     `scale`: "group" (std of the row's group), "batch" (std of all rewards), "none" (centred only, Dr. GRPO).
     `std`: "population" (correction 0, APPO) or "unbiased" (correction 1, ARPO/verl and TRL). With "unbiased",
@@ -62,7 +62,7 @@ def appo_dual_group_advantages(
     m_scaling: str = "advantage",
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """APPO dual-group advantage, (P·N, T) for the initial rollouts (spec §5.5 item 6, §5.2 item 7).
+    """APPO dual-group advantage, (P·N, T) for the initial rollouts (APPO paper; docs/fidelity.md).
 
     Inputs per prompt p: initial rewards (P, N), branch rewards (P, B), each branch's parent row `branch_rows`
     (P, B) in [0, N), split position s_b `branch_positions` (P, B) (−1 = bare prompt: covers no token) and score
@@ -121,7 +121,7 @@ def entropy_aware_advantage(
     weight: float = 0.2,
     clamp: tuple[float, float] | None = (0.0, 2.0),
 ) -> torch.Tensor:
-    """AEPO entropy-aware advantage Ã_t = A_t·clamp(1 + a·z_t, lo, hi), z_t = (H_t − μ)/σ (spec §4.3).
+    """AEPO entropy-aware advantage Ã_t = A_t·clamp(1 + a·z_t, lo, hi), z_t = (H_t − μ)/σ (AEPO paper).
 
     μ and σ (unbiased std, as `Tensor.std()` in the reference; σ := 1 when 0 or undefined) are taken over the
     masked tokens of the whole tensor passed in, so the caller decides the scope (micro-batch = reference,

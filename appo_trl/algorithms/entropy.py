@@ -1,4 +1,4 @@
-"""Entropy estimators from sampler top-k logprobs (spec/algorithms.md §2.3, §2.4, §5.2 item 1).
+"""Entropy estimators from sampler top-k logprobs (ARPO paper, entropy-based adaptive rollout; docs/fidelity.md).
 
 vLLM returns, per generated token, the logprobs of its top-k tokens (k = 10) plus the sampled token. The truncated
 entropy H_t = −Σ_{v ∈ top-k ∪ {sampled}} p_v·log p_v is a lower bound of the full-vocabulary entropy, clamped ≥ 0.
@@ -20,7 +20,7 @@ def _lp(v: Any) -> float:
 
 
 def topk_entropy(top_logprobs: torch.Tensor | Sequence[Mapping[Any, Any] | Sequence[float] | None]) -> torch.Tensor:
-    """Per-token truncated entropy H_t = max(0, −Σ_v exp(ℓ_v)·ℓ_v) over the given logprobs (spec §2.3, §5.2 item 1).
+    """Per-token truncated entropy H_t = max(0, −Σ_v exp(ℓ_v)·ℓ_v) over the given logprobs (ARPO paper).
 
     `top_logprobs` is a (T, k) tensor of logprobs (−inf entries contribute 0), or a length-T list whose items are
     dicts {token: logprob or vLLM Logprob} (top-k ∪ sampled, as vLLM returns them), plain lists of logprobs, or
@@ -51,16 +51,18 @@ def segment_entropy(
     window: int = 20,
     reduce: str = "sum",
     vocab_size: int | None = None,
+    empty: float = float("nan"),
 ) -> float:
-    """ARPO's segment entropy: reduce the first `window` token entropies, divided by ln|V| if `vocab_size` (spec §2.3).
+    """ARPO's segment entropy: reduce the first `window` token entropies, divided by ln|V| if `vocab_size` (ARPO paper).
 
     H_seg = (1/ln|V|)·Σ_{j < min(window, len)} H_j with `reduce="sum"` (reference), or the mean with `"mean"`.
-    NaN entries are ignored; an empty segment gives NaN. Example: [1, 2, 3], window 2, sum → 3; with |V| = e² → 1.5.
+    NaN entries are ignored; an empty segment gives `empty`: NaN by default (the caller then treats ΔH as 0),
+    0.0 in the released ARPO/AEPO code (ΔH = 0 − H_root). Example: [1, 2, 3], window 2, sum → 3; with |V| = e² → 1.5.
     """
     h = torch.as_tensor(token_entropies, dtype=torch.float64).reshape(-1)[:window]
     h = h[~torch.isnan(h)]
     if h.numel() == 0:
-        return float("nan")
+        return float(empty)
     if reduce == "sum":
         val = float(h.sum())
     elif reduce == "mean":

@@ -1,4 +1,4 @@
-"""Per-token policy losses (spec/algorithms.md §3.2, §4.2, §5.2 item 8; trl-internals.md §6).
+"""Per-token policy losses (verl's dual-clip PPO, AEPO paper, APPO paper / FIPO; TRL's GRPOTrainer; docs/fidelity.md).
 
 Every loss has the same signature
 
@@ -44,7 +44,7 @@ def _clip_metrics(ratio, adv, mask, eps_low, eps_high) -> dict[str, torch.Tensor
 
 
 def _ppo(ratio, clipped_ratio, adv, clip_ratio_c):
-    """max(−Aρ, −A·ρ̄) and, if `clip_ratio_c` is set, min(·, −A·c) where A < 0 (verl dual clip, spec §3.2)."""
+    """max(−Aρ, −A·ρ̄) and, if `clip_ratio_c` is set, min(·, −A·c) where A < 0 (verl dual clip)."""
     loss = torch.maximum(-adv * ratio, -adv * clipped_ratio)
     if clip_ratio_c is not None:
         loss = torch.where(adv < 0, torch.minimum(loss, -adv * clip_ratio_c), loss)
@@ -52,7 +52,7 @@ def _ppo(ratio, clipped_ratio, adv, clip_ratio_c):
 
 
 def clip_loss(logps, old_logps, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2) -> PolicyLossOutput:
-    """PPO clipped surrogate, as TRL's GRPO loss (spec §3.2, trl-internals §6).
+    """PPO clipped surrogate, as TRL's GRPO loss (TRL's GRPOTrainer).
 
     L_t = −min(ρ_t·A_t, clip(ρ_t, 1−ε_l, 1+ε_h)·A_t).
     """
@@ -67,7 +67,7 @@ def clip_loss(logps, old_logps, advantages, mask, *, eps_low: float = 0.2, eps_h
 def dual_clip_loss(
     logps, old_logps, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2, clip_ratio_c: float = 3.0
 ) -> PolicyLossOutput:
-    """Dual-clip PPO (verl default used by ARPO, spec §3.2).
+    """Dual-clip PPO (verl's default, used by the released ARPO code; docs/fidelity.md).
 
     L_t = max(−A_t·ρ_t, −A_t·clip(ρ_t, 1−ε_l, 1+ε_h)); where A_t < 0: L_t = min(L_t, −A_t·c), c = `clip_ratio_c` (> 1).
     """
@@ -92,7 +92,7 @@ def entropy_balanced_loss(
     eps_high: float = 0.2,
     clip_ratio_c: float | None = 3.0,
 ) -> PolicyLossOutput:
-    """AEPO entropy clipping-balanced loss (spec §4.2); dual clip with c = `clip_ratio_c` (None disables it).
+    """AEPO entropy clipping-balanced loss (AEPO paper); dual clip with c = `clip_ratio_c` (None disables it).
 
     The upper clip bound is the stop-gradient tensor (1+ε_h)·ρ/sg(ρ): its value is 1+ε_h (the forward pass equals
     PPO) but its gradient is (1+ε_h)·∇logπ. Gradient coefficient F on ∇logπ (dL/dlogπ = −A·F):
@@ -106,6 +106,13 @@ def entropy_balanced_loss(
     with torch.no_grad():
         metrics = _clip_metrics(ratio, advantages, mask, eps_low, eps_high)
     return PolicyLossOutput(loss, None, metrics)
+
+
+def _masked_extreme(x: torch.Tensor, valid: torch.Tensor, kind: str) -> torch.Tensor:
+    """min or max of `x` over `valid` entries; NaN when there is none."""
+    if not bool(valid.any()):
+        return x.new_tensor(float("nan"))
+    return x[valid].min() if kind == "min" else x[valid].max()
 
 
 _DECAY_CACHE: dict[tuple, torch.Tensor] = {}
@@ -123,7 +130,7 @@ def _decay_matrix(n: int, gamma: float, device, dtype) -> torch.Tensor:
 
 
 def discounted_future_sum(x: torch.Tensor, gamma: float, chunk_size: int = 128) -> torch.Tensor:
-    """S_t = Σ_{k≥t} γ^(k−t)·x_k along the last dim of (B, T) `x`, computed in chunks (spec §5.2 item 8).
+    """S_t = Σ_{k≥t} γ^(k−t)·x_k along the last dim of (B, T) `x`, computed in chunks (future-KL of FIPO / APPO).
 
     The sequence is padded to a multiple of `chunk_size` C and viewed as (B, n_c, C); one matmul with the C×C decay
     matrix gives the within-chunk sums L, and the tail carried into chunk j is Σ_{i>j} γ^(C·(i−j)−t')·L_i[0],
@@ -163,16 +170,21 @@ def future_kl_loss(
     clip_high_only: bool = True,
     safety_threshold: float | None = 6.0,
     chunk_size: int = 128,
+    unclipped_max: float = 10.0,
 ) -> PolicyLossOutput:
-    """APPO's FIPO-derived `future_kl` loss, exactly spec §5.2 item 8.
+    """APPO's FIPO-derived `future_kl` loss (APPO paper, future-aware advantage; FIPO, arXiv 2603.19835).
 
     d_t = clamp(logπθ − logπold, −20, 20); part_t = 1[d_t ≤ log c];
     FKL_t = Σ_{k≥t} γ_L^(k−t)·part_k·mask_k·d_k with γ_L = 2^(−1/decay_rate) (`discounted_future_sum`, chunked);
-    f_t = sg(clamp(exp(FKL_t), lo, 1+ε_f)), lo = 1 if `clip_high_only` else 1−ε_f;
+    f_t = sg(clamp(exp(FKL_t), lo, hi)) with hi = 1+ε_f and lo = 1 if `clip_high_only` else 1−ε_f; ε_f = 0 is
+    the released code's "no clip": f_t = min(exp(FKL_t), `unclipped_max` = 10), bounds (0, 10) for the metrics;
     safety: f_t = clamp(f_t, 0.8, 1.0) where A_t < 0 and ρ_t > `safety_threshold` (None disables);
     Ã_t = A_t·(1 + b·f_t), b = `weight`; L_t = dual-clip PPO with Ã (ε_l, ε_h, c).
     `keep_mask` is 0 on every sequence with more than one masked token where Ã < 0 and the dual clip is active
-    (ρ > c), 1 elsewhere. Metrics: fipo_iw_{mean,min,max,clip_upper,clip_lower,raw_mean}, dropped_seq_frac.
+    (ρ > c), 1 elsewhere. Metrics (as the released code defines them): fipo_iw_{mean,min,max} of the final f;
+    fipo_iw_clip_upper / _lower = share of tokens whose final (post-safety) f sits at a bound (f ≥ hi − 1e-7,
+    f ≤ lo + 1e-7; so θ = θ_old with `clip_high_only` gives clip_lower = 1); fipo_iw_raw_{mean,min,max} of
+    exp(FKL); dual_clip_frac; dropped_seq_frac. Example: ε_f = 0, FKL = 3 → f = min(e³, 10) = 10.
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
@@ -185,8 +197,12 @@ def future_kl_loss(
         gamma = 2.0 ** (-1.0 / decay_rate)
         fkl = discounted_future_sum(part * maskf * d, gamma, chunk_size)
         raw = torch.exp(fkl.clamp(max=20.0))
-        lo = 1.0 if clip_high_only else 1.0 - future_clip_ratio
-        f = raw.clamp(lo, 1.0 + future_clip_ratio)
+        if future_clip_ratio > 0:
+            lo, hi = (1.0 if clip_high_only else 1.0 - future_clip_ratio), 1.0 + future_clip_ratio
+            f = raw.clamp(lo, hi)
+        else:  # the released code's "no clip"
+            lo, hi = 0.0, unclipped_max
+            f = raw.clamp(max=unclipped_max)
         if safety_threshold is not None:
             unsafe = (advantages < 0) & (ratio.detach() > safety_threshold)
             f = torch.where(unsafe, f.clamp(0.8, 1.0), f)
@@ -196,18 +212,17 @@ def future_kl_loss(
     loss = _ppo(ratio, ratio.clamp(1 - eps_low, 1 + eps_high), adv, clip_ratio_c)
     with torch.no_grad():
         valid = maskf > 0
-        nan = f.new_tensor(float("nan"))
-        iw_min = torch.where(valid, f, float("inf")).min() if f.numel() else nan
-        iw_max = torch.where(valid, f, float("-inf")).max() if f.numel() else nan
         metrics = _clip_metrics(ratio, adv, maskf, eps_low, eps_high)
         metrics.update(
             {
                 "fipo_iw_mean": _masked_mean(f, maskf),
-                "fipo_iw_min": torch.where(torch.isfinite(iw_min), iw_min, nan),  # NaN when no valid token
-                "fipo_iw_max": torch.where(torch.isfinite(iw_max), iw_max, nan),
-                "fipo_iw_clip_upper": _masked_mean((raw > 1.0 + future_clip_ratio).float(), maskf),
-                "fipo_iw_clip_lower": _masked_mean((raw < lo).float(), maskf),
+                "fipo_iw_min": _masked_extreme(f, valid, "min"),  # NaN when no valid token
+                "fipo_iw_max": _masked_extreme(f, valid, "max"),
+                "fipo_iw_clip_upper": _masked_mean((f >= hi - 1e-7).float(), maskf),
+                "fipo_iw_clip_lower": _masked_mean((f <= lo + 1e-7).float(), maskf),
                 "fipo_iw_raw_mean": _masked_mean(raw, maskf),
+                "fipo_iw_raw_min": _masked_extreme(raw, valid, "min"),
+                "fipo_iw_raw_max": _masked_extreme(raw, valid, "max"),
                 "dual_clip_frac": _masked_mean(dual_active.float(), maskf),
                 "dropped_seq_frac": 1.0 - keep[:, 0].float().mean() if keep.numel() else f.new_tensor(0.0),
             }

@@ -2,6 +2,8 @@
 
 Every subcommand module exposes `main(argv: list[str]) -> int` and parses its own arguments, so
 `appo --help` stays instant (no torch import) and a new command is one file plus one registry line.
+A configuration mistake (`appo_trl.errors.ConfigError`) prints one line and exits 2; `--debug` anywhere on
+the command line shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("appo_trl.cli.eval", "tool-integrated evaluation with pass@k, judge and reports"),
     "demo": ("appo_trl.cli.demo", "tiny tool-using agent on CPU: SFT, eval, APPO with python + search, eval again"),
     "study": ("appo_trl.cli.study", "GRPO vs ARPO vs AEPO vs APPO from one SFT checkpoint, several seeds, on CPU"),
+    "plot": ("appo_trl.cli.plot", "training curves (reward, accuracy, tool calls, branches, step time) to a PNG"),
+    "rollouts": ("appo_trl.cli.rollouts", "sample trajectories of a run as branch trees (needs --dump_rollouts)"),
     "tool": ("appo_trl.cli.tool", "run one tool call (python sandbox or search) and print JSON"),
     "serve-search": ("appo_trl.cli.serve_search", "local BM25 retriever server (Search-R1 /retrieve protocol)"),
     "tiny-model": ("appo_trl.cli.tiny_model", "build a tiny random Qwen3 model + tokenizer, offline"),
@@ -49,8 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" Did you mean: {', '.join(close)}?" if close else ""
         print(f"appo: unknown command {name!r}.{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
+    from appo_trl.errors import run_cli
+
     module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    return run_cli(f"appo {name}", module.main, rest)  # configuration errors: one line, exit 2 (--debug: traceback)
 
 
 if __name__ == "__main__":

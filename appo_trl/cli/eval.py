@@ -12,8 +12,10 @@ Runs (or resumes) tool-integrated evaluation: k samples per question through the
 (OpenAI-compatible endpoint, key from $OPENAI_API_KEY or the variable named by --judge_api_key_env),
 unbiased pass@k, tool statistics; writes report.json / report.md / report.png into --output_dir.
 Keys are the fields of appo_trl.evaluation.EvalConfig, e.g. --benchmarks aime24 gaia --num_samples 8
---data_root ../shared/data/arpo/eval (or $APPO_EVAL_DATA_ROOT) --base_url http://127.0.0.1:8000
---search_cache search_cache.json. A rerun with the same --output_dir skips finished samples.
+--data_root ARPO/evaluation/data (or $APPO_EVAL_DATA_ROOT) --base_url http://127.0.0.1:8000
+--search_cache ARPO/search_cache/search_cache.json (ARPO's files: git clone
+https://github.com/dongguanting/ARPO; never bundled). `appo eval --config eval/tiny.yaml` runs offline on the
+tiny sets shipped in eval/data/tiny. A rerun with the same --output_dir skips finished samples.
 `compare` prints per-benchmark differences between two reports (e.g. SFT vs APPO checkpoint)."""
 
 
@@ -55,10 +57,17 @@ def main(argv: list[str]) -> int:
     except (RecipeError, ValueError) as e:
         print(f"appo eval: {e}", file=sys.stderr)
         return 2
+    from appo_trl.errors import ConfigError, DataError
     from appo_trl.evaluation.inference import build_generator
     from appo_trl.evaluation.report import print_summary
-    from appo_trl.evaluation.runner import evaluate
+    from appo_trl.evaluation.runner import check_output_dir, evaluate
 
+    try:  # before the model loads: benchmarks, data files, tools, and resume only the same run
+        check_output_dir(config)
+    except ConfigError:
+        raise
+    except (KeyError, OSError, ValueError) as exc:  # registry and data-file problems: one line, exit 2
+        raise DataError(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)) from exc
     report = evaluate(config, build_generator(config))
     print_summary(report)
     print(f"reports written to {config.output_dir}/report.{{json,md,png}}")

@@ -1,7 +1,8 @@
-"""`appo serve-search --corpus FILE.jsonl [--host 127.0.0.1 --port 8000]`: the local BM25 retriever server.
+"""`appo serve-search --corpus FILE.jsonl [--host 127.0.0.1 --port 8765]`: the local BM25 retriever server.
 
-Speaks the Search-R1 protocol (`POST /retrieve`, `GET /health`); see `appo_trl.tools.search_server`. Point the
-search tool at it with `tool_config: {search: {backend: local, url: http://127.0.0.1:8000/retrieve}}`.
+Speaks the Search-R1 protocol (`POST /retrieve`) and identifies itself on `GET /health`; see
+`appo_trl.tools.search_server`. The search tool's default URL is this server's default,
+`http://127.0.0.1:8765/retrieve` (port 8000 is left to `vllm serve`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--corpus", required=True, help="JSONL corpus: one {'contents'} or {'title','text'} per line")
     p.add_argument("--index-dir", help="where the BM25 index is saved (default: <corpus>.bm25s)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8765, help="default 8765 (the search tool's default URL)")
     p.add_argument("--build-only", action="store_true", help="build (or check) the index and exit")
     try:
         args = p.parse_args(argv)

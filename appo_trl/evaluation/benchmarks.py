@@ -162,7 +162,7 @@ def load_examples(bench: Benchmark, data_root: str | None = None, limit: int | N
             if root is None:
                 raise FileNotFoundError(
                     f"Benchmark {bench.name!r} has a relative path {bench.path!r}: set `data_root` "
-                    f"(e.g. --data_root ../shared/data/arpo/eval) or ${DATA_ROOT_ENV}."
+                    f"(e.g. --data_root ARPO/evaluation/data from `git clone https://github.com/dongguanting/ARPO`) or ${DATA_ROOT_ENV}."
                 )
             path = Path(root) / path
         if not path.is_file():

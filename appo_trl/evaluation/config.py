@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any
 
 from appo_trl.evaluation.judge import JudgeConfig
@@ -18,7 +19,10 @@ class EvalConfig:
         registry: benchmark registry YAML; None uses the one shipped with the package.
         data_root: folder the registry's relative paths start from (else `$APPO_EVAL_DATA_ROOT`).
         limit: evaluate only the first `limit` questions of each benchmark (smoke runs).
-        output_dir: where `samples.jsonl`, `judgments.jsonl`, `report.json`, `report.md`, `report.png` go.
+        output_dir: where `samples.jsonl`, `judgments.jsonl`, `report.json`, `report.md`, `report.png` go; a
+            rerun resumes there only for the same model, settings and questions (`run.json`).
+        overwrite_output_dir: start fresh in `output_dir` (removes its samples, judgments and reports) instead
+            of refusing to resume another run's samples.
         model: checkpoint path or Hub id (tokenizer and chat template; the weights too for `transformers`).
         backend: `vllm` (a running `vllm serve` / `trl vllm-serve` at `base_url`) or `transformers` (in-process).
         base_url: URL of the vLLM server.
@@ -31,7 +35,10 @@ class EvalConfig:
         max_model_len: prompt + completion + tool results, tokens.
         call_limit: tool calls per sample across all tools (None: 3 for math, 6 otherwise).
         prompt: system prompt style overriding every benchmark's own (None keeps the registry's).
-        tools: tool names overriding every benchmark's own (None keeps the registry's).
+        tools: tool names overriding every benchmark's own (None keeps the registry's); with
+            `tool_format: chat` also dotted import paths of Python functions (`my_tools.lookup`).
+        tool_format: `tags` (ARPO's `<python>` / `<search>` tags, the training default for these benchmarks) or
+            `chat` (the model's chat template: tool schemas in the prompt, `<tool_call>` JSON, `tool` messages).
         search_backend: search tool backend: `cache` replays a frozen cache (reproducible scores; a query
             missing from the cache gets a "not in cache" result), `local` a retriever server, `web` live search.
         search_cache: the search cache file (ARPO's `{query: text}` json or the project's SQLite cache).
@@ -47,6 +54,7 @@ class EvalConfig:
     data_root: str | None = None
     limit: int | None = None
     output_dir: str = "eval_results/run"
+    overwrite_output_dir: bool = False
     model: str = ""
     backend: str = "vllm"
     base_url: str = "http://127.0.0.1:8000"
@@ -62,6 +70,7 @@ class EvalConfig:
     call_limit: int | None = None
     prompt: str | None = None
     tools: list[str] | None = None
+    tool_format: str = "tags"
     search_backend: str = "cache"
     search_cache: str | None = None
     tool_config: dict | str | None = None
@@ -84,6 +93,8 @@ class EvalConfig:
             raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
         if self.ks and max(self.ks) > self.num_samples:
             raise ValueError(f"ks {self.ks} exceed num_samples={self.num_samples} (pass@k needs k <= n)")
+        if self.tool_format not in ("tags", "chat"):
+            raise ValueError(f"tool_format must be 'tags' or 'chat', got {self.tool_format!r}")
         if self.backend not in ("vllm", "transformers"):
             raise ValueError(f"backend must be 'vllm' or 'transformers', got {self.backend!r}")
 
@@ -93,10 +104,14 @@ class EvalConfig:
         if isinstance(raw, str):
             raw = json.loads(raw)
         params = {name: dict(raw.get(name) or {}) for name in names if name in raw or name == "search"}
+        params = {k: v for k, v in params.items() if k in ("python", "search")}  # built-in tools take parameters
         if "search" in params:
             params["search"].setdefault("backend", self.search_backend)
             if self.search_cache:
                 params["search"].setdefault("cache_path", self.search_cache)
+            elif params["search"]["backend"] != "cache" and params["search"].get("cache", True):
+                # one cache per run, never a file shared by every run
+                params["search"].setdefault("cache_path", os.path.join(self.output_dir, "search_cache.sqlite"))
         return params
 
     @property

@@ -7,6 +7,10 @@ built by `appo_trl.tools.build_tools`), and the trajectory is decoded back to te
 `engine.rollout([prompt], n=1, seed=request.seed)`, so every sample's seed depends only on its key; many
 requests run concurrently on one event loop. One engine is built per (tool set, call limit), lazily.
 
+`tool_format: chat` evaluates in the model's own function-calling format instead: the prompt is rendered with
+the tools' JSON schemas (`apply_chat_template(tools=...)`), the engine stops on the template's tool-call close
+marker and splices results as `tool` turns (`appo_trl.rollout.chat_format`), exactly as training does.
+
 Backends (`backend:` in the eval config; `BACKENDS` registry): `vllm`, a running `vllm serve` /
 `trl vllm-serve` at `base_url` (the trained checkpoint), and `transformers`, the model loaded in-process
 (CPU smoke runs, small models). Anything implementing the rollout `Backend` protocol can be passed in.
@@ -60,9 +64,16 @@ class RolloutGenerator:
         self.tokenizer = tokenizer
         self._engines: dict[tuple, Any] = {}
         self._tools: list[Any] = []
+        self._chat = None
+        if config.tool_format == "chat":
+            from appo_trl.rollout.chat_format import ChatToolFormat
 
-    def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            self._chat = ChatToolFormat(tokenizer)
+
+    def encode_prompt(self, messages: list[dict[str, str]], schemas: list[dict] | None = None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, tools=schemas or None
+        )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def engine(self, tools: list[str], call_limit: int) -> Any:
@@ -71,7 +82,7 @@ class RolloutGenerator:
             from appo_trl.rollout import RolloutConfig, RolloutEngine
             from appo_trl.tools import build_tools
 
-            built = build_tools(list(tools), self.config.tool_params(list(tools)))
+            built = build_tools(list(tools), self.config.tool_params(list(tools)), tool_format=self.config.tool_format)
             self._tools += list(built.values())
             rollout_config = RolloutConfig(
                 max_completion_length=self.config.max_completion_length,
@@ -80,15 +91,16 @@ class RolloutGenerator:
                 temperature=self.config.temperature,
                 top_p=self.config.top_p,
                 top_k=self.config.top_k,
-                tool_tags=list(built),
+                tool_tags=list(built) if self._chat is None else ["python", "search"],
                 concurrency=self.config.concurrency,
             )
-            self._engines[key] = RolloutEngine(self.backend, self.tokenizer, rollout_config, built)
+            self._engines[key] = RolloutEngine(self.backend, self.tokenizer, rollout_config, built, chat=self._chat)
         return self._engines[key]
 
     async def __call__(self, request: Request) -> Generation:
         engine = self.engine(request.tools, request.call_limit)
-        groups = await engine.rollout([self.encode_prompt(request.messages)], 1, seed=request.seed)
+        schemas = [t.schema for t in engine.executor.tools.values()] if self._chat is not None else None
+        groups = await engine.rollout([self.encode_prompt(request.messages, schemas)], 1, seed=request.seed)
         traj = groups[0][0]
         calls = [
             {"tag": c.tag, "ok": c.ok, "query": c.query, "latency_s": round(c.latency_s, 4)} for c in traj.tool_calls

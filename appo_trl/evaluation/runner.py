@@ -5,7 +5,8 @@ Inference is pluggable: `evaluate(config, generate)` takes an async `generate(re
 evaluated model runs the same tool loop, stop tags, call limits and tools as in training; tests pass a
 scripted one. Every finished sample is appended to `<output_dir>/samples.jsonl` at once (one JSON line,
 flushed), and a rerun with the same `output_dir` generates only the (benchmark, question, sample) keys
-that are missing; judge verdicts are cached the same way in `judgments.jsonl` (errors are retried).
+that are missing, after checking that the stored samples come from the same model, generation settings and
+questions (`appo_trl.evaluation.resume`: a mismatch is refused, or cleared with `overwrite_output_dir`); judge verdicts are cached the same way in `judgments.jsonl` (errors are retried).
 Scores are recomputed from the stored completions on every run, so a report always reflects the current
 metric code. Each sample's seed is derived from (seed, benchmark, question, sample), so a resumed or
 re-ordered run draws the same samples as an uninterrupted one.
@@ -24,6 +25,7 @@ from typing import Any
 
 from appo_trl.evaluation.benchmarks import Benchmark, Example, load_examples, load_registry, system_prompt
 from appo_trl.evaluation.config import EvalConfig
+from appo_trl.evaluation.resume import check_resume
 
 
 @dataclasses.dataclass
@@ -236,6 +238,20 @@ def judge_missing(config: EvalConfig, items: list[dict[str, Any]], judgments_pat
     return out
 
 
+def check_output_dir(config: EvalConfig) -> None:
+    """The checks that need no model, for callers that load one afterwards: benchmarks, questions, the
+    resume check (`run.json`), and the tools the benchmarks use (a search server that is down or not ours)."""
+    from types import SimpleNamespace
+
+    from appo_trl.preflight import check_tools
+
+    benches = select_benchmarks(config)
+    examples = {b.name: load_examples(b, config.data_root, config.limit) for b in benches}
+    check_resume(config, examples, config.output_dir)
+    names = sorted({t for b in benches for t in b.tools})
+    check_tools(SimpleNamespace(tools=names, tool_config=config.tool_params(names)))
+
+
 def evaluate(config: EvalConfig, generate: GenerateFn, *, judge=None, show_progress: bool = True) -> dict[str, Any]:
     """Run (or resume) the whole evaluation and write the reports; returns the report dict.
 
@@ -252,6 +268,7 @@ def evaluate(config: EvalConfig, generate: GenerateFn, *, judge=None, show_progr
     samples_path = out_dir / "samples.jsonl"
     benches = select_benchmarks(config)
     examples = {b.name: load_examples(b, config.data_root, config.limit) for b in benches}
+    check_resume(config, examples, out_dir)  # the stored samples are this model's, settings' and questions'
     requests = [r for b in benches for r in build_requests(config, b, examples[b.name])]
     asyncio.run(generate_missing(requests, generate, samples_path, config.concurrency, show_progress))
 

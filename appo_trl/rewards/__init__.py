@@ -1,11 +1,11 @@
-"""Reward functions and answer metrics (spec/algorithms.md §6).
+"""Reward functions and answer metrics (ARPO paper, hierarchical reward; docs/fidelity.md).
 
 Registry: `REWARD_FUNCS[name]` and `get_reward_func(name_or_dotted_path)`. Every reward function has TRL's
 signature `fn(prompts, completions, completion_ids=None, **kwargs) -> list[float | None]`; completions are strings
 or chat-message lists; golds come in kwarg `answer` (aliases `ground_truth`, `solution`), `ability` optional.
 
 Names:
-- `arpo_deep_research`: ARPO's training reward (−1 format failure | token-F1 | F1 + 0.1 with both tools), §6.1.
+- `arpo_deep_research`: ARPO's training reward (−1 format failure | token-F1 | F1 + 0.1 with both tools).
 - `arpo_deep_research_mathverify`: the same, math equivalence (1/0) for rows with `ability == "math"`.
 - `math_verify`: 1/0 math equivalence of the extracted answer.  `qa_f1`, `qa_em`: F1 / EM of the extracted answer.
 - `format`: 0 if the TIR format is valid with a boxed answer, else −1.

@@ -1,4 +1,4 @@
-"""ARPO's training reward, reproduced exactly (spec/algorithms.md §6.1; identical in AEPO and APPO).
+"""ARPO's training reward, reproduced exactly (ARPO paper, hierarchical reward; identical in AEPO and APPO).
 
 score = −1 if the format is invalid or no boxed answer can be extracted; otherwise Acc = max-over-golds token-F1
 of the normalised boxed answer, plus 0.1 when Acc > 0 and the response contains both `</search>` and `</python>`.
@@ -19,7 +19,7 @@ TOOL_BONUS = 0.1
 
 
 def validate_format(text: str) -> tuple[bool, str]:
-    """Check the TIR format of a response (spec §6.1 step 1); returns (ok, reason).
+    """Check the TIR format of a response (ARPO paper, hierarchical reward; docs/fidelity.md); returns (ok, reason).
 
     Rules: count(`<think>`) == count(`</think>`) ≥ 1; exactly one `<answer>` and one `</answer>`, opening first;
     every `<search>` (resp. `<python>`) is followed by the tool-tag sequence `</search>`, `<result>`, `</result>`;
@@ -45,7 +45,7 @@ def validate_format(text: str) -> tuple[bool, str]:
 
 
 def extract_boxed_answer(text: str) -> str | None:
-    """The stripped last boxed expression of the first `<answer>` block, or None (spec §6.1 step 2)."""
+    """The stripped last boxed expression of the first `<answer>` block, or None (ARPO's reward)."""
     block = answer_block(text)
     if block is None:
         return None
@@ -58,7 +58,7 @@ def compute_score(
     ability: str | None = None,
     math_verify_for_math: bool = False,
 ) -> float:
-    """ARPO's `deep_research.compute_score` (spec §6.1): −1 | F1 | F1 + 0.1.
+    """ARPO's `deep_research.compute_score` (ARPO paper, hierarchical reward; docs/fidelity.md): −1 | F1 | F1 + 0.1.
 
     `response` is the decoded completion only (no prompt). Example: a valid response answering `\\boxed{Paris}`
     for gold "Paris" with both a search and a python call scores 1.1; without tool calls 1.0; wrong answer 0.

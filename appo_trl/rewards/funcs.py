@@ -1,4 +1,4 @@
-"""Reward functions with TRL's signature (spec/algorithms.md §6; trl-internals.md reward functions).
+"""Reward functions with TRL's signature (ARPO paper, hierarchical reward; TRL's reward-function API).
 
 `fn(prompts, completions, completion_ids=None, **kwargs) -> list[float | None]`. A completion is a string or a
 list of chat messages; for messages the text is the concatenation of every message's content in order
@@ -60,7 +60,7 @@ def _gold_list(g) -> list[str]:
 
 
 def arpo_deep_research(prompts, completions, completion_ids=None, **kwargs) -> list[float | None]:
-    """ARPO's training reward (spec §6.1): −1 on format/extraction failure, else token-F1 (+0.1 with both tools)."""
+    """ARPO's training reward (ARPO paper): −1 on format/extraction failure, else token-F1 (+0.1 with both tools)."""
     return [None if g is None else compute_score(t, g) for t, g, _ in _rows(completions, kwargs)]
 
 

@@ -1,4 +1,4 @@
-"""Thread-safe mathematical equivalence through math-verify (spec/algorithms.md §6.1 option, environment.md §7).
+"""Thread-safe mathematical equivalence through math-verify (an option beside ARPO's token-F1).
 
 math-verify's own timeouts use `signal.alarm`, which raises `ValueError` outside the main thread (reward
 functions and evaluation run in worker threads). `math_equal` therefore calls `parse(..., parsing_timeout=None)`

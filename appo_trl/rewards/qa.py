@@ -1,4 +1,4 @@
-"""SQuAD-style QA string metrics (spec/algorithms.md §6.1 step 3, §6.2).
+"""SQuAD-style QA string metrics (ARPO paper, hierarchical reward; docs/fidelity.md).
 
 `normalize_answer` lowercases, removes punctuation, removes the articles a|an|the and collapses whitespace.
 Every metric accepts one gold string or a list of golds and returns the best score over them. Token-F1
@@ -18,7 +18,7 @@ _SPECIAL = ("yes", "no", "noanswer")
 
 
 def normalize_answer(s: str) -> str:
-    """Lowercase, drop punctuation, drop articles (a|an|the), collapse whitespace (SQuAD normalisation, spec §6.1).
+    """Lowercase, drop punctuation, drop articles (a|an|the), collapse whitespace (SQuAD normalisation).
 
     Example: `normalize_answer("The  Eiffel-Tower!")` → `"eiffeltower"`.
     """
@@ -65,7 +65,7 @@ def _f1_single(prediction: str, gold: str) -> float:
 
 
 def f1_score(prediction: str, golds: str | Sequence[str]) -> float:
-    """Token-F1 of the normalised strings, max over golds (spec §6.1 step 3).
+    """Token-F1 of the normalised strings, max over golds (ARPO paper, hierarchical reward; docs/fidelity.md).
 
     F1 = 2·P·R/(P+R) with P = |common|/|pred tokens|, R = |common|/|gold tokens| (multiset intersection).
     A prediction or gold equal to yes/no/noanswer that differs from the other scores 0.

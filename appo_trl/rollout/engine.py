@@ -14,6 +14,12 @@ Token rules (the reason this module exists):
 - `len(prompt) + len(completion) <= max_model_len` and `len(completion) <= max_completion_length` always; a
   result that does not fit is cut and the trajectory ends with `"length"`.
 
+Two tool formats share this loop (`tool_format`): ARPO's tags (`<python>...</python>`, the result spliced in
+the `result_template`) and the model's chat template (`chat=ChatToolFormat(...)`: stop on its tool-call close
+marker, parse the JSON call, splice the template's tool turn and next assistant header; a malformed call or an
+unknown tool name is answered with an error result, not raised). Masks, NaN logprobs, the call limit, budgets,
+forking and branching are the same code in both.
+
 What it does not do: decide *whether* to branch (the algorithms layer passes a hook or positions in), score
 rewards, or sync weights.
 """
@@ -35,6 +41,7 @@ from appo_trl.rollout.text import (
     PieceDecoder,
     StopMatcher,
     extract_call,
+    neutralise_result,
     neutralise_special_strings,
     topk_entropy,
     window_entropy,
@@ -48,7 +55,8 @@ from appo_trl.rollout.types import (
     ToolCallRecord,
     Trajectory,
 )
-from appo_trl.tools.base import Tool
+from appo_trl.tools.base import Tool, ToolResult
+from appo_trl.tools.callables import trl_error_text
 from appo_trl.tools.executor import ToolExecutor
 
 T = TypeVar("T")
@@ -86,14 +94,18 @@ class RolloutEngine:
         backend: the sampler (`VLLMServerBackend`, `TransformersBackend`, or any `Backend`).
         tokenizer: the policy's tokenizer (decoding tool calls, tokenising results, EOS id, vocabulary size).
         config: a `RolloutConfig`.
-        tools: tools keyed by tag, or a `ToolExecutor` (its metrics are merged into `metrics()`).
+        tools: tools keyed by tag (chat format: by function name), or a `ToolExecutor` (its metrics are merged
+            into `metrics()`).
+        chat: a `ChatToolFormat` for `tool_format: chat`; None runs ARPO's tag format.
     """
 
     def __init__(self, backend: Backend, tokenizer, config: RolloutConfig | None = None,
-                 tools: dict[str, Tool] | ToolExecutor | None = None):  # fmt: skip
+                 tools: dict[str, Tool] | ToolExecutor | None = None, chat=None):  # fmt: skip
         self.backend = backend
         self.tokenizer = tokenizer
         self.config = config or RolloutConfig()
+        self.chat = chat
+        self.stop_strings = list(chat.stop_strings) if chat is not None else self.config.stop_strings
         self.executor = tools if isinstance(tools, ToolExecutor) else ToolExecutor(dict(tools or {}))
         self.decoder = PieceDecoder(tokenizer)
         if tokenizer.eos_token_id is None:
@@ -287,7 +299,7 @@ class RolloutEngine:
         seed = mix_seed(traj.meta.get("seed", 0), k)
         traj.meta["requests"].append(seed)
         params = SamplingParams(max_tokens=max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                seed=seed, stop=cfg.stop_strings,
+                                seed=seed, stop=self.stop_strings,
                                 logprobs=cfg.entropy_topk if traj.entropies is not None else 0)  # fmt: skip
         async with self._semaphore():
             start = time.perf_counter()
@@ -314,8 +326,12 @@ class RolloutEngine:
             return math.nan
         return window_entropy(ents, self.config.entropy_window, self.config.entropy_reduce, self._entropy_norm)
 
-    def _result_ids(self, text: str) -> list[int]:
-        """Token ids of the result block: no BOS, and special-token strings in `text` stay plain text."""
+    def _result_ids(self, text: str, name: str | None = None) -> list[int]:
+        """Token ids of the result block: no BOS, and special-token strings in `text` stay plain text.
+
+        Chat format: the template's end of turn, tool turn around `text` and next assistant header."""
+        if self.chat is not None:
+            return self.chat.result_ids(name, text, self.config.max_result_tokens)
 
         def enc(s: str) -> list[int]:
             return self.tokenizer(s, add_special_tokens=False, split_special_tokens=True)["input_ids"] if s else []
@@ -342,13 +358,17 @@ class RolloutEngine:
             traj.finish_reason = "call_limit"
             self._m["call_limit_hits"] += 1
             return False
-        query = extract_call(self._turn_text(traj), tag)
-        if not query:
-            traj.finish_reason = "empty_call"
-            self._m["empty_calls"] += 1
-            return False
-        result = await self.executor.execute(tag, query)
-        ids = self._result_ids(result.text)
+        if self.chat is not None:
+            tag, query, result = await self._chat_call(traj)
+        else:
+            query = extract_call(self._turn_text(traj), tag)
+            if not query:
+                traj.finish_reason = "empty_call"
+                self._m["empty_calls"] += 1
+                return False
+            result = await self.executor.execute(tag, query)
+        result.text = neutralise_result(result.text, getattr(self.executor, "tools", ()), self.tokenizer)
+        ids = self._result_ids(result.text, tag)
         room = self._budget(traj)
         start = len(traj.completion_ids)
         traj.append(ids[: max(room, 0)], 0)
@@ -367,6 +387,18 @@ class RolloutEngine:
             self._m["length_hits"] += 1
             return False
         return True
+
+    async def _chat_call(self, traj: Trajectory) -> tuple[str, str, ToolResult]:
+        """Parse the chat-format call ending `traj` and run it; a bad call becomes TRL's error text."""
+        turn = self._turn_text(traj)
+        call = self.chat.parse(turn)
+        if call.error is None and call.name not in self.executor.tools:
+            call.error = f"Tool {call.name} not found."  # TRL's message
+        if call.error is not None:
+            start = turn.rfind(self.chat.open)
+            raw = turn[start + len(self.chat.open) : turn.rfind(self.chat.close)].strip() if start >= 0 else turn
+            return call.name, raw, ToolResult(trl_error_text(call.error), ok=False, error="bad_call")
+        return call.name, call.arguments, await self.executor.execute(call.name, call.arguments)
 
     async def _fork_point(self, run: _Run, group: _Group, traj: Trajectory, hook: Hook,
                           segment_entropy: float) -> Segment | None:  # fmt: skip
@@ -412,9 +444,9 @@ class RolloutEngine:
                     if seg.finish_reason == "eos":
                         traj.finish_reason = "eos"
                         break
-                    if seg.finish_reason == "length" or seg.stop_str not in self.config.stop_strings:
+                    if seg.finish_reason == "length" or seg.stop_str not in self.stop_strings:
                         continue  # the budget check at the top ends it when nothing is left
-                    tag = seg.stop_str[2:-1]
+                    tag = self._stop_tag(seg.stop_str)
                 else:
                     tag, pending_tag = pending_tag, None
                 if not await self._call_tool(traj, tag):
@@ -426,15 +458,19 @@ class RolloutEngine:
                 group.active -= 1
         traj.check()
 
+    def _stop_tag(self, stop: str) -> str:
+        """The tool tag of a tag-format stop string; chat format parses the name later (the marker is kept)."""
+        return stop if self.chat is not None else stop[2:-1]
+
     def _pending_tag(self, traj: Trajectory) -> str | None:
         """The tool tag whose stop string the prefix's last sampled token completes, if any."""
         if not traj.completion_ids or traj.loss_mask[-1] != 1:
             return None
-        matcher, longest = StopMatcher(self.config.stop_strings), max(map(len, self.config.stop_strings), default=0)
+        matcher, longest = StopMatcher(self.stop_strings), max(map(len, self.stop_strings), default=0)
         stop = None
         for tok in traj.completion_ids[-(longest + 1) :]:
             stop = matcher.push(self.decoder.piece(tok))
-        return stop[2:-1] if stop else None
+        return self._stop_tag(stop) if stop else None
 
     async def _branch(self, parent: Trajectory, position: int, *, seed: int, resample: bool) -> Trajectory:
         p = position if resample else position + 1

@@ -3,12 +3,23 @@
 Each `generate` call is one request with a single token-id prompt (`"prompt": [ids]`), `n=1`, its own seed,
 `return_token_ids` for the exact sampled ids, `logprobs` for the sampled token's logprob (plus top-k when
 asked), and the tool stop strings with `include_stop_str_in_output`. Many requests are in flight at once over
-one `httpx.AsyncClient` (vLLM batches them continuously). Connection errors, timeouts and 5xx answers are
-retried with backoff; when the retries are spent a `VLLMServerError` names the URL and the last error.
+one `httpx.AsyncClient` (vLLM batches them continuously).
 
-What this module does not do: start the server, sync weights or reset the prefix cache. Those go through
-TRL's own `VLLMGeneration` / `VLLMClient` (NCCL), once per generation round, driven by the trainer. Start the
-server with TRL's flags, e.g.::
+The server's failure modes, as a real vLLM 0.31 shows them:
+
+- connection errors, timeouts, 408/429 and 5xx are retried with backoff; when the retries are spent a
+  `VLLMServerError` names the URL and the last error;
+- every other 4xx (prompt + max_tokens over `--max-model-len`, logprobs over `--max-logprobs`, an unknown
+  model name) raises `VLLMRequestError` at once, with the server's own message;
+- a request the server aborts (`POST /pause`, shutdown, preemption) answers HTTP 200 with
+  `finish_reason: "abort"` and a partial completion. That is never an EOS: the request is sent again from the
+  same prompt (the partial tokens are dropped), up to `max_retries` times, then `VLLMAbortedError` is raised;
+- `resolve_max_model_len` reads `max_model_len` from `GET /v1/models`, and refuses a configured length that
+  differs from the served one.
+
+What this module does not do: start the server or sync weights (the trainer does that once per round through
+TRL's NCCL engine on GPU, or `appo_trl.vllm_weight_sync` on a CPU server). Start the server with TRL's flags,
+e.g.::
 
     VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-8B --weight-transfer-config '{"backend":"nccl"}' \\
         --logprobs-mode processed_logprobs --max-logprobs -1 --enable-prefix-caching
@@ -31,6 +42,34 @@ RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
 class VLLMServerError(RuntimeError):
     """The vLLM server could not serve a request (unreachable, timing out, or answering errors)."""
+
+
+class VLLMRequestError(VLLMServerError):
+    """The server rejected a request with a 4xx answer (not retried); `status` and the server's `message`."""
+
+    def __init__(self, text: str, status: int, message: str):
+        super().__init__(text)
+        self.status, self.message = status, message
+
+
+class VLLMAbortedError(VLLMServerError):
+    """The server aborted a request (`finish_reason: "abort"`): paused, shutting down or preempted."""
+
+
+def server_message(resp: httpx.Response) -> str:
+    """The error message of a vLLM answer (`{"error": {"message": ...}}`, `{"message": ...}` or `{"detail": ...}`)."""
+    try:
+        data = resp.json()
+    except ValueError:
+        return resp.text[:1000]
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        for key in ("message", "detail", "error"):
+            if data.get(key):
+                return str(data[key])
+    return resp.text[:1000]
 
 
 def _token_id(token: str) -> int:
@@ -61,9 +100,11 @@ def parse_choice(choice: dict[str, Any], want_top: bool) -> Segment:
         return Segment(ids, logprobs, top, "length", None)
     if reason == "stop" and isinstance(stop_reason, str):
         return Segment(ids, logprobs, top, "stop", stop_reason)
-    if reason in ("stop", "abort", None):
+    if reason == "stop":  # EOS (stop_reason None) or a stop token id
         return Segment(ids, logprobs, top, "eos", None)
-    raise VLLMServerError(f"unexpected finish_reason {reason!r}")
+    if reason == "abort":  # a truncated completion, never a finished one
+        raise VLLMAbortedError(f"the server aborted the request after {len(ids)} tokens (finish_reason 'abort')")
+    raise VLLMServerError(f"unexpected finish_reason {reason!r} (a finished completion has 'stop' or 'length')")
 
 
 class VLLMServerBackend:
@@ -75,7 +116,8 @@ class VLLMServerBackend:
         max_concurrency: requests in flight at once from this backend.
         timeout_s: per-request read timeout (a long generation must fit in it).
         connect_timeout_s: connection timeout.
-        max_retries: retries after the first attempt for connection errors, timeouts and 5xx/429 answers.
+        max_retries: retries after the first attempt for connection errors, timeouts, 5xx/429 answers and
+            requests the server aborted.
         backoff_s: first retry delay, doubled each retry.
         extra_body: extra request fields (e.g. `{"repetition_penalty": 1.05}`); they override the defaults.
         connections_per_client: keep-alive connections per underlying `httpx.AsyncClient` (requests are spread
@@ -108,6 +150,7 @@ class VLLMServerBackend:
         self._ssl: ssl.SSLContext | None = None
         self.num_requests = 0
         self.num_retries = 0
+        self.num_aborts = 0
 
     def _client(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
         # One set of clients per event loop (an AsyncClient must not be shared across loops). httpcore's pool
@@ -149,8 +192,11 @@ class VLLMServerBackend:
                 last = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 continue
             if resp.status_code != 200:
-                raise VLLMServerError(
-                    f"vLLM server {self.base_url}{path} answered HTTP {resp.status_code}: {resp.text[:500]}"
+                message = server_message(resp)
+                raise VLLMRequestError(
+                    f"vLLM server {self.base_url}{path} answered HTTP {resp.status_code}: {message}",
+                    resp.status_code,
+                    message,
                 )
             return resp.json()
         raise VLLMServerError(
@@ -163,6 +209,50 @@ class VLLMServerBackend:
             data = await self._request("GET", "/v1/models")
             self.model = data["data"][0]["id"]
         return self.model
+
+    def resolve_max_model_len(self, configured: int | None) -> int:
+        """The served `max_model_len` (from `GET /v1/models`), checked against `configured` when given.
+
+        Blocking (call it at start-up, outside the event loop). Raises `ValueError` naming both numbers when
+        they differ, and `VLLMServerError` when the server does not report it or serves another model.
+        """
+        url = f"{self.base_url}/v1/models"
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                resp = httpx.get(url, timeout=self.timeout)
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                continue
+            if resp.status_code != 200:
+                raise VLLMServerError(f"vLLM server {url} answered HTTP {resp.status_code}: {server_message(resp)}")
+            break
+        else:
+            raise VLLMServerError(f"vLLM server at {url} is unreachable ({last}). Is `vllm serve` running there?")
+        models = resp.json().get("data") or []
+        if not models:
+            raise VLLMServerError(f"vLLM server {url} serves no model")
+        if self.model is None:
+            self.model = models[0]["id"]
+        entry = next((m for m in models if m.get("id") == self.model), None)
+        if entry is None:
+            served = ", ".join(str(m.get("id")) for m in models)
+            raise VLLMServerError(
+                f"vLLM server {self.base_url} does not serve model {self.model!r} (it serves {served})"
+            )
+        served_len = entry.get("max_model_len")
+        if served_len is None:
+            if configured is None:
+                raise VLLMServerError(f"vLLM server {url} does not report max_model_len; set vllm_max_model_length")
+            return int(configured)
+        if configured is not None and int(configured) != int(served_len):
+            raise ValueError(
+                f"vllm_max_model_length={configured} but the vLLM server at {self.base_url} serves "
+                f"max_model_len={served_len}: set them equal (or leave vllm_max_model_length unset to use the server's)."
+            )
+        return int(served_len)
 
     def request_body(self, prompt_ids: list[int], params: SamplingParams, model: str) -> dict[str, Any]:
         """The exact JSON body sent for one `generate` call."""
@@ -190,14 +280,27 @@ class VLLMServerBackend:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Segment:
         start = time.perf_counter()
         body = self.request_body(prompt_ids, params, await self.model_id())
-        self.num_requests += 1
-        data = await self._request("POST", "/v1/completions", body)
-        choices = data.get("choices") or []
-        if len(choices) != 1:
-            raise VLLMServerError(f"expected 1 choice from {self.base_url}, got {len(choices)}")
-        seg = parse_choice(choices[0], want_top=params.logprobs > 0)
-        seg.latency_s = time.perf_counter() - start
-        return seg
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.num_retries += 1
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            self.num_requests += 1
+            data = await self._request("POST", "/v1/completions", body)
+            choices = data.get("choices") or []
+            if len(choices) != 1:
+                raise VLLMServerError(f"expected 1 choice from {self.base_url}, got {len(choices)}")
+            try:
+                seg = parse_choice(choices[0], want_top=params.logprobs > 0)
+            except VLLMAbortedError as exc:  # same prompt and seed again; the partial tokens are dropped
+                self.num_aborts += 1
+                last = exc
+                continue
+            seg.latency_s = time.perf_counter() - start
+            return seg
+        raise VLLMAbortedError(
+            f"vLLM server {self.base_url} aborted the request {self.max_retries + 1} times ({last}); "
+            "is it paused (POST /resume) or shutting down?"
+        )
 
     async def health(self) -> bool:
         """True when `GET /health` answers 200 (no retries)."""

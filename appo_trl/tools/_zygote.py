@@ -1,373 +1,217 @@
-"""The sandbox's fork server ("zygote"): a pre-warmed interpreter that forks one fresh child per call.
+"""The python tool's fork server ("zygote"): a pre-warmed interpreter that forks one isolated child per call.
 
-Run by `appo_trl.tools.python_sandbox.PythonSandbox` as a standalone script (stdlib only, `python -I`), with a
-scrubbed environment and, where the machine allows it, inside new network + pid namespaces (`unshare`), so that
-it is pid 1 of its namespace: orphans are re-parented to it, and a child cannot kill it (the kernel drops
-SIGKILL sent to a namespace's init from inside). Protocol: one JSON request per line on stdin
-(`{"id", "code", "timeout_s", "cpu_s", "memory_mb", "file_size_mb", "max_processes", "max_open_files",
-"max_output_bytes"}`), one JSON reply per line on the original stdout. Exits when stdin closes.
+Started by `appo_trl.tools.python_sandbox.PythonSandbox` as `python -I /appo/_zygote.py CONFIG` *inside* the
+bubblewrap sandbox built by `appo_trl.tools.isolation` (own user, pid, network, ipc, uts and mount namespaces,
+read-only allow-listed filesystem, no home). Stdlib only, plus `pyseccomp` once at start to compile the
+children's seccomp filter.
 
-Per call, the child: starts a new session (its own process group), gets a fresh temporary directory as cwd and
-HOME, a minimal environment, rlimits (CPU, address space, file size, processes, open files, no core files),
-drops to uid/gid `nobody` when the zygote runs as root, then executes the code with ARPO's rewrite (a bare final
-expression is printed). When the child exits or its wall-clock deadline passes, the zygote SIGKILLs the child's
-process group and every orphan that was re-parented to it, reaps everything and removes the directory.
+Processes. The zygote (dispatcher) imports the preloaded modules, is not dumpable (`PR_SET_DUMPABLE=0`: no
+`/proc/<zygote>/mem|fd|environ` for anyone but root of its user namespace) and ignores SIGINT. It forks one
+*worker* per concurrent call slot, on demand; a worker joins its slot's cgroups once and then runs one call at
+a time, so a call's process is born in its cgroups. Each call's child is pid 1 of a *new* pid namespace (the
+zygote and workers are invisible to it and its `/proc` lists only the call's own processes), gets private tmpfs
+mounts and an ipc namespace, its own user namespace without capabilities and the seccomp filter
+(`_jail.enter`). When the child exits or its deadline passes, killing it kills every process of the call (the
+kernel tears a pid namespace down with its init), and its mounts and shared memory vanish with it.
+
+Protocol (one JSON object per line, both ways, validated and size-capped): request
+`{"id": 32 hex chars, "code": str, "timeout_s": number}`; reply `{"id", "exit_code", "signal", "timed_out",
+"killed", "duration_s", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "setup_failed"}` or
+`{"id", "error"}`. Exits when stdin closes.
 """
 
-import ast
-import io
+import ctypes
 import json
-import linecache
 import os
-import random
-import resource
+import re
 import selectors
-import shutil
 import signal
 import sys
-import tempfile
 import time
-import traceback
 
-NOBODY = 65534
-FILENAME = "<python>"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _jail  # noqa: E402
 
-
-def _prctl_subreaper():
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-    except Exception:
-        pass
+_ID = re.compile(r"[0-9a-f]{32}")
+_CONTROL = {c: None for c in range(32) if c not in (9, 10, 13)}
+_CONTROL[0x7F] = None
+MAX_WORKERS = 512
 
 
-def _rewrite(code):
-    """ARPO's rule: a bare final expression that is not a `print(...)` call is wrapped in `print(...)`."""
-    tree = ast.parse(code, FILENAME)
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        value = tree.body[-1].value
-        is_print = isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "print"
-        if not is_print:
-            call = ast.Call(func=ast.Name(id="print", ctx=ast.Load()), args=[value], keywords=[])
-            tree.body[-1] = ast.copy_location(ast.Expr(value=call), tree.body[-1])
-            ast.fix_missing_locations(tree)
-    return compile(tree, FILENAME, "exec")
+def write_all(fd, data):
+    while data:
+        data = data[os.write(fd, data) :]
 
 
-def _child(req, out_w, err_w, drop_to_nobody):
-    """Runs in the forked child; never returns."""
-    code = 1
-    try:
-        os.setsid()
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
-        for fd in os.listdir("/proc/self/fd"):  # cheaper than closerange(3, 65536) (one syscall per number)
-            if int(fd) > 2:
-                try:
-                    os.close(int(fd))
-                except OSError:
-                    pass
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_DFL)
-        workdir = req["workdir"]
-        if drop_to_nobody:
-            os.chown(workdir, NOBODY, NOBODY)
-        os.chdir(workdir)
-        mb = 1024 * 1024
-        limits = [
-            (resource.RLIMIT_CPU, req["cpu_s"]),
-            (resource.RLIMIT_AS, req["memory_mb"] * mb),
-            (resource.RLIMIT_FSIZE, req["file_size_mb"] * mb),
-            (resource.RLIMIT_NPROC, req["max_processes"]),
-            (resource.RLIMIT_NOFILE, req["max_open_files"]),
-            (resource.RLIMIT_CORE, 0),
-        ]
-        for which, value in limits:
-            if value is not None and value >= 0:
-                resource.setrlimit(which, (value, value))
-        if drop_to_nobody:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-        os.environ.clear()
-        os.environ.update(
-            {
-                "PATH": "/usr/local/bin:/usr/bin:/bin",
-                "HOME": workdir,
-                "TMPDIR": workdir,
-                "LANG": "C.UTF-8",
-                "OPENBLAS_NUM_THREADS": "1",
-                "OMP_NUM_THREADS": "1",
-                "MKL_NUM_THREADS": "1",
-            }
-        )
-        tempfile.tempdir = workdir
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace")
-        sys.stderr = io.TextIOWrapper(
-            io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
-        )
-        sys.argv = [FILENAME]
-        random.seed(os.urandom(16))  # children must not share the zygote's random state
-        if "numpy" in sys.modules:
-            sys.modules["numpy"].random.seed(int.from_bytes(os.urandom(4), "little"))
-        source = req["code"]
-        linecache.cache[FILENAME] = (len(source), None, source.splitlines(True), FILENAME)
-        try:
-            compiled = _rewrite(source)
-            exec(compiled, {"__name__": "__main__", "__builtins__": __builtins__})
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            if not isinstance(exc.code, (int, type(None))):
-                print(exc.code, file=sys.stderr)
-        except BaseException as exc:  # noqa: BLE001 - the user's error is the result
-            tb = exc.__traceback__
-            while tb is not None and tb.tb_frame.f_code.co_filename != FILENAME:
-                tb = tb.tb_next
-            sys.stderr.write("".join(traceback.format_exception(type(exc), exc, tb)))
-            code = 1
-    except BaseException as exc:  # noqa: BLE001 - a set-up failure is reported, never propagated
-        os.write(2, f"sandbox set-up failed: {exc!r}\n".encode())
-        code = 1
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except BaseException:
-            pass
-        os._exit(code if isinstance(code, int) and 0 <= code < 256 else 1)
+def send(fd, obj):
+    write_all(fd, (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8", "replace"))
 
 
-def _world_readable(prefix):
-    """True when uid `nobody` could import from this interpreter (every path component o+x, and o+r)."""
-    import stat
+class Worker:
+    """Runs the calls of one slot, one at a time: reads requests on fd 0, replies on `reply_fd`."""
 
-    paths = {os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)} | {os.path.realpath(prefix)}
-    for path in paths:
-        parts = path.split(os.sep)
-        for i in range(2, len(parts) + 1):
-            mode = os.stat(os.sep.join(parts[:i]) or os.sep).st_mode
-            if not mode & stat.S_IXOTH or (i == len(parts) and not mode & stat.S_IROTH):
-                return False
-    return True
-
-
-class Call:
-    def __init__(self, req, pid, out_r, err_r, workdir):
-        self.req, self.pid, self.workdir = req, pid, workdir
-        self.buffers = {out_r: bytearray(), err_r: bytearray()}
-        self.names = {out_r: "stdout", err_r: "stderr"}
-        self.truncated = {"stdout": False, "stderr": False}
-        self.start = time.monotonic()
-        self.deadline = self.start + float(req["timeout_s"])
-        self.status = None
-        self.timed_out = False
-        self.killed = None
-
-
-class Zygote:
-    def __init__(self, reply_fd, config):
-        self.reply_fd = reply_fd
+    def __init__(self, zygote, slot, reply_fd):
+        self.z, self.slot, self.reply_fd = zygote, slot, reply_fd
         self.sel = selectors.DefaultSelector()
-        self.calls = {}  # pid -> Call
-        self.fds = {}  # read fd -> Call
-        self.base_dir = tempfile.mkdtemp(prefix="appo-sandbox-")
-        self.drop_to_nobody = (
-            bool(config.get("drop_privileges", True)) and os.geteuid() == 0 and _world_readable(sys.prefix)
-        )
-        self.max_processes = int(config.get("max_processes", 256))
-        self.last_watch = 0.0
-        if self.drop_to_nobody:
-            os.chmod(self.base_dir, 0o711)
-        self.stdin_buf = b""
+        self.call = None
+        self.fds = {}
+        self.stdin_buf = bytearray()
 
-    def send(self, obj):
-        data = (json.dumps(obj) + "\n").encode()
-        while data:
-            data = data[os.write(self.reply_fd, data) :]
-
-    # ---- process bookkeeping ------------------------------------------------------------------
-    def reap(self):
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            call = self.calls.get(pid)
-            if call is not None and call.status is None:
-                call.status = status
-
-    def children(self):
-        pids = set()
-        try:
-            for tid in os.listdir("/proc/self/task"):
-                with open(f"/proc/self/task/{tid}/children") as fh:
-                    pids.update(int(p) for p in fh.read().split())
-        except OSError:
-            pass
-        return pids
-
-    def sweep(self, group):
-        """SIGKILL a finished call's process group and any orphan not belonging to a running call."""
-        for _ in range(200):
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            self.reap()
-            active = {pid for pid, c in self.calls.items() if c.status is None}
-            strays = [pid for pid in self.children() if pid not in active and not self._is_zombie(pid)]
-            if not strays and not self._group_alive(group):
-                self.reap()
-                return
-            for pid in strays:
+    def oom_kills(self):
+        total = 0
+        for cg in self.z.cgroups:
+            if cg.get("oom"):
                 try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
+                    with open(os.path.join(cg["dir"], str(self.slot), cg["oom"])) as fh:
+                        total += sum(int(line.split()[1]) for line in fh if line.startswith("oom_kill "))
+                except (OSError, ValueError, IndexError):
                     pass
-            time.sleep(0.002)
+        return total
 
-    @staticmethod
-    def _is_zombie(pid):
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-        except OSError:
-            return True
-
-    @staticmethod
-    def _group_alive(group):
-        try:
-            os.killpg(group, 0)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
-
-    def watch(self):
-        """Process-count watchdog (pid-namespace mode only, where /proc lists only sandbox processes): a
-        backstop for RLIMIT_NPROC, which the kernel does not enforce for root. Kills the call owning most
-        processes when the namespace holds more than `max_processes` per running call."""
-        if os.getpid() != 1 or not self.calls:
-            return
-        owners = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and entry != "1":
-                try:
-                    with open(f"/proc/{entry}/stat") as fh:
-                        fields = fh.read().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                session = int(fields[3])
-                owners[session] = owners.get(session, 0) + 1
-        running = [c for c in self.calls.values() if c.status is None and not c.killed]
-        if sum(owners.values()) > self.max_processes * max(1, len(running)) and running:
-            worst = max(running, key=lambda c: owners.get(c.pid, 0))
-            worst.killed = "process_limit"
-            self.sweep(worst.pid)
-
-    # ---- requests ---------------------------------------------------------------------------------
     def spawn(self, req):
-        workdir = tempfile.mkdtemp(dir=self.base_dir)
-        req["workdir"] = workdir
+        z = self.z
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        pid = os.fork()
+        if z.unisolated:
+            import tempfile
+
+            req["workdir"] = tempfile.mkdtemp(prefix="appo-unisolated-")
+        if z.unisolated or "pidns" in z.skip:
+            pid = os.fork()
+        else:
+            _jail.unshare(_jail.CLONE_NEWPID)  # the next child is pid 1 of a new pid namespace
+            pid = -1
+            try:
+                pid = os.fork()
+            finally:
+                if pid != 0:  # back to ours, so that the next unshare is allowed
+                    _jail.setns(z.pidns, _jail.CLONE_NEWPID)
         if pid == 0:
-            _child(req, out_w, err_w, self.drop_to_nobody)
+            self.child(req, out_w, err_w)
         os.close(out_w)
         os.close(err_w)
-        call = Call(req, pid, out_r, err_r, workdir)
-        self.calls[pid] = call
-        for fd in (out_r, err_r):
+        now = time.monotonic()
+        self.call = {"req": req, "pid": pid, "start": now, "deadline": now + req["timeout_s"], "status": None,
+                     "timed_out": False, "oom0": self.oom_kills(), "stdout": bytearray(), "stderr": bytearray(),
+                     "stdout_cut": False, "stderr_cut": False}  # fmt: skip
+        for fd, name in ((out_r, "stdout"), (err_r, "stderr")):
             os.set_blocking(fd, False)
-            self.fds[fd] = call
+            self.fds[fd] = name
             self.sel.register(fd, selectors.EVENT_READ, "out")
 
-    def read_fd(self, fd, call):
-        limit = int(call.req["max_output_bytes"])
-        buf, name = call.buffers[fd], call.names[fd]
+    def child(self, req, out_w, err_w):
+        """Runs in the forked child (pid 1 of its pid namespace); never returns."""
+        z = self.z
+        try:
+            os.setsid()
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            os.closerange(3, 1 << 16)  # the zygote's pipes and namespace fds never reach the code
+            signal.set_wakeup_fd(-1)
+            for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
+                signal.signal(sig, signal.SIG_DFL)
+            if z.unisolated:
+                _jail.set_rlimits(z.limits)
+                os.chdir(req["workdir"])
+            else:
+                _jail.enter(z.limits, self.slot, bool(z.cgroups), z.distinct_ids, z.cap_last, z.bpf, z.skip)
+            workdir = req.get("workdir", _jail.WORKDIR)
+            os.environ.clear()
+            os.environ.update({"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8",
+                               "TMPDIR": req.get("workdir", "/tmp"), "OPENBLAS_NUM_THREADS": "1",
+                               "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})  # fmt: skip
+        except BaseException as exc:  # noqa: BLE001 - a set-up failure is reported, never run unisolated
+            os.write(2, f"appo-sandbox: set-up failed: {exc}\n".encode())
+            os._exit(_jail.SETUP_FAILED)
+        os._exit(_jail.run_code(req["code"], z.max_output, z.hide))
+
+    def read_fd(self, fd):
+        name, call, cap = self.fds[fd], self.call, self.z.max_output
+        buf = call[name]
         while True:
             try:
-                chunk = os.read(fd, 65536)
+                chunk = os.read(fd, 1 << 16)
             except BlockingIOError:
-                return False
+                return
             except OSError:
                 chunk = b""
             if not chunk:
                 self.sel.unregister(fd)
                 os.close(fd)
                 del self.fds[fd]
-                return True
-            room = limit - len(buf)
-            if room > 0:
-                buf += chunk[:room]
-            if len(chunk) > max(room, 0):
-                call.truncated[name] = True
+                return
+            if name == "stdout":  # keep the head
+                room = cap - len(buf)
+                buf += chunk[: max(room, 0)]
+                call["stdout_cut"] |= len(chunk) > room
+            else:  # keep the tail (tracebacks end there)
+                buf += chunk
+                if len(buf) > 2 * cap:
+                    del buf[: len(buf) - cap]
+                    call["stderr_cut"] = True
 
-    def finish(self, call):
-        self.sweep(call.pid)
-        for fd in [fd for fd, c in self.fds.items() if c is call]:
-            self.read_fd(fd, call)
+    def finish(self):
+        call, cap = self.call, self.z.max_output
+        for fd in list(self.fds):
+            self.read_fd(fd)
             if fd in self.fds:
                 self.sel.unregister(fd)
                 os.close(fd)
                 del self.fds[fd]
-        del self.calls[call.pid]
-        shutil.rmtree(call.workdir, ignore_errors=True)
-        status = call.status
-        reply = {
-            "id": call.req["id"],
-            "exit_code": os.WEXITSTATUS(status) if status is not None and os.WIFEXITED(status) else None,
-            "signal": os.WTERMSIG(status) if status is not None and os.WIFSIGNALED(status) else None,
-            "timed_out": call.timed_out,
-            "killed": call.killed,
-            "duration_s": time.monotonic() - call.start,
-        }
-        for fd_buf, name in ((b, call.names[fd]) for fd, b in call.buffers.items()):
-            reply[name] = fd_buf.decode("utf-8", errors="replace")
-            reply[name + "_truncated"] = call.truncated[name]
-        self.send(reply)
+        if self.z.unisolated:
+            import shutil
 
-    def handle_stdin(self):
-        chunk = os.read(0, 1 << 20)
-        if not chunk:
-            return False
-        self.stdin_buf += chunk
-        *lines, self.stdin_buf = self.stdin_buf.split(b"\n")
-        for line in lines:
-            if line.strip():
-                self.spawn(json.loads(line))
-        return True
+            try:
+                os.killpg(call["pid"], signal.SIGKILL)
+            except OSError:
+                pass
+            shutil.rmtree(call["req"]["workdir"], ignore_errors=True)
+        status = call["status"]
+        exit_code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+        if len(call["stderr"]) > cap:
+            del call["stderr"][: len(call["stderr"]) - cap]
+            call["stderr_cut"] = True
+        reply = {"id": call["req"]["id"], "exit_code": exit_code, "timed_out": call["timed_out"],
+                 "killed": "memory_limit" if self.oom_kills() > call["oom0"] else None,
+                 "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+                 "duration_s": time.monotonic() - call["start"], "setup_failed": exit_code == _jail.SETUP_FAILED}  # fmt: skip
+        for name in ("stdout", "stderr"):
+            reply[name] = call[name].decode("utf-8", "replace").translate(_CONTROL)
+            reply[name + "_truncated"] = call[name + "_cut"]
+        self.call = None
+        send(self.reply_fd, reply)
 
     def serve(self):
         wake_r, wake_w = os.pipe()
-        os.set_blocking(wake_r, False)
-        os.set_blocking(wake_w, False)
+        for fd in (wake_r, wake_w):
+            os.set_blocking(fd, False)
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         self.sel.register(0, selectors.EVENT_READ, "stdin")
         self.sel.register(wake_r, selectors.EVENT_READ, "wake")
-        self.send({"ready": True, "pid": os.getpid(), "drop_privileges": self.drop_to_nobody})
         running = True
-        while running or self.calls:
-            now = time.monotonic()
-            pending = [c.deadline for c in self.calls.values() if not c.timed_out]
-            timeout = max(0.0, min(pending) - now) if pending else None
-            if self.calls and os.getpid() == 1:
-                timeout = 0.02 if timeout is None else min(timeout, 0.02)
+        while running or self.call:
+            call = self.call
+            timeout = None
+            if call is not None and not call["timed_out"]:
+                timeout = max(0.0, call["deadline"] - time.monotonic())
             for key, _ in self.sel.select(timeout):
                 if key.data == "stdin":
-                    if not self.handle_stdin():
+                    chunk = os.read(0, 1 << 20)
+                    if not chunk:
                         running = False
                         self.sel.unregister(0)
-                        for c in self.calls.values():  # parent is gone: stop everything
-                            c.deadline = 0.0
+                        if self.call:
+                            self.call["deadline"] = 0.0
+                        continue
+                    self.stdin_buf += chunk
+                    end = self.stdin_buf.find(b"\n")
+                    if end >= 0 and self.call is None:  # the dispatcher sends one request at a time
+                        req = json.loads(bytes(self.stdin_buf[:end]))
+                        del self.stdin_buf[: end + 1]
+                        self.spawn(req)
                 elif key.data == "wake":
                     try:
                         while os.read(wake_r, 4096):
@@ -375,30 +219,193 @@ class Zygote:
                     except BlockingIOError:
                         pass
                 else:
-                    self.read_fd(key.fd, self.fds[key.fd])
-            self.reap()
-            now = time.monotonic()
-            if now - self.last_watch >= 0.02:
-                self.last_watch = now
-                self.watch()
-            for call in list(self.calls.values()):
-                if call.status is None and not call.timed_out and now >= call.deadline:
-                    call.timed_out = True
-                    try:
-                        os.killpg(call.pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        os.kill(call.pid, signal.SIGKILL)
-                if call.status is not None:
-                    self.finish(call)
-        shutil.rmtree(self.base_dir, ignore_errors=True)
+                    self.read_fd(key.fd)
+            call = self.call
+            if call is None:
+                continue
+            while True:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                if pid == call["pid"]:
+                    call["status"] = status
+            if call["status"] is None and not call["timed_out"] and time.monotonic() >= call["deadline"]:
+                call["timed_out"] = True
+                try:  # isolated: the init of the call's pid namespace, and all of the call dies with it
+                    (os.killpg if self.z.unisolated else os.kill)(call["pid"], signal.SIGKILL)
+                except OSError:
+                    pass
+            if call["status"] is not None:
+                self.finish()
+        os._exit(0)
+
+
+class Zygote:
+    """Dispatcher: validates the trainer's requests and hands each to an idle worker (forking one if needed)."""
+
+    def __init__(self, reply_fd, config):
+        self.reply_fd = reply_fd
+        self.limits = config["limits"]
+        self.max_output = int(self.limits["max_output_bytes"])
+        self.max_request = int(config["max_request_bytes"])
+        self.distinct_ids = bool(config["distinct_ids"])
+        self.cgroups = config.get("cgroups") or []  # [{"dir": "/cg/memory", "files": [[name, value]], "oom": file}]
+        self.hide = [tuple(pair) for pair in config.get("hide_paths", [])]
+        self.unisolated = bool(config.get("unisolated"))
+        self.skip = tuple(config.get("skip", ()))  # benchmarks only: layers left out (see _jail.enter)
+        if not self.unisolated:
+            _jail.loopback_down()
+            self.pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+            self.cap_last = _jail.cap_last_cap()
+            self.bpf = _jail.compile_seccomp()
+        self.sel = selectors.DefaultSelector()
+        self.workers = {}  # reply fd -> {"pid", "slot", "req_fd", "busy": id | None, "buf"}
+        self.queue = []
+        self.stdin_buf, self.discarding = bytearray(), False
+
+    def new_worker(self):
+        slot = len(self.workers)
+        used = {w["slot"] for w in self.workers.values()}
+        slot = min(set(range(len(used) + 1)) - used)
+        for cg in self.cgroups:
+            path = os.path.join(cg["dir"], str(slot))
+            os.makedirs(path, exist_ok=True)
+            for name, value in cg["files"]:
+                with open(os.path.join(path, name), "w") as fh:
+                    fh.write(str(value))
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.dup2(req_r, 0)
+                keep = {0, 1, 2, rep_w} | ({self.pidns} if not self.unisolated else set())
+                for fd in range(3, 1024):
+                    if fd not in keep:
+                        try:
+                            os.close(fd)
+                        except OSError:
+                            pass
+                for cg in self.cgroups:  # join the slot's cgroups once: the calls are born in them
+                    with open(os.path.join(cg["dir"], str(slot), "cgroup.procs"), "w") as fh:
+                        fh.write("0")
+                Worker(self, slot, rep_w).serve()
+            finally:
+                os._exit(1)
+        os.close(req_r)
+        os.close(rep_w)
+        os.set_blocking(rep_r, False)
+        worker = {"pid": pid, "slot": slot, "req_fd": req_w, "busy": None, "buf": bytearray()}
+        self.workers[rep_r] = worker
+        self.sel.register(rep_r, selectors.EVENT_READ, "worker")
+        return worker
+
+    def dispatch(self, req):
+        idle = next((w for w in self.workers.values() if w["busy"] is None), None)
+        if idle is None:
+            if len(self.workers) >= MAX_WORKERS:
+                self.queue.append(req)
+                return
+            try:
+                idle = self.new_worker()
+            except OSError as exc:
+                send(self.reply_fd, {"id": req["id"], "error": f"no worker: {exc.strerror or exc}"})
+                return
+        idle["busy"] = req["id"]
+        write_all(idle["req_fd"], (json.dumps(req) + "\n").encode())
+
+    def worker_output(self, fd):
+        worker = self.workers[fd]
+        try:
+            chunk = os.read(fd, 1 << 20)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:  # the worker died: its call fails, its slot is free again
+            self.sel.unregister(fd)
+            os.close(fd)
+            os.close(worker["req_fd"])
+            del self.workers[fd]
+            if worker["busy"] is not None:
+                send(self.reply_fd, {"id": worker["busy"], "error": "worker died"})
+            return
+        worker["buf"] += chunk
+        while True:
+            end = worker["buf"].find(b"\n")
+            if end < 0:
+                return
+            write_all(self.reply_fd, bytes(worker["buf"][: end + 1]))
+            del worker["buf"][: end + 1]
+            worker["busy"] = None
+            if self.queue:
+                self.dispatch(self.queue.pop(0))
+
+    def handle_line(self, line):
+        try:
+            req = json.loads(line)
+        except ValueError:
+            return
+        if not isinstance(req, dict) or not isinstance(req.get("id"), str) or not _ID.fullmatch(req["id"]):
+            return
+        code, timeout = req.get("code"), req.get("timeout_s")
+        if not isinstance(code, str) or type(timeout) not in (int, float) or not 0 < timeout <= 86400:
+            send(self.reply_fd, {"id": req["id"], "error": "bad_request"})
+            return
+        self.dispatch({"id": req["id"], "code": code, "timeout_s": float(timeout)})
+
+    def handle_stdin(self):
+        chunk = os.read(0, 1 << 20)
+        if not chunk:
+            return False
+        self.stdin_buf += chunk
+        while True:
+            end = self.stdin_buf.find(b"\n")
+            if end < 0:
+                if len(self.stdin_buf) > self.max_request:  # an over-long line is dropped whole
+                    self.stdin_buf.clear()
+                    self.discarding = True
+                return True
+            line = bytes(self.stdin_buf[:end])
+            del self.stdin_buf[: end + 1]
+            if self.discarding:
+                self.discarding = False
+            elif len(line) <= self.max_request:
+                self.handle_line(line)
+
+    def serve(self):
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        self.sel.register(0, selectors.EVENT_READ, "stdin")
+        send(self.reply_fd, {"ready": True, "distinct_ids": self.distinct_ids, "cgroups": len(self.cgroups)})
+        while True:
+            for key, _ in self.sel.select(1.0):
+                if key.data == "stdin":
+                    if not self.handle_stdin():
+                        for worker in self.workers.values():
+                            os.kill(worker["pid"], signal.SIGKILL)
+                        return
+                else:
+                    self.worker_output(key.fd)
+            while True:  # reap dead workers (their reply pipes report the death)
+                try:
+                    pid, _ = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
 
 
 def main():
-    config = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    config = json.loads(sys.argv[1])
     reply_fd = os.dup(1)
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
-    _prctl_subreaper()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctypes.CDLL(None, use_errno=True).prctl(_jail.PR_SET_DUMPABLE, 0, 0, 0, 0)
+    zygote = Zygote(reply_fd, config)
     for name in config.get("preload", []):
         try:
             __import__(name)
@@ -410,7 +417,7 @@ def main():
 
     gc.collect()
     gc.freeze()  # keep the pre-imported heap shared copy-on-write with the children
-    Zygote(reply_fd, config).serve()
+    zygote.serve()
 
 
 if __name__ == "__main__":

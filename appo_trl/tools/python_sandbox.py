@@ -1,41 +1,41 @@
-"""The `python` tool: run model-written code in a fresh, resource-limited process, fast.
+"""The `python` tool: run model-written code in a fresh, isolated, resource-limited process, fast.
 
-How it works. One pre-warmed interpreter (the "zygote", `appo_trl/tools/_zygote.py`) is started once with a
-scrubbed environment (no inherited variables: API keys, tokens and proxies never reach it) and with common
-modules already imported (`numpy`, `sympy`, `math`, ...). Every call forks one *fresh* child from it, so state
-never leaks from one `<python>` block to the next, while the interpreter start-up is paid once: a call costs
-~8 ms end to end (fork, limits, run, reap) where a cold `python -c` costs ~25 ms, or ~95 ms with a numpy import
-(docs/benchmarks.md, "Tools"). Each child:
+How it works. One pre-warmed interpreter (the "zygote", `appo_trl/tools/_zygote.py`) is started once inside a
+bubblewrap sandbox with a scrubbed environment and common modules already imported (`numpy`, `sympy`, `math`,
+...). Every call forks one *fresh* child from it, so state never leaks from one `<python>` block to the next,
+while the interpreter start-up is paid once (docs/benchmarks.md, "Tools"). The isolation layers, why they were
+chosen and what they do not cover are described in `appo_trl/tools/isolation.py`; in short, each call runs:
 
-- runs in its own session / process group, in its own temporary working directory (also its HOME and TMPDIR),
-  removed after the call;
-- has rlimits: CPU seconds, address space, file size, number of processes, open files, no core dumps;
-- has a wall-clock deadline; at the deadline, or as soon as the child exits, its whole process group **and**
-  every orphan it left behind (double-fork + `setsid` included) is SIGKILLed and reaped;
-- gets stdout and stderr captured and truncated to a configurable size (the `truncated` flag is set);
-- when the zygote runs as root and the interpreter is readable by others, drops to uid/gid `nobody` (so the
-  kernel's process limit applies); otherwise, in pid-namespace mode, a watchdog polling every 20 ms kills a call
-  whose processes exceed `max_processes` (RLIMIT_NPROC is not enforced for root).
+- as pid 1 of its own pid namespace (its `/proc` shows its own processes only; when it ends or its deadline
+  passes, every process it started dies with it, `setsid` and double forks included);
+- in its own user namespace, without any capability, under `no_new_privs` and a seccomp filter, as a uid no
+  other call in flight has (when the trainer is root);
+- on a read-only, allow-listed view of the filesystem (no home, no project dir, no host `/tmp`), with private
+  size-capped tmpfs for its work dir (cwd, HOME), `/tmp` and `/dev/shm`, and its own ipc namespace, all gone
+  when the call ends;
+- without network (no interface but a downed loopback, which it cannot bring up);
+- with per-call cgroup limits (memory of all its processes, pids; a CPU quota on request) where allowed,
+  else per-call RLIMIT_NPROC (threads counted) and per-process RLIMIT_AS/RLIMIT_CPU; plus a wall-clock deadline.
 
-Where `unshare` works (checked at start-up; true on this project's machines), the zygote runs in new **network**
-and **pid** namespaces (plus a user namespace when not root): the code sees no network interface but a downed
-loopback (connections fail with "Network is unreachable"), sees only the sandbox's own processes in `/proc`,
-cannot signal the trainer, and cannot kill the zygote (pid 1 of its namespace). `isolation="auto"` falls back to
-no namespaces with a warning when `unshare` is unavailable; `isolation="namespace"` makes that an error.
+Fail closed: when bubblewrap, user namespaces or libseccomp are missing, the tool refuses to start with one line
+saying why and what to change (`PythonTool(...)` for a missing bwrap/pyseccomp, `start()` for anything found
+while setting the jail up, checked by a probe call); the failure is final, later calls fail without running
+code. Call `start()` before loading a model to fail early. `isolation: none` (explicit, logged as a warning on
+every start) runs code unisolated.
+
+The trainer side never blocks its event loop on the sandbox: requests go through a writer thread, replies are
+read by a buffered reader thread that validates every message (size-capped lines, unguessable 128-bit ids,
+typed fields). A zygote that dies or stops answering is replaced; the calls in flight fail cleanly. Output is
+capped (`max_output_bytes`) before anything is encoded: stdout in the child itself, stderr's tail in its
+worker; host paths are removed from it (tracebacks show `<stdlib>/...`, `<site-packages>/...`).
 
 ARPO semantics are kept: a bare final expression is printed; the result is stdout on success and the (trimmed)
 traceback on error. Unlike ARPO, code that prints nothing is **not** re-executed.
 
-What this sandbox does NOT protect against (it is not a security boundary for hostile code):
-- The filesystem is the host's: the code can read every world-readable file and write wherever its uid may
-  (as `nobody` that is little; as a non-root user it is that user's files). There is no mount namespace/chroot.
-- Without namespaces (`isolation="none"` or `unshare` unavailable) the network is open, other processes of the
-  same uid (the trainer included) can be signalled and their `/proc/<pid>/environ` read.
-- Concurrent calls run under the same uid and can see and signal each other's processes.
-- Kernel exploits, side channels, CPU contention (one call can saturate its core until its CPU limit), disk
-  usage below the file-size limit times the number of files, and memory up to the limit per process.
-- The CPU limit counts CPU time, the address-space limit counts virtual memory (the pre-imported modules already
-  use some of it: keep `memory_mb` above ~1 GB).
+What this sandbox does NOT protect against: kernel exploits, side channels and CPU contention, reading
+world-readable allow-listed files (`/usr`, `/etc`, the python installation), memory per process only where
+cgroups cannot be created (normal user without delegation), and calls in flight *at the same time* meeting
+through abstract unix sockets if both try. With `isolation: none`, nothing of the above holds.
 """
 
 from __future__ import annotations
@@ -45,23 +45,30 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
+import queue
+import secrets
+import signal
 import subprocess
-import sys
+import tempfile
 import threading
 import time
 from typing import Any
 
-from appo_trl.tools.base import ToolResult, sanitize_text, truncate_text
+from appo_trl.tools import isolation as iso
+from appo_trl.tools.base import ToolResult, sanitize_text
+from appo_trl.tools.sandbox_replies import find_zygote as _find_zygote
+from appo_trl.tools.sandbox_replies import to_result, validate_reply
 
 logger = logging.getLogger(__name__)
 
-ZYGOTE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zygote.py")
 DEFAULT_PRELOAD = (
     "math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "statistics",
     "random", "re", "json", "string", "datetime", "heapq", "bisect", "numpy", "sympy",
 )  # fmt: skip
-_NAMESPACE_FLAGS = ["--net", "--pid", "--fork", "--mount-proc", "--kill-child"]
+ISOLATION_ALIASES = {"auto": "bwrap", "namespace": "bwrap", "bwrap": "bwrap", "none": "none"}
+MAX_CODE_BYTES = 1 << 20
+START_TIMEOUT_S = 120.0
+REPLY_GRACE_S = 10.0
 
 
 @dataclasses.dataclass
@@ -69,17 +76,22 @@ class PythonToolConfig:
     """Parameters of the `python` tool (`tool_config: {python: {...}}` in a recipe).
 
     Args:
-        timeout_s: wall-clock limit of one call; the process group is SIGKILLed at the deadline.
-        cpu_s: CPU-seconds rlimit (defaults to `ceil(timeout_s) + 1`).
-        memory_mb: address-space rlimit in MiB.
+        timeout_s: wall-clock limit of one call; every process of the call is killed at the deadline.
+        cpu_s: CPU-seconds rlimit per process (defaults to `ceil(timeout_s) + 1`).
+        memory_mb: memory of one call, MiB: a cgroup limit on all its processes where cgroups can be created,
+            and always an address-space rlimit per process (the pre-imported modules use some: keep it >= 1024).
         file_size_mb: largest file the code may write, MiB.
-        max_processes: process/thread rlimit (enforced for non-root uids; root children run as `nobody`).
+        tmpfs_mb: size of each private tmpfs of a call (work dir, `/tmp`, `/dev/shm`), MiB.
+        max_processes: processes + threads of one call (cgroup `pids.max` and RLIMIT_NPROC, both per call).
         max_open_files: open file descriptors rlimit.
+        cpus: CPU quota of one call in cores (cgroup `cpu.max`). None (default): no quota, CPU time is bounded by
+            `cpu_s` per process and the deadline (the cpu controller halves throughput on a busy machine).
         max_output_chars: characters of stdout/traceback the model sees; longer output is cut (`truncated`).
-        max_output_bytes: bytes kept per stream inside the sandbox before decoding (the rest is drained and dropped).
+        max_output_bytes: bytes kept per stream (stdout capped in the child before encoding, stderr keeps the
+            tail); this bounds what one call can cost the trainer.
         empty_output_text: what the model sees when successful code printed nothing (it is not re-run).
-        isolation: `"auto"` (namespaces when available), `"namespace"` (required) or `"none"`.
-        drop_privileges: when running as root, run the code as uid/gid 65534 (`nobody`).
+        isolation: `"bwrap"` (default; `"auto"` and `"namespace"` are accepted aliases), or `"none"`: run the
+            code UNISOLATED as the trainer's user (explicit opt-in, logged as a warning).
         preload: modules imported once in the zygote, so that importing them in a call is free.
     """
 
@@ -87,234 +99,351 @@ class PythonToolConfig:
     cpu_s: int | None = None
     memory_mb: int = 2048
     file_size_mb: int = 16
-    max_processes: int = 256
+    tmpfs_mb: int = 64
+    max_processes: int = 64
     max_open_files: int = 256
+    cpus: float | None = None
     max_output_chars: int = 4000
-    max_output_bytes: int = 1 << 20
+    max_output_bytes: int = 64 * 1024
     empty_output_text: str = "(no output: use print() to show values)"
-    isolation: str = "auto"
-    drop_privileges: bool = True
+    isolation: str = "bwrap"
     preload: tuple[str, ...] | list[str] = DEFAULT_PRELOAD
 
     def __post_init__(self):
         if self.timeout_s <= 0:
             raise ValueError(f"python.timeout_s must be > 0, got {self.timeout_s}")
-        if self.isolation not in ("auto", "namespace", "none"):
-            raise ValueError(f"python.isolation must be one of auto, namespace, none; got {self.isolation!r}")
-        for name in ("memory_mb", "file_size_mb", "max_processes", "max_open_files", "max_output_chars"):
-            if getattr(self, name) <= 0:
+        if self.isolation not in ISOLATION_ALIASES:
+            raise ValueError(
+                f"python.isolation must be one of bwrap, none (auto/namespace = bwrap); got {self.isolation!r}"
+            )
+        self.isolation = ISOLATION_ALIASES[self.isolation]
+        for name in ("memory_mb", "file_size_mb", "tmpfs_mb", "max_processes", "max_open_files", "max_output_chars",
+                     "max_output_bytes", "cpus"):  # fmt: skip
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"python.{name} must be > 0, got {getattr(self, name)}")
         self.preload = tuple(self.preload)
 
-
-_probe_cache: dict[tuple[str, ...], bool] = {}
-
-
-def _namespace_prefix() -> list[str] | None:
-    """The `unshare` command prefix that works on this machine, or None (probed once per process)."""
-    exe = shutil.which("unshare")
-    if exe is None:
-        return None
-    candidates = [[exe, *_NAMESPACE_FLAGS]] if os.geteuid() == 0 else []
-    candidates.append([exe, "--user", "--map-current-user", *_NAMESPACE_FLAGS])
-    for prefix in candidates:
-        key = tuple(prefix)
-        if key not in _probe_cache:
-            try:
-                done = subprocess.run([*prefix, "true"], capture_output=True, timeout=10, env={})
-                _probe_cache[key] = done.returncode == 0
-            except (OSError, subprocess.SubprocessError):
-                _probe_cache[key] = False
-        if _probe_cache[key]:
-            return prefix
-    return None
+    def limits(self) -> dict[str, int]:
+        return {
+            "cpu_s": int(self.cpu_s or int(self.timeout_s) + 1), "memory_mb": int(self.memory_mb),
+            "file_size_mb": int(self.file_size_mb), "tmpfs_mb": int(self.tmpfs_mb),
+            "max_processes": int(self.max_processes), "max_open_files": int(self.max_open_files),
+            "max_output_bytes": int(self.max_output_bytes),
+        }  # fmt: skip
 
 
 def scrubbed_env() -> dict[str, str]:
     """The zygote's whole environment: nothing is inherited from the caller."""
-    return {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
-        "LANG": "C.UTF-8",
-        "OPENBLAS_NUM_THREADS": "1",
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "PYTHONDONTWRITEBYTECODE": "1",
-    }
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
+
+
+class _Zygote:
+    """One running zygote: its process, writer thread and the calls waiting on it."""
+
+    def __init__(self, proc: subprocess.Popen, launch: iso.Launch, stderr_file):
+        self.proc, self.launch, self.stderr_file = proc, launch, stderr_file
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self.dead = False
+        self.bytes_read = 0
+        self.reads = 0
+        self.bad_messages = 0
+        self.host_pid: int | None = None
+        self.lock = threading.Lock()  # guards `pending` (the sandbox's own lock may be held while probing)
 
 
 class PythonSandbox:
-    """Owns one zygote process; `await run(code)` executes code in a fresh child and returns a ToolResult.
+    """Owns one zygote; `await run(code)` executes code in a fresh isolated child and returns a ToolResult.
 
-    Thread- and event-loop-safe: a reader thread resolves each call's future on the loop that awaited it, so
-    many calls can be in flight at once without blocking the loop. A dead zygote is restarted on the next call.
+    Thread- and event-loop-safe: requests are queued to a writer thread (the loop never blocks on a pipe),
+    a reader thread resolves each call's future on the loop that awaited it. A dead zygote is restarted on the
+    next call; one that does not answer a call within its deadline plus a grace period is killed and replaced.
     """
 
     def __init__(self, config: PythonToolConfig | None = None):
         self.config = config or PythonToolConfig()
         self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
-        self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future, subprocess.Popen]] = {}
-        self._next_id = 0
-        self.isolation: str = "none"
-        self.zygote_pid: int | None = None  # pid of `unshare`/the zygote as seen from this process
-        self.drop_privileges = False
+        self._z: _Zygote | None = None
+        self.isolation = self.config.isolation
+        self.info: dict[str, Any] = {}
+        self.hide_paths: list[tuple[str, str]] = iso.hidden_path_map()
+        self.start_error: iso.IsolationError | None = None
+        self._skip_layers: tuple[str, ...] = ()  # benchmarks only (bench/tools.py): isolation layers left out
 
     # ---- lifecycle ------------------------------------------------------------------------------
+    @property
+    def zygote_pid(self) -> int | None:
+        """Host pid of the zygote process (init of the sandbox's pid namespace); None when not running."""
+        z = self._z
+        if z is None or z.proc.poll() is not None:
+            return None
+        if z.host_pid is None:
+            z.host_pid = _find_zygote(z.proc.pid)
+        return z.host_pid
+
     def start(self) -> None:
-        """Start the zygote (idempotent); raises RuntimeError when it cannot start or isolation is unavailable."""
+        """Start the zygote (idempotent). Raises `IsolationError` when the configured isolation cannot be had;
+        that failure is final (isolation does not appear mid-run): later starts and calls fail at once."""
         with self._lock:
-            if self._proc is not None and self._proc.poll() is None:
+            if self.start_error is not None:
+                raise self.start_error
+            if self._z is not None and not self._z.dead and self._z.proc.poll() is None:
                 return
-            self._start_locked()
+            try:
+                self._start_locked()
+            except iso.IsolationError as exc:
+                self.start_error = exc
+                logger.error("%s", exc)
+                raise
 
     def _start_locked(self) -> None:
-        prefix: list[str] = []
-        if self.config.isolation != "none":
-            found = _namespace_prefix()
-            if found is None and self.config.isolation == "namespace":
-                raise RuntimeError("python.isolation='namespace' but `unshare` cannot create namespaces here")
-            if found is None:
-                logger.warning("python sandbox: `unshare` unavailable; running WITHOUT network/pid isolation")
-            prefix = found or []
-        self.isolation = "namespace" if prefix else "none"
-        zcfg = json.dumps(
-            {
-                "preload": list(self.config.preload),
-                "drop_privileges": self.config.drop_privileges,
-                "max_processes": self.config.max_processes,
-            }
-        )
-        cmd = [*prefix, sys.executable, "-I", ZYGOTE_PATH, zcfg]
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=scrubbed_env(), cwd="/", start_new_session=True, bufsize=0,
-        )  # fmt: skip
-        line = proc.stdout.readline()
+        cfg = self.config
+        zcfg = {"preload": list(cfg.preload), "limits": cfg.limits(), "max_request_bytes": 8 * MAX_CODE_BYTES,
+                "skip": list(self._skip_layers)}  # fmt: skip
+        if cfg.isolation == "none":
+            launch = iso.build_unisolated(zcfg)
+        else:
+            cgroups = "cgroups" not in self._skip_layers
+            launch = iso.build_launch(zcfg, cfg.memory_mb, cfg.max_processes, cfg.cpus, cgroups=cgroups)
+        self.hide_paths = launch.hide_paths
+        stderr_file = tempfile.TemporaryFile()
+        try:
+            proc = subprocess.Popen(
+                launch.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr_file,
+                env=scrubbed_env(), cwd="/", start_new_session=True, pass_fds=launch.pass_fds,
+            )  # fmt: skip
+        except OSError as exc:
+            launch.cleanup()
+            raise iso.IsolationError(f"python sandbox: cannot start bwrap ({exc}); {iso.HINT}") from None
+        launch.release_fds()
+        z = _Zygote(proc, launch, stderr_file)
+        hello = self._read_hello(z)
+        if hello is None:
+            z.proc.kill()
+            z.proc.wait()
+            stderr_file.seek(0)
+            said = stderr_file.read().decode(errors="replace").strip().splitlines()
+            self._kill(z)
+            reason = said[-1] if said else f"exit code {proc.poll()}"
+            raise iso.IsolationError(
+                f"python sandbox: the sandboxed interpreter failed to start ({reason}); {iso.HINT}"
+            )
+        self.info = {"isolation": self.isolation, "distinct_ids": bool(hello.get("distinct_ids")),
+                     "cgroups": int(hello.get("cgroups", 0))}  # fmt: skip
+        z.host_pid = _find_zygote(proc.pid)
+        self._z = z
+        threading.Thread(target=self._writer, args=(z,), name="appo-sandbox-writer", daemon=True).start()
+        threading.Thread(target=self._reader, args=(z,), name="appo-sandbox-reader", daemon=True).start()
+        if cfg.isolation != "none":
+            self._probe_locked(z)
+
+    def _read_hello(self, z: _Zygote) -> dict | None:
+        import select
+
+        fd, buf, deadline = z.proc.stdout.fileno(), b"", time.monotonic() + START_TIMEOUT_S
+        while b"\n" not in buf and len(buf) < 4096:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return None
+            buf += chunk
+        line, _, rest = buf.partition(b"\n")
+        z.carry = rest  # type: ignore[attr-defined]
         try:
             hello = json.loads(line)
         except ValueError:
-            proc.kill()
-            proc.wait()
-            raise RuntimeError(f"python sandbox zygote failed to start (said {line[:200]!r})") from None
-        self._proc = proc
-        self.zygote_pid = proc.pid
-        self.drop_privileges = bool(hello.get("drop_privileges"))
-        threading.Thread(target=self._reader, args=(proc,), name="appo-sandbox-reader", daemon=True).start()
+            return None
+        return hello if isinstance(hello, dict) and hello.get("ready") is True else None
 
-    def _reader(self, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
+    def _probe_locked(self, z: _Zygote) -> None:
+        """Fail closed: one call must get through the whole jail before the sandbox is used."""
+        import concurrent.futures
+
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = secrets.token_hex(16)
+        with z.lock:
+            z.pending[call_id] = (None, fut)
+        z.queue.put(self._request(call_id, "print('ok')", 30.0))
+        try:
+            reply = fut.result(timeout=60.0)
+        except concurrent.futures.TimeoutError:
+            reply = None
+        if not reply or reply.get("exit_code") != 0 or reply.get("stdout") != "ok\n":
+            why = (reply or {}).get("stderr") or (reply or {}).get("error") or "no answer"
+            self._z = None
+            self._kill(z)
+            raise iso.IsolationError(
+                f"python sandbox: isolation could not be set up ({why.strip().splitlines()[-1]}); {iso.HINT}"
+            )
+
+    def _request(self, call_id: str, code: str, timeout: float) -> bytes:
+        return (json.dumps({"id": call_id, "code": code, "timeout_s": timeout}) + "\n").encode()
+
+    def _writer(self, z: _Zygote) -> None:
+        fd = z.proc.stdin.fileno()
+        while True:
+            data = z.queue.get()
+            if data is None:
+                break
             try:
-                reply = json.loads(line)
-            except ValueError:
-                continue
-            with self._lock:
-                entry = self._pending.pop(reply.get("id"), None)
-            if entry is not None:
-                loop, fut, _ = entry
-                loop.call_soon_threadsafe(_set_result, fut, reply)
-        with self._lock:  # this zygote died: fail the calls that were waiting on it
-            if self._proc is proc:
-                self._proc = None
-            orphans = [k for k, (_, _, owner) in self._pending.items() if owner is proc]
-            entries = [self._pending.pop(k) for k in orphans]
-        for loop, fut, _ in entries:
-            loop.call_soon_threadsafe(_set_result, fut, None)
+                while data:
+                    data = data[os.write(fd, data) :]
+            except OSError:
+                break
+        try:
+            z.proc.stdin.close()
+        except OSError:
+            pass
+
+    def _reader(self, z: _Zygote) -> None:
+        """Buffered, validating reader: a bad message never fails a call it does not name."""
+        fd = z.proc.stdout.fileno()
+        max_line = 16 * self.config.max_output_bytes + (1 << 16)
+        buf, discarding = bytearray(getattr(z, "carry", b"")), False
+        while True:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            z.reads += 1
+            z.bytes_read += len(chunk)
+            buf += chunk
+            while True:
+                end = buf.find(b"\n")
+                if end < 0:
+                    if len(buf) > max_line:
+                        buf.clear()
+                        discarding = True
+                    break
+                line = bytes(buf[:end])
+                del buf[: end + 1]
+                if discarding:
+                    discarding = False
+                    z.bad_messages += 1
+                    continue
+                self._on_line(z, line)
+        self._zygote_gone(z, "sandbox_died")
+
+    def _on_line(self, z: _Zygote, line: bytes) -> None:
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            reply = None
+        call_id = reply.get("id") if isinstance(reply, dict) else None
+        with z.lock:
+            entry = z.pending.pop(call_id, None) if isinstance(call_id, str) else None
+        if entry is None:
+            z.bad_messages += 1
+            return
+        problem = validate_reply(reply)
+        if problem is not None:
+            logger.warning("python sandbox: malformed reply (%s); the call fails", problem)
+            reply = {"error": f"malformed reply ({problem})"}
+        loop, fut = entry
+        _resolve(loop, fut, reply)
+
+    def _zygote_gone(self, z: _Zygote, reason: str) -> None:
+        """Fail every call still waiting on `z` and clean its resources up (idempotent)."""
+        with z.lock:
+            z.dead = True
+            entries, z.pending = list(z.pending.values()), {}
+        if self._z is z:
+            self._z = None
+        for loop, fut in entries:
+            _resolve(loop, fut, {"error": reason})
+        self._kill(z)
+
+    def _kill(self, z: _Zygote) -> None:
+        z.dead = True
+        z.queue.put(None)
+        zygote = z.host_pid or (_find_zygote(z.proc.pid) if z.proc.poll() is None else None)
+        if zygote is not None:  # init of the sandbox's pid namespace: every process inside dies with it
+            try:
+                os.kill(zygote, signal.SIGKILL)
+            except OSError:
+                pass
+        if z.proc.poll() is None:
+            try:
+                os.killpg(z.proc.pid, signal.SIGKILL)
+            except OSError:
+                z.proc.kill()
+        try:
+            z.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        z.launch.cleanup()
+        z.stderr_file.close()
 
     def close(self) -> None:
-        """Stop the zygote (its namespace dies with it, killing anything left)."""
+        """Stop the zygote: every process of every call dies with its namespaces."""
         with self._lock:
-            proc, self._proc = self._proc, None
-        if proc is not None:
+            z, self._z = self._z, None
+        if z is not None:
+            z.queue.put(None)
             try:
-                proc.stdin.close()
-                proc.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
-                proc.kill()
-                proc.wait()
+                z.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            self._zygote_gone(z, "sandbox_closed")
 
     # ---- calls ----------------------------------------------------------------------------------
     async def run(self, code: str, timeout_s: float | None = None) -> ToolResult:
-        cfg = self.config
-        timeout = float(timeout_s or cfg.timeout_s)
+        timeout = float(timeout_s or self.config.timeout_s)
         start = time.perf_counter()
-        if self._proc is None or self._proc.poll() is not None:
-            await asyncio.to_thread(self.start)  # (re)start the zygote off the event loop
+        if len(code.encode("utf-8", "replace")) > MAX_CODE_BYTES:
+            return ToolResult(f"Error: code longer than {MAX_CODE_BYTES} bytes.", ok=False, error="code_too_large")
+        z = self._z
+        if z is None or z.dead or z.proc.poll() is not None:
+            try:
+                await asyncio.to_thread(self.start)  # (re)start the zygote off the event loop
+            except iso.IsolationError:  # logged once by start(); the code never runs unisolated
+                return ToolResult("Error: the python sandbox is not available.", ok=False, error="sandbox_down")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
-                self._start_locked()
-            self._next_id += 1
-            call_id = self._next_id
-            self._pending[call_id] = (loop, fut, self._proc)
-            request = {
-                "id": call_id, "code": code, "timeout_s": timeout,
-                "cpu_s": cfg.cpu_s or int(timeout) + 1, "memory_mb": cfg.memory_mb,
-                "file_size_mb": cfg.file_size_mb, "max_processes": cfg.max_processes,
-                "max_open_files": cfg.max_open_files, "max_output_bytes": cfg.max_output_bytes,
-            }  # fmt: skip
-            try:
-                self._proc.stdin.write((json.dumps(request) + "\n").encode())
-            except OSError:
-                self._pending.pop(call_id, None)
-                self._proc = None
+        call_id = secrets.token_hex(16)
+        z = self._z
+        if z is None:
+            return ToolResult("Error: the python sandbox is not available.", ok=False, error="sandbox_down")
+        with z.lock:
+            if z.dead:
                 return ToolResult("Error: the python sandbox is not available.", ok=False, error="sandbox_down")
+            z.pending[call_id] = (loop, fut)
+        z.queue.put(self._request(call_id, code, timeout))  # never blocks: the writer thread does the I/O
         try:
-            reply = await asyncio.wait_for(fut, timeout + 10.0)
-        except asyncio.TimeoutError:
-            with self._lock:
-                self._pending.pop(call_id, None)
-                proc, self._proc = self._proc, None
-            if proc is not None:  # the zygote is wedged: replace it
-                proc.kill()
-            reply = {"unresponsive": True}
+            reply = await asyncio.wait_for(asyncio.shield(fut), timeout + REPLY_GRACE_S)
+        except asyncio.TimeoutError:  # the zygote is wedged: replace it, failing every call in flight on it
+            await asyncio.to_thread(self._zygote_gone, z, "sandbox_unresponsive")
+            reply = {"error": "sandbox_unresponsive"}
         return self._to_result(reply, time.perf_counter() - start, timeout)
 
-    def _to_result(self, reply: dict[str, Any] | None, latency: float, timeout: float) -> ToolResult:
-        limit = self.config.max_output_chars
-        if reply is None or reply.get("unresponsive"):
-            return ToolResult(
-                "Error: the python sandbox stopped responding.", ok=False, latency_s=latency,
-                error="sandbox_unresponsive" if reply else "sandbox_died",
-            )  # fmt: skip
-        stdout, stderr = sanitize_text(reply["stdout"]).strip(), sanitize_text(reply["stderr"]).strip()
-        meta = {
-            "exit_code": reply["exit_code"], "signal": reply["signal"], "isolation": self.isolation,
-            "sandbox_s": reply["duration_s"], "stderr_chars": len(stderr),
-        }  # fmt: skip
-        byte_cut = reply["stdout_truncated"] or reply["stderr_truncated"]
-        if reply["timed_out"]:
-            text, cut = truncate_text(stdout, limit)
-            message = f"Execution timed out after {timeout:g} seconds."
-            text = f"{text}\n{message}" if text else message
-            return ToolResult(text, False, latency, cut or byte_cut, "timeout", meta)
-        if reply.get("killed"):
-            message = f"Process killed: more than {self.config.max_processes} processes."
-            return ToolResult(message, False, latency, byte_cut, reply["killed"], meta)
-        if reply["exit_code"] == 0:
-            if not stdout:
-                return ToolResult(self.config.empty_output_text, True, latency, byte_cut, None, meta)
-            text, cut = truncate_text(stdout, limit)
-            return ToolResult(text, True, latency, cut or byte_cut, None, meta)
-        if reply["signal"] is not None:
-            import signal as _signal
+    def scrub(self, text: str) -> str:
+        """Tool output without control characters or host paths."""
+        text = sanitize_text(text)
+        for path, repl in self.hide_paths:
+            if path in text:
+                text = text.replace(path, repl)
+        return text.strip()
 
-            try:
-                name = _signal.Signals(reply["signal"]).name
-            except ValueError:
-                name = f"signal {reply['signal']}"
-            detail = {"SIGXCPU": "CPU time limit exceeded", "SIGSEGV": "crashed (stack overflow or bad memory)"}
-            message = f"Process killed by {name}: {detail.get(name, 'terminated')}."
-            body = stderr or stdout
-            text, cut = truncate_text(f"{body}\n{message}" if body else message, limit, keep="tail")
-            return ToolResult(text, False, latency, cut or byte_cut, f"signal={name}", meta)
-        text, cut = truncate_text(stderr or stdout or f"exit code {reply['exit_code']}", limit, keep="tail")
-        return ToolResult(text, False, latency, cut or byte_cut, f"exit_code={reply['exit_code']}", meta)
+    def _to_result(self, reply: dict[str, Any], latency: float, timeout: float) -> ToolResult:
+        return to_result(reply, latency, timeout, self.config, self.isolation, self.scrub)
 
 
-def _set_result(fut: asyncio.Future, value: Any) -> None:
+def _set_result(fut: Any, value: Any) -> None:
     if not fut.done():
         fut.set_result(value)
+
+
+def _resolve(loop: asyncio.AbstractEventLoop | None, fut: Any, value: Any) -> None:
+    """Resolve an asyncio future on its loop, or a concurrent future (loop None) directly."""
+    if loop is None:
+        _set_result(fut, value)
+    else:
+        loop.call_soon_threadsafe(_set_result, fut, value)
 
 
 class PythonTool:
@@ -325,12 +454,17 @@ class PythonTool:
 
     def __init__(self, config: PythonToolConfig | None = None, **kwargs: Any):
         self.config = config or PythonToolConfig(**kwargs)
-        if self.config.isolation == "namespace" and _namespace_prefix() is None:
-            raise ValueError("python.isolation='namespace' but `unshare` cannot create namespaces on this machine")
+        if self.config.isolation != "none":
+            iso.check_available()  # fail closed before anything else starts
         self.sandbox = PythonSandbox(self.config)
 
     def start(self) -> None:
         """Start the zygote now (otherwise the first call starts it)."""
+        self.sandbox.start()
+
+    def check(self) -> None:
+        """Pre-model check: the sandbox starts and a probe call gets through the whole jail (raises
+        `IsolationError`, a ValueError, with one line saying why and what to change)."""
         self.sandbox.start()
 
     async def call(self, text: str) -> ToolResult:

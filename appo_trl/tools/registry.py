@@ -4,6 +4,10 @@ Every problem is reported at start-up as a `ValueError` naming the bad key and t
 match when there is one): an unknown tool, an unknown or ill-typed parameter, a parameter block for a tool that
 is not enabled, a backend that cannot be constructed (e.g. `web` search without its API key). ARPO dropped tools
 that failed to construct and trained on without them; here a configured tool either works or the run stops.
+
+`tool_format="tags"` (ARPO) keys the built-in tools by their trigger tag; `tool_format="chat"` also takes Python
+callables and dotted import paths (`appo_trl.tools.callables`) and wraps every tool, built-ins included, as a
+`FunctionTool` keyed by its function name, with the JSON schema the chat template renders.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from appo_trl.tools.base import Tool
+from appo_trl.tools.callables import FunctionTool, ToolSpecError, builtin_function, resolve_callables, tool_label
 from appo_trl.tools.python_sandbox import PythonTool, PythonToolConfig
 from appo_trl.tools.search import SearchTool, SearchToolConfig
 
@@ -47,8 +52,49 @@ def make_config(name: str, params: dict[str, Any] | None) -> Any:
         raise ValueError(f"tool {name!r}: bad parameters {params}: {exc}") from None
 
 
-def build_tools(names: list[str], config: dict[str, dict[str, Any]] | None = None) -> dict[str, Tool]:
-    """Construct the named tools, keyed by trigger tag; raises ValueError on any configuration problem."""
+TOOL_FORMATS = ("tags", "chat")
+
+
+def default_tool_format(specs) -> str:
+    """`chat` when any tool is a Python callable or dotted path (TRL's `tools=`), else ARPO's `tags`."""
+    return "tags" if all(isinstance(s, str) and s in TOOL_REGISTRY for s in specs or []) else "chat"
+
+
+def build_tools(names: list, config: dict[str, dict[str, Any]] | None = None, tool_format: str = "tags",
+                base_dirs=()) -> dict[str, Tool]:  # fmt: skip
+    """Construct the tools, keyed by trigger tag (tags) or function name (chat); ValueError on any problem.
+
+    Args:
+        names: built-in names, and in chat format also callables or dotted import paths.
+        config: per-built-in parameters (`tool_config`).
+        tool_format: `"tags"` or `"chat"`.
+        base_dirs: folders searched first for dotted paths (the recipe's directory).
+    """
+    if isinstance(names, str) or callable(names):  # `tools: python` in YAML: a one-element list
+        names = [names]
+    if tool_format not in TOOL_FORMATS:
+        raise ValueError(f"tool_format={tool_format!r}; choose one of {TOOL_FORMATS}")
+    specs = resolve_callables(list(names), base_dirs)
+    if tool_format == "tags":
+        custom = [tool_label(s) for s in specs if not isinstance(s, str)]
+        if custom:
+            raise ToolSpecError(
+                f"tool_format=tags runs the built-in tag tools only ({', '.join(TOOL_REGISTRY)}); "
+                f"{', '.join(custom)} need tool_format=chat (the model's chat template)"
+            )
+    builtin = [s for s in specs if isinstance(s, str)]
+    tools = _build_builtin(builtin, config)
+    if tool_format == "tags":
+        return tools
+    out: dict[str, Tool] = {}
+    by_name = {t.name: t for t in tools.values()}
+    for spec in specs:
+        tool = FunctionTool(builtin_function(spec, by_name[spec]) if isinstance(spec, str) else spec)
+        out[tool.name] = tool
+    return out
+
+
+def _build_builtin(names: list[str], config: dict[str, dict[str, Any]] | None = None) -> dict[str, Tool]:
     config = dict(config or {})
     for name in config:
         if name not in TOOL_REGISTRY:

@@ -15,6 +15,17 @@ Results are formatted as ARPO does: non-empty snippets de-duplicated, the first 
 `result_length` characters, joined as `Page i: snippet` lines; "No search results found." when empty. Double quotes
 are removed from the query. Successful results are stored in the cache (`cache_path`, SQLite; `seed_path` imports
 ARPO's JSON cache); errors never are. Secrets never appear in results or logs (error texts are scrubbed).
+
+Cache entries are keyed by the query *and* what produced the result: `max_results`, `result_length` and the
+backend's identity. For `local` that is the corpus fingerprint the server reports on `/health` (appo-trl's
+`appo serve-search`; with `check_server: false`, any Search-R1 server, identified by its URL); for `web`, the
+market and location. The identity is resolved before the cache is consulted, so a server that is down, or
+that is not a search server (vLLM on port 8000), gets an error result, never a stale cached one. Entries
+imported with `seed_path` answer any backend with the same parameters (the user vouches for them); the
+`cache` backend (replay) answers from any backend's entries with the same parameters, and from entries
+stored without parameters (caches written before they were keyed). There is
+no default cache file: `appo train` and `appo eval` put one in the run's output folder unless `cache_path`
+is set (so runs do not share one file in the home directory by accident).
 """
 
 from __future__ import annotations
@@ -31,10 +42,13 @@ import httpx
 
 from appo_trl.tools.base import ToolResult, sanitize_text
 from appo_trl.tools.search_cache import JsonReplayCache, SearchCache
+from appo_trl.tools.search_server import DEFAULT_PORT, SERVICE_NAME
 
 logger = logging.getLogger(__name__)
 
 NO_RESULTS = "No search results found."
+DEFAULT_SEARCH_URL = f"http://127.0.0.1:{DEFAULT_PORT}/retrieve"
+SEED_IDENTITY = "seed"
 
 
 @dataclasses.dataclass
@@ -49,8 +63,11 @@ class SearchToolConfig:
         timeout_s: per-request timeout.
         retries: extra attempts after a transient failure (not for 4xx errors or malformed replies).
         backoff_s: first retry delay; doubles each attempt.
+        check_server: `local`: require `/health` to identify appo-trl's search server (`appo serve-search`);
+            false accepts any Search-R1 `/retrieve` server, identified in the cache by its URL.
         cache: put the persistent cache in front of the backend.
-        cache_path: SQLite cache file; for `backend: cache` it may also be ARPO's JSON file (read-only).
+        cache_path: SQLite cache file; for `backend: cache` it may also be ARPO's JSON file (read-only). None:
+            no persistent cache (`appo train` / `appo eval` default it to `<output_dir>/search_cache.sqlite`).
         seed_path: ARPO JSON cache imported into the SQLite cache at start-up (existing entries win).
         cache_namespace: key prefix in the SQLite cache; give backends with different outputs different ones.
         rate_limit_per_s: `web` requests per second (token bucket).
@@ -59,14 +76,15 @@ class SearchToolConfig:
     """
 
     backend: str = "local"
-    url: str = "http://127.0.0.1:8000/retrieve"
+    url: str = DEFAULT_SEARCH_URL
     max_results: int = 10
     result_length: int = 1000
     timeout_s: float = 30.0
     retries: int = 3
     backoff_s: float = 1.0
+    check_server: bool = True
     cache: bool = True
-    cache_path: str | None = "~/.cache/appo_trl/search_cache.sqlite"
+    cache_path: str | None = None
     seed_path: str | None = None
     rate_limit_per_s: float = 32.0
     api_key_env: str = "BRIGHTDATA_API_KEY"
@@ -167,17 +185,19 @@ class LocalRetrieverBackend:
         self.config = config
         self._clients = _LoopClients(timeout=config.timeout_s, trust_env=False)
         self._queue: list[tuple[str, asyncio.Future]] = []
-        self._flusher: asyncio.Task | None = None
+        self._flush_scheduled = False  # a flusher that has not taken the queue yet
 
     async def search(self, query: str) -> list[str]:
         fut = asyncio.get_running_loop().create_future()
         self._queue.append((query, fut))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.ensure_future(self._flush())
+        if not self._flush_scheduled:  # (a flusher already posting its batch does not see this query)
+            self._flush_scheduled = True
+            asyncio.ensure_future(self._flush())
         return await fut
 
     async def _flush(self) -> None:
         await asyncio.sleep(0)  # let the other calls of this event-loop tick join the batch
+        self._flush_scheduled = False
         batch, self._queue = self._queue, []
         try:
             results = await self._post([q for q, _ in batch])
@@ -189,6 +209,52 @@ class LocalRetrieverBackend:
         for (_, fut), docs in zip(batch, results):
             if not fut.done():
                 fut.set_result(docs)
+
+    @property
+    def health_url(self) -> str:
+        base = self.config.url.rstrip("/")
+        return (base[: -len("/retrieve")] if base.endswith("/retrieve") else base) + "/health"
+
+    def _identity_from(self, status: int | None, body: Any) -> str:
+        """`appo-search:<corpus sha256>` for our server; the URL when checks are off; else BackendError."""
+        if isinstance(body, dict) and body.get("service") == SERVICE_NAME and body.get("corpus_fingerprint"):
+            return f"appo-search:{body['corpus_fingerprint']}"
+        if not self.config.check_server:
+            return f"url:{self.config.url}"
+        seen = "no JSON" if body is None else f"{str(body)[:80]!r}"
+        raise BackendError(
+            f"{self.health_url} is not an appo-trl search server (HTTP {status}, {seen}); start one with "
+            "`appo serve-search --corpus FILE.jsonl`, fix search.url, or set search.check_server: false "
+            "for another Search-R1 /retrieve server"
+        )
+
+    @staticmethod
+    def _json(resp: httpx.Response) -> Any:
+        try:
+            return resp.json()
+        except ValueError:
+            return None
+
+    async def identity(self) -> str:
+        """The backend identity for cache keys, from `GET /health`; raises BackendError (transient if down)."""
+        try:
+            resp = await self._clients.get().get(self.health_url)
+        except httpx.TransportError as exc:
+            if not self.config.check_server:
+                return f"url:{self.config.url}"
+            raise BackendError(f"retriever unreachable at {self.health_url} ({type(exc).__name__})", True) from None
+        return self._identity_from(resp.status_code, self._json(resp))
+
+    def check(self) -> str:
+        """Synchronous start-up check (`appo_trl.preflight`): the server answers and is ours; returns its identity."""
+        try:
+            resp = httpx.get(self.health_url, timeout=min(self.config.timeout_s, 10.0), trust_env=False)
+        except httpx.TransportError as exc:
+            raise BackendError(
+                f"no search server at {self.health_url} ({type(exc).__name__}); start it with "
+                "`appo serve-search --corpus FILE.jsonl` or fix search.url"
+            ) from None
+        return self._identity_from(resp.status_code, self._json(resp))
 
     async def _post(self, queries: list[str]) -> list[list[str]]:
         body = {"queries": queries, "topk": self.config.max_results, "return_scores": True}
@@ -279,6 +345,9 @@ class WebSearchBackend:
     def scrub(self, text: str) -> str:
         return text.replace(self._key, "***") if self._key else text
 
+    async def identity(self) -> str:
+        return f"web:bing:{self.config.market}:{self.config.location}"
+
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.aclose()
@@ -317,6 +386,8 @@ class SearchTool:
         self.config = config or SearchToolConfig(**kwargs)
         cfg = self.config
         self.backend = SEARCH_BACKENDS[cfg.backend](cfg)
+        self._identity: str | None = None  # resolved on first use (`/health` for local)
+        self._identity_task: asyncio.Task | None = None
         self.cache: SearchCache | JsonReplayCache | None = None
         if cfg.backend == "cache" and str(cfg.cache_path).endswith(".json"):
             self.cache = JsonReplayCache(cfg.cache_path)
@@ -325,7 +396,47 @@ class SearchTool:
         if cfg.seed_path:
             if not isinstance(self.cache, SearchCache):
                 raise ValueError("search.seed_path needs a SQLite cache_path (and cache: true)")
-            self.cache.seed_from_json(cfg.seed_path)
+            self.cache.seed_from_json(cfg.seed_path, scope=self._scope(), source=SEED_IDENTITY)
+
+    def _scope(self) -> str:
+        """Cache scope: the parameters that shape a formatted result (the source is the backend identity)."""
+        return f"k={self.config.max_results};len={self.config.result_length}"
+
+    def check(self) -> None:
+        """Start-up check: the backend is reachable and is what the config says (raises ValueError)."""
+        checker = getattr(self.backend, "check", None)
+        if checker is not None:
+            try:
+                self._identity = checker()
+            except BackendError as exc:
+                raise ValueError(self._scrub(str(exc))) from None
+
+    async def _resolve_identity(self) -> str:
+        """The backend identity, asked once for all concurrent calls of this event loop (they then resume
+        together, so their queries still go out as one batch); a failure is retried by the next call."""
+        if self._identity is not None:
+            return self._identity
+        loop = asyncio.get_running_loop()
+        pending = self._identity_task
+        if (
+            pending is None
+            or pending.get_loop() is not loop
+            or (pending.done() and (pending.cancelled() or pending.exception()))
+        ):
+            pending = self._identity_task = loop.create_task(self.backend.identity())
+        identity = await asyncio.shield(pending)
+        self._identity = identity
+        return identity
+
+    def _cached(self, query: str, identity: str | None) -> str | None:
+        if self.cache is None:
+            return None
+        if isinstance(self.cache, JsonReplayCache):
+            return self.cache.get(query)
+        scope = self._scope()
+        if identity is None:  # replay only: any backend's entry with these parameters (or a pre-scope entry)
+            return self.cache.get_any(query, scope) or self.cache.get(query)
+        return self.cache.get(query, scope, identity) or self.cache.get(query, scope, SEED_IDENTITY)
 
     def _scrub(self, text: str) -> str:
         return self.backend.scrub(text) if hasattr(self.backend, "scrub") else text
@@ -335,10 +446,16 @@ class SearchTool:
         query = text.replace('"', "").strip()
         if not query:
             return ToolResult("Error: empty search query.", ok=False, error="empty_input")
-        if self.cache is not None:
-            hit = self.cache.get(query)
-            if hit is not None:
-                return ToolResult(hit, True, time.perf_counter() - start, meta={"cache_hit": True})
+        identity = None
+        if self.config.backend != "cache":  # who answers decides which cache entries apply
+            try:
+                identity = await self._resolve_identity()
+            except BackendError as exc:
+                return ToolResult(self._scrub(f"Search failed: {exc}"), False, time.perf_counter() - start,
+                                  error="backend_error", meta={"cache_hit": False})  # fmt: skip
+        hit = self._cached(query, identity)
+        if hit is not None:
+            return ToolResult(hit, True, time.perf_counter() - start, meta={"cache_hit": True})
         if self.config.backend == "cache":
             message = f"Not in cache: no stored search result for {query!r} (offline cache-only search)."
             return ToolResult(message, False, time.perf_counter() - start, error="not_in_cache",
@@ -357,12 +474,14 @@ class SearchTool:
                     await asyncio.sleep(delay)
                     delay *= 2
                     continue
+                if exc.transient:  # the server may come back with another corpus: ask /health again
+                    self._identity = self._identity_task = None
                 message = self._scrub(f"Search failed: {exc}")
                 return ToolResult(message, False, time.perf_counter() - start, error="backend_error",
                                   meta={"cache_hit": False, "attempts": attempt + 1})  # fmt: skip
         result = sanitize_text(format_results(snippets, cfg.max_results, cfg.result_length))
         if self.cache is not None and isinstance(self.cache, SearchCache) and result != NO_RESULTS:
-            await asyncio.to_thread(self.cache.put, query, result)
+            await asyncio.to_thread(self.cache.put, query, result, self._scope(), identity)
         count = 0 if result == NO_RESULTS else result.count("\nPage ") + 1
         meta = {"cache_hit": False, "attempts": attempt + 1, "results": count}
         return ToolResult(result, True, time.perf_counter() - start, meta=meta)

@@ -7,8 +7,10 @@ ARPO's cache was one JSON file rewritten from memory by a writer thread, which c
 another process between its read and its rename.
 
 Keys are normalised (`normalize_query`: NFKC, lower case, double quotes removed as ARPO does, whitespace
-collapsed, surrounding punctuation stripped), prefixed by a namespace so that backends with different outputs do
-not answer for each other. ARPO's JSON cache (`{query: "Page 1: ...\\nPage 2: ..."}`) can be imported as a
+collapsed, surrounding punctuation stripped), prefixed by a namespace and a *scope* and followed by a *source*:
+the search tool's scope is the parameters that shape a result (`max_results`, `result_length`), its source the
+backend's identity (the search server's corpus fingerprint, or the web market), so that another corpus, another
+server or other parameters never answer from this entry. ARPO's JSON cache (`{query: "Page 1: ...\\nPage 2: ..."}`) can be imported as a
 seed (`seed_from_json`), or read directly in replay-only mode (`JsonReplayCache`).
 
 What it does not do: no expiry (results are frozen on purpose, for reproducible runs), no size bound. A file that
@@ -81,34 +83,50 @@ class SearchCache:
             raise
         return conn
 
-    def key(self, query: str) -> str:
-        return f"{self.namespace}\x1f{normalize_query(query)}"
+    def key(self, query: str, scope: str = "", source: str = "") -> str:
+        """`namespace SEP [scope SEP] normalised-query [SEP source]` (SEP = ASCII unit separator, which
+        `normalize_query` never leaves in a query). `scope`: what shapes a result (the search tool's parameters);
+        `source`: who produced it (the backend identity), last so that a replay finds it by prefix."""
+        middle = f"{scope}\x1f" if scope else ""
+        tail = f"\x1f{source}" if source else ""
+        return f"{self.namespace}\x1f{middle}{normalize_query(query)}{tail}"
 
-    def get(self, query: str) -> str | None:
+    def get(self, query: str, scope: str = "", source: str = "") -> str | None:
+        key = self.key(query, scope, source)
         with self._lock:
-            row = self._conn.execute("SELECT value FROM cache WHERE key = ?", (self.key(query),)).fetchone()
+            row = self._conn.execute("SELECT value FROM cache WHERE key = ?", (key,)).fetchone()
         return None if row is None else row[0]
 
-    def put(self, query: str, value: str) -> None:
-        """Store one entry (last writer wins); committed when this returns."""
-        self.put_many([(query, value)], replace=True)
+    def get_any(self, query: str, scope: str = "") -> str | None:
+        """The newest entry for `query` in `scope` from any source (cache-only replay, where the backend that
+        produced the entries is not running); an index range scan."""
+        low = self.key(query, scope) + "\x1f"
+        sql = "SELECT value FROM cache WHERE key >= ? AND key < ? ORDER BY created DESC LIMIT 1"
+        with self._lock:
+            row = self._conn.execute(sql, (low, low + "\U0010ffff")).fetchone()
+        return None if row is None else row[0]
 
-    def put_many(self, items, replace: bool = True) -> int:
+    def put(self, query: str, value: str, scope: str = "", source: str = "") -> None:
+        """Store one entry (last writer wins); committed when this returns."""
+        self.put_many([(query, value)], replace=True, scope=scope, source=source)
+
+    def put_many(self, items, replace: bool = True, scope: str = "", source: str = "") -> int:
         """Store many `(query, value)` pairs in one transaction; returns the number of rows written."""
         verb = "INSERT OR REPLACE" if replace else "INSERT OR IGNORE"
         now = time.time()
-        rows = [(self.key(q), q, v, now) for q, v in items]
+        rows = [(self.key(q, scope, source), q, v, now) for q, v in items]
         with self._lock:
             cur = self._conn.executemany(f"{verb} INTO cache (key, query, value, created) VALUES (?, ?, ?, ?)", rows)
         return cur.rowcount
 
-    def seed_from_json(self, path: str) -> int:
+    def seed_from_json(self, path: str, scope: str = "", source: str = "") -> int:
         """Import ARPO's `{query: formatted_result}` JSON cache without overwriting entries already present."""
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object {{query: result}}, got {type(data).__name__}")
-        return self.put_many(((str(k), str(v)) for k, v in data.items() if isinstance(v, str)), replace=False)
+        items = ((str(k), str(v)) for k, v in data.items() if isinstance(v, str))
+        return self.put_many(items, replace=False, scope=scope, source=source)
 
     def __len__(self) -> int:
         with self._lock:

@@ -2,8 +2,11 @@
 
 `POST /retrieve {"queries": [str, ...], "topk": int, "return_scores": bool}` returns
 `{"result": [[{"document": {...}, "score": float}, ...], ...]}` (one list per query, best first; without
-`return_scores` each item is the document itself, as Search-R1's server does). `GET /health` returns
-`{"status": "ok", "documents": N}`. Queries of one request are scored together (bm25s is vectorised).
+`return_scores` each item is the document itself, as Search-R1's server does). `GET /health` identifies the
+server: `{"status": "ok", "service": "appo-trl-search", "version": 1, "documents": N, "corpus_fingerprint":
+sha256 of the corpus file}`; the search tool checks it before a run (so it never searches a vLLM server that
+happens to listen on the same port) and keys its cache by the fingerprint (so results of one corpus are never
+served for another). Queries of one request are scored together (bm25s is vectorised).
 
 The corpus is a JSONL file, one document per line, with `contents` (Search-R1: `"Title"\\ntext`) or
 `title`/`text` fields (`id` optional). The BM25 index is built on first start and saved next to the corpus
@@ -16,6 +19,7 @@ dense retrieval, stemming or snippet extraction; documents are returned whole.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -27,6 +31,17 @@ from pydantic import BaseModel, Field
 logger = logging.getLogger(__name__)
 
 FINGERPRINT = "appo_fingerprint.json"
+SERVICE_NAME = "appo-trl-search"
+DEFAULT_PORT = 8765  # not 8000, where `vllm serve` listens by default
+
+
+def corpus_sha256(path: str) -> str:
+    """The corpus identity reported on `/health`: sha256 of the file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _fingerprint(path: str) -> dict[str, Any]:
@@ -68,6 +83,7 @@ class BM25Index:
         self.corpus_path = corpus_path
         self.index_dir = index_dir or corpus_path + ".bm25s"
         self.docs = load_corpus(corpus_path)
+        self.fingerprint = corpus_sha256(corpus_path)
         fingerprint = _fingerprint(corpus_path)
         stamp = os.path.join(self.index_dir, FINGERPRINT)
         self.reused = False
@@ -119,7 +135,13 @@ def create_app(index: BM25Index, max_batch: int = 1024, max_topk: int = 100):
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"status": "ok", "documents": len(index)}
+        return {
+            "status": "ok",
+            "service": SERVICE_NAME,
+            "version": 1,
+            "documents": len(index),
+            "corpus_fingerprint": index.fingerprint,
+        }
 
     @app.post("/retrieve")
     def retrieve(req: RetrieveRequest) -> dict[str, Any]:

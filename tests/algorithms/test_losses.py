@@ -38,7 +38,7 @@ def test_dual_clip():
 
 
 def test_entropy_balanced_gradient_table():
-    # spec §4.2 F table, ε=0.2:
+    # gradient-coefficient table F of entropy-balanced clipping (AEPO paper), ε=0.2:
     #   ρ=1.5, A=+1 -> upper clip, F = 1+ε_h = 1.2 (PPO would give 0); value -1.2 (same as PPO)
     #   ρ=0.5, A=-1 -> lower clip, F = 0; value 0.8
     #   ρ=1.5, A=-1 -> unclipped branch, F = ρ = 1.5; value 1.5
@@ -158,7 +158,7 @@ def test_future_kl_empty_mask_metrics_and_zero_loss_rows():
 
 
 def test_future_kl_on_policy_is_two_a():
-    # θ = θ_old: d = 0 -> FKL = 0 -> f = 1 -> Ã = 2A; ρ = 1 -> L = -2A (spec §5.2 item 8 "consequence")
+    # θ = θ_old: d = 0 -> FKL = 0 -> f = 1 -> Ã = 2A; ρ = 1 -> L = -2A (docs/fidelity.md)
     A = torch.tensor([[0.5, -1.5, 2.0]])
     out = POLICY_LOSSES["future_kl"](torch.zeros(1, 3), torch.zeros(1, 3), A, torch.ones(1, 3))
     assert out.per_token_loss.tolist() == [pytest.approx([-1.0, 3.0, -4.0])]

@@ -86,3 +86,48 @@ def test_appo_eval_cli_tiny_model_transformers_backend(eval_registry, tmp_path, 
     assert len(lines) == 8 and all(json.loads(x)["completion_tokens"] <= 12 for x in lines)
     assert appo(argv) == 0  # resumed: nothing left to generate
     assert (out / "samples.jsonl").read_text().splitlines() == lines
+
+
+class ScriptedChatBackend:
+    """`tool_format: chat`: one python call as `<tool_call>` JSON, then the boxed answer once a result is back."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.prompts, self.params = tokenizer, [], []
+
+    async def generate(self, prompt_ids, params):
+        self.params.append(params)
+        text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        self.prompts.append(text)
+        if "</tool_response>" in text:
+            segment, stop = "The interpreter printed 2, so \\boxed{2}.", None
+        else:
+            segment, stop = (
+                '<tool_call>\n{"name": "python", "arguments": {"code": "print(1+1)"}}\n</tool_call>',
+                "</tool_call>",
+            )
+        ids = self.tokenizer.encode(segment, add_special_tokens=False) + (
+            [] if stop else [self.tokenizer.eos_token_id]
+        )
+        return Segment(ids, [-0.5] * len(ids), None, "stop" if stop else "eos", stop)
+
+
+def test_eval_with_chat_tool_format(eval_registry, tmp_path, tiny_chat_tokenizer):
+    reg, root = eval_registry
+    cfg = EvalConfig(benchmarks=["mathb"], registry=reg, data_root=root, output_dir=str(tmp_path / "out"),
+                     model="tiny", max_completion_length=256, max_model_len=2048, tool_format="chat",
+                     prompt="plain", limit=1)  # fmt: skip
+    backend = ScriptedChatBackend(tiny_chat_tokenizer)
+    report = evaluate(cfg, RolloutGenerator(cfg, backend, tiny_chat_tokenizer), show_progress=False)
+    [record] = read_jsonl(tmp_path / "out" / "samples.jsonl")
+    assert '"name": "python"' in backend.prompts[0] and "<tools>" in backend.prompts[0]  # schema in the prompt
+    assert all(p.stop == ["</tool_call>"] for p in backend.params)
+    assert backend.prompts[1].endswith("<tool_response>\n2\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert [(c["tag"], c["ok"], c["query"]) for c in record["tool_calls"]] == [
+        ("python", True, '{"code": "print(1+1)"}')
+    ]
+    assert report["benchmarks"]["mathb"]["score"] == pytest.approx(1.0)
+
+
+def test_eval_config_rejects_unknown_tool_format():
+    with pytest.raises(ValueError, match="tool_format must be 'tags' or 'chat'"):
+        EvalConfig(tool_format="json")

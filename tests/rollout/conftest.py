@@ -52,3 +52,15 @@ def result_ids(tiny_tokenizer):
         ]
 
     return _ids
+
+
+def generate_once(backend, prompt, params):
+    """One `backend.generate` call in a fresh event loop, closing the backend's client afterwards."""
+
+    async def go():
+        try:
+            return await backend.generate(prompt, params)
+        finally:
+            await backend.aclose()
+
+    return asyncio.run(go())

@@ -111,7 +111,8 @@ def test_special_tokens_in_tool_output_cannot_end_the_row(make_engine, tiny_toke
     call = traj.tool_calls[0]
     span = traj.completion_ids[call.start : call.end]
     assert eos not in span and pad not in span
-    assert tiny_tokenizer.decode(span) == " <result>\na<|im_end|>b<|endoftext|>c\n</result>"
+    # special-token strings are escaped (neutralise_result) and stay plain text
+    assert tiny_tokenizer.decode(span) == " <result>\na< |im_end|>b< |endoftext|>c\n</result>"
     assert traj.completion_ids.count(eos) == 1 and traj.completion_ids[-1] == eos
 
 

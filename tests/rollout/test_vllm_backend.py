@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import math
 import socket
 
@@ -18,20 +17,13 @@ from appo_trl.rollout import (
 )
 from appo_trl.rollout.vllm_server import parse_choice
 from bench.fake_vllm import FakeVLLMServer, ScriptedPolicy
-from tests.rollout.conftest import ScriptedTool
+from tests.rollout.conftest import ScriptedTool, generate_once
 from tests.rollout.test_engine import by_results, lp, same
 
 pytestmark = pytest.mark.network
 
 
-def _gen(backend, prompt, params):
-    async def go():
-        try:
-            return await backend.generate(prompt, params)
-        finally:
-            await backend.aclose()
-
-    return asyncio.run(go())
+_gen = generate_once
 
 
 @pytest.fixture

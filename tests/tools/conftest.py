@@ -51,3 +51,26 @@ def corpus_file(tmp_path):
     path = tmp_path / "corpus.jsonl"
     path.write_text("\n".join(json.dumps(d) for d in docs) + "\n")
     return str(path)
+
+
+@contextlib.contextmanager
+def running_python_tool(config):
+    """A started `PythonTool` (zygote up), closed on exit."""
+    import asyncio
+
+    from appo_trl.tools.python_sandbox import PythonTool
+
+    tool = PythonTool(config)
+    tool.start()
+    try:
+        yield tool
+    finally:
+        asyncio.run(tool.aclose())
+
+
+def assert_alive(tool, code):
+    """The sandbox still answers an innocent call after `code` ran."""
+    import asyncio
+
+    after = asyncio.run(tool.call("print(6*7)"))
+    assert after.ok and after.text == "42", f"sandbox broken after {code!r}: {after}"

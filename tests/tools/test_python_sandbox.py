@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
+import time
 
 import pytest
 
-from appo_trl.tools.python_sandbox import PythonTool, PythonToolConfig, _namespace_prefix
+from appo_trl.tools.python_sandbox import PythonTool, PythonToolConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,9 +39,6 @@ def run(tool, code):
     return result
 
 
-needs_ns = pytest.mark.skipif(_namespace_prefix() is None, reason="`unshare` cannot create namespaces here")
-
-
 # ---- ARPO semantics ---------------------------------------------------------------------------------
 def test_stdout_and_bare_final_expression(tool):
     assert run(tool, "print(1+1)").text == "2"
@@ -60,13 +59,11 @@ def test_syntax_error(tool):
     assert not r.ok and "SyntaxError" in r.text
 
 
-def test_silent_code_runs_once_and_is_not_an_error(tool, tmp_path):
-    marker = tmp_path / "runs.txt"
-    os.chmod(tmp_path, 0o777)
-    r = run(tool, f"open({str(marker)!r}, 'a').write('x')\nNone if False else None")
-    r = run(tool, f"open({str(marker)!r}, 'a').write('y')\n_ = 1")
+def test_silent_code_runs_once_and_is_not_an_error(tool):
+    # the host filesystem is read-only to the code: count executions on stderr (one "ran" per execution)
+    r = run(tool, "import sys\nsys.stderr.write('ran')\n_ = 1")
     assert r.ok and r.text == CONFIG.empty_output_text
-    assert marker.read_text() == "xy"  # each call executed exactly once
+    assert r.meta["stderr_chars"] == len("ran")  # executed exactly once (ARPO re-ran silent code)
 
 
 def test_fresh_process_per_call(tool):
@@ -150,7 +147,6 @@ def test_parent_secret_is_not_visible(tool):
     assert r.ok and r.text == "checked", r.text
 
 
-@needs_ns
 def test_killing_the_parent_does_not_kill_the_sandbox(tool):
     zygote = tool.sandbox.zygote_pid
     run(tool, "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)")
@@ -166,7 +162,6 @@ def _sandbox_processes(tool):
     return eval(r.text)  # noqa: S307 - a list literal printed by our own snippet
 
 
-@needs_ns
 def test_setsid_double_fork_does_not_outlive_the_call(tool):
     code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n    os._exit(0)\nprint('parent done')"
     r = run(tool, code)
@@ -174,17 +169,16 @@ def test_setsid_double_fork_does_not_outlive_the_call(tool):
     assert _sandbox_processes(tool) == []
 
 
-@needs_ns
 def test_network_is_blocked(tool):
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
     port = server.getsockname()[1]
     try:
-        r = run(tool, f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('CONNECTED')")
+        r = run(tool, f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('CONNECTED')")
     finally:
         server.close()
-    assert "CONNECTED" not in r.text and "Network is unreachable" in r.text
+    assert "CONNECTED" not in r.text and ("Network is unreachable" in r.text or "timed out" in r.text), r.text
 
 
 def test_concurrent_calls(tool):
@@ -199,8 +193,9 @@ def test_dead_zygote_is_restarted():
     t = PythonTool(PythonToolConfig(timeout_s=3, preload=("math",)))
     t.start()
     first = t.sandbox.zygote_pid
-    t.sandbox._proc.kill()
-    t.sandbox._proc.wait()
+    os.kill(first, signal.SIGKILL)
+    while t.sandbox._z is not None:  # the reader notices the death
+        time.sleep(0.01)
     r = asyncio.run(t.call("print('back')"))
     assert r.text == "back" and t.sandbox.zygote_pid != first
     asyncio.run(t.aclose())
@@ -211,6 +206,8 @@ def test_bad_config_fails_early():
         PythonToolConfig(timeout_s=0)
     with pytest.raises(ValueError, match="isolation"):
         PythonToolConfig(isolation="docker")
+    with pytest.raises(ValueError, match="max_output_bytes"):
+        PythonToolConfig(max_output_bytes=0)
 
 
 def _descendants(pid: int) -> list[int]:

@@ -41,7 +41,8 @@ def test_retrieve_protocol_batched(corpus_file, loopback):
         body = client.post("/retrieve", json={"queries": ["capital of France", "highest mountain"], "topk": 2,
                                               "return_scores": True}).json()  # fmt: skip
         plain = client.post("/retrieve", json={"queries": ["Germany"], "topk": 3}).json()
-    assert health == {"status": "ok", "documents": 4}
+    assert health["status"] == "ok" and health["documents"] == 4 and health["service"] == "appo-trl-search"
+    assert len(health["corpus_fingerprint"]) == 64
     assert len(body["result"]) == 2
     assert body["result"][0][0]["document"]["id"] == "0" and body["result"][0][0]["score"] > 0
     assert body["result"][1][0]["document"]["title"] == "Mount Everest"
@@ -79,6 +80,10 @@ def test_search_tool_against_local_server_batches_concurrent_calls(corpus_file, 
 def _flaky_app(fail_times: int, status: int = 500, body: str | None = None, delay_s: float = 0.0):
     app = FastAPI()
     state = {"calls": 0}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "service": "appo-trl-search", "documents": 1, "corpus_fingerprint": "flaky"}
 
     @app.post("/retrieve")
     async def retrieve(request: Request):

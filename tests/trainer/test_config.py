@@ -25,7 +25,7 @@ def test_every_new_field_is_documented():
 
 @pytest.mark.parametrize(
     "strategy,initial,loss_mode",
-    [("grpo", 4, "clip"), ("arpo", 2, "clip"), ("aepo", 2, "clip"), ("appo", 2, "future_kl")],
+    [("grpo", 4, "clip"), ("arpo", 2, "clip"), ("aepo", 2, "entropy_balanced"), ("appo", 2, "future_kl")],
 )
 def test_strategy_defaults(strategy, initial, loss_mode):
     cfg = make(rollout_strategy=strategy)

@@ -281,9 +281,9 @@ def test_aepo_entropy_aware_advantage_is_applied_with_trainer_entropies(
     calls = []
     real = adv_mod.entropy_aware_advantage
 
-    def spy(advantages, entropies, mask, *, weight):
+    def spy(advantages, entropies, mask, *, weight, **kw):
         calls.append((entropies.clone(), weight, entropies.requires_grad))
-        return real(advantages, entropies, mask, weight=weight)
+        return real(advantages, entropies, mask, weight=weight, **kw)
 
     monkeypatch.setattr(adv_mod, "entropy_aware_advantage", spy)
     engine, reward = ScriptedEngine(tiny_tokenizer), RewardSpy()

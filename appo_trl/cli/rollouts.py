@@ -1,0 +1,106 @@
+"""`appo rollouts OUTPUT_DIR [--step N] [--groups K] [--chars C]`: sample trajectories as branch trees.
+
+Reads what a run wrote with `dump_rollouts: K` (`OUTPUT_DIR/rollouts/step_<N>.jsonl`, see
+`appo_trl.rollout_dump`) and prints, for each group, the prompt and a tree of its rows: every root rollout
+with the rows branched from it underneath, each with where it forked (token position and the text just before
+the fork), its reward and advantage, its tool calls (tag, ok/failed, query), how it ended, and whether it
+reached the loss (APPO drops branch rows). `--full` prints the whole completions.
+
+What this does not do: re-run or score anything; it shows what the trainer saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _short(text: str, chars: int) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= chars else text[: chars - 1] + "…"
+
+
+def _label(row: dict, chars: int):
+    from rich.text import Text
+
+    label = Text()
+    kind = row["origin"] if row["parent"] is not None else "root"
+    label.append(f"#{row['index']} {kind}", style="bold cyan" if kind == "root" else "bold magenta")
+    if row["parent"] is not None and row.get("branch_pos") is not None:
+        label.append(f" @ token {row['branch_pos']}", style="magenta")
+        if row.get("fork_context"):
+            label.append(f' after "…{_short(row["fork_context"], 40)}"', style="dim")
+    reward = row["reward"]
+    label.append(f"  reward {reward:+.3f}", style="green" if reward > 0 else "red" if reward < 0 else "yellow")
+    label.append(f"  adv {row['advantage']:+.3f}")
+    calls = row.get("tool_calls") or []
+    if calls:
+        label.append("  tools ")
+        for c in calls:
+            label.append(f"[{c['tag']} {'✓' if c['ok'] else '✗'}]", style="green" if c["ok"] else "red")
+    else:
+        label.append("  no tool calls", style="dim")
+    label.append(f"  {row['finish_reason']}, {row['length']} tok", style="dim")
+    if not row.get("kept", True):
+        label.append("  (not in loss)", style="dim italic")
+    if chars:
+        if row.get("continuation") is not None:  # a branch: only what it wrote after the fork
+            label.append("\n…" + _short(row["continuation"], chars), style="white")
+        else:
+            label.append("\n" + _short(row["completion"], chars), style="white")
+        for c in calls:
+            label.append(f"\n  <{c['tag']}> {_short(c['query'], 80)}  → {_short(c['result'], 60)}", style="dim")
+    return label
+
+
+def group_tree(record: dict, chars: int = 160):
+    """A rich `Tree` for one dumped group: roots at the top, each branch under the row it forked from."""
+    from rich.tree import Tree
+
+    answer = record.get("answer")
+    head = f"[bold]group {record['group']}[/bold] · {record['strategy']} · {_short(record['prompt'], 120)}"
+    if answer not in (None, ""):
+        head += f"  [dim](answer: {_short(answer if isinstance(answer, str) else str(answer), 40)})[/dim]"
+    tree = Tree(head)
+    rows = record["rows"]
+    nodes = {}
+    pending = list(rows)
+    while pending:  # parents before children, whatever the row order
+        progressed = False
+        for row in list(pending):
+            parent = row["parent"]
+            if parent is None or parent in nodes or parent not in {r["index"] for r in rows}:
+                nodes[row["index"]] = (nodes[parent] if parent in nodes else tree).add(_label(row, chars))
+                pending.remove(row)
+                progressed = True
+        if not progressed:  # a cycle cannot happen, but never loop forever
+            for row in pending:
+                nodes[row["index"]] = tree.add(_label(row, chars))
+            break
+    return tree
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="appo rollouts", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument("output_dir", help="output_dir of an `appo train` run with dump_rollouts > 0")
+    p.add_argument("--step", type=int, default=None, help="training step to show (default: the newest dumped)")
+    p.add_argument("--groups", type=int, default=2, help="groups to show (default: %(default)s)")
+    p.add_argument("--chars", type=int, default=160, help="completion characters per row, 0 hides them")
+    p.add_argument("--full", action="store_true", help="whole completions")
+    a = p.parse_args(argv)
+    from rich.console import Console
+
+    from appo_trl.rollout_dump import read_dumps
+
+    try:
+        step, records = read_dumps(a.output_dir, a.step)
+    except FileNotFoundError as exc:
+        print(f"appo rollouts: {exc}", file=sys.stderr)
+        return 2
+    console = Console()
+    console.print(f"[bold]{a.output_dir}[/bold] · step {step} · {len(records)} group(s) dumped")
+    for record in records[: a.groups]:
+        console.print(group_tree(record, chars=10**9 if a.full else a.chars))
+    return 0

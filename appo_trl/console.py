@@ -1,0 +1,131 @@
+"""What a training run logs: one canonical name per quantity, and one readable console line per step.
+
+Metric names. The rollout engine and the tool executor both count tool calls, failures and tokens; the
+trainer logs each quantity once, under one name (everything still goes to the trackers):
+
+| quantity                                   | canonical key                         | dropped duplicates                 |
+|--------------------------------------------|---------------------------------------|------------------------------------|
+| tool calls executed this step (all tools)  | `tools/calls`                         | `rollout/tool_calls`, `tools/calls_per_round` |
+| ... per tool (a breakdown of the total)    | `tools/<tag>/calls`                   | `rollout/tool/<tag>/calls`         |
+| failed calls per tool                      | `tools/<tag>/failures`                | `rollout/tool/<tag>/failures`, `rollout/tool_failures` |
+| tool time per tool                         | `tools/<tag>/latency_mean_s`, `_max_s`| `rollout/tool/<tag>/time_s`        |
+| calls per completion (mean over rows)      | `tools/call_frequency` (TRL's name)   |                                    |
+| tokens sampled by the policy this step     | `rollout/sampled_tokens`              | `rollout/tokens_sampled`           |
+
+TRL's own keys (`completions/*_length`, `completions/*terminated_length`, `reward`, `step_time`, ...) keep
+TRL's names.
+
+Console. `StepLineCallback` replaces the progress bar's dict dump (`ProgressCallback.on_log`) with
+
+    step 3/10 | reward -0.412 ±0.310 | acc 25.0% | tools 1.50/compl | branches 2.0/prompt | loss 0.0123 | 1.02 s
+
+(accuracy only when a 0/1 correctness reward such as `math_verify` or `qa_em` is configured, branches
+only for branching strategies). It changes the console only: `on_log` of the tracker callbacks is untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+# engine/executor keys that repeat a quantity already logged under its canonical name
+_DUPLICATE = re.compile(r"^rollout/(tool_calls|tool_failures|tokens_sampled|tool/[^/]+/(calls|failures|time_s))$")
+# reward functions whose per-completion value is 1 for a correct answer and 0 otherwise
+ACCURACY_REWARDS = ("math_verify", "qa_em", "accuracy", "accuracy_reward", "exact_match")
+
+
+def canonical_metrics(raw: dict[str, float]) -> dict[str, float]:
+    """Engine/executor metrics with the duplicates of canonical keys removed (see the module table).
+
+    The per-tool breakdown `tools/<tag>/*` is kept even with a single tool, so the keys do not depend on how many
+    tools a recipe enables (dashboards and `appo_trl.synthetic` read `tools/python/calls`).
+    """
+    return {k: v for k, v in raw.items() if not _DUPLICATE.match(k)}
+
+
+def accuracy_of(logs: dict) -> float | None:
+    """Accuracy of this step where it is known: `accuracy` if logged, else the mean of a 0/1 correctness reward."""
+    for key in ("accuracy", "eval_accuracy"):
+        if isinstance(logs.get(key), (int, float)):
+            return float(logs[key])
+    for prefix in ("", "eval_"):
+        for name in ACCURACY_REWARDS:
+            value = logs.get(f"{prefix}rewards/{name}/mean")
+            if isinstance(value, (int, float)) and not math.isnan(value):
+                return float(value)
+    return None
+
+
+def _num(logs: dict, key: str) -> float | None:
+    value = logs.get(key)
+    return float(value) if isinstance(value, (int, float)) and not math.isnan(float(value)) else None
+
+
+def format_step_line(logs: dict, step: int, max_steps: int | None = None) -> str:
+    """One line for one `Trainer.log` call (a training step, an evaluation, or the end-of-training summary)."""
+    if "train_runtime" in logs:
+        loss = _num(logs, "train_loss")
+        return f"done: {step} steps in {logs['train_runtime']:.1f} s" + (
+            f" | mean loss {loss:.4g}" if loss is not None else ""
+        )
+    prefix = "eval_" if any(k.startswith("eval_") for k in logs) else ""
+    head = f"step {step}/{max_steps}" if max_steps and max_steps > 0 else f"step {step}"
+    parts = [("eval " if prefix else "") + head]
+    reward, std = _num(logs, f"{prefix}reward"), _num(logs, f"{prefix}reward_std")
+    if reward is not None:
+        parts.append(f"reward {reward:.3f}" + (f" ±{std:.3f}" if std is not None else ""))
+    acc = accuracy_of(logs)
+    if acc is not None:
+        parts.append(f"acc {100 * acc:.1f}%")
+    calls = _num(logs, f"{prefix}tools/call_frequency")
+    if calls is not None:
+        fail = _num(logs, f"{prefix}tools/failure_frequency")
+        parts.append(f"tools {calls:.2f}/compl" + (f" (fail {100 * fail:.0f}%)" if fail else ""))
+    branches = _num(logs, f"{prefix}branch/points_per_prompt")
+    if branches is not None:
+        parts.append(f"branches {branches:.1f}/prompt")
+    loss = _num(logs, f"{prefix}loss")
+    if loss is not None:
+        parts.append(f"loss {loss:.4g}")
+    length = _num(logs, f"{prefix}completions/mean_length")
+    if length is not None:
+        parts.append(f"len {length:.0f}")
+    step_time = _num(logs, f"{prefix}step_time") or _num(logs, f"{prefix}runtime")
+    if step_time is not None:
+        parts.append(f"{step_time:.2f} s")
+    return " | ".join(parts)
+
+
+class StepLineCallback(ProgressCallback):
+    """The progress bar, with one readable line per logged step instead of the metric dict."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        line = format_step_line(logs, state.global_step, state.max_steps)
+        if self.training_bar is not None:
+            self.training_bar.write(line)
+        else:
+            print(line, flush=True)
+
+
+class StepLinePrinterCallback(TrainerCallback):
+    """`disable_tqdm=True`: no bar, the same one line per logged step (replaces `PrinterCallback`)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            print(format_step_line(logs, state.global_step, state.max_steps), flush=True)
+
+
+def install_step_line(trainer) -> None:
+    """Swap the trainer's console callback (progress bar or printer) for its one-line-per-step version."""
+    handler = trainer.callback_handler
+    if any(isinstance(cb, ProgressCallback) and not isinstance(cb, StepLineCallback) for cb in handler.callbacks):
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(StepLineCallback)
+    if any(type(cb) is PrinterCallback for cb in handler.callbacks):
+        trainer.remove_callback(PrinterCallback)
+        trainer.add_callback(StepLinePrinterCallback)

