@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import time
 from pathlib import Path
 
@@ -42,6 +43,11 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=2,
         help="intermediate RL checkpoints evaluated on the held-out split (default: %(default)s)",
+    )
+    p.add_argument(
+        "--reuse_sft",
+        action="store_true",
+        help="reuse <workdir>/sft when it exists (a finished cold start of the same settings)",
     )
     p.add_argument("--num_sft", type=int, default=1200, help="SFT traces generated (default: %(default)s)")
     p.add_argument("--num_heldout", type=int, default=96, help="held-out questions (default: %(default)s)")
@@ -78,6 +84,7 @@ def run(a, printer=_say) -> dict:
     P.stop_on_sigterm()
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work / "eval", ignore_errors=True)  # evaluations are always fresh (the server port changes)
     t0, c0 = time.monotonic(), _cpu_s()
     times: dict[str, float] = {}
 
@@ -88,8 +95,11 @@ def run(a, printer=_say) -> dict:
     paths = write_task(work / "data", a.seed, num_sft=a.num_sft, num_heldout=a.num_heldout)
     printer(f"[demo] 2/6 tiny model + SFT cold start ({a.sft_steps} steps on {a.num_sft} traces)")
     s = time.monotonic()
-    P.build_model(str(work / "model"), a.seed)
-    P.run_sft(str(work / "model"), paths["sft"], str(work / "sft"), steps=a.sft_steps, seed=a.seed)
+    if a.reuse_sft and (work / "sft" / "config.json").is_file():
+        printer(f"        reusing the SFT checkpoint in {work / 'sft'} (--reuse_sft)")
+    else:
+        P.build_model(str(work / "model"), a.seed)
+        P.run_sft(str(work / "model"), paths["sft"], str(work / "sft"), steps=a.sft_steps, seed=a.seed)
     stage("sft", s)
     every = max(1, a.rl_steps // (a.checkpoints + 1))
     save_steps = [every * (i + 1) for i in range(a.checkpoints) if every * (i + 1) < a.rl_steps]

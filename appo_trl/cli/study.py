@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -68,6 +69,7 @@ def run(a, printer=_say) -> dict:
         P.run_sft(str(work / "model"), paths["sft"], str(sft), steps=a.sft_steps, seed=a.task_seed)
     with P.search_server(paths["corpus"], str(work / "search_server.log")) as srv:
         if "sft" not in done:
+            shutil.rmtree(work / "eval" / "sft", ignore_errors=True)  # a half-finished eval of an older server
             done["sft"] = P.evaluate_heldout(str(sft), paths["registry"], srv["url"], str(work / "eval" / "sft"),
                                              num_samples=a.eval_samples, seed=a.task_seed)  # fmt: skip
         printer(f"[study] SFT held-out pass@1 {100 * done['sft']['pass@1']:.1f} %")
@@ -83,6 +85,7 @@ def run(a, printer=_say) -> dict:
                 start = time.monotonic()
                 _, history = P.run_rl(args, printer=lambda m: None)
                 rl_s = time.monotonic() - start
+                shutil.rmtree(work / "eval" / strategy / f"seed{seed}", ignore_errors=True)
                 ev = P.evaluate_heldout(str(run_dir), paths["registry"], srv["url"],
                                         str(work / "eval" / strategy / f"seed{seed}"),
                                         num_samples=a.eval_samples, seed=a.task_seed)  # fmt: skip

@@ -287,8 +287,9 @@ def run_rl(args, *, save_steps: list[int] | None = None, printer=print, label: s
             processing_class=tokenizer,
             callbacks=[callback],
         )
-        trainer.remove_callback(PrinterCallback)
-        trainer.remove_callback(ProgressCallback)
+        for cb in list(trainer.callback_handler.callbacks):  # TRL's / appo_trl.console's per-step printing
+            if isinstance(cb, (PrinterCallback, ProgressCallback)) or type(cb).__name__.startswith("StepLinePrinter"):
+                trainer.remove_callback(cb)
     with _quiet_logging_only():
         trainer.train()
     with _quiet():
