@@ -36,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="task, model, SFT, RL and eval seed (default: %(default)s)")
     p.add_argument("--workdir", default="outputs/demo", help="where everything goes (default: %(default)s)")
     p.add_argument("--recipe", default="recipes/demo/appo.yaml", help="RL recipe (default: %(default)s)")
-    p.add_argument("--sft_steps", type=int, default=600, help="SFT cold-start steps (default: %(default)s)")
+    p.add_argument("--sft_steps", type=int, default=1000, help="SFT cold-start steps (default: %(default)s)")
     p.add_argument("--rl_steps", type=int, default=120, help="RL steps (default: %(default)s)")
     p.add_argument(
         "--checkpoints",

@@ -29,7 +29,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="RL seeds (default: %(default)s)")
     p.add_argument("--task_seed", type=int, default=0, help="task, model and SFT seed (default: %(default)s)")
-    p.add_argument("--sft_steps", type=int, default=600, help="SFT cold-start steps (default: %(default)s)")
+    p.add_argument("--sft_steps", type=int, default=1000, help="SFT cold-start steps (default: %(default)s)")
     p.add_argument("--num_sft", type=int, default=1200, help="SFT traces (default: %(default)s)")
     p.add_argument("--rl_steps", type=int, default=120, help="K, RL steps per run (default: %(default)s)")
     p.add_argument("--num_heldout", type=int, default=96, help="held-out questions (default: %(default)s)")
