@@ -228,7 +228,7 @@ def search_section(quick: bool) -> dict[str, float]:
 
         tool = SearchTool(backend="cache", cache_path=os.path.join(tmp, "cache.sqlite"))
         items = ((f"query number {i}", f"Page 1: result {i}") for i in range(10_000))
-        tool.cache.put_many(items, scope=tool._scope(""))  # the scope a cache-only tool reads
+        tool.cache.put_many(items, scope=tool._scope(), source="bench-corpus")  # what a cache-only tool replays
 
         async def hits():
             lat = []
