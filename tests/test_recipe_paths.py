@@ -105,8 +105,9 @@ def test_wheel_ships_recipes_configs_and_data_and_demo_runs_outside_a_checkout(t
     file_, zero3 = probe.stdout.split()
     assert file_.startswith(str(site)) and zero3.startswith(str(site))  # the installed copy, not the checkout
     demo = subprocess.run(
-        [sys.executable, "-m", "appo_trl.cli", "demo", "--sft_steps", "0", "--rl_steps", "1", "--recipe",
-         "recipes/tiny/grpo.yaml"], cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "appo_trl.cli", "demo", "--sft_steps", "2", "--num_sft", "16", "--rl_steps", "1",
+         "--checkpoints", "0", "--num_heldout", "4", "--eval_samples", "1"], cwd=cwd, env=env, capture_output=True,
+        text=True, timeout=600,
     )  # fmt: skip
     assert demo.returncode == 0, demo.stderr[-3000:]
-    assert (cwd / "outputs" / "tiny-rl" / "config.json").is_file()
+    assert (cwd / "outputs" / "demo" / "report.json").is_file()
