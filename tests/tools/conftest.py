@@ -74,3 +74,16 @@ def assert_alive(tool, code):
 
     after = asyncio.run(tool.call("print(6*7)"))
     assert after.ok and after.text == "42", f"sandbox broken after {code!r}: {after}"
+
+
+def call_once(tool, query):
+    """One `tool.call(query)` in a fresh event loop, closing the tool afterwards."""
+    import asyncio
+
+    async def go():
+        try:
+            return await tool.call(query)
+        finally:
+            await tool.aclose()
+
+    return asyncio.run(go())

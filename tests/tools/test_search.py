@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from appo_trl.tools.search import NO_RESULTS, SearchTool, SearchToolConfig, WebSearchBackend, format_results
 from appo_trl.tools.search_server import BM25Index, create_app
+from tests.tools.conftest import call_once
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.network]
 
@@ -102,14 +103,7 @@ def _flaky_app(fail_times: int, status: int = 500, body: str | None = None, dela
 
 def _call(url, query="q", **kw):
     tool = SearchTool(backend="local", url=url, cache=False, backoff_s=0.01, **kw)
-
-    async def go():
-        try:
-            return await tool.call(query)
-        finally:
-            await tool.aclose()
-
-    return asyncio.run(go())
+    return call_once(tool, query)
 
 
 def test_http_500_is_retried_then_succeeds(loopback):
@@ -188,13 +182,7 @@ def _web_tool(handler, monkeypatch, **kw):
 
 
 def _run(tool, query):
-    async def go():
-        try:
-            return await tool.call(query)
-        finally:
-            await tool.aclose()
-
-    return asyncio.run(go())
+    return call_once(tool, query)
 
 
 def test_web_request_shape_and_parsing(monkeypatch):

@@ -12,6 +12,7 @@ from fastapi.responses import PlainTextResponse
 
 from appo_trl.tools.search import SearchTool, SearchToolConfig
 from appo_trl.tools.search_server import BM25Index, create_app
+from tests.tools.conftest import call_once
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.network]
 
@@ -23,14 +24,7 @@ def _corpus(path, text):
 
 def _search(cache_path, url, query="capital", **kw):
     tool = SearchTool(backend="local", url=url, cache_path=str(cache_path), retries=0, backoff_s=0.01, **kw)
-
-    async def go():
-        try:
-            return await tool.call(query)
-        finally:
-            await tool.aclose()
-
-    return asyncio.run(go())
+    return call_once(tool, query)
 
 
 def _dead_url():
@@ -123,14 +117,7 @@ def test_defaults_leave_port_8000_to_vllm_and_keep_no_shared_cache_file(tmp_path
 
 def _replay(cache_path, query="capital", **kw):
     tool = SearchTool(backend="cache", cache_path=str(cache_path), **kw)
-
-    async def go():
-        try:
-            return await tool.call(query)
-        finally:
-            await tool.aclose()
-
-    return asyncio.run(go())
+    return call_once(tool, query)
 
 
 def test_cache_only_replay_of_a_sqlite_cache_needs_the_same_parameters(tmp_path, loopback):
