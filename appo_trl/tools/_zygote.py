@@ -5,10 +5,13 @@ bubblewrap sandbox built by `appo_trl.tools.isolation` (own user, pid, network, 
 read-only allow-listed filesystem, no home). Stdlib only, plus `pyseccomp` once at start to compile the
 children's seccomp filter.
 
-Processes. The zygote (dispatcher) imports the preloaded modules, is not dumpable (`PR_SET_DUMPABLE=0`: no
-`/proc/<zygote>/mem|fd|environ` for anyone but root of its user namespace) and ignores SIGINT. It forks one
-*worker* per concurrent call slot, on demand; a worker joins its slot's cgroups once and then runs one call at
-a time, so a call's process is born in its cgroups. Each call's child is pid 1 of a *new* pid namespace (the
+Processes. The zygote (dispatcher) imports the standard-library part of the preload, is not dumpable
+(`PR_SET_DUMPABLE=0`: no `/proc/<zygote>/mem|fd|environ` for anyone but root of its user namespace) and ignores
+SIGINT. It forks one *worker* per concurrent call slot, on demand; a worker joins its slot's cgroups once and
+then runs one call at a time, so a call's process is born in its cgroups. The third-party preload (numpy,
+sympy) lives in a *template* process forked at start, which forks the workers for calls whose code names one of
+those modules (`Zygote.start_template`): fork cost grows with the parent's memory, and an ordinary call should
+not pay for sympy. Either kind of worker runs any code; the routing changes speed only. Each call's child is pid 1 of a *new* pid namespace (the
 zygote and workers are invisible to it and its `/proc` lists only the call's own processes), gets private tmpfs
 mounts and an ipc namespace, its own user namespace without capabilities and the seccomp filter
 (`_jail.enter`). When the child exits or its deadline passes, killing it kills every process of the call (the
@@ -26,6 +29,7 @@ import os
 import re
 import selectors
 import signal
+import socket
 import sys
 import time
 
@@ -265,9 +269,11 @@ class Zygote:
         self.workers = {}  # reply fd -> {"pid", "slot", "req_fd", "busy": id | None, "buf"}
         self.queue = []
         self.stdin_buf, self.discarding = bytearray(), False
+        self.template = None  # socket to the template process that forks heavy workers (`start_template`)
+        self.heavy = None
 
-    def new_worker(self):
-        slot = len(self.workers)
+    def new_worker(self, kind):
+        """Fork a worker for the lowest free slot; a "heavy" one is forked by the template (see `start_template`)."""
         used = {w["slot"] for w in self.workers.values()}
         slot = min(set(range(len(used) + 1)) - used)
         for cg in self.cgroups:
@@ -278,44 +284,102 @@ class Zygote:
                     fh.write(str(value))
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.dup2(req_r, 0)
-                keep = {0, 1, 2, rep_w} | ({self.pidns} if not self.unisolated else set())
-                for fd in range(3, 1024):
-                    if fd not in keep:
-                        try:
-                            os.close(fd)
-                        except OSError:
-                            pass
-                for cg in self.cgroups:  # join the slot's cgroups once: the calls are born in them
-                    with open(os.path.join(cg["dir"], str(slot), "cgroup.procs"), "w") as fh:
-                        fh.write("0")
-                Worker(self, slot, rep_w).serve()
-            finally:
-                os._exit(1)
+        pid = None
+        try:
+            if kind == "heavy":
+                socket.send_fds(self.template, [str(slot).encode()], [req_r, rep_w])
+            else:
+                pid = os.fork()
+                if pid == 0:
+                    self.worker_main(slot, req_r, rep_w)
+        except OSError:
+            for fd in (req_r, req_w, rep_r, rep_w):
+                os.close(fd)
+            raise
         os.close(req_r)
         os.close(rep_w)
         os.set_blocking(rep_r, False)
-        worker = {"pid": pid, "slot": slot, "req_fd": req_w, "busy": None, "buf": bytearray()}
+        worker = {"pid": pid, "slot": slot, "kind": kind, "req_fd": req_w, "busy": None, "buf": bytearray()}
         self.workers[rep_r] = worker
         self.sel.register(rep_r, selectors.EVENT_READ, "worker")
         return worker
 
-    def dispatch(self, req):
-        idle = next((w for w in self.workers.values() if w["busy"] is None), None)
-        if idle is None:
-            if len(self.workers) >= MAX_WORKERS:
-                self.queue.append(req)
-                return
+    def worker_main(self, slot, req_r, rep_w):
+        """In a freshly forked worker: keep only its pipes, join the slot's cgroups, serve; never returns."""
+        try:
+            os.dup2(req_r, 0)
+            keep = {0, 1, 2, rep_w} | ({self.pidns} if not self.unisolated else set())
+            for fd in range(3, 1024):
+                if fd not in keep:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            for cg in self.cgroups:  # join the slot's cgroups once: the calls are born in them
+                with open(os.path.join(cg["dir"], str(slot), "cgroup.procs"), "w") as fh:
+                    fh.write("0")
+            Worker(self, slot, rep_w).serve()
+        finally:
+            os._exit(1)
+
+    def start_template(self, modules):
+        """Fork the *template*: a process that imports the third-party preload (numpy, sympy, ...) and forks the
+        "heavy" workers, on request over a socketpair that carries the worker's two pipe ends (SCM_RIGHTS).
+
+        Why: fork copies the parent's page tables and every page a child then writes faults a copy. sympy and
+        numpy quadruple the zygote's memory, and forking from it cost `print(1+1)` 40 % of its throughput
+        (docs/benchmarks.md). So the zygote keeps the stdlib preload only and forks the "light" workers; code
+        that names a heavy module goes to a heavy worker, whose calls find it imported."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
             try:
-                idle = self.new_worker()
+                ours.close()
+                null = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(null, 0)  # the trainer's request pipe is the zygote's alone
+                os.close(null)
+                os.close(self.reply_fd)
+                signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
+                preload(modules)
+                theirs.send(b"ready")
+                while True:
+                    msg, fds, _, _ = socket.recv_fds(theirs, 64, 2)
+                    if not msg or len(fds) != 2:
+                        os._exit(0)  # the zygote is gone
+                    if os.fork() == 0:
+                        theirs.close()
+                        self.worker_main(int(msg), *fds)
+                    for fd in fds:
+                        os.close(fd)
+            finally:
+                os._exit(1)
+        theirs.close()
+        if ours.recv(16) == b"ready":  # the tool is ready once everything is imported, as before the split
+            self.template = ours
+        else:  # the template died importing: calls import what they need themselves
+            ours.close()
+
+    def dispatch(self, req):
+        """Run `req` on an idle worker of its kind (heavy if the code names a heavy preloaded module), forking
+        one if needed; else on any idle worker (the import then happens in the call); else queue it."""
+        kind = "heavy" if self.template is not None and self.heavy.search(req["code"]) else "light"
+        idle = [w for w in self.workers.values() if w["busy"] is None]
+        worker = next((w for w in idle if w["kind"] == kind), None)
+        if worker is None and len(self.workers) < MAX_WORKERS:
+            try:
+                worker = self.new_worker(kind)
             except OSError as exc:
+                if kind == "heavy":  # the template died: the call still runs, importing what it needs itself
+                    self.template = None
+                    return self.dispatch(req)
                 send(self.reply_fd, {"id": req["id"], "error": f"no worker: {exc.strerror or exc}"})
                 return
-        idle["busy"] = req["id"]
-        write_all(idle["req_fd"], (json.dumps(req) + "\n").encode())
+        worker = worker or (idle[0] if idle else None)
+        if worker is None:
+            self.queue.append(req)
+            return
+        worker["busy"] = req["id"]
+        write_all(worker["req_fd"], (json.dumps(req) + "\n").encode())
 
     def worker_output(self, fd):
         worker = self.workers[fd]
@@ -385,7 +449,8 @@ class Zygote:
                 if key.data == "stdin":
                     if not self.handle_stdin():
                         for worker in self.workers.values():
-                            os.kill(worker["pid"], signal.SIGKILL)
+                            if worker["pid"] is not None:
+                                os.kill(worker["pid"], signal.SIGKILL)
                         return
                 else:
                     self.worker_output(key.fd)
@@ -398,6 +463,21 @@ class Zygote:
                     break
 
 
+def preload(modules):
+    """Import `modules` (a missing one is not an error), then freeze the heap so that forks share it."""
+    import gc
+
+    for name in modules:
+        try:
+            __import__(name)
+        except Exception:  # noqa: BLE001 - a missing optional module is not an error
+            pass
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(0)  # run numpy's lazy seeding imports once, here (20 ms per child otherwise)
+    gc.collect()
+    gc.freeze()  # keep the pre-imported heap shared copy-on-write with the children
+
+
 def main():
     config = json.loads(sys.argv[1])
     reply_fd = os.dup(1)
@@ -406,17 +486,14 @@ def main():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctypes.CDLL(None, use_errno=True).prctl(_jail.PR_SET_DUMPABLE, 0, 0, 0, 0)
     zygote = Zygote(reply_fd, config)
-    for name in config.get("preload", []):
-        try:
-            __import__(name)
-        except Exception:  # noqa: BLE001 - a missing optional module is not an error
-            pass
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed(0)  # run numpy's lazy seeding imports once, here (20 ms per child otherwise)
-    import gc
-
-    gc.collect()
-    gc.freeze()  # keep the pre-imported heap shared copy-on-write with the children
+    names = config.get("preload", [])
+    light = [m for m in names if m.split(".")[0] in sys.stdlib_module_names]
+    heavy = [m for m in names if m not in light]
+    preload(light)
+    if heavy:  # imported by the template only (`Zygote.start_template`)
+        tops = sorted({m.split(".")[0] for m in heavy})
+        zygote.heavy = re.compile(r"\b(?:" + "|".join(map(re.escape, tops)) + r")\b")
+        zygote.start_template(heavy)
     zygote.serve()
 
 

@@ -92,7 +92,9 @@ class PythonToolConfig:
         empty_output_text: what the model sees when successful code printed nothing (it is not re-run).
         isolation: `"bwrap"` (default; `"auto"` and `"namespace"` are accepted aliases), or `"none"`: run the
             code UNISOLATED as the trainer's user (explicit opt-in, logged as a warning).
-        preload: modules imported once in the zygote, so that importing them in a call is free.
+        preload: modules imported once, so that importing them in a call is free. Standard-library ones are
+            imported by the zygote; the others (numpy, sympy) by a template process that forks the workers
+            of calls whose code names them (an ordinary call is forked from the small zygote: 1.6x faster).
     """
 
     timeout_s: float = 10.0
