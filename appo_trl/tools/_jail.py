@@ -31,7 +31,8 @@ import traceback
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 CLONE_NEWPID = 0x20000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC = 32, 4096, 16384
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 4, 24, 38, 22
 SECCOMP_MODE_FILTER = 2
 SANDBOX_UID = 65534
@@ -132,8 +133,23 @@ def set_rlimits(limits):
         resource.setrlimit(which, (soft, soft if hard is None else hard))
 
 
-def enter(limits, slot, hide_cgroups, distinct_ids, cap_last, bpf, skip=()):
-    """Isolate the calling (freshly forked) process. `limits`: the zygote's validated limit settings.
+def bind_readonly(source, target):
+    """Bind `source` at `target` (created, mode 0755) read-only: an interpreter directory that the call's fresh
+    `/tmp` or `/dev/shm` tmpfs would hide (`isolation._under_call_tmpfs`)."""
+    path = ""
+    for part in target.strip("/").split("/"):
+        path += "/" + part
+        if not os.path.isdir(path):
+            os.mkdir(path)
+            os.chmod(path, 0o755)  # whatever the umask: the call's own uid must traverse it
+    check(libc.mount(source.encode(), target.encode(), None, MS_BIND | MS_REC, None), f"bind {target}")
+    flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
+    check(libc.mount(None, target.encode(), None, flags, None), f"remount {target} read-only")
+
+
+def enter(limits, slot, hide_cgroups, distinct_ids, cap_last, bpf, skip=(), rebind=()):
+    """Isolate the calling (freshly forked) process. `limits`: the zygote's validated limit settings; `rebind`:
+    (side path, path) pairs of interpreter directories to bind back onto the fresh tmpfs mounts.
 
     `skip` (benchmarks only, never set by the tool) names layers to leave out: "mounts", "ipc", "userns",
     "seccomp"; it measures what each layer costs (docs/benchmarks.md)."""
@@ -145,6 +161,8 @@ def enter(limits, slot, hide_cgroups, distinct_ids, cap_last, bpf, skip=()):
         mount_tmpfs(WORKDIR, tmpfs, "0777")
         mount_tmpfs("/tmp", tmpfs)
         mount_tmpfs("/dev/shm", tmpfs)
+        for side, path in rebind:
+            bind_readonly(side, path)
         check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount /proc")
         if hide_cgroups:  # the call's worker joined its cgroups already: hide the cgroup tree
             mount_tmpfs(CGROUP_MOUNT, 1, "0555")

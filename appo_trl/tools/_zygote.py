@@ -120,7 +120,7 @@ class Worker:
                 _jail.set_rlimits(z.limits)
                 os.chdir(req["workdir"])
             else:
-                _jail.enter(z.limits, self.slot, bool(z.cgroups), z.distinct_ids, z.cap_last, z.bpf, z.skip)
+                _jail.enter(z.limits, self.slot, bool(z.cgroups), z.distinct_ids, z.cap_last, z.bpf, z.skip, z.rebind)
             workdir = req.get("workdir", _jail.WORKDIR)
             os.environ.clear()
             os.environ.update({"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8",
@@ -260,6 +260,7 @@ class Zygote:
         self.hide = [tuple(pair) for pair in config.get("hide_paths", [])]
         self.unisolated = bool(config.get("unisolated"))
         self.skip = tuple(config.get("skip", ()))  # benchmarks only: layers left out (see _jail.enter)
+        self.rebind = [tuple(pair) for pair in config.get("rebind", [])]  # interpreter dirs under /tmp or /dev/shm
         if not self.unisolated:
             _jail.loopback_down()
             self.pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)

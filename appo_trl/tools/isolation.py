@@ -77,6 +77,7 @@ HINT = (
     "or set `python.isolation: none` to run model code UNISOLATED"
 )
 ID_BASE, ID_COUNT = 1000, 60000
+CALL_TMPFS = ("/tmp", "/dev/shm")  # each call gets a fresh tmpfs on these (`_jail.enter`)
 
 
 class IsolationError(RuntimeError, ValueError):
@@ -265,12 +266,16 @@ def _rmdir(path: str) -> None:
         pass
 
 
+def _top_paths(paths: list[str]) -> list[str]:
+    """`paths` without those inside another one, and without what `/usr` and `/etc` (bound whole) hold."""
+    keep = [p for p in sorted(set(paths)) if not any(p != q and p.startswith(q + "/") for q in paths)]
+    return [p for p in keep if not (p.startswith("/usr/") or p.startswith("/etc/") or p in ("/usr", "/etc"))]
+
+
 def _bind_tree(paths: list[str]) -> list[str]:
     """bwrap arguments binding `paths` read-only, creating missing parents (mode 0755) first."""
     args, made = [], {"/", "/usr", "/etc"}
-    keep = [p for p in sorted(set(paths)) if not any(p != q and p.startswith(q + "/") for q in paths)]
-    keep = [p for p in keep if not (p.startswith("/usr/") or p.startswith("/etc/") or p in ("/usr", "/etc"))]
-    for p in keep:
+    for p in _top_paths(paths):
         parts = p.strip("/").split("/")
         for i in range(1, len(parts)):
             parent = "/" + "/".join(parts[:i])
@@ -279,6 +284,14 @@ def _bind_tree(paths: list[str]) -> list[str]:
                 args += ["--perms", "0755", "--dir", parent]
         args += ["--ro-bind", p, p]
     return args
+
+
+def _under_call_tmpfs(paths: list[str]) -> list[tuple[str, str]]:
+    """(side path, path) for the interpreter's directories that a call's private `/tmp` or `/dev/shm` would hide
+    (a venv under `/tmp`, as in a CI clone): bwrap binds them a second time at the side path, and each call binds
+    them back, read-only, on its fresh tmpfs (`_jail.enter`)."""
+    under = [p for p in _top_paths(paths) if any(p.startswith(d + "/") for d in CALL_TMPFS)]
+    return [(f"{INNER_DIR}/keep/{i}", p) for i, p in enumerate(under)]
 
 
 def check_available() -> None:
@@ -319,10 +332,14 @@ def build_launch(
         # stdin closes, i.e. when the trainer dies
         # --as-pid-1: the zygote is init of its pid namespace, so killing it kills everything in the sandbox
         "--new-session", "--as-pid-1", "--cap-add", "ALL", "--hostname", "sandbox",
-        "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc", *system, *_bind_tree(python_paths()),
+        "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc", *system,
         "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm",
+        *_bind_tree(python_paths()),  # after the tmpfs mounts, which would hide a venv under /tmp
         "--dir", "/sandbox", "--dir", "/cg", *cg_binds,
     ]  # fmt: skip
+    rebind = _under_call_tmpfs(python_paths())
+    for side, path in rebind:
+        argv += ["--ro-bind", path, side]
     for name in ZYGOTE_FILES:
         argv += ["--ro-bind", os.path.join(TOOLS_DIR, name), f"{INNER_DIR}/{name}"]
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1",
@@ -333,7 +350,7 @@ def build_launch(
     hide = hidden_path_map()
     import json
 
-    zcfg = dict(zygote_config, distinct_ids=distinct, cgroups=cg_specs, hide_paths=hide)
+    zcfg = dict(zygote_config, distinct_ids=distinct, cgroups=cg_specs, hide_paths=hide, rebind=rebind)
     argv += ["--chdir", "/", "--", sys.executable, "-I", f"{INNER_DIR}/_zygote.py", json.dumps(zcfg)]
     return Launch(argv, tuple(fds), cg_made, distinct, hide)
 
