@@ -10,8 +10,10 @@ synthetic corpus (100k documents; 10k with --quick), batched and one query per r
 the search tool's SQLite cache. Layers part: `print(1+1)` p50 with the isolation layers added one at a time
 (unisolated fork server, bubblewrap box, then per call: pid namespace, mount namespace + tmpfs + /proc, ipc
 namespace, user namespace + capabilities dropped, seccomp, cgroups), measured round-robin so that load drifts
-hit every variant alike. With --json the last line is one JSON object with every figure, including
-`sandbox_p50_ms`, `sandbox_calls_per_s`, `speedup_vs_bare`, `layers`, `search_qps` and `cache_hit_ms`.
+hit every variant alike. Preload part (with the layers): `print(1+1)` with numpy and sympy imported by the
+zygote that forks every call, against the default (a template process holds them). With --json the last line is
+one JSON object with every figure, including `sandbox_p50_ms`, `sandbox_calls_per_s`, `speedup_vs_bare`,
+`layers`, `preload`, `search_qps` and `cache_hit_ms`.
 """
 
 from __future__ import annotations
@@ -156,6 +158,36 @@ def layers_section(quick: bool) -> list[dict]:
     return rows
 
 
+def preload_section(quick: bool) -> list[dict]:
+    """`print(1+1)` with numpy and sympy preloaded by the template (the default) vs by the zygote itself, which
+    then forks every call: fork and copy-on-write cost grow with the forking process's memory."""
+    from appo_trl.tools import PythonTool
+
+    variants = [("template holds numpy, sympy (default)", ()), ("zygote holds numpy, sympy", ("template",))]
+    tools = []
+    for _, skip in variants:
+        tool = PythonTool(timeout_s=30)
+        tool.sandbox._skip_layers = skip
+        tool.start()
+        tools.append(tool)
+    res: list[dict[str, list[float]]] = [{"p50": [], "cps": []} for _ in variants]
+
+    async def measure():
+        for tool in tools:
+            for _ in range(10):
+                await tool.call("print(1)")
+        for _ in range(2 if quick else 5):
+            for i, tool in enumerate(tools):
+                res[i]["p50"].append((await bench_sandbox(tool, "print(1+1)", 1, 20 if quick else 60))["p50_ms"])
+                res[i]["cps"].append((await bench_sandbox(tool, "print(1+1)", 8, 40 if quick else 160))["calls_per_s"])
+        for tool in tools:
+            await tool.aclose()
+
+    asyncio.run(measure())
+    return [{"variant": name, "p50_ms": statistics.median(r["p50"]), "calls_per_s_c8": statistics.median(r["cps"])}
+            for (name, _), r in zip(variants, res)]  # fmt: skip
+
+
 def make_corpus(path: str, n_docs: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     vocab = [
@@ -283,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
             delta = "" if row["delta_ms"] is None else f" ({row['delta_ms']:+.2f})"
             print(f"{row['layer']:<48} {row['p50_ms']:7.2f} ms{delta}")
         figures["layers"] = layers
+    if not args.skip_layers:
+        pre = preload_section(args.quick)
+        print("# fork parent: print(1+1), p50 at concurrency 1 and calls/s at 8 (medians of rounds)")
+        for row in pre:
+            print(f"{row['variant']:<48} {row['p50_ms']:7.2f} ms {row['calls_per_s_c8']:7.1f} calls/s")
+        figures["preload"] = pre
     if not args.skip_search:
         s = search_section(args.quick)
         print(f"# search: {s['search_docs']:,} docs, index build {s['search_index_build_s']:.1f}s, "

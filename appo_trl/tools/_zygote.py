@@ -488,7 +488,7 @@ def main():
     ctypes.CDLL(None, use_errno=True).prctl(_jail.PR_SET_DUMPABLE, 0, 0, 0, 0)
     zygote = Zygote(reply_fd, config)
     names = config.get("preload", [])
-    light = [m for m in names if m.split(".")[0] in sys.stdlib_module_names]
+    light = [m for m in names if m.split(".")[0] in sys.stdlib_module_names or "template" in zygote.skip]
     heavy = [m for m in names if m not in light]
     preload(light)
     if heavy:  # imported by the template only (`Zygote.start_template`)
