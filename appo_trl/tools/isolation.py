@@ -15,7 +15,11 @@ Layers (outer to inner), each a well-kept kernel primitive driven by a well-kept
      runs as a host uid that owns no file. As a **normal user**, bwrap maps the user's uid alone; calls then run
      as that uid (in their own user namespace, without any capability) and see only the allow-listed files.
    - The zygote forks one *worker* per concurrency slot (on demand); the worker joins the slot's cgroups once and
-     forks that slot's calls, so no call pays a cgroup migration (10-15 ms, docs/benchmarks.md).
+     forks that slot's calls, so no call pays a cgroup migration (10-15 ms, docs/benchmarks.md). Workers for
+     code that names numpy or sympy are forked by a *template* process that imported them; the zygote holds the
+     standard library only, because fork cost grows with the forking process's memory (docs/benchmarks.md).
+   - An interpreter under `/tmp` (a venv in a `mktemp -d` clone) is bound after bwrap's `/tmp` tmpfs, and a
+     second time at a side path from which each call binds it back, read-only, onto its own fresh `/tmp`.
 2. **Per call** (`_jail.enter`, in the forked child): pid 1 of a new pid namespace with its own `/proc`; new
    mount + ipc namespaces with size-capped private tmpfs on the work dir `/sandbox`, `/tmp` and `/dev/shm`;
    cgroups (below); rlimits; a per-call uid (root) and a per-call user namespace; every capability dropped;
