@@ -37,11 +37,26 @@ def test_splits_share_no_question_and_no_searched_entity():
 
 
 def test_traces_are_valid_and_score_full_marks():
-    t = build_task(1)
+    t = build_task(1, guess_share=0.0)
     for q in t.sft:
         bonus = 0.1 if q.family == "both" else 0.0  # ARPO's multi-tool bonus
         assert compute_score(q.trace, q.answer) == pytest.approx(1.0 + bonus), q.trace
         assert q.trace.count("<result>") == {"python": 1, "search": 1, "both": 2}[q.family]
+
+
+def test_a_third_of_the_sft_traces_are_tool_less_guesses_and_nothing_else_changes():
+    clean, noisy = build_task(1, num_sft=600, guess_share=0.0), build_task(1, num_sft=600)
+    guesses = [q for q in noisy.sft if "<result>" not in q.trace]
+    assert 0.28 < len(guesses) / len(noisy.sft) < 0.39  # GUESS_SHARE = 1/3, drawn per trace
+    assert {q.family for q in guesses} == {"python", "search", "both"}
+    for q in guesses:
+        assert re.fullmatch(r"<think>I know it\.</think><answer>\\boxed\{[^}]+\}</answer>", q.trace), q.trace
+        assert compute_score(q.trace, q.answer) < 1.0  # well-formed, and wrong
+    # the guesses replace traces only: same questions in every split, and RL / held-out untouched
+    assert [q.question for q in clean.sft] == [q.question for q in noisy.sft]
+    assert [(q.question, q.trace) for q in clean.rl + clean.heldout] == [(q.question, q.trace) for q in noisy.rl + noisy.heldout]
+    with pytest.raises(ValueError, match="guess_share"):
+        build_task(1, guess_share=1.0)
 
 
 def test_answers_follow_from_the_encyclopedia_and_the_arithmetic():

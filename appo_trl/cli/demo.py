@@ -24,6 +24,8 @@ import shutil
 import time
 from pathlib import Path
 
+from appo_trl.synthetic.task import GUESS_SHARE
+
 
 def _cpu_s() -> float:
     """CPU seconds of this process and its finished children (sandbox workers, the search server)."""
@@ -36,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="task, model, SFT, RL and eval seed (default: %(default)s)")
     p.add_argument("--workdir", default="outputs/demo", help="where everything goes (default: %(default)s)")
     p.add_argument("--recipe", default="recipes/demo/appo.yaml", help="RL recipe (default: %(default)s)")
-    p.add_argument("--sft_steps", type=int, default=1000, help="SFT cold-start steps (default: %(default)s)")
+    p.add_argument("--sft_steps", type=int, default=2000, help="SFT cold-start steps (default: %(default)s)")
     p.add_argument("--rl_steps", type=int, default=120, help="RL steps (default: %(default)s)")
     p.add_argument(
         "--checkpoints",
@@ -49,7 +51,9 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="reuse <workdir>/sft when it exists (a finished cold start of the same settings)",
     )
-    p.add_argument("--num_sft", type=int, default=1200, help="SFT traces generated (default: %(default)s)")
+    p.add_argument("--num_sft", type=int, default=1800, help="SFT traces generated (default: %(default)s)")
+    p.add_argument("--guess_share", type=float, default=GUESS_SHARE,
+                   help="share of SFT traces that are a weak teacher's tool-less guesses (default: %(default).3f)")
     p.add_argument("--num_heldout", type=int, default=96, help="held-out questions (default: %(default)s)")
     p.add_argument("--eval_samples", type=int, default=4, help="samples per held-out question, the k of pass@k "
                    "(default: %(default)s)")  # fmt: skip
@@ -92,7 +96,8 @@ def run(a, printer=_say) -> dict:
         times[name] = round(time.monotonic() - start, 1)
 
     printer(f"[demo] 1/6 synthetic task (seed {a.seed}) -> {work / 'data'}")
-    paths = write_task(work / "data", a.seed, num_sft=a.num_sft, num_heldout=a.num_heldout)
+    paths = write_task(work / "data", a.seed, num_sft=a.num_sft, num_heldout=a.num_heldout,
+                       guess_share=a.guess_share)
     printer(f"[demo] 2/6 tiny model + SFT cold start ({a.sft_steps} steps on {a.num_sft} traces)")
     s = time.monotonic()
     if a.reuse_sft and (work / "sft" / "config.json").is_file():
@@ -146,6 +151,8 @@ def run(a, printer=_say) -> dict:
         "strategy": strategy,
         "recipe": a.recipe,
         "sft_steps": a.sft_steps,
+        "num_sft": a.num_sft,
+        "guess_share": a.guess_share,
         "heldout_questions": sft["questions"],
         "eval": {str(k): v for k, v in sorted(evals.items())},
         "rl_history": history,

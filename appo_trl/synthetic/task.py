@@ -39,6 +39,8 @@ TAILS = ["zo", "vex", "kri", "jun", "qua", "zel", "vok", "kip", "jax", "zu", "yo
          "kaz", "yex", "jil", "voz"]  # fmt: skip
 SYLLABLES = HEADS + TAILS
 OPS = ["+", "-", "*"]
+# share of SFT traces that are a weak teacher's guesses (`guess_trace`); measured, 3 seeds: docs/benchmarks.md
+GUESS_SHARE = 1 / 3
 FAMILIES = ("python", "search", "both")
 
 
@@ -155,14 +157,31 @@ def _split(rng: random.Random, entities: list[Entity], count: int, seen: set[str
     return out
 
 
-def build_task(seed: int = 0, *, num_sft: int = 96, num_rl: int = 256, num_heldout: int = 96) -> SyntheticTask:
+def guess_trace(rng: random.Random, q: Question, names: list[str]) -> str:
+    """A weak teacher's trace for `q`: no tool call, a plausible answer that is almost always wrong (a name for a
+    capital, a nearby number otherwise)."""
+    if q.answer.lstrip("-").isdigit():
+        v = int(q.answer)
+        guess = str(v + rng.choice((-1, 1)) * rng.randint(1, max(2, abs(v) // 3)))
+    else:
+        guess = rng.choice(names)
+    return f"<think>I know it.</think><answer>\\boxed{{{guess}}}</answer>"
+
+
+def build_task(seed: int = 0, *, num_sft: int = 96, num_rl: int = 256, num_heldout: int = 96,
+               guess_share: float = GUESS_SHARE) -> SyntheticTask:  # fmt: skip
     """The encyclopedia and the three disjoint splits, all determined by `seed`.
 
     Each split gets its own entities (enough for its search questions: a third of the split, at most two per
-    entity); python questions are fresh random expressions, kept unique across splits.
+    entity); python questions are fresh random expressions, kept unique across splits. A share `guess_share` of
+    the SFT traces, drawn at random, are a weak teacher's guesses (`guess_trace`), so that the cold-started model
+    answers some questions without its tools, as a model distilled from imperfect traces does, whatever its seed;
+    RL has to learn that the tools pay. The RL and held-out splits are not affected.
     """
     if min(num_sft, num_rl, num_heldout) < 0:
         raise ValueError("split sizes must be >= 0")
+    if not 0.0 <= guess_share < 1.0:
+        raise ValueError(f"guess_share must be in [0, 1), got {guess_share}")
     rng = random.Random(seed)
     need = [max(2, -(-n // 6) + 1) for n in (num_sft, num_rl, num_heldout)]
     entities = make_entities(rng, sum(need))
@@ -171,6 +190,11 @@ def build_task(seed: int = 0, *, num_sft: int = 96, num_rl: int = 256, num_heldo
     sft = _split(rng, entities[:a], num_sft, seen)
     rl = _split(rng, entities[a:b], num_rl, seen)
     heldout = _split(rng, entities[b:], num_heldout, seen)
+    guesses = random.Random(seed + 7919)  # its own stream: the splits do not depend on guess_share
+    capitals = [e.capital for e in entities]
+    for q in sft:
+        if guesses.random() < guess_share:
+            q.trace = guess_trace(guesses, q, capitals)
     return SyntheticTask(seed, entities, sft, rl, heldout)
 
 
