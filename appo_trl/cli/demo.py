@@ -2,7 +2,9 @@
 
 1. generates the synthetic task from `--seed` (`appo_trl.synthetic`): python arithmetic, search questions over an
    invented encyclopedia, questions needing both; SFT traces, RL prompts and a disjoint held-out split;
-2. builds a tiny Qwen3 (2 layers, width 128, 0.8 M parameters) and cold-starts it with a short SFT on the traces;
+2. builds a tiny Qwen3 (2 layers, width 128, 0.8 M parameters) and cold-starts it with SFT on the traces, a
+   third of which are a weak teacher's tool-less guesses (`--guess_share`), so the cold start is imperfect in
+   the same way for every seed;
 3. starts `appo serve-search` on 127.0.0.1 (a free port) over the encyclopedia; it is stopped at the end, always;
 4. `appo eval` of the SFT model on the held-out split: pass@1, pass@k, tool calls per sample;
 5. RL with `recipes/demo/appo.yaml` (APPO, the sandboxed python tool and the search tool, both for real);
