@@ -117,9 +117,21 @@ LAYER_NAMES = {
 }
 
 
+def _started_tools(specs: list[tuple[str, tuple[str, ...]]]) -> list:
+    """One started `PythonTool` per (isolation, layers left out) pair (the skip list is for benchmarks only)."""
+    from appo_trl.tools import PythonTool
+
+    tools = []
+    for isolation, skip in specs:
+        tool = PythonTool(timeout_s=30, isolation=isolation)
+        tool.sandbox._skip_layers = tuple(skip)
+        tool.start()
+        tools.append(tool)
+    return tools
+
+
 def layers_section(quick: bool) -> list[dict]:
     """p50 of `print(1+1)` (concurrency 1) with the isolation layers added one at a time."""
-    from appo_trl.tools import PythonTool
 
     variants = [("unisolated fork server (isolation: none)", "none", LAYERS)]
     variants.append(("bubblewrap box, no per-call layer", "bwrap", LAYERS))
@@ -127,12 +139,7 @@ def layers_section(quick: bool) -> list[dict]:
         variants.append((LAYER_NAMES[layer], "bwrap", LAYERS[i + 1 :]))
     if quick:  # seconds, not minutes: the two ends only
         variants = [variants[0], variants[1], ("+ every per-call layer (full isolation)", "bwrap", ())]
-    tools = []
-    for _, isolation, skip in variants:
-        tool = PythonTool(timeout_s=30, isolation=isolation)
-        tool.sandbox._skip_layers = tuple(skip)
-        tool.start()
-        tools.append(tool)
+    tools = _started_tools([(isolation, skip) for _, isolation, skip in variants])
     lat: list[list[float]] = [[] for _ in variants]
 
     async def measure():
@@ -161,15 +168,9 @@ def layers_section(quick: bool) -> list[dict]:
 def preload_section(quick: bool) -> list[dict]:
     """`print(1+1)` with numpy and sympy preloaded by the template (the default) vs by the zygote itself, which
     then forks every call: fork and copy-on-write cost grow with the forking process's memory."""
-    from appo_trl.tools import PythonTool
 
     variants = [("template holds numpy, sympy (default)", ()), ("zygote holds numpy, sympy", ("template",))]
-    tools = []
-    for _, skip in variants:
-        tool = PythonTool(timeout_s=30)
-        tool.sandbox._skip_layers = skip
-        tool.start()
-        tools.append(tool)
+    tools = _started_tools([("bwrap", skip) for _, skip in variants])
     res: list[dict[str, list[float]]] = [{"p50": [], "cps": []} for _ in variants]
 
     async def measure():

@@ -54,7 +54,9 @@ def test_a_third_of_the_sft_traces_are_tool_less_guesses_and_nothing_else_change
         assert compute_score(q.trace, q.answer) < 1.0  # well-formed, and wrong
     # the guesses replace traces only: same questions in every split, and RL / held-out untouched
     assert [q.question for q in clean.sft] == [q.question for q in noisy.sft]
-    assert [(q.question, q.trace) for q in clean.rl + clean.heldout] == [(q.question, q.trace) for q in noisy.rl + noisy.heldout]
+    assert [(q.question, q.trace) for q in clean.rl + clean.heldout] == [
+        (q.question, q.trace) for q in noisy.rl + noisy.heldout
+    ]
     with pytest.raises(ValueError, match="guess_share"):
         build_task(1, guess_share=1.0)
 

@@ -54,8 +54,12 @@ def parser() -> argparse.ArgumentParser:
         help="reuse <workdir>/sft when it exists (a finished cold start of the same settings)",
     )
     p.add_argument("--num_sft", type=int, default=1800, help="SFT traces generated (default: %(default)s)")
-    p.add_argument("--guess_share", type=float, default=GUESS_SHARE,
-                   help="share of SFT traces that are a weak teacher's tool-less guesses (default: %(default).3f)")
+    p.add_argument(
+        "--guess_share",
+        type=float,
+        default=GUESS_SHARE,
+        help="share of SFT traces that are a weak teacher's tool-less guesses (default: %(default).3f)",
+    )
     p.add_argument("--num_heldout", type=int, default=96, help="held-out questions (default: %(default)s)")
     p.add_argument("--eval_samples", type=int, default=4, help="samples per held-out question, the k of pass@k "
                    "(default: %(default)s)")  # fmt: skip
@@ -98,8 +102,7 @@ def run(a, printer=_say) -> dict:
         times[name] = round(time.monotonic() - start, 1)
 
     printer(f"[demo] 1/6 synthetic task (seed {a.seed}) -> {work / 'data'}")
-    paths = write_task(work / "data", a.seed, num_sft=a.num_sft, num_heldout=a.num_heldout,
-                       guess_share=a.guess_share)
+    paths = write_task(work / "data", a.seed, num_sft=a.num_sft, num_heldout=a.num_heldout, guess_share=a.guess_share)
     printer(f"[demo] 2/6 tiny model + SFT cold start ({a.sft_steps} steps on {a.num_sft} traces)")
     s = time.monotonic()
     if a.reuse_sft and (work / "sft" / "config.json").is_file():

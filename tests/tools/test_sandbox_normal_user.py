@@ -69,7 +69,9 @@ def test_attacks_fail_when_the_trainer_is_a_normal_user():
         os.mkdir(os.path.join(top, "base"))
         mounts += f' && mount --bind "{base}" "$3/base" && mount -t tmpfs -o mode=755 tmpfs "{blocked}" && ' \
                   f'mkdir -p "{base}" && mount --bind "$3/base" "{base}"'  # fmt: skip
-    mounts += ' && cd "$3/repo" && exec setpriv --reuid 65534 --regid 65534 --clear-groups "$3/venv/bin/python" -c "$4" "$5"'
+    mounts += (
+        ' && cd "$3/repo" && exec setpriv --reuid 65534 --regid 65534 --clear-groups "$3/venv/bin/python" -c "$4" "$5"'
+    )
     cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", mounts, "sh", sys.prefix, repo, top, SCRIPT,
            str(server.getsockname()[1])]  # fmt: skip
     env = {"PATH": os.environ["PATH"], "HOME": home, "PYTHONPATH": os.path.join(top, "repo"), "HF_HUB_OFFLINE": "1",
@@ -86,8 +88,11 @@ def test_attacks_fail_when_the_trainer_is_a_normal_user():
     c = res["calls"]
     assert c["ids"] == [True, "65534 65534"]  # the call runs unprivileged
     status = dict(x.split(":\t") for x in c["status"][1].splitlines())
-    assert {k: status[k] for k in ("CapEff", "NoNewPrivs", "Seccomp")} == {"CapEff": "0000000000000000",
-                                                                          "NoNewPrivs": "1", "Seccomp": "2"}
+    assert {k: status[k] for k in ("CapEff", "NoNewPrivs", "Seccomp")} == {
+        "CapEff": "0000000000000000",
+        "NoNewPrivs": "1",
+        "Seccomp": "2",
+    }
     assert c["env"] == [True, "[]"]  # the trainer's secrets are not in the call's environment
     assert not c["home"][0] and "hf_secret_token" not in c["home"][1]  # nor its home
     assert not c["trainer"][0] and "ProcessLookupError" in c["trainer"][1]  # the trainer's pid is not there

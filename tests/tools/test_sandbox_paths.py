@@ -53,4 +53,7 @@ def test_a_venv_under_tmp_is_visible_to_calls_read_only():
     assert calls["six"] == [True, "42"]
     assert calls["yaml"] == [True, "{'a': 1}"]  # a package from the venv under /tmp imports in a call
     assert not calls["write"][0] and "Read-only file system" in calls["write"][1]
-    assert calls["tmp"] == [True, "['appo-venv-" + top.rsplit("appo-venv-", 1)[1] + "']"]  # nothing else of the host /tmp
+    assert calls["tmp"] == [
+        True,
+        "['appo-venv-" + top.rsplit("appo-venv-", 1)[1] + "']",
+    ]  # nothing else of the host /tmp

@@ -47,7 +47,9 @@ def test_a_dead_template_leaves_heavy_calls_working():
     t.start()
     try:
         # the zygote's first child is the template (the workers come later: start() makes one for its probe call)
-        template = min(_children(t.sandbox.zygote_pid), key=lambda pid: int(open(f"/proc/{pid}/stat").read().split()[21]))
+        template = min(
+            _children(t.sandbox.zygote_pid), key=lambda pid: int(open(f"/proc/{pid}/stat").read().split()[21])
+        )
         os.kill(template, signal.SIGKILL)
         while os.path.exists(f"/proc/{template}") and open(f"/proc/{template}/stat").read().split()[2] != "Z":
             time.sleep(0.01)
