@@ -66,7 +66,7 @@ test-fast: install
 demo: install
 	$(VENV)/bin/appo demo
 
-# GRPO vs ARPO vs AEPO vs APPO from one SFT checkpoint, 3 seeds (docs/study.md); about an hour on 2 cores
+# GRPO vs ARPO vs AEPO vs APPO from one SFT checkpoint, 3 seeds (docs/study.md); about 35 minutes on 2 cores
 study: install
 	$(VENV)/bin/appo study
 
