@@ -11,10 +11,10 @@ SIGINT. It forks one *worker* per concurrent call slot, on demand; a worker join
 then runs one call at a time, so a call's process is born in its cgroups. The third-party preload (numpy,
 sympy) lives in a *template* process forked at start, which forks the workers for calls whose code names one of
 those modules (`Zygote.start_template`): fork cost grows with the parent's memory, and an ordinary call should
-not pay for sympy. Either kind of worker runs any code; the routing changes speed only. Each call's child is pid 1 of a *new* pid namespace (the
-zygote and workers are invisible to it and its `/proc` lists only the call's own processes), gets private tmpfs
-mounts and an ipc namespace, its own user namespace without capabilities and the seccomp filter
-(`_jail.enter`). When the child exits or its deadline passes, killing it kills every process of the call (the
+not pay for sympy. Either kind of worker runs any code; the routing changes speed only. Each call's child is
+pid 1 of a *new* pid namespace (the zygote and workers are invisible to it and its `/proc` lists only the
+call's own processes), gets private tmpfs mounts and an ipc namespace, its own user namespace without
+capabilities and the seccomp filter (`_jail.enter`). When the child exits or its deadline passes, killing it kills every process of the call (the
 kernel tears a pid namespace down with its init), and its mounts and shared memory vanish with it.
 
 Protocol (one JSON object per line, both ways, validated and size-capped): request
@@ -328,7 +328,7 @@ class Zygote:
         "heavy" workers, on request over a socketpair that carries the worker's two pipe ends (SCM_RIGHTS).
 
         Why: fork copies the parent's page tables and every page a child then writes faults a copy. sympy and
-        numpy quadruple the zygote's memory, and forking from it cost `print(1+1)` 40 % of its throughput
+        numpy quadruple the zygote's memory, and forking from it cost `print(1+1)` a third of its throughput
         (docs/benchmarks.md). So the zygote keeps the stdlib preload only and forks the "light" workers; code
         that names a heavy module goes to a heavy worker, whose calls find it imported."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
