@@ -14,8 +14,9 @@ those modules (`Zygote.start_template`): fork cost grows with the parent's memor
 not pay for sympy. Either kind of worker runs any code; the routing changes speed only. Each call's child is
 pid 1 of a *new* pid namespace (the zygote and workers are invisible to it and its `/proc` lists only the
 call's own processes), gets private tmpfs mounts and an ipc namespace, its own user namespace without
-capabilities and the seccomp filter (`_jail.enter`). When the child exits or its deadline passes, killing it kills every process of the call (the
-kernel tears a pid namespace down with its init), and its mounts and shared memory vanish with it.
+capabilities and the seccomp filter (`_jail.enter`). When the child exits or its deadline passes, killing it
+kills every process of the call (the kernel tears a pid namespace down with its init), and its mounts and
+shared memory vanish with it.
 
 Protocol (one JSON object per line, both ways, validated and size-capped): request
 `{"id": 32 hex chars, "code": str, "timeout_s": number}`; reply `{"id", "exit_code", "signal", "timed_out",
