@@ -35,12 +35,33 @@ def _cpu_s() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def add_task_arguments(p: argparse.ArgumentParser) -> None:
+    """The synthetic task's and the cold start's options, shared by `appo demo` and `appo study`."""
+    p.add_argument("--sft_steps", type=int, default=2000, help="SFT cold-start steps (default: %(default)s)")
+    p.add_argument("--num_sft", type=int, default=1800, help="SFT traces generated (default: %(default)s)")
+    p.add_argument(
+        "--guess_share",
+        type=float,
+        default=GUESS_SHARE,
+        help="share of SFT traces that are a weak teacher's tool-less guesses (default: %(default).3f)",
+    )
+    p.add_argument("--num_heldout", type=int, default=96, help="held-out questions (default: %(default)s)")
+    p.add_argument("--eval_samples", type=int, default=4, help="samples per held-out question, the k of pass@k "
+                   "(default: %(default)s)")  # fmt: skip
+
+
+def task_files(work: Path, seed: int, a: argparse.Namespace) -> dict[str, str]:
+    """`write_task` into `<work>/data` with the options of `add_task_arguments`."""
+    from appo_trl.synthetic import write_task
+
+    return write_task(work / "data", seed, num_sft=a.num_sft, num_heldout=a.num_heldout, guess_share=a.guess_share)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="appo demo", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--seed", type=int, default=0, help="task, model, SFT, RL and eval seed (default: %(default)s)")
     p.add_argument("--workdir", default="outputs/demo", help="where everything goes (default: %(default)s)")
     p.add_argument("--recipe", default="recipes/demo/appo.yaml", help="RL recipe (default: %(default)s)")
-    p.add_argument("--sft_steps", type=int, default=2000, help="SFT cold-start steps (default: %(default)s)")
     p.add_argument("--rl_steps", type=int, default=120, help="RL steps (default: %(default)s)")
     p.add_argument(
         "--checkpoints",
@@ -53,16 +74,7 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="reuse <workdir>/sft when it exists (a finished cold start of the same settings)",
     )
-    p.add_argument("--num_sft", type=int, default=1800, help="SFT traces generated (default: %(default)s)")
-    p.add_argument(
-        "--guess_share",
-        type=float,
-        default=GUESS_SHARE,
-        help="share of SFT traces that are a weak teacher's tool-less guesses (default: %(default).3f)",
-    )
-    p.add_argument("--num_heldout", type=int, default=96, help="held-out questions (default: %(default)s)")
-    p.add_argument("--eval_samples", type=int, default=4, help="samples per held-out question, the k of pass@k "
-                   "(default: %(default)s)")  # fmt: skip
+    add_task_arguments(p)
     p.epilog = "Any other `--key value` pair overrides the RL recipe (e.g. --learning_rate 1e-4)."
     return p
 
@@ -88,7 +100,6 @@ def _say(msg: str) -> None:
 def run(a, printer=_say) -> dict:
     """The whole demo; returns the report (also written to `<workdir>/report.json`)."""
     from appo_trl.synthetic import pipeline as P
-    from appo_trl.synthetic import write_task
 
     _silence_progress_bars()
     P.stop_on_sigterm()
@@ -102,7 +113,7 @@ def run(a, printer=_say) -> dict:
         times[name] = round(time.monotonic() - start, 1)
 
     printer(f"[demo] 1/6 synthetic task (seed {a.seed}) -> {work / 'data'}")
-    paths = write_task(work / "data", a.seed, num_sft=a.num_sft, num_heldout=a.num_heldout, guess_share=a.guess_share)
+    paths = task_files(work, a.seed, a)
     printer(f"[demo] 2/6 tiny model + SFT cold start ({a.sft_steps} steps on {a.num_sft} traces)")
     s = time.monotonic()
     if a.reuse_sft and (work / "sft" / "config.json").is_file():

@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from appo_trl.synthetic.task import GUESS_SHARE
+from appo_trl.cli.demo import add_task_arguments, task_files
 
 STRATEGIES = ("grpo", "arpo", "aepo", "appo")
 
@@ -31,17 +31,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="RL seeds (default: %(default)s)")
     p.add_argument("--task_seed", type=int, default=0, help="task, model and SFT seed (default: %(default)s)")
-    p.add_argument("--sft_steps", type=int, default=2000, help="SFT cold-start steps (default: %(default)s)")
-    p.add_argument("--num_sft", type=int, default=1800, help="SFT traces (default: %(default)s)")
-    p.add_argument(
-        "--guess_share",
-        type=float,
-        default=GUESS_SHARE,
-        help="share of SFT traces that are a weak teacher's tool-less guesses (default: %(default).3f)",
-    )
+    add_task_arguments(p)
     p.add_argument("--rl_steps", type=int, default=120, help="K, RL steps per run (default: %(default)s)")
-    p.add_argument("--num_heldout", type=int, default=96, help="held-out questions (default: %(default)s)")
-    p.add_argument("--eval_samples", type=int, default=4, help="samples per held-out question (default: %(default)s)")
     return p
 
 
@@ -60,7 +51,6 @@ def main(argv: list[str]) -> int:
 def run(a, printer=_say) -> dict:
     from appo_trl.cli.demo import _silence_progress_bars
     from appo_trl.synthetic import pipeline as P
-    from appo_trl.synthetic import write_task
 
     _silence_progress_bars()
     P.stop_on_sigterm()
@@ -70,9 +60,7 @@ def run(a, printer=_say) -> dict:
     done = json.loads(out_json.read_text()) if out_json.is_file() else {}
     results: dict = done.get("runs", {})
     printer(f"[study] task, model and SFT (seed {a.task_seed}, {a.sft_steps} steps) -> {work}")
-    paths = write_task(
-        work / "data", a.task_seed, num_sft=a.num_sft, num_heldout=a.num_heldout, guess_share=a.guess_share
-    )
+    paths = task_files(work, a.task_seed, a)
     sft = work / "sft"
     if not (sft / "config.json").is_file():
         P.build_model(str(work / "model"), a.task_seed)

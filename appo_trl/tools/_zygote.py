@@ -48,6 +48,18 @@ def write_all(fd, data):
         data = data[os.write(fd, data) :]
 
 
+def reaped():
+    """(pid, status) of every child that has exited, without blocking."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        yield pid, status
+
+
 def send(fd, obj):
     write_all(fd, (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8", "replace"))
 
@@ -228,13 +240,7 @@ class Worker:
             call = self.call
             if call is None:
                 continue
-            while True:
-                try:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid == 0:
-                    break
+            for pid, status in reaped():
                 if pid == call["pid"]:
                     call["status"] = status
             if call["status"] is None and not call["timed_out"] and time.monotonic() >= call["deadline"]:
@@ -456,13 +462,8 @@ class Zygote:
                         return
                 else:
                     self.worker_output(key.fd)
-            while True:  # reap dead workers (their reply pipes report the death)
-                try:
-                    pid, _ = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid == 0:
-                    break
+            for _ in reaped():  # dead workers (their reply pipes report the death)
+                pass
 
 
 def preload(modules):

@@ -323,6 +323,7 @@ def build_launch(
         distinct = False
         user = ["--unshare-user", "--uid", "0", "--gid", "0"]
     cg_binds, cg_specs, cg_made = make_cgroups(memory_mb, max_processes, cpus) if cgroups else ([], [], [])
+    py_paths = python_paths()
     system = []
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):
@@ -338,10 +339,10 @@ def build_launch(
         "--new-session", "--as-pid-1", "--cap-add", "ALL", "--hostname", "sandbox",
         "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc", *system,
         "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm",
-        *_bind_tree(python_paths()),  # after the tmpfs mounts, which would hide a venv under /tmp
+        *_bind_tree(py_paths),  # after the tmpfs mounts, which would hide a venv under /tmp
         "--dir", "/sandbox", "--dir", "/cg", *cg_binds,
     ]  # fmt: skip
-    rebind = _under_call_tmpfs(python_paths())
+    rebind = _under_call_tmpfs(py_paths)
     for side, path in rebind:
         argv += ["--ro-bind", path, side]
     for name in ZYGOTE_FILES:
