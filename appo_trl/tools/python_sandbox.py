@@ -404,16 +404,16 @@ class PythonSandbox:
             try:
                 await asyncio.to_thread(self.start)  # (re)start the zygote off the event loop
             except iso.IsolationError:  # logged once by start(); the code never runs unisolated
-                return ToolResult("Error: the python sandbox is not available.", ok=False, error="sandbox_down")
+                return _sandbox_down()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         call_id = secrets.token_hex(16)
         z = self._z
         if z is None:
-            return ToolResult("Error: the python sandbox is not available.", ok=False, error="sandbox_down")
+            return _sandbox_down()
         with z.lock:
             if z.dead:
-                return ToolResult("Error: the python sandbox is not available.", ok=False, error="sandbox_down")
+                return _sandbox_down()
             z.pending[call_id] = (loop, fut)
         z.queue.put(self._request(call_id, code, timeout))  # never blocks: the writer thread does the I/O
         try:
@@ -433,6 +433,10 @@ class PythonSandbox:
 
     def _to_result(self, reply: dict[str, Any], latency: float, timeout: float) -> ToolResult:
         return to_result(reply, latency, timeout, self.config, self.isolation, self.scrub)
+
+
+def _sandbox_down() -> ToolResult:
+    return ToolResult("Error: the python sandbox is not available.", ok=False, error="sandbox_down")
 
 
 def _set_result(fut: Any, value: Any) -> None:
