@@ -54,27 +54,19 @@ def test_attacks_fail_when_the_trainer_is_a_normal_user():
     top = tempfile.mkdtemp(prefix="appo-user-", dir="/tmp")
     os.chmod(top, 0o755)
     home = os.path.join(top, "home")
-    for d in ("venv", "repo", "home"):
-        os.mkdir(os.path.join(top, d))
+    os.mkdir(home)
     with open(os.path.join(home, ".netrc"), "w") as fh:
         fh.write("machine hub password hf_secret_token\n")
     os.chown(home, USER, USER)
     os.chown(os.path.join(home, ".netrc"), USER, USER)
     os.chmod(os.path.join(home, ".netrc"), 0o600)
     server = socket.create_server(("127.0.0.1", 0))  # a host service the code must not reach (vLLM, search)
-    mounts = 'mount --bind "$1" "$3/venv" && mount -o remount,bind,ro "$3/venv" && mount --bind "$2" "$3/repo" && ' \
-             'mount -o remount,bind,ro "$3/repo"'  # fmt: skip
-    base, blocked = os.path.realpath(sys.base_prefix), _closed_ancestor(os.path.realpath(sys.base_prefix))
-    if blocked:  # e.g. a pyenv interpreter under /root (0700): show the user an open /root holding it alone
-        os.mkdir(os.path.join(top, "base"))
-        mounts += f' && mount --bind "{base}" "$3/base" && mount -t tmpfs -o mode=755 tmpfs "{blocked}" && ' \
-                  f'mkdir -p "{base}" && mount --bind "$3/base" "{base}"'  # fmt: skip
+    mounts = _expose(top, [repo, sys.prefix, sys.base_prefix])
     mounts += (
-        ' && cd "$3/repo" && exec setpriv --reuid 65534 --regid 65534 --clear-groups "$3/venv/bin/python" -c "$4" "$5"'
+        f' && cd "{repo}" && exec setpriv --reuid {USER} --regid {USER} --clear-groups "{sys.executable}" -c "$1" "$2"'
     )
-    cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", mounts, "sh", sys.prefix, repo, top, SCRIPT,
-           str(server.getsockname()[1])]  # fmt: skip
-    env = {"PATH": os.environ["PATH"], "HOME": home, "PYTHONPATH": os.path.join(top, "repo"), "HF_HUB_OFFLINE": "1",
+    cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", mounts, "sh", SCRIPT, str(server.getsockname()[1])]
+    env = {"PATH": os.environ["PATH"], "HOME": home, "PYTHONPATH": repo, "HF_HUB_OFFLINE": "1",
            "HF_TOKEN": "hf_secret_env", "MY_SECRET": "s3cr3t"}  # fmt: skip
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
@@ -102,11 +94,35 @@ def test_attacks_fail_when_the_trainer_is_a_normal_user():
     assert c["ptrace"] == [True, "-1 1"]  # EPERM from the seccomp filter
 
 
-def _closed_ancestor(path: str) -> str | None:
-    """The first directory above `path` that other users cannot traverse, if any."""
-    parts = path.strip("/").split("/")
-    for i in range(1, len(parts)):
-        d = "/" + "/".join(parts[:i])
-        if not os.stat(d).st_mode & 0o001:
-            return d
-    return None
+def _expose(top: str, paths: list[str]) -> str:
+    """Shell commands (for a private mount namespace) that let other users reach `paths` where they are: the
+    first directory on the way that others cannot traverse (a 0700 `mktemp -d` clone, a pyenv under 0700
+    `/root`) is covered by a 0755 tmpfs, on which the path (or, when it is that directory, its entries) is bound
+    back from a side copy under `top`."""
+    paths = sorted({os.path.realpath(p) for p in paths})
+    paths = [p for p in paths if not any(p.startswith(q + "/") for q in paths)]
+    restore: dict[str, list[str]] = {}  # closed directory -> what to bind back onto its tmpfs
+    for p in paths:
+        parts = p.strip("/").split("/")
+        chain = ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        closed = next((d for d in chain if not os.stat(d).st_mode & 0o001), None)
+        if closed is not None:
+            items = [os.path.join(p, e) for e in os.listdir(p)] if closed == p else [p]
+            restore.setdefault(closed, []).extend(items)
+    cmds = ["umask 022"]
+    for k, (closed, items) in enumerate(sorted(restore.items())):
+        sides = []
+        for j, item in enumerate(items):
+            side = os.path.join(top, f"side{k}-{j}")
+            os.mkdir(side) if os.path.isdir(item) else open(side, "w").close()
+            sides.append(side)
+            cmds.append(f'mount --bind "{item}" "{side}"')
+        cmds.append(f'mount -t tmpfs -o mode=755 tmpfs "{closed}"')
+        for item, side in zip(items, sides):
+            make = (
+                f'mkdir -p "{item}"'
+                if os.path.isdir(side)
+                else f'mkdir -p "{os.path.dirname(item)}" && touch "{item}"'
+            )
+            cmds += [make, f'mount --bind "{side}" "{item}"']
+    return " && ".join(cmds)
