@@ -1,7 +1,7 @@
 """Build hook: the wheel carries `recipes/`, `accelerate_configs/` and `eval/*.yaml` as `appo_trl/_resources/`.
 
 Package metadata lives in pyproject.toml. These folders sit at the top of the repository (where a user of a
-checkout looks for them); `appo_trl.recipe_paths` finds them there in a checkout or an editable install, and
+checkout looks for them); `appo_trl.configs.paths` finds them there in a checkout or an editable install, and
 under `appo_trl/_resources/` in an installed wheel, so `pip install appo-trl && appo demo` works anywhere.
 """
 

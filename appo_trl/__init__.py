@@ -6,9 +6,10 @@ Heavy imports (torch, transformers, trl) happen lazily so that `appo --help` and
 __version__ = "0.1.0.dev0"
 
 _LAZY = {
-    "APPOConfig": "appo_trl.config",
-    "APPOScriptArguments": "appo_trl.config",
-    "APPOTrainer": "appo_trl.trainer",
+    "APPOConfig": "appo_trl.trainer.config",
+    "APPOScriptArguments": "appo_trl.trainer.config",
+    "APPOTrainer": "appo_trl.trainer.trainer",
+    "APPOSFTConfig": "appo_trl.stages.sft",
     "build_tiny_model": "appo_trl.tiny",
 }
 

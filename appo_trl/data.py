@@ -35,7 +35,7 @@ exist, an empty data file or an empty split is a `DataError` naming it (never a 
 SFT rows (`load_sft_dataset`) come out as `messages`; LLaMA-Factory sharegpt records (`system`,
 `conversations: [{from, value}]`, ARPO-SFT's format) are converted by `sharegpt_to_messages`.
 
-What this module does not do: tokenisation, templating or masking (see `appo_trl.sft` and the trainer),
+What this module does not do: tokenisation, templating or masking (see `appo_trl.stages.sft` and the trainer),
 and no network access of its own (a Hub id goes through `datasets.load_dataset`, which honours
 `HF_HUB_OFFLINE`).
 """
@@ -49,7 +49,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from appo_trl.errors import DataError
+from appo_trl.configs.errors import DataError
 
 DATA_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 ARPO_ANSWER_PATH = "reward_model.ground_truth"
@@ -315,7 +315,7 @@ def rl_converter(prompt_column: str = "prompt", answer_column: str = "answer", s
             answer_col = ARPO_ANSWER_PATH  # ARPO / verl schema
         _require(features, prompt_column, "prompt", source)
         # the default `answer` column is optional (a format-only or custom reward may need none); rewards that
-        # need gold answers are checked against the loaded columns at start-up (appo_trl.preflight)
+        # need gold answers are checked against the loaded columns at start-up (appo_trl.configs.preflight)
         with_answer = has_column(features, answer_col)
         if answer_column != "answer" or with_answer:
             _require(features, answer_col, "answer", source)

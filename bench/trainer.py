@@ -94,9 +94,9 @@ class NoSyncVLLMGeneration:
 def run(strategy, model_path, tok, url, prompts, n, initial, steps, out_dir, budget):
     import trl.trainer.grpo_trainer as grpo_mod
 
-    from appo_trl.config import APPOConfig
     from appo_trl.rollout import RolloutConfig, RolloutEngine, VLLMServerBackend
-    from appo_trl.trainer import APPOTrainer
+    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.trainer.trainer import APPOTrainer
 
     grpo_mod.VLLMGeneration = NoSyncVLLMGeneration
     tool = LatencyPython()
@@ -192,7 +192,7 @@ def loss_times(trainer, batch, repeats):
     """Median `_compute_loss` forward+backward time of TRL's loss and of future_kl, interleaved on one batch."""
     from trl import GRPOTrainer
 
-    from appo_trl.trainer_loss import compute_policy_loss
+    from appo_trl.trainer.loss import compute_policy_loss
 
     trainer.args.loss_mode = "future_kl"
     trainer.model.train()

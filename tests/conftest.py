@@ -29,8 +29,8 @@ def tiny_sft_model_path(tiny_model_path, tmp_path_factory) -> str:
     Unlike the random model, it writes `<think>`/`<python>`/`<answer>` blocks, so tool calls happen and
     rewards vary within a group (the random model scores -1 everywhere: zero advantages, no update).
     """
-    from appo_trl import sft
-    from appo_trl.recipes import REPO_ROOT, parse_recipe
+    from appo_trl.configs.recipes import REPO_ROOT, parse_recipe
+    from appo_trl.stages import sft
 
     out = tmp_path_factory.mktemp("tiny-sft")
     args = parse_recipe(sft.dataclass_types(), [

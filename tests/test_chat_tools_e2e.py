@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from appo_trl.recipes import REPO_ROOT, parse_recipe
+from appo_trl.configs.recipes import REPO_ROOT, parse_recipe
 
 TINY = REPO_ROOT / "recipes" / "tiny"
 
@@ -72,7 +72,7 @@ def test_trl_user_script_with_tools_runs_unchanged(strategy, tiny_chat_model_pat
 @pytest.fixture(scope="session")
 def tiny_chat_sft_model_path(tiny_chat_model_path, tmp_path_factory) -> str:
     """The tool-template tiny model after `appo sft --config recipes/tiny/sft_chat.yaml` (cold start)."""
-    from appo_trl import sft
+    from appo_trl.stages import sft
 
     out = tmp_path_factory.mktemp("tiny-sft-chat")
     args = parse_recipe(sft.dataclass_types(), [
@@ -106,7 +106,7 @@ class ToolAnswerReward:
 @pytest.mark.parametrize("strategy", ["arpo", "appo"])
 def test_cold_started_chat_model_calls_the_custom_tool_branches_and_trains(strategy, tiny_chat_sft_model_path,
                                                                           tmp_path):  # fmt: skip
-    from appo_trl.train import dataclass_types
+    from appo_trl.stages.train import dataclass_types
 
     script_args, args, model_args = parse_recipe(dataclass_types(), [
         "--config", str(TINY / f"{strategy}_chat.yaml"), "--model_name_or_path", tiny_chat_sft_model_path,
@@ -117,7 +117,7 @@ def test_cold_started_chat_model_calls_the_custom_tool_branches_and_trains(strat
     from transformers import AutoTokenizer
 
     from appo_trl.data import load_rl_dataset
-    from appo_trl.trainer import APPOTrainer
+    from appo_trl.trainer.trainer import APPOTrainer
 
     reward = ToolAnswerReward()
     trainer = APPOTrainer(

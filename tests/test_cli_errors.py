@@ -124,8 +124,8 @@ def test_unknown_keys_are_one_line(workdir, capfd):
 
 
 def test_scalar_where_a_list_is_expected_is_a_one_element_list(workdir):
-    from appo_trl.recipes import parse_recipe
-    from appo_trl.train import dataclass_types
+    from appo_trl.configs.recipes import parse_recipe
+    from appo_trl.stages.train import dataclass_types
 
     script, config, _ = parse_recipe(dataclass_types(), ["--config", recipe(workdir, tools="python",
                                                                               reward_funcs="math_verify")])  # fmt: skip
@@ -164,8 +164,8 @@ def test_builtin_reward_without_answer_column_fails_naming_reward_and_column(wor
 def test_answer_free_reward_loads_data_without_answers(workdir):
     from types import SimpleNamespace
 
+    from appo_trl.configs.preflight import check_reward_columns
     from appo_trl.data import load_rl_dataset
-    from appo_trl.preflight import check_reward_columns
 
     (workdir / "q.jsonl").write_text(json.dumps({"prompt": "What is 1+1?"}) + "\n")
     args = SimpleNamespace(dataset_name="q.jsonl", prompt_column="prompt", answer_column="answer",
@@ -221,8 +221,8 @@ def test_check_hub(monkeypatch, api, repo, expected):
 
     from huggingface_hub import constants
 
-    from appo_trl.errors import PreflightError
-    from appo_trl.preflight import check_hub
+    from appo_trl.configs.errors import PreflightError
+    from appo_trl.configs.preflight import check_hub
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     args = SimpleNamespace(push_to_hub=True, hub_model_id=repo, output_dir="outputs/run", hub_token=None)
@@ -236,10 +236,10 @@ def test_check_hub(monkeypatch, api, repo, expected):
 def test_trainer_api_checks_reward_columns_before_the_model_loads():
     from datasets import Dataset
 
-    from appo_trl.config import APPOConfig
-    from appo_trl.errors import PreflightError
+    from appo_trl.configs.errors import PreflightError
     from appo_trl.rewards import REWARD_FUNCS
-    from appo_trl.trainer import APPOTrainer
+    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.trainer.trainer import APPOTrainer
 
     args = APPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", num_generations=2,
                       per_device_train_batch_size=2)  # fmt: skip
@@ -249,12 +249,12 @@ def test_trainer_api_checks_reward_columns_before_the_model_loads():
 
 
 def test_config_error_with_launch_flags_is_reported_before_relaunching(workdir, capfd, monkeypatch):
-    import appo_trl.recipes
+    import appo_trl.configs.recipes
 
     def no_launch(*args, **kwargs):
         raise AssertionError("relaunched a recipe that does not parse")
 
-    monkeypatch.setattr(appo_trl.recipes.subprocess, "call", no_launch)
+    monkeypatch.setattr(appo_trl.configs.recipes.subprocess, "call", no_launch)
     monkeypatch.delenv("APPO_LAUNCHED", raising=False)
     assert appo(["train", "--config", recipe(workdir, rollout_strategy="apo"), "--num_processes", "2"]) == 2
     assert "rollout_strategy='apo'" in one_error_line(capfd)
@@ -268,8 +268,8 @@ def test_load_in_4bit_builds_trl_quantization_config_when_bitsandbytes_and_cuda_
     import torch
     from trl import ModelConfig
 
-    from appo_trl.errors import PreflightError
-    from appo_trl.preflight import check_quantization
+    from appo_trl.configs.errors import PreflightError
+    from appo_trl.configs.preflight import check_quantization
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(

@@ -8,15 +8,15 @@ import re
 
 import pytest
 
-from appo_trl.arguments import field_groups, normalize_flags
 from appo_trl.cli import main
-from appo_trl.recipes import REPO_ROOT, parse_recipe, split_launch_args
+from appo_trl.configs.arguments import field_groups, normalize_flags
+from appo_trl.configs.recipes import REPO_ROOT, parse_recipe, split_launch_args
 
 TINY = REPO_ROOT / "recipes" / "tiny"
 
 
 def _train_types():
-    from appo_trl.train import dataclass_types
+    from appo_trl.stages.train import dataclass_types
 
     return dataclass_types()
 

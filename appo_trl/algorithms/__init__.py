@@ -1,6 +1,6 @@
-"""Pure tensor/list maths of GRPO, ARPO, AEPO and APPO (ARPO, AEPO and APPO papers; docs/fidelity.md).
+"""Floor 2: pure tensor/list maths of GRPO, ARPO, AEPO and APPO (ARPO, AEPO and APPO papers; docs/fidelity.md).
 
-No trainer or rollout state; this package imports neither `appo_trl.rollout` nor the trainer. Per-token tensors
+No trainer or rollout state; this package imports nothing else from `appo_trl` (neither `rollout` nor the trainer). Per-token tensors
 are (B, T); masks float or bool.
 
 `entropy` (ARPO paper; released ARPO/APPO entropy estimator)

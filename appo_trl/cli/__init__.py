@@ -1,8 +1,8 @@
-"""`appo` command line: a registry of subcommands, each in its own module, imported only when used.
+"""Floor 9, the top: the `appo` command line. A registry of subcommands, each in its own module, imported only when used.
 
 Every subcommand module exposes `main(argv: list[str]) -> int` and parses its own arguments, so
 `appo --help` stays instant (no torch import) and a new command is one file plus one registry line.
-A configuration mistake (`appo_trl.errors.ConfigError`) prints one line and exits 2; `--debug` anywhere on
+A configuration mistake (`appo_trl.configs.errors.ConfigError`) prints one line and exits 2; `--debug` anywhere on
 the command line shows the traceback instead.
 """
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" Did you mean: {', '.join(close)}?" if close else ""
         print(f"appo: unknown command {name!r}.{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
-    from appo_trl.errors import run_cli
+    from appo_trl.configs.errors import run_cli
 
     module = importlib.import_module(COMMANDS[name][0])
     return run_cli(f"appo {name}", module.main, rest)  # configuration errors: one line, exit 2 (--debug: traceback)

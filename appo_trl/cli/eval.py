@@ -49,15 +49,15 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[0] == "compare":
         return compare(argv[1:])
+    from appo_trl.configs.recipes import RecipeError, parse_recipe
     from appo_trl.evaluation.config import EvalConfig
-    from appo_trl.recipes import RecipeError, parse_recipe
 
     try:
         (config,) = parse_recipe([EvalConfig], argv)
     except (RecipeError, ValueError) as e:
         print(f"appo eval: {e}", file=sys.stderr)
         return 2
-    from appo_trl.errors import ConfigError, DataError
+    from appo_trl.configs.errors import ConfigError, DataError
     from appo_trl.evaluation.inference import build_generator
     from appo_trl.evaluation.report import print_summary
     from appo_trl.evaluation.runner import check_output_dir, evaluate

@@ -45,7 +45,7 @@ def find_trainer_state(path: str | Path) -> Path:
 
 def series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of one quantity over the training log entries (eval entries use `eval_<key>`)."""
-    from appo_trl.console import accuracy_of
+    from appo_trl.reporting.console import accuracy_of
 
     steps, values = [], []
     for entry in history:

@@ -1,7 +1,7 @@
 """`appo rollouts OUTPUT_DIR [--step N] [--groups K] [--chars C]`: sample trajectories as branch trees.
 
 Reads what a run wrote with `dump_rollouts: K` (`OUTPUT_DIR/rollouts/step_<N>.jsonl`, see
-`appo_trl.rollout_dump`) and prints, for each group, the prompt and a tree of its rows: every root rollout
+`appo_trl.reporting.rollout_dump`) and prints, for each group, the prompt and a tree of its rows: every root rollout
 with the rows branched from it underneath, each with where it forked (token position and the text just before
 the fork), its reward and advantage, its tool calls (tag, ok/failed, query), how it ended, and whether it
 reached the loss (APPO drops branch rows). `--full` prints the whole completions.
@@ -92,7 +92,7 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     from rich.console import Console
 
-    from appo_trl.rollout_dump import read_dumps
+    from appo_trl.reporting.rollout_dump import read_dumps
 
     try:
         step, records = read_dumps(a.output_dir, a.step)

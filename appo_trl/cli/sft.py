@@ -11,13 +11,13 @@ With --accelerate_config or --num_processes the run is relaunched through `accel
 
 
 def main(argv: list[str]) -> int:
-    from appo_trl.arguments import wants_help
+    from appo_trl.configs.arguments import wants_help
 
     if not argv or wants_help(argv):
         from appo_trl.cli.train import print_help
-        from appo_trl.sft import dataclass_types
+        from appo_trl.stages.sft import dataclass_types
 
         return print_help(argv, dataclass_types, USAGE, DESCRIPTION)
-    from appo_trl.sft import cli
+    from appo_trl.stages.sft import cli
 
     return cli(argv)

@@ -14,8 +14,8 @@ this process. With --config, the defaults shown are the recipe's values."""
 
 def print_help(argv: list[str], dataclass_types, usage: str, description: str) -> int:
     """Grouped help (every field, its help and default); with `--config R` the recipe's values are the defaults."""
-    from appo_trl.arguments import grouped_help, normalize_flags
-    from appo_trl.recipes import RecipeError, load_recipe
+    from appo_trl.configs.arguments import grouped_help, normalize_flags
+    from appo_trl.configs.recipes import RecipeError, load_recipe
 
     argv, config = normalize_flags(argv), None
     if "--config" in argv and argv.index("--config") + 1 < len(argv):
@@ -32,12 +32,12 @@ def print_help(argv: list[str], dataclass_types, usage: str, description: str) -
 
 
 def main(argv: list[str]) -> int:
-    from appo_trl.arguments import wants_help
+    from appo_trl.configs.arguments import wants_help
 
     if not argv or wants_help(argv):
-        from appo_trl.train import dataclass_types
+        from appo_trl.stages.train import dataclass_types
 
         return print_help(argv, dataclass_types, USAGE, DESCRIPTION)
-    from appo_trl.train import cli
+    from appo_trl.stages.train import cli
 
     return cli(argv)

@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from appo_trl.errors import ConfigError
+from appo_trl.configs.errors import ConfigError
 
 RUN_FILE = "run.json"
 RUN_OUTPUTS = ("samples.jsonl", "judgments.jsonl", "report.json", "report.md", "report.png", RUN_FILE)

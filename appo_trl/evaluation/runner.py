@@ -243,7 +243,7 @@ def check_output_dir(config: EvalConfig) -> None:
     resume check (`run.json`), and the tools the benchmarks use (a search server that is down or not ours)."""
     from types import SimpleNamespace
 
-    from appo_trl.preflight import check_tools
+    from appo_trl.configs.preflight import check_tools
 
     benches = select_benchmarks(config)
     examples = {b.name: load_examples(b, config.data_root, config.limit) for b in benches}

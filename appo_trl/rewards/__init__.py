@@ -1,4 +1,4 @@
-"""Reward functions and answer metrics (ARPO paper, hierarchical reward; docs/fidelity.md).
+"""Floor 2: reward functions and answer metrics (ARPO paper, hierarchical reward; docs/fidelity.md).
 
 Registry: `REWARD_FUNCS[name]` and `get_reward_func(name_or_dotted_path)`. Every reward function has TRL's
 signature `fn(prompts, completions, completion_ids=None, **kwargs) -> list[float | None]`; completions are strings

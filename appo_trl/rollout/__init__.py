@@ -1,6 +1,6 @@
-"""Layer 2: the sampler. Generation backends, the async multi-turn tool loop, exact-token trajectories, branching.
+"""Floor 2: the sampler. Generation backends, the async multi-turn tool loop, exact-token trajectories, branching.
 
-Imports `appo_trl.tools` (layer 1) only; never the trainer, algorithms or evaluation.
+Imports `appo_trl.tools` (floor 1) only; never the trainer, algorithms or evaluation.
 
 Public API::
 

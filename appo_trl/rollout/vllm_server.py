@@ -18,7 +18,7 @@ The server's failure modes, as a real vLLM 0.31 shows them:
   differs from the served one.
 
 What this module does not do: start the server or sync weights (the trainer does that once per round through
-TRL's NCCL engine on GPU, or `appo_trl.vllm_weight_sync` on a CPU server). Start the server with TRL's flags,
+TRL's NCCL engine on GPU, or `appo_trl.trainer.weight_sync` on a CPU server). Start the server with TRL's flags,
 e.g.::
 
     VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-8B --weight-transfer-config '{"backend":"nccl"}' \\

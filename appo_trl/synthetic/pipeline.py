@@ -3,10 +3,10 @@
 - `search_server(corpus)`: runs `appo serve-search` as a subprocess on 127.0.0.1 on a free port, waits for
   `/health`, yields the `/retrieve` URL and always stops the server (also on errors and Ctrl-C).
 - `build_model(dir, seed)`: the tiny Qwen3 at the demo size (explicit sizes, `appo_trl.tiny.build_tiny_model`).
-- `run_sft(...)`: the cold start through `appo_trl.sft.main` on the task's SFT traces.
+- `run_sft(...)`: the cold start through `appo_trl.stages.sft.main` on the task's SFT traces.
 - `evaluate_heldout(...)`: `appo eval` (`appo_trl.evaluation.evaluate`, in-process transformers backend, the
   real python sandbox and search tool) on the held-out split; returns pass@1, pass@k and tool calls per sample.
-- `run_rl(...)`: `appo_trl.train`'s trainer on a `recipes/demo/<strategy>.yaml` recipe, with one short console
+- `run_rl(...)`: `appo_trl.stages.train`'s trainer on a `recipes/demo/<strategy>.yaml` recipe, with one short console
   line per step instead of TRL's metric dictionaries, and checkpoints saved at the given steps.
 
 Nothing here tunes anything or picks a seed: every number comes from the arguments.
@@ -126,8 +126,8 @@ def build_model(out_dir: str, seed: int) -> str:
 
 
 def run_sft(model: str, data: str, out_dir: str, *, steps: int, seed: int, lr: float = 3e-3, batch: int = 8) -> str:
-    from appo_trl import sft
-    from appo_trl.recipes import REPO_ROOT, parse_recipe
+    from appo_trl.configs.recipes import REPO_ROOT, parse_recipe
+    from appo_trl.stages import sft
 
     args = parse_recipe(sft.dataclass_types(), [
         "--config", str(REPO_ROOT / "recipes" / "demo" / "sft.yaml"), "--model_name_or_path", model,
@@ -206,9 +206,9 @@ def _quiet():
 def rl_arguments(recipe: str, model: str, data: str, out_dir: str, url: str, *, steps: int, seed: int,
                  save_steps: list[int] | None = None, overrides: list[str] | None = None):  # fmt: skip
     """(script, training, model) arguments of `recipe` with the demo's model, data, search URL and seed."""
-    from appo_trl.recipes import REPO_ROOT, parse_recipe
+    from appo_trl.configs.recipes import REPO_ROOT, parse_recipe
+    from appo_trl.stages.train import dataclass_types
     from appo_trl.synthetic.task import SYSTEM_PROMPT
-    from appo_trl.train import dataclass_types
 
     path = recipe if os.path.exists(recipe) else str(REPO_ROOT / recipe)
     tool_config = json.dumps({"search": {**SEARCH_TOOL, "url": url}})
@@ -262,13 +262,13 @@ def _callback_class():
 
 
 def run_rl(args, *, save_steps: list[int] | None = None, printer=print, label: str = "RL"):
-    """Train like `appo_trl.train.main` (same trainer, data and rewards) with `StepLine` progress instead of
+    """Train like `appo_trl.stages.train.main` (same trainer, data and rewards) with `StepLine` progress instead of
     TRL's metric dictionaries; returns (trainer, per-step history). Checkpoints: `<output_dir>/checkpoint-<s>`."""
     from transformers import AutoTokenizer, PrinterCallback, ProgressCallback, set_seed
 
     from appo_trl.data import load_rl_dataset
     from appo_trl.rewards import get_reward_func
-    from appo_trl.trainer import APPOTrainer
+    from appo_trl.trainer.trainer import APPOTrainer
 
     script_args, training_args, model_args = args
     training_args.save_strategy = "steps" if save_steps else "no"
@@ -287,7 +287,7 @@ def run_rl(args, *, save_steps: list[int] | None = None, printer=print, label: s
             processing_class=tokenizer,
             callbacks=[callback],
         )
-        for cb in list(trainer.callback_handler.callbacks):  # TRL's / appo_trl.console's per-step printing
+        for cb in list(trainer.callback_handler.callbacks):  # TRL's / appo_trl.reporting.console's per-step printing
             if isinstance(cb, (PrinterCallback, ProgressCallback)) or type(cb).__name__.startswith("StepLinePrinter"):
                 trainer.remove_callback(cb)
     with _quiet_logging_only():

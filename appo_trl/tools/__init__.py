@@ -1,4 +1,4 @@
-"""Layer 1: the agent's tools (python sandbox, search) and their executor. Imports nothing from higher layers."""
+"""Floor 1: the agent's tools (python sandbox, search) and their executor. Imports nothing else from `appo_trl`."""
 
 from appo_trl.tools.base import Tool, ToolResult
 from appo_trl.tools.executor import ToolExecutor

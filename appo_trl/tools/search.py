@@ -246,7 +246,7 @@ class LocalRetrieverBackend:
         return self._identity_from(resp.status_code, self._json(resp))
 
     def check(self) -> str:
-        """Synchronous start-up check (`appo_trl.preflight`): the server answers and is ours; returns its identity."""
+        """Synchronous start-up check (`appo_trl.configs.preflight`): the server answers and is ours; returns its identity."""
         try:
             resp = httpx.get(self.health_url, timeout=min(self.config.timeout_s, 10.0), trust_env=False)
         except httpx.TransportError as exc:

@@ -21,9 +21,9 @@ from appo_trl.algorithms.advantages import appo_dual_group_advantages, entropy_a
 from appo_trl.algorithms.arpo import ARPOBranchState, PromptRoundCounter, arpo_branch_probability
 from appo_trl.algorithms.entropy import segment_entropy
 from appo_trl.algorithms.losses import POLICY_LOSSES
-from appo_trl.config import REFERENCE_PRESETS, APPOConfig
-from appo_trl.strategies import APPOStrategy, ARPOStrategy, BranchHook, RoundBatch
-from appo_trl.trainer_loss import loss_params, per_token_kl, reduce_loss
+from appo_trl.trainer.config import REFERENCE_PRESETS, APPOConfig
+from appo_trl.trainer.loss import loss_params, per_token_kl, reduce_loss
+from appo_trl.trainer.strategies import APPOStrategy, ARPOStrategy, BranchHook, RoundBatch
 
 BASE = dict(output_dir="/tmp/appo-fidelity-test", use_cpu=True, bf16=False, report_to="none", save_strategy="no")
 
@@ -222,7 +222,7 @@ class _Engine:
 
 
 def _strategy_picks(cfg, trajs, G, N):
-    from appo_trl.trainer_utils import pad_rows
+    from appo_trl.trainer.rows import pad_rows
 
     engine = _Engine(trajs, N)
 
@@ -450,7 +450,7 @@ def _loss_step(cfg, logps, adv, *, ref_logps=None, entropies=None):
     """`compute_policy_loss` on fixed per-token logps (old logps 0) with a stand-in trainer and model forward."""
     from collections import defaultdict
 
-    from appo_trl.trainer_loss import compute_policy_loss
+    from appo_trl.trainer.loss import compute_policy_loss
 
     B, T = logps.shape
     ents = entropies if entropies is not None else torch.ones(B, T)

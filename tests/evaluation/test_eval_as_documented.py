@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from appo_trl.configs.recipes import parse_recipe
 from appo_trl.evaluation import EvalConfig
-from appo_trl.recipes import parse_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 

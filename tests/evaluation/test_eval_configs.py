@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from appo_trl.configs.recipes import parse_recipe
 from appo_trl.evaluation import EvalConfig, load_registry
-from appo_trl.recipes import parse_recipe
 
 EVAL_DIR = Path(__file__).resolve().parents[2] / "eval"
 

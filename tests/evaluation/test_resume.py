@@ -24,7 +24,7 @@ def _run(cfg):
 
 
 def test_another_model_is_refused_and_nothing_is_generated(eval_registry, tmp_path):
-    from appo_trl.errors import ConfigError
+    from appo_trl.configs.errors import ConfigError
 
     _run(config(eval_registry, tmp_path))
     policy = ScriptedPolicy()
@@ -44,7 +44,7 @@ def test_overwrite_output_dir_starts_fresh(eval_registry, tmp_path):
 
 
 def test_changed_questions_are_refused_and_more_samples_or_a_judge_are_not(eval_registry, tmp_path):
-    from appo_trl.errors import ConfigError
+    from appo_trl.configs.errors import ConfigError
 
     _run(config(eval_registry, tmp_path, num_samples=2, ks=[1, 2]))
     _, policy = _run(config(eval_registry, tmp_path))  # n 2 -> 3: only the third samples are new
@@ -61,7 +61,7 @@ def test_changed_questions_are_refused_and_more_samples_or_a_judge_are_not(eval_
 
 
 def test_samples_without_run_file_are_refused(eval_registry, tmp_path):
-    from appo_trl.errors import ConfigError
+    from appo_trl.configs.errors import ConfigError
 
     out = tmp_path / "out"
     out.mkdir()
@@ -76,7 +76,7 @@ def test_eval_search_cache_defaults_into_the_output_dir(tmp_path):
 
 
 def test_eval_checks_the_search_server_before_the_model_loads(eval_registry, tmp_path):
-    from appo_trl.errors import PreflightError
+    from appo_trl.configs.errors import PreflightError
     from appo_trl.evaluation.runner import check_output_dir
 
     cfg = config(eval_registry, tmp_path, benchmarks=["qab"], search_backend="local",

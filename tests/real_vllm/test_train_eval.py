@@ -15,7 +15,7 @@ import sys
 
 from realserver import MAX_MODEL_LEN, metric
 
-from appo_trl.recipes import REPO_ROOT
+from appo_trl.configs.recipes import REPO_ROOT
 
 ENV = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", WANDB_MODE="disabled", OMP_NUM_THREADS="2")
 

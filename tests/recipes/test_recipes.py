@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from appo_trl.recipes import REPO_ROOT, parse_recipe, valid_keys
+from appo_trl.configs.recipes import REPO_ROOT, parse_recipe, valid_keys
 
 RECIPES = sorted(p for p in (REPO_ROOT / "recipes").rglob("*.yaml") if "data" not in p.parts)
 PENDING_FIELDS = {
@@ -31,9 +31,9 @@ PAPER_RECIPES = {
 
 def _stage_types(path: Path):
     if path.stem.startswith("sft"):
-        from appo_trl.sft import dataclass_types
+        from appo_trl.stages.sft import dataclass_types
     else:
-        from appo_trl.train import dataclass_types
+        from appo_trl.stages.train import dataclass_types
     return dataclass_types()
 
 

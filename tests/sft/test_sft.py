@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from appo_trl.recipes import REPO_ROOT, parse_recipe
-from appo_trl.sft import dataclass_types, result_spans, tokenize_conversation
+from appo_trl.configs.recipes import REPO_ROOT, parse_recipe
+from appo_trl.stages.sft import dataclass_types, result_spans, tokenize_conversation
 
 RECIPE = str(REPO_ROOT / "recipes" / "tiny" / "sft.yaml")
 TRACE = "<think>a</think><python>x</python><result>\n7\n</result><answer>7</answer>"
@@ -83,7 +83,7 @@ def test_no_generation_markers_is_an_error(tiny_model_path):
 
 
 def _run(tiny_model_path, out, *extra):
-    from appo_trl.sft import main
+    from appo_trl.stages.sft import main
 
     args = parse_recipe(
         dataclass_types(),
@@ -159,7 +159,7 @@ def test_template_without_markers_gets_trls_training_template(tiny_model_path):
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from appo_trl.sft import tokenize_sft_dataset
+    from appo_trl.stages.sft import tokenize_sft_dataset
 
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     tok.chat_template = (importlib.resources.files("trl") / "chat_templates" / "qwen2_5.jinja").read_text()

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from appo_trl.configs.recipes import REPO_ROOT
 from appo_trl.data import load_sft_dataset
-from appo_trl.recipes import REPO_ROOT
-from appo_trl.sft import tokenize_conversation
+from appo_trl.stages.sft import tokenize_conversation
 
 DATA = str(REPO_ROOT / "recipes" / "tiny" / "data" / "sft_chat.jsonl")
 

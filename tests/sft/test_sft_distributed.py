@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from appo_trl.recipes import REPO_ROOT
+from appo_trl.configs.recipes import REPO_ROOT
 
 RECIPE = str(REPO_ROOT / "recipes" / "tiny" / "sft.yaml")
 COMMON = ["--config", RECIPE, "--max_steps", "2", "--save_steps", "2"]

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from appo_trl.recipes import REPO_ROOT, parse_recipe
+from appo_trl.configs.recipes import REPO_ROOT, parse_recipe
 
 RECIPE = str(REPO_ROOT / "recipes" / "tiny" / "sft.yaml")
 GPU = ["--use_cpu", "false", "--bf16", "true", "--max_steps", "2"]
@@ -21,7 +21,7 @@ def _weights(path):
 
 @pytest.mark.gpu
 def test_sft_bf16_on_cuda(tiny_model_path, tmp_path):
-    from appo_trl.sft import dataclass_types, main
+    from appo_trl.stages.sft import dataclass_types, main
 
     args = parse_recipe(
         dataclass_types(),

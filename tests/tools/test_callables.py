@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from appo_trl.recipes import parse_recipe
+from appo_trl.configs.recipes import parse_recipe
 from appo_trl.tools.callables import FunctionTool, ToolSpecError, resolve_callables
 from appo_trl.tools.registry import build_tools, default_tool_format
 
@@ -71,8 +71,8 @@ def test_dotted_paths_resolve_from_the_given_folder_then_the_cwd(tmp_path, monke
 
 
 def test_recipe_folder_is_where_tools_resolve(tmp_path, monkeypatch):
-    from appo_trl import recipes
-    from appo_trl.train import dataclass_types
+    from appo_trl.configs import recipes
+    from appo_trl.stages.train import dataclass_types
 
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "x.yaml").write_text("tools: [tools.calculator]\noutput_dir: o\nuse_cpu: true\nbf16: false\n")
@@ -92,9 +92,9 @@ def test_formats_and_builtin_wrappers():
 
 def test_preflight_builds_chat_recipe_tools_from_the_recipe_folder(tmp_path, monkeypatch):
     """`appo train` checks tools before the model loads: a chat recipe's dotted tool must pass that check."""
-    from appo_trl import preflight
-    from appo_trl.recipes import REPO_ROOT
-    from appo_trl.train import dataclass_types
+    from appo_trl.configs import preflight
+    from appo_trl.configs.recipes import REPO_ROOT
+    from appo_trl.stages.train import dataclass_types
 
     monkeypatch.chdir(tmp_path)  # not the repository: `tools.calculator` must come from the recipe's folder
     recipe = str(REPO_ROOT / "recipes" / "tiny" / "appo_chat.yaml")

@@ -256,7 +256,7 @@ def test_isolation_none_is_an_explicit_loud_opt_in(caplog):
 def test_preflight_reports_missing_isolation_as_one_line(monkeypatch):
     from types import SimpleNamespace
 
-    from appo_trl.preflight import PreflightError, check_tools
+    from appo_trl.configs.preflight import PreflightError, check_tools
 
     real = iso.shutil.which
     monkeypatch.setattr(iso.shutil, "which", lambda name: None if name == "bwrap" else real(name))

@@ -102,7 +102,7 @@ def test_check_reports_a_missing_server_and_accepts_ours(corpus_file, loopback):
 
 
 def test_defaults_leave_port_8000_to_vllm_and_keep_no_shared_cache_file(tmp_path):
-    from appo_trl.preflight import default_search_cache
+    from appo_trl.configs.preflight import default_search_cache
 
     config = SearchToolConfig()
     assert config.url == "http://127.0.0.1:8765/retrieve"

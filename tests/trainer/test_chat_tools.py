@@ -15,10 +15,10 @@ import pytest
 import torch
 from datasets import Dataset
 
-from appo_trl.config import APPOConfig
 from appo_trl.rollout import Segment
 from appo_trl.tools.base import ToolResult
-from appo_trl.trainer import APPOTrainer
+from appo_trl.trainer.config import APPOConfig
+from appo_trl.trainer.trainer import APPOTrainer
 from tests.trainer.test_trainer import CPU, spy_loss
 
 CALLS: list[tuple[int, int]] = []
@@ -194,7 +194,7 @@ def test_warns_when_no_rollout_called_a_tool(tmp_path, tiny_chat_model_path, tin
     trainer = APPOTrainer(model=tiny_chat_model_path, reward_funcs=[Reward()], args=args, train_dataset=prompts(),
                           processing_class=tiny_chat_tokenizer, tools=[multiply])  # fmt: skip
     trainer.rollout_engine.backend = NoCalls()
-    with caplog.at_level(logging.WARNING, logger="appo_trl.trainer"):
+    with caplog.at_level(logging.WARNING, logger="appo_trl.trainer.trainer"):
         trainer.train()
     [msg] = [r.getMessage() for r in caplog.records if "No rollout called a tool" in r.getMessage()]
     assert "(multiply) in 1 round(s)" in msg and "ARPO branches only after tool results: no branching happened" in msg

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from appo_trl.console import accuracy_of, canonical_metrics, format_step_line
+from appo_trl.reporting.console import accuracy_of, canonical_metrics, format_step_line
 
 DUPLICATES = ("tools/calls_per_round", "rollout/tool_calls", "rollout/tool/python/calls", "rollout/tool_failures",
               "rollout/tool/python/failures", "rollout/tool/python/time_s", "rollout/tokens_sampled")  # fmt: skip

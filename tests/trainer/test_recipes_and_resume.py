@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from appo_trl.recipes import REPO_ROOT, parse_recipe
-from appo_trl.train import dataclass_types
+from appo_trl.configs.recipes import REPO_ROOT, parse_recipe
+from appo_trl.stages.train import dataclass_types
 from tests.trainer.fakes import ScriptedEngine
 from tests.trainer.test_trainer import RewardSpy, make_trainer
 

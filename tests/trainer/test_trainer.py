@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from datasets import Dataset
 
-from appo_trl.config import APPOConfig
-from appo_trl.trainer import APPOTrainer
+from appo_trl.trainer.config import APPOConfig
+from appo_trl.trainer.trainer import APPOTrainer
 from tests.trainer.fakes import ScriptedEngine
 
 CPU = dict(
@@ -188,7 +188,7 @@ def test_appo_only_initial_rows_reach_the_loss_with_dual_group_advantages(
 def test_custom_loss_path_matches_trl_loss_and_normaliser(tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch):
     from trl import GRPOTrainer
 
-    from appo_trl.trainer_loss import compute_policy_loss
+    from appo_trl.trainer.loss import compute_policy_loss
 
     engine, reward = ScriptedEngine(tiny_tokenizer), RewardSpy()
     trainer = make_trainer(
@@ -276,7 +276,7 @@ def test_aepo_entropy_aware_advantage_is_applied_with_trainer_entropies(
     tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch
 ):
     import appo_trl.algorithms.advantages as adv_mod
-    from appo_trl.trainer_loss import compute_policy_loss
+    from appo_trl.trainer.loss import compute_policy_loss
 
     calls = []
     real = adv_mod.entropy_aware_advantage

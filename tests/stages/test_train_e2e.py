@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from appo_trl.recipes import REPO_ROOT, parse_recipe
-from appo_trl.train import dataclass_types
+from appo_trl.configs.recipes import REPO_ROOT, parse_recipe
+from appo_trl.stages.train import dataclass_types
 
 RECIPE = str(REPO_ROOT / "recipes" / "tiny" / "grpo.yaml")
 DATA = str(REPO_ROOT / "recipes" / "tiny" / "data" / "arith.jsonl")
@@ -22,7 +22,7 @@ def _params(path):
 
 
 def test_train_in_process_changes_params_and_checkpoint_reloads(tiny_sft_model_path, tmp_path):
-    from appo_trl.train import main
+    from appo_trl.stages.train import main
 
     out = tmp_path / "run"
     args = parse_recipe(
@@ -50,7 +50,7 @@ def test_train_in_process_changes_params_and_checkpoint_reloads(tiny_sft_model_p
 
 
 def test_missing_model_folder_is_a_clear_error(tmp_path):
-    from appo_trl.train import main
+    from appo_trl.stages.train import main
 
     args = parse_recipe(
         dataclass_types(),
@@ -97,7 +97,7 @@ def test_two_process_cli_run(tiny_model_path, tmp_path):
 @pytest.mark.parametrize("strategy", ["arpo", "aepo", "appo"])
 def test_tiny_strategy_recipes_train_with_real_tools(strategy, tiny_sft_model_path, tmp_path):
     """Each tiny recipe end to end: real model, real sandboxed python calls, the strategy's branching and loss."""
-    from appo_trl.train import main
+    from appo_trl.stages.train import main
 
     recipe = str(REPO_ROOT / "recipes" / "tiny" / f"{strategy}.yaml")
     args = parse_recipe(

@@ -11,7 +11,7 @@ Fields are grouped by name rules and by "anchor" fields: a dataclass's fields ar
 order and an anchor switches the group for the fields that follow it, so a field added next to its
 neighbours lands in their group without touching this module.
 
-What this does not do: parse values (that is TRL's `TrlParser`, called by `appo_trl.recipes`).
+What this does not do: parse values (that is TRL's `TrlParser`, called by `appo_trl.configs.recipes`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ _START = {"APPOScriptArguments": "data", "SFTScriptArguments": "data", "ScriptAr
           "ModelConfig": "model", "APPOConfig": "rollout", "GRPOConfig": "model", "SFTConfig": "model"}  # fmt: skip
 # anchor field -> group of this field and those that follow it in the same class
 _ANCHORS = {
-    # appo_trl.config.APPOConfig
+    # appo_trl.trainer.config.APPOConfig
     "tools": "rollout", "rollout_strategy": "strategy", "loss_mode": "loss",
     # trl GRPOConfig (declaration order: model, data, generation, vLLM, training, logging)
     "model_init_kwargs": "model", "num_generations": "rollout", "beta": "loss",

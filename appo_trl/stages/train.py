@@ -1,7 +1,7 @@
 """The RL stage: build tokenizer, dataset, rewards and `APPOTrainer` from parsed recipe arguments, train, save.
 
 Run it as `appo train --config recipes/<model>/<stage>.yaml [--key value ...]`, or under accelerate as
-`accelerate launch --config_file accelerate_configs/zero3.yaml appo_trl/train.py --config ...` (what
+`accelerate launch --config_file accelerate_configs/zero3.yaml appo_trl/stages/train.py --config ...` (what
 `appo train --accelerate_config zero3` does for you).
 """
 
@@ -10,19 +10,19 @@ from __future__ import annotations
 import logging
 import sys
 
-logger = logging.getLogger("appo_trl.train")
+logger = logging.getLogger("appo_trl.stages.train")
 
 
 def dataclass_types() -> tuple[type, ...]:
     from trl import ModelConfig
 
-    from appo_trl.config import APPOConfig, APPOScriptArguments
+    from appo_trl.trainer.config import APPOConfig, APPOScriptArguments
 
     return (APPOScriptArguments, APPOConfig, ModelConfig)
 
 
 def _check_model_path(name_or_path: str | None) -> None:
-    from appo_trl.preflight import check_model_source
+    from appo_trl.configs.preflight import check_model_source
 
     check_model_source(name_or_path)
 
@@ -31,22 +31,22 @@ def main(script_args, training_args, model_args, recipe=None) -> APPOTrainer:  #
     """Train with already-parsed arguments and return the trainer (its state holds the log history).
 
     `recipe` is what the pushed model card prints; default: the settings as parsed, before this function
-    fills in run-specific values (`appo_trl.hub.recipe_dict`), so the card's recipe re-runs.
+    fills in run-specific values (`appo_trl.reporting.hub.recipe_dict`), so the card's recipe re-runs.
 
-    Everything that can be checked without the weights is checked first (`appo_trl.preflight`): the model
+    Everything that can be checked without the weights is checked first (`appo_trl.configs.preflight`): the model
     source, 4-bit loading, the data and the columns the rewards need, the tools and the search server, Hub
     access when pushing. A failure there raises a `ConfigError` before the model loads.
     """
     from transformers import AutoTokenizer, set_seed
     from trl import get_peft_config
 
-    from appo_trl import preflight
-    from appo_trl.checkpoints import resolve_resume_checkpoint
+    from appo_trl.configs import preflight
     from appo_trl.data import load_rl_dataset
-    from appo_trl.hub import defer_push, push_model, recipe_dict
+    from appo_trl.reporting.hub import defer_push, push_model, recipe_dict
+    from appo_trl.reporting.trackers import prepare_trackers
     from appo_trl.rewards import get_reward_func
-    from appo_trl.trackers import prepare_trackers
-    from appo_trl.trainer import APPOTrainer
+    from appo_trl.trainer.checkpoints import resolve_resume_checkpoint
+    from appo_trl.trainer.trainer import APPOTrainer
 
     prepare_trackers(training_args)  # a missing tracker package fails here; wandb offline without an account
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -115,7 +115,7 @@ def main(script_args, training_args, model_args, recipe=None) -> APPOTrainer:  #
 
 def cli(argv: list[str] | None = None) -> int:
     """`appo train` (and the `accelerate launch` entry): parse, check, train. Raises `ConfigError` on bad input."""
-    from appo_trl.recipes import check_before_relaunch, maybe_relaunch, parse_recipe
+    from appo_trl.configs.recipes import check_before_relaunch, maybe_relaunch, parse_recipe
 
     argv = list(sys.argv[1:] if argv is None else argv)
     check_before_relaunch(dataclass_types(), argv)  # one line here, not one torchrun failure report per rank
@@ -128,6 +128,6 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from appo_trl.errors import run_cli
+    from appo_trl.configs.errors import run_cli
 
     sys.exit(run_cli("appo train", cli, sys.argv[1:]))

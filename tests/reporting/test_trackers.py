@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import tomllib
 
-from appo_trl.trackers import TRACKERS, prepare_trackers
+from appo_trl.reporting.trackers import TRACKERS, prepare_trackers
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ RUN_ONE_STEP = """
 import sys
 from pathlib import Path
 from transformers import AutoTokenizer
-from appo_trl.trackers import prepare_trackers
+from appo_trl.reporting.trackers import prepare_trackers
 from tests.trainer.test_trainer import RewardSpy, make_trainer
 from tests.trainer.test_trainer_engine import real_engine
 

@@ -1,7 +1,7 @@
 """Start-up checks: everything that can be wrong with a run is found before the model loads.
 
 `appo train` (and `appo sft` for the parts that apply) calls these in order, each raising a one-line
-`appo_trl.errors.ConfigError` subclass that the CLI prints and exits 2 on:
+`appo_trl.configs.errors.ConfigError` subclass that the CLI prints and exits 2 on:
 
 1. `check_model_source`: the model is a local folder, or a Hub id that resolves (cache or network). A
    missing local path is named as such, with the `appo tiny-model` hint for tiny recipe paths, instead of
@@ -13,7 +13,7 @@
 4. `check_tools`: tool names and parameters (`build_tools`), then each tool's own `check()` (the search
    tool asks its server's `/health` whether it is appo-trl's search server and which corpus it serves).
 5. `check_hub`: with `push_to_hub`, the token works, may write, and its owner may write to the repo's
-   namespace; the push itself still happens once, at the end (`appo_trl.hub`).
+   namespace; the push itself still happens once, at the end (`appo_trl.reporting.hub`).
 
 What this does not do: load weights, or check the vLLM server (TRL's client waits for it at start-up).
 """
@@ -26,7 +26,7 @@ import json
 import os
 from typing import Any
 
-from appo_trl.errors import ModelPathError, PreflightError
+from appo_trl.configs.errors import ModelPathError, PreflightError
 
 # built-in rewards that do not compare against a gold answer
 GOLD_FREE_REWARDS = frozenset({"format"})
@@ -139,7 +139,7 @@ def check_tools(training_args) -> None:
     names = list(getattr(training_args, "tools", None) or [])
     if not names:
         return
-    from appo_trl import recipes
+    from appo_trl.configs import recipes
     from appo_trl.tools import build_tools
     from appo_trl.tools.registry import default_tool_format
 
@@ -167,7 +167,7 @@ def check_tools(training_args) -> None:
 
 
 def hub_repo_id(training_args) -> str:
-    """The repo a push goes to: `hub_model_id`, else the output folder's name (as `appo_trl.hub` pushes)."""
+    """The repo a push goes to: `hub_model_id`, else the output folder's name (as `appo_trl.reporting.hub` pushes)."""
     return training_args.hub_model_id or os.path.basename(os.path.normpath(training_args.output_dir))
 
 

@@ -1,9 +1,9 @@
 """Configuration dataclasses: `APPOScriptArguments` (data, rewards, tools) and `APPOConfig(GRPOConfig)`.
 
-Every field is a recipe key (flat YAML) and a CLI flag (`--key value`), parsed by `appo_trl.recipes`.
+Every field is a recipe key (flat YAML) and a CLI flag (`--key value`), parsed by `appo_trl.configs.recipes`.
 `APPOConfig` adds the rollout strategy (grpo / arpo / aepo / appo), the branching rules of each strategy, the
 policy-loss mode and its parameters, and the tool-loop limits. This module holds the fields and their
-validation only (invalid combinations fail in `__post_init__`); the behaviour lives in `appo_trl.trainer` and
+validation only (invalid combinations fail in `__post_init__`); the behaviour lives in `appo_trl.trainer.trainer` and
 the maths in `appo_trl.algorithms`.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig, ScriptArguments
 
-from appo_trl.reference import REFERENCE_PRESETS
+from appo_trl.configs.reference import REFERENCE_PRESETS
 
 
 @dataclass
@@ -122,7 +122,7 @@ class APPOConfig(GRPOConfig):
             "How weights reach the vLLM server once per round: `nccl` (TRL's weight-transfer engine, CUDA only), "
             "`disk` (safetensors + POST /collective_rpc reload_weights + /reset_prefix_cache; the server needs "
             "VLLM_SERVER_DEV_MODE=1 and must read the folder), or `auto` (disk when the trainer or the server "
-            "runs on CPU, else nccl). See appo_trl.vllm_weight_sync."
+            "runs on CPU, else nccl). See appo_trl.trainer.weight_sync."
         ),
     )
     vllm_weight_sync_dir: str | None = field(

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from appo_trl.trainer_utils import pad_rows
+from appo_trl.trainer.rows import pad_rows
 
 TRL_STD_EPS = 1e-4  # ε in TRL's (r − mean)/(std + ε) group advantage
 

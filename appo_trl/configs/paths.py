@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parents[1]  # appo_trl/
 _CHECKOUT = _PACKAGE.parent
 SHIPPED_ROOT = _CHECKOUT if (_CHECKOUT / "recipes").is_dir() else _PACKAGE / "_resources"
 SHIPPED_DIRS = ("recipes", "accelerate_configs", "eval")

@@ -6,8 +6,8 @@ import sys
 import pytest
 import yaml
 
-from appo_trl.recipes import RecipeError, launch_command, parse_recipe, split_launch_args
-from appo_trl.train import dataclass_types
+from appo_trl.configs.recipes import RecipeError, launch_command, parse_recipe, split_launch_args
+from appo_trl.stages.train import dataclass_types
 
 
 def _write(tmp_path, data):
@@ -86,7 +86,7 @@ def test_launch_flags_are_split_and_build_accelerate_command():
 
 @pytest.mark.parametrize("name", ["ddp", "zero2", "zero3", "fsdp"])
 def test_shipped_accelerate_configs_parse(name):
-    from appo_trl.recipes import resolve_accelerate_config
+    from appo_trl.configs.recipes import resolve_accelerate_config
 
     cfg = yaml.safe_load(resolve_accelerate_config(name).read_text())
     assert cfg["mixed_precision"] == "bf16"

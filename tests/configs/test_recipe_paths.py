@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from appo_trl.recipe_paths import find_recipe, resolve_recipe_paths
-from appo_trl.recipes import parse_recipe
+from appo_trl.configs.paths import find_recipe, resolve_recipe_paths
+from appo_trl.configs.recipes import parse_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_relative_input_paths_resolve_against_the_recipe(tmp_path):
@@ -51,14 +51,14 @@ def test_relative_input_paths_resolve_against_the_recipe(tmp_path):
 
 
 def test_tiny_recipe_runs_from_another_directory(tmp_path, monkeypatch):
-    from appo_trl.train import dataclass_types
+    from appo_trl.stages.train import dataclass_types
 
     monkeypatch.chdir(tmp_path)
     assert find_recipe("recipes/tiny/grpo.yaml") == ROOT / "recipes" / "tiny" / "grpo.yaml"
     script, training, _ = parse_recipe(dataclass_types(), ["--config", "recipes/tiny/grpo.yaml"])
     assert Path(script.dataset_name) == ROOT / "recipes" / "tiny" / "data" / "arith.jsonl"
     assert training.output_dir == "outputs/tiny-grpo"  # relative to where the user runs it
-    from appo_trl import sft
+    from appo_trl.stages import sft
 
     args = parse_recipe(sft.dataclass_types(), ["--config", str(ROOT / "recipes" / "tiny" / "sft.yaml")])
     assert Path(args[0].dataset_name).is_file()
@@ -99,7 +99,7 @@ def test_wheel_ships_recipes_configs_and_data_and_demo_runs_outside_a_checkout(t
     cwd.mkdir()
     env = {**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     probe = subprocess.run(
-        [sys.executable, "-c", "import appo_trl, appo_trl.recipes as r; print(appo_trl.__file__); "
+        [sys.executable, "-c", "import appo_trl, appo_trl.configs.recipes as r; print(appo_trl.__file__); "
          "print(r.resolve_accelerate_config('zero3'))"], cwd=cwd, env=env, capture_output=True, text=True,
     )  # fmt: skip
     file_, zero3 = probe.stdout.split()

@@ -21,7 +21,7 @@ import logging
 import netrc
 import os
 
-logger = logging.getLogger("appo_trl.trackers")
+logger = logging.getLogger("appo_trl.reporting.trackers")
 
 # report_to name -> (modules that can serve it, the pip extra that installs one)
 TRACKERS: dict[str, tuple[tuple[str, ...], str]] = {

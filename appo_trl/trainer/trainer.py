@@ -6,7 +6,7 @@ Override points of TRL's `GRPOTrainer`; everything else is TRL's:
   before the model loads; `tool_format: chat` renders their schemas into prompts through TRL's own
   `_tokenize_prompts` (`self.tools`) and hands completions to rewards in TRL's tool-loop message shape.
 - `_generate(prompts)`: (for in-process `grpo` with no `tools`, TRL's own sampler runs unchanged) replaces TRL's sampler and tool loop with `appo_trl.rollout`'s engine, driven by the
-  configured strategy (`appo_trl.strategies.STRATEGIES`: grpo, arpo, aepo, appo). Returns TRL's 8-tuple with
+  configured strategy (`appo_trl.trainer.strategies.STRATEGIES`: grpo, arpo, aepo, appo). Returns TRL's 8-tuple with
   the exact sampled ids, `tool_mask` = 1 on sampled tokens only, sampler logprobs (NaN on tool tokens), and
   re-emits TRL's generation metrics plus `branch/*` and `tools/*`. Weights are synced to the vLLM server once
   per round, on every rank, before the first request.
@@ -14,7 +14,7 @@ Override points of TRL's `GRPOTrainer`; everything else is TRL's:
 - `_generate_and_score_completions`: calls TRL once, then lets the strategy replace the advantages (APPO's
   dual-group (B, T) advantages) and removes the rows that must not reach the loss (APPO's branch rows), with
   `num_items_in_batch` recomputed as the global mask sum of the remaining rows.
-- `_compute_loss`: TRL's own loss for `loss_mode=clip`; `appo_trl.trainer_loss` for dual_clip, future_kl and
+- `_compute_loss`: TRL's own loss for `loss_mode=clip`; `appo_trl.trainer.loss` for dual_clip, future_kl and
   entropy_balanced (and for AEPO's entropy-aware advantage).
 
 Groups never cross ranks (`APPOConfig` validates the batch shape) and no collective runs inside a
@@ -32,13 +32,13 @@ import torch
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 
-from appo_trl.config import APPOConfig
-from appo_trl.console import canonical_metrics, install_step_line
-from appo_trl.rollout_dump import dump_round
-from appo_trl.strategies import STRATEGIES, GRPOStrategy, RoundBatch
-from appo_trl.trainer_loss import compute_policy_loss
-from appo_trl.trainer_utils import pad_rows, select_rows
-from appo_trl.vllm_weight_sync import prepare_vllm_server
+from appo_trl.reporting.console import canonical_metrics, install_step_line
+from appo_trl.reporting.rollout_dump import dump_round
+from appo_trl.trainer.config import APPOConfig
+from appo_trl.trainer.loss import compute_policy_loss
+from appo_trl.trainer.rows import pad_rows, select_rows
+from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RoundBatch
+from appo_trl.trainer.weight_sync import prepare_vllm_server
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class APPOTrainer(GRPOTrainer):
         if not isinstance(args, APPOConfig):
             raise TypeError("APPOTrainer needs an APPOConfig (it carries the strategy, tools and loss settings).")
         self._resolve_tool_specs(args, tools, tool_dirs)  # fails here, before the model loads
-        from appo_trl.preflight import check_reward_columns  # before the model loads
+        from appo_trl.configs.preflight import check_reward_columns  # before the model loads
 
         check_reward_columns(reward_funcs if isinstance(reward_funcs, list) else [reward_funcs], train_dataset)
         with prepare_vllm_server(args):  # server checks; disk weight sync on a CPU trainer/server (else TRL's NCCL)
@@ -156,7 +156,7 @@ class APPOTrainer(GRPOTrainer):
         if self._custom_loss and self._entropy_bonus_enabled:
             raise ValueError(f"loss_mode={args.loss_mode} does not add TRL's entropy bonus; set entropy_coef=0.")
         self._setup_chat_tools(train_dataset)
-        from appo_trl.hub import strategy_card
+        from appo_trl.reporting.hub import strategy_card
 
         self._name, self._paper = strategy_card(args.rollout_strategy)  # model card: this strategy's paper
         self._tag_names = ["trl", "appo-trl", args.rollout_strategy]
@@ -192,7 +192,7 @@ class APPOTrainer(GRPOTrainer):
             )
         specs = list(tools or args.tools or [])
         if not tool_dirs:  # `appo train --config R`: the recipe's folder, then the working directory
-            from appo_trl import recipes
+            from appo_trl.configs import recipes
 
             tool_dirs = [recipes.LAST_RECIPE_DIR] if recipes.LAST_RECIPE_DIR else []
         self._tool_dirs = tuple(tool_dirs)
@@ -260,7 +260,7 @@ class APPOTrainer(GRPOTrainer):
 
         from trl.trainer.utils import get_config_model_id
 
-        from appo_trl.hub import fix_local_base_model
+        from appo_trl.reporting.hub import fix_local_base_model
 
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         if self.is_world_process_zero():

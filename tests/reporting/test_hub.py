@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from appo_trl.hub import build_model_card, defer_push, key_metrics, push_model, recipe_dict
-from appo_trl.recipes import REPO_ROOT, parse_recipe
+from appo_trl.configs.recipes import REPO_ROOT, parse_recipe
+from appo_trl.reporting.hub import build_model_card, defer_push, key_metrics, push_model, recipe_dict
 
 
 class FakeHfApi:
@@ -19,7 +19,7 @@ class FakeHfApi:
     def __init__(self, token=None):
         self.token = token
 
-    def whoami(self):  # the start-up check (appo_trl.preflight.check_hub)
+    def whoami(self):  # the start-up check (appo_trl.configs.preflight.check_hub)
         return {"name": "someone", "auth": {"accessToken": {"role": "write"}}}
 
     def create_repo(self, repo_id, private=None, exist_ok=False, **kw):
@@ -54,7 +54,7 @@ def fake_api(monkeypatch):
 def test_sft_recipe_push_uploads_final_model_and_card(tiny_model_path, tmp_path, fake_api, monkeypatch):
     import transformers.trainer as hf_trainer
 
-    from appo_trl.sft import dataclass_types, main
+    from appo_trl.stages.sft import dataclass_types, main
 
     def no_network(*a, **k):
         raise AssertionError("transformers tried to push by itself")
@@ -114,7 +114,7 @@ def test_push_only_from_main_process(tmp_path):
 def test_rl_card_names_algorithm_hub_datasets_and_metrics(tmp_path):
     from trl import ModelConfig
 
-    from appo_trl.config import APPOConfig, APPOScriptArguments
+    from appo_trl.trainer.config import APPOConfig, APPOScriptArguments
 
     script = APPOScriptArguments(dataset_name={"dongguanting/ARPO-RL-DeepSearch-1K": 1.0, "./local.parquet": 0.5})
     cfg = APPOConfig(
@@ -167,7 +167,7 @@ def test_recipe_dict_and_metrics():
 
 
 def test_recipe_from_argv_is_the_yaml_plus_overrides():
-    from appo_trl.hub import recipe_from_argv
+    from appo_trl.reporting.hub import recipe_from_argv
 
     recipe = recipe_from_argv(
         [

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from appo_trl.hub import push_model, recipe_dict
-from appo_trl.recipes import REPO_ROOT, parse_recipe
-from appo_trl.train import dataclass_types
+from appo_trl.configs.recipes import REPO_ROOT, parse_recipe
+from appo_trl.reporting.hub import push_model, recipe_dict
+from appo_trl.stages.train import dataclass_types
 
 
 class FakeHfApi:
@@ -81,8 +81,8 @@ def test_pushed_card_cites_the_strategy_paper(strategy, paper, other, tmp_path):
 def test_trl_local_card_names_strategy_method_and_local_base_model(strategy, title, tiny_model_path, tmp_path):
     from transformers import AutoConfig
 
-    from appo_trl.hub import strategy_card
-    from appo_trl.trainer import APPOTrainer
+    from appo_trl.reporting.hub import strategy_card
+    from appo_trl.trainer.trainer import APPOTrainer
 
     trainer = object.__new__(APPOTrainer)  # only what TRL's create_model_card reads
     trainer.model = SimpleNamespace(config=AutoConfig.from_pretrained(tiny_model_path))

@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from appo_trl.checkpoints import resolve_resume_checkpoint
-from appo_trl.recipes import REPO_ROOT, parse_recipe
+from appo_trl.configs.recipes import REPO_ROOT, parse_recipe
+from appo_trl.trainer.checkpoints import resolve_resume_checkpoint
 
 
 def _optimizer_state(path):
@@ -49,7 +49,7 @@ def test_resolve_resume_checkpoint(tmp_path):
 
 
 def test_sft_resume_equals_uninterrupted(tiny_model_path, tmp_path):
-    from appo_trl.sft import dataclass_types, main
+    from appo_trl.stages.sft import dataclass_types, main
 
     def run(out, *extra):
         args = parse_recipe(
@@ -85,7 +85,7 @@ def test_rl_resume_equals_uninterrupted(tiny_model_path, tmp_path):
 
     if not hasattr(appo_trl.rewards, "get_reward_func"):  # the rewards layer lands separately
         pytest.skip("appo_trl.rewards.get_reward_func is not available yet")
-    from appo_trl.train import dataclass_types, main
+    from appo_trl.stages.train import dataclass_types, main
 
     def run(out, *extra):
         args = parse_recipe(

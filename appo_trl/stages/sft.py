@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from trl import ScriptArguments, SFTConfig
 
-logger = logging.getLogger("appo_trl.sft")
+logger = logging.getLogger("appo_trl.stages.sft")
 
 
 @dataclass
@@ -220,14 +220,14 @@ def main(script_args, training_args, model_args, recipe=None):
     from transformers import AutoTokenizer, set_seed
     from trl import SFTTrainer, get_peft_config
 
-    from appo_trl.checkpoints import resolve_resume_checkpoint
     from appo_trl.data import load_sft_dataset
-    from appo_trl.hub import defer_push, push_model
-    from appo_trl.trackers import prepare_trackers
+    from appo_trl.reporting.hub import defer_push, push_model
+    from appo_trl.reporting.trackers import prepare_trackers
+    from appo_trl.trainer.checkpoints import resolve_resume_checkpoint
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prepare_trackers(training_args)  # a missing tracker package fails here; wandb offline without an account
-    from appo_trl import preflight
+    from appo_trl.configs import preflight
 
     preflight.check_model_source(model_args.model_name_or_path, model_args.model_revision)
     set_seed(training_args.seed)
@@ -278,7 +278,7 @@ def main(script_args, training_args, model_args, recipe=None):
 
 def cli(argv: Sequence[str] | None = None, entry_script: str | None = None) -> int:
     """`appo sft` / `sft/train.py`: parse the recipe (relaunching under accelerate when asked) and train."""
-    from appo_trl.recipes import RecipeError, maybe_relaunch, parse_recipe
+    from appo_trl.configs.recipes import RecipeError, maybe_relaunch, parse_recipe
 
     argv = list(sys.argv[1:] if argv is None else argv)
     code = maybe_relaunch(argv, entry_script or __file__)
@@ -289,7 +289,7 @@ def cli(argv: Sequence[str] | None = None, entry_script: str | None = None) -> i
     except RecipeError as exc:
         print(f"appo sft: {exc}", file=sys.stderr)
         return 2
-    from appo_trl.hub import recipe_from_argv
+    from appo_trl.reporting.hub import recipe_from_argv
 
     main(*args, recipe=recipe_from_argv(argv))
     return 0

@@ -11,7 +11,7 @@ and for multi-node `--num_machines`, `--machine_rank`, `--main_process_ip`) are 
 `accelerate launch`; otherwise the stage runs in this process. Config names resolve to the repository's
 `accelerate_configs/<name>.yaml`.
 
-Every problem is a `RecipeError` (`appo_trl.errors`), which the CLI prints as one line with exit code 2:
+Every problem is a `RecipeError` (`appo_trl.configs.errors`), which the CLI prints as one line with exit code 2:
 malformed YAML (file:line:column), an unknown key, a value argparse cannot convert, a scalar of the wrong
 type, or a combination a config's `__post_init__` rejects. A scalar where a list is expected is read as a
 one-element list.
@@ -31,14 +31,14 @@ from pathlib import Path
 
 import yaml
 
-from appo_trl.errors import RecipeError
-from appo_trl.recipe_paths import SHIPPED_ROOT, find_recipe, resolve_recipe_paths
+from appo_trl.configs.errors import RecipeError
+from appo_trl.configs.paths import SHIPPED_ROOT, find_recipe, resolve_recipe_paths
 
 LAUNCH_FLAGS = (
     "--accelerate_config", "--num_processes", "--mixed_precision", "--main_process_port",
     "--num_machines", "--machine_rank", "--main_process_ip",
 )  # fmt: skip
-# the repository in a checkout, the copies inside the wheel otherwise (see appo_trl.recipe_paths)
+# the repository in a checkout, the copies inside the wheel otherwise (see appo_trl.configs.paths)
 REPO_ROOT = SHIPPED_ROOT
 ACCELERATE_CONFIG_DIRS = (Path.cwd() / "accelerate_configs", REPO_ROOT / "accelerate_configs")
 
@@ -88,7 +88,7 @@ def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
 
 def split_launch_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
     """Pull the launch flags out of argv: returns ({flag: value}, remaining argv). Dash-style names are accepted."""
-    from appo_trl.arguments import normalize_flags
+    from appo_trl.configs.arguments import normalize_flags
 
     launch, rest, it = {}, [], iter(normalize_flags(argv))
     for arg in it:

@@ -200,7 +200,7 @@ def recipe_from_argv(argv: Sequence[str]) -> dict[str, Any]:
 
     Launch flags (`--accelerate_config`, `--num_processes`, ...) are left out; values are YAML-typed.
     """
-    from appo_trl.recipes import load_recipe, split_launch_args
+    from appo_trl.configs.recipes import load_recipe, split_launch_args
 
     _, argv = split_launch_args(argv)
     argv, recipe = list(argv), {}

@@ -1,0 +1,8 @@
+"""Floor 7: the RL and SFT stages as functions, what `appo train` / `appo sft`, `sft/train.py` and the
+study call.
+
+- `train`: `appo train`: recipe -> preflight -> `APPOTrainer` -> train -> save -> push;
+- `sft`: `appo sft`: recipe -> `APPOSFTConfig` -> TRL's `SFTTrainer` -> save -> push.
+
+Imports every floor below (`trainer`, `reporting`, `configs`, `data`, ...); never `synthetic` or `cli`.
+"""

@@ -1,0 +1,14 @@
+"""Floor 6: the trainer. TRL's config/trainer pair and what only the training loop uses.
+
+- `config`: `APPOConfig(GRPOConfig)` and `APPOScriptArguments` (fields and their validation only);
+- `trainer`: `APPOTrainer(GRPOTrainer)`, the override points of TRL's trainer;
+- `strategies`: how one generation round turns prompts into groups of n rows (grpo / arpo / aepo / appo);
+- `loss`: the policy-loss step for the loss modes TRL does not have;
+- `weight_sync`: the disk route of the vLLM-server weight sync on CPU (NCCL is TRL's own);
+- `checkpoints`: `resume_from_checkpoint` resolution;
+- `rows`: tensor helpers over TRL's generation-batch dict.
+
+Imports the floors below it (`tools`, `rollout`, `algorithms`, `rewards`, `configs`, `data`, `reporting`);
+never `evaluation`, `stages`, `synthetic` or `cli`. Nothing is imported here, so `appo_trl.trainer.config`
+loads without the trainer; the public names are `from appo_trl import APPOConfig, APPOTrainer`.
+"""

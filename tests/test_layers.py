@@ -1,0 +1,158 @@
+"""The package's floors (docs/architecture.md): a module imports only its own subpackage and the floors below.
+
+Every `import` in every module of `appo_trl` counts, also the ones inside functions (the lazy imports that keep
+`appo --help` fast are still dependencies). A new subpackage or top-level module must be given a floor here,
+and the top level holds only `__init__.py`, `data.py`, `tiny.py` and the subpackages.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "appo_trl"
+
+# unit (a subpackage or a top-level module) -> floor; docs/architecture.md draws the same picture
+FLOORS = {
+    "tools": 1,
+    "tiny": 1,
+    "rollout": 2,
+    "algorithms": 2,
+    "rewards": 2,
+    "configs": 3,
+    "data": 4,
+    "reporting": 5,
+    "evaluation": 5,
+    "trainer": 6,
+    "stages": 7,
+    "synthetic": 8,
+    "cli": 9,
+}
+TOP_LEVEL_FILES = {"__init__.py", "data.py", "tiny.py", "py.typed"}
+
+
+def _unit(module: str) -> str | None:
+    """`appo_trl.trainer.loss` -> `trainer`; `appo_trl` itself -> None."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "appo_trl" and len(parts) > 1 else None
+
+
+def _lazy_targets() -> dict[str, str]:
+    """`appo_trl.__init__`'s lazy public names (`APPOTrainer` -> its module), read from its `_LAZY` dict."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_LAZY" for t in node.targets):
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def imported_modules(source: str, module: str) -> list[tuple[int, str]]:
+    """(line, dotted module) of every `appo_trl` import in `source`, the module being `module`."""
+    out = []
+    lazy = _lazy_targets()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "appo_trl"]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against the importing module's package
+                pkg = module.split(".")[: -node.level]
+                base = ".".join(pkg + ([base] if base else []))
+            if base.split(".")[0] != "appo_trl":
+                continue
+            for alias in node.names:
+                if base == "appo_trl":  # `from appo_trl import rewards`, a lazy public name, or `__version__`
+                    name = alias.name
+                    is_module = (PACKAGE / name).is_dir() or (PACKAGE / f"{name}.py").is_file()
+                    out.append((node.lineno, lazy.get(name, f"appo_trl.{name}" if is_module else "appo_trl")))
+                else:
+                    out.append((node.lineno, base))
+    return out
+
+
+def layer_violations(sources: dict[str, str]) -> list[str]:
+    """One line per import that reaches a floor at or above the importer's (outside its own unit).
+
+    `sources` maps a dotted module name (`appo_trl.tools.search`) to its source text.
+    """
+    problems = []
+    for module, source in sorted(sources.items()):
+        unit = _unit(module)
+        if unit is None:  # appo_trl/__init__.py: lazy names only
+            continue
+        if unit not in FLOORS:
+            problems.append(f"{module}: `{unit}` has no floor in tests/test_layers.py (and docs/architecture.md)")
+            continue
+        for line, target in imported_modules(source, module):
+            other = _unit(target)
+            if other is None or other == unit:
+                continue
+            if other not in FLOORS:
+                problems.append(f"{module}:{line} imports {target}, which has no floor")
+            elif FLOORS[other] >= FLOORS[unit]:
+                problems.append(
+                    f"{module}:{line} imports {target}: floor {FLOORS[unit]} ({unit}) may not import "
+                    f"floor {FLOORS[other]} ({other})"
+                )
+    return problems
+
+
+def _package_sources() -> dict[str, str]:
+    sources = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        sources[".".join(parts)] = path.read_text()
+    return sources
+
+
+def test_no_lower_floor_imports_a_higher_one():
+    problems = layer_violations(_package_sources())
+    assert not problems, "layer violations:\n" + "\n".join(problems)
+
+
+def test_top_level_holds_only_data_tiny_and_the_subpackages():
+    extra = sorted(
+        p.name
+        for p in PACKAGE.iterdir()
+        if p.is_file() and p.name not in TOP_LEVEL_FILES and p.suffix in {".py", ".pyc"}
+    )
+    assert extra == [], f"modules at the top of appo_trl/: {extra}; give each a subpackage"
+    subpackages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert subpackages <= set(FLOORS), f"subpackages without a floor: {sorted(subpackages - set(FLOORS))}"
+
+
+def test_every_subpackage_docstring_names_its_floor():
+    for name, floor in FLOORS.items():
+        init = PACKAGE / name / "__init__.py"
+        if not init.is_file():
+            continue
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert doc.startswith(f"Floor {floor}"), f"appo_trl/{name}/__init__.py docstring must start 'Floor {floor}'"
+
+
+def test_architecture_page_names_every_subpackage():
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    missing = [name for name in FLOORS if not re.search(rf"(?<![\w/]){name}(/|\.py)", page)]
+    assert not missing, f"docs/architecture.md does not name {missing}"
+
+
+@pytest.mark.parametrize(
+    "module, source, bad",
+    [
+        ("appo_trl.tools.search", "def f():\n    from appo_trl.trainer import trainer\n", True),
+        ("appo_trl.rollout.engine", "import appo_trl.configs.recipes\n", True),
+        ("appo_trl.reporting.hub", "from appo_trl import APPOTrainer\n", True),  # a lazy public name
+        ("appo_trl.trainer.loss", "from .. import stages\n", True),  # relative
+        ("appo_trl.evaluation.runner", "from appo_trl.reporting import console\n", True),  # same floor, sibling
+        ("appo_trl.trainer.loss", "from appo_trl.algorithms import losses\nfrom . import rows\n", False),
+        ("appo_trl.cli.demo", "from appo_trl.synthetic import task\n", False),
+    ],
+)
+def test_the_check_catches_a_forbidden_import(module, source, bad):
+    assert bool(layer_violations({module: source})) is bad
