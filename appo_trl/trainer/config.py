@@ -129,6 +129,24 @@ class APPOConfig(GRPOConfig):
         default=None,
         metadata=_h("disk sync: folder the server reads the weights from (default: a temporary folder)."),
     )
+    # --- overlap of generation and training (appo_trl.trainer.async_rounds) ------------------------------------
+    max_staleness: int = field(
+        default=0,
+        metadata=_h(
+            "TRL's name. 0 (default): synchronous, each round is sampled on the weights it trains. k >= 1: the next "
+            "round generates in the background while the current one trains; a row is trained at most k optimizer "
+            "steps after the weights that sampled it (older rounds are dropped, `rollout/stale_rows_dropped`), with "
+            "decoupled PPO's correction (TRL's vllm_importance_sampling_* settings). See "
+            "appo_trl.trainer.async_rounds."
+        ),
+    )
+    weight_sync_steps: int = field(
+        default=1,
+        metadata=_h(
+            "TRL's name. With max_staleness >= 1: sync the sampler (vLLM server or the in-process sampler copy) "
+            "every this many optimizer steps, and whenever the staleness bound needs it (<= max_staleness)."
+        ),
+    )
     # --- strategy -------------------------------------------------------------------------------------------
     rollout_strategy: str = field(
         default="grpo", metadata=_h("Rollout strategy: `grpo` (no branching), `arpo`, `aepo` or `appo`.")
@@ -505,6 +523,31 @@ class APPOConfig(GRPOConfig):
                 "(colocate mode is not supported by appo-trl's rollout engine)."
             )
         self._validate_batching()
+        self._validate_async()
+
+    def _validate_async(self):
+        """`max_staleness` / `weight_sync_steps`: settings the background rounds can honour (see async_rounds)."""
+        k, w = self.max_staleness, self.weight_sync_steps
+        if k < 0 or w < 1:
+            self._fail(f"max_staleness={k} must be >= 0 and weight_sync_steps={w} >= 1.")
+        if k == 0:
+            if w != 1:
+                self._fail(f"weight_sync_steps={w} needs max_staleness >= 1 (a synchronous run syncs every round).")
+            return
+        if w > k:
+            self._fail(f"weight_sync_steps={w} > max_staleness={k}: rows would be older than the bound allows.")
+        every, ga = self.steps_per_generation * self.num_iterations, self.gradient_accumulation_steps
+        if every % ga != 0 or 2 * (every // ga) - 1 > k:
+            self._fail(
+                f"max_staleness={k} with steps_per_generation × num_iterations = {every} and "
+                f"gradient_accumulation_steps = {ga}: a round must span a whole number m of optimizer steps with "
+                "2m − 1 <= max_staleness (its last rows train m − 1 steps after its first)."
+            )
+        if not self.vllm_importance_sampling_correction:
+            self._fail(
+                "max_staleness >= 1 trains on rows sampled by older weights: it needs the behaviour-policy "
+                "correction, vllm_importance_sampling_correction=True (TRL's default)."
+            )
 
     def _resolve_branch_cap(self):
         """`auto` → ⌈(n − N)/N⌉ + 1; null / "none" → no cap (None); an integer (or its string) → that cap (≥ 1)."""

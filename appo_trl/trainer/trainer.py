@@ -23,6 +23,7 @@ variable-length loop: every rank issues the same gathers per round and per micro
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -34,6 +35,7 @@ from trl.data_utils import is_conversational
 
 from appo_trl.reporting.console import canonical_metrics, install_step_line
 from appo_trl.reporting.rollout_dump import dump_round
+from appo_trl.trainer.async_rounds import behaviour_correction, build_async_rounds
 from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.rows import pad_rows, select_rows
@@ -75,6 +77,8 @@ def build_rollout_engine(trainer):
     if args.use_vllm:
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         backend = VLLMServerBackend(base_url, max_concurrency=args.rollout_concurrency)
+    elif getattr(trainer, "_sampler", None) is not None:  # max_staleness >= 1: the sampler copy decodes
+        backend = TransformersBackend(trainer._sampler.model, trainer._tokenizer)
     else:
         backend = TransformersBackend(trainer.model, trainer._tokenizer, accelerator=trainer.accelerator)
     # prompt + completion must fit the sampler: vLLM's --max-model-len when given, else the model's positions
@@ -166,7 +170,8 @@ class APPOTrainer(GRPOTrainer):
         # in-process GRPO without tools and without an injected engine is exactly TRL's own sampler: keep it
         self._trl_sampler = (
             args.rollout_strategy == "grpo" and not self.tool_specs and not args.use_vllm and rollout_engine is None
-        )
+            and args.max_staleness == 0
+        )  # fmt: skip
         if args.dump_rollouts and self._trl_sampler:
             raise ValueError(
                 "dump_rollouts needs appo-trl's rollout engine, but grpo without tools runs TRL's own sampler: "
@@ -178,6 +183,12 @@ class APPOTrainer(GRPOTrainer):
         self._round_rewards: torch.Tensor | None = None
         self._round_index = 0
         self._old_logps_cache: list[torch.Tensor] | None = None
+        self._sampler = None  # in-process sampler copy (max_staleness >= 1)
+        self._round_inputs = None  # the generation batch being scored (identifies background rounds)
+        self._async = build_async_rounds(self)  # None unless max_staleness >= 1 (appo_trl.trainer.async_rounds)
+        backend = getattr(rollout_engine, "backend", None)
+        if self._sampler is not None and getattr(backend, "model", None) is self.model:
+            backend.model, backend.accelerator = self._sampler.model, None  # decode with the copy, not the policy
 
     def _resolve_tool_specs(self, args, tools, tool_dirs) -> None:
         """Resolve and check every tool (names, dotted paths, schemas, parameters) and build them once."""
@@ -250,9 +261,20 @@ class APPOTrainer(GRPOTrainer):
         try:
             return super().train(*args, **kwargs)
         finally:
+            if self._async is not None:
+                self._async.closed = True  # no launch from here on
             closer = getattr(self._rollout_engine, "close", None)
             if closer is not None:
-                closer()
+                closer()  # cancels the requests of a round in flight
+            if self._async is not None:
+                self._async.close()
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """`Trainer.get_batch_samples`; with max_staleness >= 1 through a lookahead that can peek the next round."""
+        if self._async is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        batch_samples = self._async.lookahead.pull(epoch_iterator, num_batches)
+        return batch_samples, self._get_num_items_in_batch(batch_samples, device)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's card, naming the strategy's method and paper, and a local base model by its path."""
@@ -280,11 +302,17 @@ class APPOTrainer(GRPOTrainer):
         n = self.num_generations if mode == "train" else self.num_generations_eval
         prompts = copy.deepcopy(prompts)
         prompt_ids, _, _ = self._tokenize_prompts(prompts)
-        if self.use_vllm and self.state.global_step != self._last_loaded_step:
-            self.vllm_generation.sync_weights()  # once per round, on every rank, before any request
-            self._last_loaded_step = self.state.global_step
         strategy = self.strategy if mode == "train" else self.eval_strategy
-        batch = strategy.generate(prompt_ids[::n], n, self._round_seed())
+        if self._async is not None and mode == "train":  # max_staleness >= 1: the round may come from the background
+            job = lambda: strategy.generate(prompt_ids[::n], n, self._round_seed())  # noqa: E731
+            batch = self._async.next_round(self._round_inputs, self.state.global_step, job, self._round_job)
+        else:
+            if self._async is not None:
+                self._async.before_foreground_round(self.state.global_step)
+            elif self.use_vllm and self.state.global_step != self._last_loaded_step:
+                self.vllm_generation.sync_weights()  # once per round, on every rank, before any request
+                self._last_loaded_step = self.state.global_step
+            batch = strategy.generate(prompt_ids[::n], n, self._round_seed())
         rows = batch.rows
         if len(rows) != len(prompts) or any(len(g) != n for g in batch.groups):
             raise RuntimeError(f"strategy {strategy.name} returned {len(rows)} rows for {len(prompts)} prompts")
@@ -308,11 +336,23 @@ class APPOTrainer(GRPOTrainer):
         }
         self._log_round(mode, strategy, batch, [list(t.prompt_ids) for t in rows], completion_ids, tool_mask)
         self._round = batch
-        if batch.info.get("old_logps") is not None:  # rows without cached logps get ratio 1 (they are dropped)
+        if mode == "train" and self._async is not None:
+            for key, value in self._async.metrics().items():
+                self._metrics[mode][key].append(value)
+        # rows without cached logps get ratio 1 (they are dropped); background rounds: the proximal forward runs
+        if batch.info.get("old_logps") is not None and self._async is None:
             nan0 = [torch.nan_to_num(torch.tensor(lp, dtype=torch.float32), nan=0.0) for lp in logprobs]
             self._old_logps_cache = [c if c is not None else nan0[i] for i, c in enumerate(batch.info["old_logps"])]
         row_prompt_ids = [list(t.prompt_ids) for t in rows]
         return row_prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, None, []
+
+    def _round_job(self, inputs):
+        """On the trainer's thread: tokenise the prompts of generation batch `inputs` and fix the round's seed;
+        returns the job that samples the round (run on the background round's thread)."""
+        n, strategy = self.num_generations, self.strategy
+        prompt_ids, _, _ = self._tokenize_prompts(copy.deepcopy([x["prompt"] for x in inputs]))
+        unique, seed = prompt_ids[::n], self._round_seed()
+        return lambda: strategy.generate(unique, n, seed)
 
     def _log_round(self, mode, strategy, batch, prompt_ids, completion_ids, tool_mask):
         """TRL's generation metrics (counted on sampled tokens) plus `tools/*` and `branch/*`; fixed collectives."""
@@ -426,7 +466,8 @@ class APPOTrainer(GRPOTrainer):
         device = self.accelerator.device
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).to(device)
-        with torch.no_grad():
+        lock = self._async.weights_lock if self._async is not None else contextlib.nullcontext()
+        with lock, torch.no_grad():  # background rounds: never while an optimizer step updates the weights
             logps, entropies, _ = self._get_per_token_logps_and_entropies(
                 self.model,
                 input_ids,
@@ -445,7 +486,9 @@ class APPOTrainer(GRPOTrainer):
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
+        self._round_inputs = inputs
+        with behaviour_correction(self):  # background rounds in-process: TRL's proximal + importance weight
+            out = super()._generate_and_score_completions(inputs)
         batch, rewards_per_func = self._round, self._round_rewards
         self._round = self._round_rewards = self._old_logps_cache = None
         if batch is None:  # TRL's own sampler ran (grpo without tools)
@@ -468,6 +511,7 @@ class APPOTrainer(GRPOTrainer):
 
     # ---- loss ------------------------------------------------------------------------------------------------
     def _compute_loss(self, model, inputs):
-        if not self._custom_loss:
-            return super()._compute_loss(model, inputs)
-        return compute_policy_loss(self, model, inputs)
+        with behaviour_correction(self):
+            if not self._custom_loss:
+                return super()._compute_loss(model, inputs)
+            return compute_policy_loss(self, model, inputs)

@@ -1,0 +1,396 @@
+"""Generation overlapping training (`max_staleness: k >= 1`): the next round samples while the current one trains.
+
+With `max_staleness: 0` (the default) nothing here runs and `APPOTrainer` is synchronous, as before. With k >= 1,
+`APPOTrainer._generate` asks `AsyncRounds.next_round` for the round of the generation batch TRL hands it:
+
+1. **Hand-over.** If a background round was launched for exactly this generation batch (same object, see
+   `BatchLookahead`), wait for it; its exception, if any, is raised here with its cause (`BackgroundRoundError`),
+   so a fault reaches the trainer within one step. Otherwise (first step, after a resume, at an epoch boundary,
+   or if the round was launched for another batch) the round is generated synchronously on fresh weights.
+2. **Staleness bound.** A round sampled on weights of version s (the optimizer step at the sampler's last sync)
+   and handed over at step v trains its m slices (m = optimizer steps per round) at steps v .. v + m − 1, so its
+   rows are v − s .. v − s + m − 1 steps stale. If v − s + m − 1 > k the whole round is dropped (all its rows
+   share s; `rollout/stale_rows_dropped` counts them) and regenerated synchronously. `rollout/staleness/mean`
+   and `/max` log the rows' staleness.
+3. **Sync, then launch.** The next generation batch is peeked from the epoch's data iterator; the sampler is
+   synced first when `weight_sync_steps` have passed or the bound needs it, then the round is launched on a
+   daemon thread. The sync runs on the trainer's thread at hand-over, when no round is in flight: this is the
+   drain that keeps a weight sync from landing while a request of an older round decodes, on the vLLM server
+   (disk or NCCL route alike, and on every rank, as TRL's collectives need) and on the in-process sampler.
+
+Off-policy correction: decoupled PPO (AReaL, Fu et al. 2025), not a ratio against the behaviour policy alone.
+The proximal policy is the trainer's weights at hand-over (TRL's `old_per_token_logps` forward, run at
+hand-over on the current weights); the PPO ratio and its clip are taken against it, and the behaviour policy
+(the sampler's logprobs) enters only through TRL's truncated importance weight exp(old − sampler)
+(`vllm_importance_sampling_mode` / `_clip_max`/`_clip_min`, TRL's own code). Why: the trust region stays centred
+on a policy one step old whatever the staleness (a ratio against a k-step-old sampler would clip away most of
+the update as k grows); the correction reuses TRL's vLLM importance-sampling options unchanged; and APPO's
+future_kl loss keeps its meaning (drift within the update, not sampler lag). The in-process backend gets the
+same correction: TRL gates it on `use_vllm`, so `behaviour_correction` raises that flag while TRL scores a round
+and computes a loss (the sampler copy is a separate sampler, exactly like a server).
+
+Backends: the vLLM server is synced with TRL's or the disk route (`trainer.vllm_generation.sync_weights`); the
+in-process backend decodes with `SamplerCopy`, a frozen copy of the policy synced at the same points (not
+under DeepSpeed ZeRO-3 / FSDP, where the policy is sharded: an error at start-up). Torch's intra-op thread
+count is set to half the usable cores so that trainer and sampler share the machine instead of oversubscribing.
+
+APPO: branch selection runs a no-grad trainer forward inside the background round (`score_trajectories`). It
+holds `weights_lock`, which the trainer holds around every optimizer step (`OptimizerStepLock`), so the
+forward never reads half-updated weights. It reads the trainer's current weights, i.e. version s or s + 1:
+under staleness FutureValue exp(Σγ(ℓ_trainer − ℓ_sampler)) measures the sampler–trainer mismatch plus up to one
+step of policy lag (synchronously it measures the mismatch only).
+
+Faults and resume: Ctrl-C (or any exception) in `Trainer.train` closes the rollout engine, which cancels the
+background round's requests, and joins the round thread (`close`); the thread is a daemon, so a stuck backend
+never blocks interpreter exit. Rounds in flight live only in memory: a resumed run starts with a synchronous
+round, so a round is never trained twice or half (TRL regenerates a partly trained generation batch itself).
+
+What this module does not do: run more than one round ahead (one round generates while one trains), sample
+(the strategies and the rollout engine do), or compute losses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+
+class BackgroundRoundError(RuntimeError):
+    """A background generation round failed; the original exception is the `__cause__`."""
+
+
+class BatchLookahead:
+    """The training loop's batches, with a peek at the generation batch that comes `ahead` batches later.
+
+    `pull` replaces `Trainer.get_batch_samples` (same batches, same order); `peek(batch, ahead)` returns the
+    batch the loop will hand to `training_step` `ahead` micro-steps after `batch`, pulling it early from the
+    same epoch iterator (None past the epoch's end). Batches are matched by identity, never by content.
+    """
+
+    def __init__(self):
+        self._it = None
+        self._buf: deque = deque()
+        self._index: dict[int, tuple[int, Any]] = {}
+        self._pos = 0  # stream index of the next batch handed out
+        self._done = False
+
+    def _next(self):
+        if self._done:
+            return None
+        try:
+            return next(self._it)
+        except StopIteration:
+            self._done = True
+            return None
+
+    def pull(self, iterator, num: int) -> list:
+        if iterator is not self._it:  # a new epoch: nothing peeked from the old one survives
+            self._it, self._buf, self._index, self._pos, self._done = iterator, deque(), {}, 0, False
+        out = []
+        for _ in range(num):
+            batch = self._buf.popleft() if self._buf else self._next()
+            if batch is None:
+                break
+            self._index[id(batch)] = (self._pos, batch)
+            self._pos += 1
+            out.append(batch)
+        while len(self._index) > 256:  # the references keep ids unique; only recent batches are looked up
+            self._index.pop(next(iter(self._index)))
+        return out
+
+    def peek(self, batch, ahead: int):
+        entry = self._index.get(id(batch))
+        if entry is None or entry[1] is not batch:
+            return None
+        j = entry[0] + ahead - self._pos
+        if j < 0:
+            return None
+        while len(self._buf) <= j:
+            nxt = self._next()
+            if nxt is None:
+                return None
+            self._buf.append(nxt)
+        return self._buf[j]
+
+
+class SamplerCopy:
+    """A frozen copy of the policy for the in-process backend, synced from the policy at the sync points."""
+
+    def __init__(self, policy: torch.nn.Module):
+        self.model = copy.deepcopy(policy).eval()
+        self.model.requires_grad_(False)
+
+    @torch.no_grad()
+    def sync(self, policy: torch.nn.Module) -> None:
+        self.model.load_state_dict(policy.state_dict())
+
+
+class OptimizerStepLock(TrainerCallback):
+    """Holds `lock` from `on_pre_optimizer_step` to `on_optimizer_step`: no reader sees half-updated weights."""
+
+    def __init__(self, lock: threading.Lock):
+        self.lock, self.held = lock, False
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.lock.acquire()
+        self.held = True
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.held:
+            self.held = False
+            self.lock.release()
+
+
+@dataclass
+class PendingRound:
+    inputs: Any  # the generation batch it was launched for (matched by identity)
+    future: Future
+    version: int  # optimizer step of the weights that sample it
+    step: int  # global step at launch
+    thread: threading.Thread
+
+
+@dataclass
+class HandedRound:
+    step: int  # global step at hand-over
+    version: int
+    staleness: int  # step − version (the first slice's rows)
+    background: bool  # True: generated in the background; False: synchronously at hand-over
+    rows: int
+
+
+class AsyncRounds:
+    """One round generating in the background while the previous one trains (see the module docstring).
+
+    Args:
+        max_staleness: k >= 1.
+        weight_sync_steps: sync at least every this many optimizer steps (<= k).
+        steps_per_round: optimizer steps one generation batch trains (m).
+        micro_steps_per_round: training micro-steps between two generation batches (TRL's generate_every).
+        sync_fn: pushes the trainer's current weights to the sampler (called on the trainer's thread).
+        max_steps: the run's last step (no round is launched that would train at or after it; <= 0: no limit).
+    """
+
+    def __init__(self, max_staleness: int, weight_sync_steps: int, steps_per_round: int, micro_steps_per_round: int,
+                 sync_fn: Callable[[], None], max_steps: int = 0):  # fmt: skip
+        self.k, self.w, self.m, self.every = max_staleness, weight_sync_steps, steps_per_round, micro_steps_per_round
+        self.sync_fn = sync_fn
+        self.max_steps = max_steps
+        self.version: int | None = None  # the sampler's weights (None: not synced yet, e.g. before a resume)
+        self.pending: PendingRound | None = None
+        self.lookahead = BatchLookahead()
+        self.weights_lock = threading.Lock()
+        self.history: list[HandedRound] = []
+        self.num_syncs = 0
+        self.dropped_rows = 0
+        self.discarded_rounds = 0
+        self.wait_s = 0.0  # trainer time spent waiting for background rounds
+        self.sync_generate_s = 0.0  # trainer time spent generating rounds synchronously
+        self.closed = False
+        self._step_metrics: dict[str, float] = {}
+
+    # ---- hand-over ------------------------------------------------------------------------------------------
+    def next_round(self, inputs, step: int, current_job: Callable[[], Any], make_job: Callable[[Any], Callable]):
+        """The round for generation batch `inputs` at global step `step`, then launch the next one.
+
+        `current_job()` generates this round synchronously (used when no valid background round exists);
+        `make_job(next_inputs)` prepares (on this thread) the job that generates the next round.
+        """
+        pending, self.pending = self.pending, None
+        batch, version, dropped = None, None, 0
+        if pending is not None and pending.inputs is inputs:
+            t0 = time.perf_counter()
+            try:
+                batch = pending.future.result()
+            except BaseException as exc:
+                raise BackgroundRoundError(
+                    f"the generation round launched in the background at step {pending.step} failed: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            finally:
+                self.wait_s += time.perf_counter() - t0
+            version = pending.version
+            if step - version + self.m - 1 > self.k:
+                dropped = len(batch.rows)
+                self.dropped_rows += dropped
+                logger.warning(
+                    "dropping a round of %d rows sampled at step %d: at step %d its rows would be up to %d steps "
+                    "stale (max_staleness=%d); regenerating it on the current weights",
+                    dropped, version, step, step - version + self.m - 1, self.k,
+                )  # fmt: skip
+                batch = None
+        elif pending is not None:  # launched for another batch (e.g. the loop re-generated): wait, then forget it
+            self._wait_quietly(pending)
+            self.discarded_rounds += 1
+        background = batch is not None
+        if batch is None:
+            if self.version != step:
+                self._sync(step)
+            version = step
+            t0 = time.perf_counter()
+            batch = current_job()
+            self.sync_generate_s += time.perf_counter() - t0
+        self._launch_next(inputs, step, make_job)
+        staleness = step - version
+        rows = len(batch.rows)
+        self.history.append(HandedRound(step, version, staleness, background, rows))
+        self._step_metrics = {
+            "rollout/staleness/mean": staleness + (self.m - 1) / 2,
+            "rollout/staleness/max": float(staleness + self.m - 1),
+            "rollout/stale_rows_dropped": float(dropped),
+            "rollout/weight_syncs": float(self.num_syncs),
+            "rollout/background_round": float(background),
+        }
+        return batch
+
+    def metrics(self) -> dict[str, float]:
+        """Per-round metrics of the last hand-over (the trainer logs them under these names)."""
+        return dict(self._step_metrics)
+
+    def _launch_next(self, inputs, step: int, make_job) -> None:
+        next_step = step + self.m
+        if self.closed or (self.max_steps > 0 and next_step >= self.max_steps):
+            return
+        nxt = self.lookahead.peek(inputs, self.every)
+        if nxt is None:
+            return
+        if self.version is None or step - self.version >= self.w or next_step - self.version + self.m - 1 > self.k:
+            self._sync(step)
+        job = make_job(nxt)
+        self.pending = self._submit(nxt, job, step)
+
+    def _submit(self, inputs, job, step: int) -> PendingRound:
+        future: Future = Future()
+
+        def work():
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(job())
+            except BaseException as exc:  # noqa: BLE001 - handed to the trainer at the next hand-over
+                future.set_exception(exc)
+
+        thread = threading.Thread(target=work, name=f"appo-round-{step}", daemon=True)
+        pending = PendingRound(inputs, future, self.version, step, thread)
+        thread.start()
+        return pending
+
+    def _sync(self, step: int) -> None:
+        self.sync_fn()
+        self.version = step
+        self.num_syncs += 1
+
+    @staticmethod
+    def _wait_quietly(pending: PendingRound, timeout: float | None = None) -> None:
+        try:
+            pending.future.exception(timeout=timeout)
+        except Exception:  # noqa: BLE001 - a discarded round's own failure or a timeout
+            pass
+
+    # ---- evaluation, shutdown -----------------------------------------------------------------------------
+    def before_foreground_round(self, step: int) -> None:
+        """Before the trainer samples on its own thread (evaluation): let the background round finish (it is
+        kept for its hand-over), then bring the sampler to the current weights."""
+        if self.pending is not None:
+            self._wait_quietly(self.pending)
+        if self.version != step:
+            self._sync(step)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop launching, drop the round in flight and join its thread (after the engine was closed, which
+        cancels its requests). A thread still alive after `timeout` is a daemon and is left behind, logged."""
+        self.closed = True
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        pending.future.cancel()
+        pending.thread.join(timeout)
+        if pending.thread.is_alive():
+            logger.warning("the background generation round did not stop within %.0f s (daemon thread)", timeout)
+
+
+def sampler_threads() -> int:
+    """Torch intra-op threads each side gets when trainer and in-process sampler share the CPU: half the cores."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // 2)
+
+
+def build_async_rounds(trainer) -> AsyncRounds | None:
+    """`AsyncRounds` for `trainer.args.max_staleness >= 1` (None otherwise), with its sync route and, for the
+    in-process backend, the sampler copy (`trainer._sampler`)."""
+    args = trainer.args
+    if args.max_staleness < 1:
+        return None
+    every = args.steps_per_generation * args.num_iterations
+    if args.use_vllm:
+
+        def sync_fn():
+            trainer.vllm_generation.sync_weights()
+            trainer._last_loaded_step = trainer.state.global_step
+
+    else:
+        dist = str(getattr(trainer.accelerator, "distributed_type", "NO"))
+        if "DEEPSPEED" in dist or "FSDP" in dist:
+            raise ValueError(
+                "max_staleness >= 1 with the in-process backend keeps a full copy of the policy as the sampler; "
+                "under DeepSpeed or FSDP the policy is sharded: use the vLLM server (use_vllm: true)."
+            )
+        trainer._sampler = SamplerCopy(trainer.accelerator.unwrap_model(trainer.model))
+        threads = sampler_threads()
+        torch.set_num_threads(threads)
+        logger.info("max_staleness=%d: in-process sampler copy; torch threads set to %d", args.max_staleness, threads)
+
+        def sync_fn():
+            trainer._sampler.sync(trainer.accelerator.unwrap_model(trainer.model))
+
+    rounds = AsyncRounds(
+        args.max_staleness,
+        args.weight_sync_steps,
+        every // args.gradient_accumulation_steps,
+        every,
+        sync_fn,
+        max_steps=args.max_steps,
+    )
+    trainer.add_callback(OptimizerStepLock(rounds.weights_lock))
+    return rounds
+
+
+@contextlib.contextmanager
+def behaviour_correction(trainer):
+    """Within: TRL's behaviour-policy correction applies to the in-process sampler copy too.
+
+    TRL computes the proximal `old_per_token_logps`, the truncated importance weight and its metrics, and
+    multiplies the loss by it, under `if self.use_vllm and self.vllm_importance_sampling_correction`. With
+    `max_staleness >= 1` in-process the rows come from `SamplerCopy`, a separate sampler like a server, so the
+    flag is raised for the span of TRL's scoring and loss (no other TRL code reads it there: `_generate` is
+    `APPOTrainer`'s). Without background rounds, or with vLLM, this does nothing.
+    """
+    if getattr(trainer, "_async", None) is None or trainer.args.use_vllm:
+        yield
+        return
+    trainer.use_vllm = True
+    try:
+        yield
+    finally:
+        trainer.use_vllm = False
+
+
+__all__ = ["AsyncRounds", "BackgroundRoundError", "BatchLookahead", "OptimizerStepLock", "SamplerCopy",
+           "behaviour_correction", "build_async_rounds", "sampler_threads"]  # fmt: skip
