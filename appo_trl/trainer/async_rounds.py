@@ -201,6 +201,7 @@ class AsyncRounds:
         self.wait_s = 0.0  # trainer time spent waiting for background rounds
         self.sync_generate_s = 0.0  # trainer time spent generating rounds synchronously
         self.closed = False
+        self.last_thread: threading.Thread | None = None  # the newest round thread (tests, shutdown checks)
         self._step_metrics: dict[str, float] = {}
 
     # ---- hand-over ------------------------------------------------------------------------------------------
@@ -286,6 +287,7 @@ class AsyncRounds:
 
         thread = threading.Thread(target=work, name=f"appo-round-{step}", daemon=True)
         pending = PendingRound(inputs, future, self.version, step, thread)
+        self.last_thread = thread
         thread.start()
         return pending
 

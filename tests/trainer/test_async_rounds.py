@@ -1,0 +1,369 @@
+"""`max_staleness >= 1`: background rounds (appo_trl.trainer.async_rounds), their bound, correction and faults.
+
+Pinned: the staleness of every handed round and the sync schedule for (k, weight_sync_steps) by hand; a stale
+round is dropped and regenerated; a background exception reaches the trainer at the next hand-over with its
+cause; the decoupled-PPO correction on a hand-computed two-token case; Ctrl-C joins the round thread; a resumed
+run discards the round in flight and trains every generation batch exactly once; APPO's selection forward never
+overlaps an optimizer step; `max_staleness: 0` builds none of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from appo_trl.trainer.async_rounds import AsyncRounds, BackgroundRoundError, BatchLookahead
+from appo_trl.trainer.config import APPOConfig
+from tests.trainer.fakes import ScriptedEngine
+from tests.trainer.test_trainer import CPU, RewardSpy, make_trainer
+
+
+# ---- the scheduler alone --------------------------------------------------------------------------------------
+@dataclass
+class Round:
+    rows: list
+
+
+def drive(rounds: AsyncRounds, steps: int, rows: int = 4, fail_at: int | None = None):
+    """Hand over one generation batch per optimizer step, as the trainer does (m = 1)."""
+    batches = [[{"prompt": i}] for i in range(steps + 1)]
+    it = iter(batches)
+    made = []
+
+    def make_job(inputs):
+        def job():
+            if inputs[0]["prompt"] == fail_at:
+                raise ConnectionError("vLLM server at http://127.0.0.1:1 unreachable")
+            return Round(rows=[inputs[0]["prompt"]] * rows)
+
+        made.append(inputs[0]["prompt"])
+        return job
+
+    for step in range(steps):
+        (batch,) = rounds.lookahead.pull(it, 1)
+        rounds.next_round(batch, step, lambda b=batch: Round(rows=[b[0]["prompt"]] * rows), make_job)
+    return made
+
+
+@pytest.mark.parametrize(
+    "k, w, staleness, syncs",
+    [
+        (1, 1, [0, 1, 1, 1, 1, 1], 5),  # sync at every hand-over but the last (nothing launched after it)
+        (2, 1, [0, 1, 1, 1, 1, 1], 5),
+        (2, 2, [0, 1, 2, 1, 2, 1], 3),  # syncs at steps 0, 2, 4: rows alternate 1 and 2 steps stale
+        (3, 3, [0, 1, 2, 3, 1, 2], 2),  # syncs at steps 0 and 3
+    ],
+)
+def test_staleness_and_sync_schedule_by_hand(k, w, staleness, syncs):
+    synced = []
+    rounds = AsyncRounds(k, w, 1, 1, sync_fn=lambda: synced.append(1), max_steps=6)
+    drive(rounds, 6)
+    assert [h.staleness for h in rounds.history] == staleness
+    assert [h.background for h in rounds.history] == [False] + [True] * 5
+    assert rounds.num_syncs == len(synced) == syncs
+    assert max(h.staleness for h in rounds.history) <= k and rounds.dropped_rows == 0
+
+
+def test_a_stale_round_is_dropped_and_regenerated():
+    rounds = AsyncRounds(1, 1, 1, 1, sync_fn=lambda: None)
+    it = iter([["a"], ["b"], ["c"]])
+    (a,) = rounds.lookahead.pull(it, 1)
+    rounds.next_round(a, 0, lambda: Round(rows=["a"] * 4), lambda inp: lambda: Round(rows=["bg"] * 4))
+    (b,) = rounds.lookahead.pull(it, 1)
+    regenerated = []
+    # the trainer reached step 3 (not 1) before handing over b: its rows, sampled at step 0, are 3 steps stale
+    out = rounds.next_round(b, 3, lambda: regenerated.append(1) or Round(rows=["fresh"] * 4), lambda i: None)
+    assert out.rows == ["fresh"] * 4 and regenerated == [1]
+    assert rounds.dropped_rows == 4 and rounds.metrics()["rollout/stale_rows_dropped"] == 4.0
+    assert rounds.history[-1].staleness == 0 and rounds.version == 3
+
+
+def test_a_background_exception_reaches_the_next_hand_over_with_its_cause():
+    rounds = AsyncRounds(1, 1, 1, 1, sync_fn=lambda: None)
+    with pytest.raises(BackgroundRoundError, match="launched in the background at step 1 failed.*unreachable") as e:
+        drive(rounds, 4, fail_at=2)
+    assert isinstance(e.value.__cause__, ConnectionError)
+    assert [h.step for h in rounds.history] == [0, 1]  # raised at the hand-over of step 2, the round's own step
+
+
+def test_a_round_launched_for_another_batch_is_discarded():
+    rounds = AsyncRounds(1, 1, 1, 1, sync_fn=lambda: None)
+    it = iter([["a"], ["b"], ["c"]])
+    (a,) = rounds.lookahead.pull(it, 1)
+    rounds.next_round(a, 0, lambda: Round(["a"]), lambda inp: lambda: Round(["bg"]))
+    out = rounds.next_round(["other"], 1, lambda: Round(["other"]), lambda inp: lambda: Round(["bg"]))
+    assert out.rows == ["other"] and rounds.discarded_rounds == 1 and not rounds.history[-1].background
+
+
+def test_lookahead_peeks_by_identity_within_one_epoch():
+    look = BatchLookahead()
+    epoch = [[i] for i in range(5)]
+    it = iter(epoch)
+    first = look.pull(it, 2)
+    assert first == [[0], [1]] and look.peek(first[0], 2) is epoch[2] and look.peek(first[1], 3) is epoch[4]
+    assert look.peek(first[1], 4) is None  # past the epoch's end
+    assert look.pull(it, 3) == [[2], [3], [4]]  # the peeked batches come out in order, once
+    assert look.peek([0], 1) is None  # equal content, another object: no match
+    it2 = iter([[9]])
+    assert look.pull(it2, 2) == [[9]]  # a new epoch starts clean
+
+
+# ---- config ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"max_staleness": -1}, "max_staleness=-1 must be >= 0"),
+        ({"weight_sync_steps": 2}, "weight_sync_steps=2 needs max_staleness >= 1"),
+        ({"max_staleness": 1, "weight_sync_steps": 2}, "weight_sync_steps=2 > max_staleness=1"),
+        ({"max_staleness": 1, "steps_per_generation": 2}, "2m − 1 <= max_staleness"),
+        ({"max_staleness": 1, "vllm_importance_sampling_correction": False}, "behaviour-policy correction"),
+    ],
+)
+def test_config_refuses_what_the_bound_cannot_honour(tmp_path, kw, message):
+    base = dict(num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=1)
+    with pytest.raises(ValueError, match=message):
+        APPOConfig(output_dir=str(tmp_path), **{**CPU, **base, **kw})
+
+
+def test_max_staleness_one_and_two_steps_per_round_needs_three(tmp_path):
+    kw = dict(num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=1, steps_per_generation=2)
+    assert APPOConfig(output_dir=str(tmp_path), **{**CPU, **kw, "max_staleness": 3}).max_staleness == 3
+
+
+# ---- through the trainer --------------------------------------------------------------------------------------
+class ThreadEngine(ScriptedEngine):
+    """Scripted engine that records the thread and prompts of each round, with an optional delay or failure."""
+
+    def __init__(self, tok, delay=0.0, fail_call=None):
+        super().__init__(tok)
+        self.threads, self.prompts, self.delay, self.fail_call = [], [], delay, fail_call
+
+    async def rollout(self, prompts, n, **kw):
+        self.threads.append(threading.current_thread().name)
+        self.prompts.append([list(p) for p in prompts])
+        if self.fail_call is not None and len(self.threads) == self.fail_call:
+            raise RuntimeError("search server down (HTTP 503)")
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        return await super().rollout(prompts, n, **kw)
+
+
+GRPO = dict(tools=["python"], num_generations=4, per_device_train_batch_size=4, max_completion_length=64)
+
+
+def test_max_staleness_zero_builds_nothing(tmp_path, tiny_tokenizer, tiny_model_path):
+    engine = ThreadEngine(tiny_tokenizer)
+    trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, engine, RewardSpy(), max_steps=2, **GRPO)
+    assert trainer._async is None and trainer._sampler is None
+    trainer.train()
+    assert engine.threads == ["MainThread", "MainThread"]
+    assert not any("rollout/staleness/mean" in e for e in trainer.state.log_history)
+
+
+def test_background_rounds_in_process(tmp_path, tiny_tokenizer, tiny_model_path):
+    engine = ThreadEngine(tiny_tokenizer)
+    trainer = make_trainer(
+        tmp_path, tiny_tokenizer, tiny_model_path, engine, RewardSpy(), max_steps=4, max_staleness=1,
+        vllm_importance_sampling_mode="token_truncate", **GRPO,
+    )  # fmt: skip
+    assert trainer._sampler is not None and trainer._sampler.model is not trainer.model
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+    hist = trainer._async.history
+    assert [(h.step, h.version, h.staleness, h.background) for h in hist] == [
+        (0, 0, 0, False), (1, 0, 1, True), (2, 1, 1, True), (3, 2, 1, True)
+    ]  # fmt: skip
+    assert engine.threads == ["MainThread", "appo-round-0", "appo-round-1", "appo-round-2"]
+    assert trainer._async.num_syncs == 3  # steps 0, 1, 2; nothing is launched after the last hand-over
+    logs = [e for e in trainer.state.log_history if "rollout/staleness/max" in e]
+    assert [e["rollout/staleness/max"] for e in logs] == [0.0, 1.0, 1.0, 1.0]
+    assert all("sampling/importance_sampling_ratio/mean" in e for e in logs)  # the behaviour correction ran
+    # the sampler copy holds the weights of its last sync (step 2), not the final policy
+    after = trainer.model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    sampler = trainer._sampler.model.state_dict()
+    assert any(not torch.equal(sampler[k], after[k]) for k in after)
+
+
+def _two_token_inputs(trainer):
+    ln = math.log
+    inputs = {
+        "prompt_ids": torch.tensor([[5]]),
+        "prompt_mask": torch.tensor([[1]]),
+        "completion_ids": torch.tensor([[7, 8]]),
+        "completion_mask": torch.tensor([[1, 1]]),
+        "tool_mask": torch.tensor([[1, 1]]),
+        "advantages": torch.tensor([1.0]),
+        "old_per_token_logps": torch.tensor([[ln(0.4), ln(0.25)]]),  # proximal: the trainer at hand-over
+        "sampling_per_token_logps": torch.tensor([[ln(0.2), ln(0.5)]]),  # behaviour: the sampler
+        "num_items_in_batch": torch.tensor(2.0),
+    }
+    # TRL's truncated importance weight, as `_generate_and_score_completions` computes it (token_truncate, max 3)
+    inputs["importance_sampling_ratio"] = torch.tensor([[0.4 / 0.2, 0.25 / 0.5]])
+    current = torch.tensor([[ln(0.5), ln(0.25)]], requires_grad=True)  # π_θ
+
+    def forward(model, input_ids, attention_mask, logits_to_keep, **kw):
+        return current, torch.zeros(1, 2), None
+
+    trainer._get_per_token_logps_and_entropies = forward
+    return inputs
+
+
+@pytest.mark.parametrize("loss_mode", ["clip", "dual_clip"])
+def test_decoupled_ppo_correction_on_two_tokens(tmp_path, tiny_tokenizer, tiny_model_path, loss_mode):
+    """r = π_θ/π_prox = (1.25, 1.0), clipped to (1.2, 1.0) (ε 0.2, A = 1); weight π_prox/π_behav = (2.0, 0.5);
+    bnpo: −(1.2·2.0 + 1.0·0.5)/2 = −1.45 with the correction, −(1.2 + 1.0)/2 = −1.1 synchronously in-process."""
+    losses = {}
+    for k in (0, 1):
+        trainer = make_trainer(
+            tmp_path / str(k), tiny_tokenizer, tiny_model_path, ScriptedEngine(tiny_tokenizer), RewardSpy(),
+            max_staleness=k, loss_type="bnpo", loss_mode=loss_mode, vllm_importance_sampling_mode="token_truncate",
+            gradient_accumulation_steps=1, max_steps=1, **GRPO,
+        )  # fmt: skip
+        inputs = _two_token_inputs(trainer)
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train
+        losses[k] = trainer._compute_loss(trainer.model, inputs).item()
+        assert trainer.use_vllm is False  # the flag is raised only for the span of TRL's loss
+    assert losses[1] == pytest.approx(-1.45, abs=1e-6)
+    assert losses[0] == pytest.approx(-1.1, abs=1e-6)
+
+
+def test_importance_weight_is_computed_at_hand_over_from_the_proximal_policy(
+    tmp_path, tiny_tokenizer, tiny_model_path
+):
+    trainer = make_trainer(
+        tmp_path, tiny_tokenizer, tiny_model_path, ScriptedEngine(tiny_tokenizer), RewardSpy(), max_steps=2,
+        max_staleness=1, vllm_importance_sampling_mode="token_truncate", **GRPO,
+    )  # fmt: skip
+    seen = []
+    orig = trainer._generate_and_score_completions
+    trainer._generate_and_score_completions = lambda inputs: seen.append(orig(inputs)) or seen[-1]
+    trainer.train()
+    for out in seen:
+        mask = (out["completion_mask"] * out["tool_mask"]).bool()
+        expected = torch.exp(out["old_per_token_logps"] - (-0.5)).clamp(max=3.0)  # scripted sampler logprob −0.5
+        torch.testing.assert_close(out["importance_sampling_ratio"][mask], expected[mask])
+    assert len(seen) == 2
+
+
+def test_a_background_fault_reaches_the_trainer_within_one_step(tmp_path, tiny_tokenizer, tiny_model_path):
+    engine = ThreadEngine(tiny_tokenizer, fail_call=2)  # the first background round
+    trainer = make_trainer(
+        tmp_path, tiny_tokenizer, tiny_model_path, engine, RewardSpy(), max_steps=4, max_staleness=1, **GRPO
+    )
+    with pytest.raises(BackgroundRoundError, match="search server down") as e:
+        trainer.train()
+    assert isinstance(e.value.__cause__, RuntimeError)
+    assert trainer.state.global_step == 1  # raised at the hand-over of the failed round's own step
+
+
+class InterruptAt(TrainerCallback):
+    def __init__(self, step, hook="on_step_end"):
+        self.step = step
+        setattr(self, hook, self._maybe)
+
+    def _maybe(self, args, state, control, **kw):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_stops_both_sides(tmp_path, tiny_tokenizer, tiny_model_path):
+    engine = ThreadEngine(tiny_tokenizer, delay=1.0)  # the background round is still sampling at Ctrl-C
+    trainer = make_trainer(
+        tmp_path, tiny_tokenizer, tiny_model_path, engine, RewardSpy(), max_steps=4, max_staleness=1, **GRPO
+    )
+    trainer.add_callback(InterruptAt(1))
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    thread = trainer._async.last_thread
+    assert thread is not None and not thread.is_alive() and trainer._async.closed
+    assert trainer._async.pending is None and time.monotonic() - t0 < 20
+
+
+def trained_prompts(trainer):
+    """The prompt ids of the rows each round hands to the trainer (from the sampled trajectories themselves)."""
+    rounds = []
+    orig = trainer._generate
+
+    def spy(prompts):
+        out = orig(prompts)
+        rounds.append(sorted({tuple(p) for p in out[0]}))
+        return out
+
+    trainer._generate = spy
+    return rounds
+
+
+def test_resume_discards_the_round_in_flight(tmp_path, tiny_tokenizer, tiny_model_path):
+    kw = dict(max_steps=3, max_staleness=1, save_strategy="steps", save_steps=1, **GRPO)
+    reference = make_trainer(
+        tmp_path / "ref", tiny_tokenizer, tiny_model_path, ThreadEngine(tiny_tokenizer), RewardSpy(), **kw
+    )
+    ref = trained_prompts(reference)
+    reference.train()
+
+    engine = ThreadEngine(tiny_tokenizer)
+    trainer = make_trainer(tmp_path / "run", tiny_tokenizer, tiny_model_path, engine, RewardSpy(), **kw)
+    first = trained_prompts(trainer)
+    trainer.add_callback(InterruptAt(2, hook="on_save"))  # checkpoint-2 is on disk, round 3 is in flight
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert [h.step for h in trainer._async.history] == [0, 1] and len(engine.prompts) == 3
+
+    resumed = make_trainer(
+        tmp_path / "run", tiny_tokenizer, tiny_model_path, ThreadEngine(tiny_tokenizer), RewardSpy(), **kw
+    )
+    second = trained_prompts(resumed)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    hist = resumed._async.history
+    assert [(h.step, h.staleness, h.background) for h in hist] == [(2, 0, False)]  # regenerated on fresh weights
+    assert len(set(map(tuple, ref))) == 3  # three distinct generation batches
+    assert first + second == ref  # every generation batch trained exactly once, in order
+
+
+def test_appo_selection_forward_never_overlaps_an_optimizer_step(
+    tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch
+):
+    spans = {"forward": [], "step": []}
+    real_step = torch.optim.AdamW.step
+
+    def slow_step(self, *a, **k):
+        t0 = time.monotonic()
+        time.sleep(0.05)
+        out = real_step(self, *a, **k)
+        spans["step"].append((t0, time.monotonic()))
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", slow_step)
+    trainer = make_trainer(
+        tmp_path, tiny_tokenizer, tiny_model_path, ScriptedEngine(tiny_tokenizer), RewardSpy(),
+        rollout_strategy="appo", num_generations=4, initial_rollouts=2, per_device_train_batch_size=4,
+        max_completion_length=64, min_remaining_tokens=1, tools=["python"], max_steps=4, max_staleness=1,
+        branch_entropy_source="trainer",
+    )  # fmt: skip
+    real_forward = trainer._get_per_token_logps_and_entropies
+
+    def forward(*a, **k):
+        if threading.current_thread() is threading.main_thread():
+            return real_forward(*a, **k)
+        t0 = time.monotonic()
+        time.sleep(0.3)  # a slow selection forward: without the lock it would straddle an optimizer step
+        out = real_forward(*a, **k)
+        spans["forward"].append((t0, time.monotonic()))
+        return out
+
+    trainer._get_per_token_logps_and_entropies = forward
+    trainer.train()
+    assert len(spans["forward"]) == 3 and len(spans["step"]) == 4
+    for f0, f1 in spans["forward"]:
+        for s0, s1 in spans["step"]:
+            assert f1 <= s0 or s1 <= f0, "an APPO selection forward overlapped an optimizer step"
