@@ -125,6 +125,7 @@ class FakeVLLMServer:
         self.num_resets = 0
         self.max_running = 0
         self._running = 0
+        self._active, self._busy_since, self._busy_s = 0, 0.0, 0.0  # requests being served (`busy_s`)
         self._sem: asyncio.Semaphore | None = None
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -223,7 +224,22 @@ class FakeVLLMServer:
             "kv_transfer_params": None,
         }  # fmt: skip
 
+    def busy_s(self) -> float:
+        """Seconds so far with at least one completion request being served (for server idle fractions)."""
+        return self._busy_s + (time.perf_counter() - self._busy_since if self._active else 0.0)
+
     async def _decode(self, prompt: list[int], params: SamplingParams) -> Segment:
+        if self._active == 0:
+            self._busy_since = time.perf_counter()
+        self._active += 1
+        try:
+            return await self._decode_timed(prompt, params)
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._busy_s += time.perf_counter() - self._busy_since
+
+    async def _decode_timed(self, prompt: list[int], params: SamplingParams) -> Segment:
         if self._sem is None and self.max_num_seqs:
             self._sem = asyncio.Semaphore(self.max_num_seqs)
         seg = await self.policy.generate(prompt, params)

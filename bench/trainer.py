@@ -211,10 +211,128 @@ def loss_times(trainer, batch, repeats):
     return statistics.median(times["trl"]), statistics.median(times["future_kl"])
 
 
+# ---- overlap: synchronous vs max_staleness 1 and 2 (issue 23) -----------------------------------------------
+def overlap_script(tok):
+    """Three segments of 30-70 tokens: a `<python>` call, a `<search>` call, then an answer (bench/rollout.py's
+    tool latencies: python 50 ± 20 ms, search lognormal with median 300 ms, sigma 0.7)."""
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    result_id, eos = tok.convert_tokens_to_ids("<result>"), tok.eos_token_id
+
+    def script(ctx, rng):
+        turn = ctx.count(result_id)
+        body = enc(" " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 70))))
+        if turn == 0:
+            return body + enc(f" <python> print({rng.randint(0, 9)}) </python>")
+        if turn == 1:
+            return body + enc(f" <search> q{rng.getrandbits(32)} </search>")
+        return body + enc(f" <answer> {rng.randint(0, 2)} </answer>") + [eos]
+
+    return script
+
+
+def run_overlap(k, model_path, tok, server, prompts, n, steps, out_dir, budget):
+    """One GRPO run with `max_staleness: k` on the fake server: per-step wall time, trainer and server idle."""
+    import threading
+
+    import trl.trainer.grpo_trainer as grpo_mod
+    from transformers import TrainerCallback
+
+    from appo_trl.rollout import RolloutConfig, RolloutEngine, VLLMServerBackend
+    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.trainer.trainer import APPOTrainer
+    from bench.rollout import SimTool
+
+    grpo_mod.VLLMGeneration = NoSyncVLLMGeneration
+    cfg = RolloutConfig(max_completion_length=budget, call_limit=3, tool_tags=["python", "search"], concurrency=512)
+    tools = {"python": SimTool("python"), "search": SimTool("search")}
+    engine = RolloutEngine(VLLMServerBackend(server.url, max_concurrency=512), tok, cfg, tools)
+    ds = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"what is {i} times 4"}] for i in range(prompts * steps)],
+            "answer": [str(i % 3) for i in range(prompts * steps)],
+        }
+    )
+    spg = 2
+    args = APPOConfig(
+        output_dir=out_dir, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
+        save_strategy="no", logging_steps=1, learning_rate=1e-5, beta=0.0, seed=0, loss_type="dapo",
+        rollout_strategy="grpo", num_generations=n, per_device_train_batch_size=prompts * n // spg,
+        steps_per_generation=spg, gradient_accumulation_steps=spg, max_steps=steps, max_completion_length=budget,
+        use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, tools=["python"],
+        dataloader_drop_last=True, max_staleness=k, weight_sync_steps=1,
+        vllm_importance_sampling_mode="token_truncate",
+    )  # fmt: skip
+    trainer = APPOTrainer(
+        model=model_path, reward_funcs=[reward], args=args, train_dataset=ds, processing_class=tok,
+        rollout_engine=engine,
+    )  # fmt: skip
+    waited = [0.0]  # trainer-thread seconds spent generating or waiting for a background round
+    generate = trainer.strategy.generate
+
+    def timed(*a, **kw):
+        if threading.current_thread() is not threading.main_thread():
+            return generate(*a, **kw)
+        t0 = time.perf_counter()
+        try:
+            return generate(*a, **kw)
+        finally:
+            waited[0] += time.perf_counter() - t0
+
+    trainer.strategy.generate = timed
+    marks = []
+
+    def mark():
+        wait = waited[0] + (trainer._async.wait_s if trainer._async is not None else 0.0)
+        marks.append((time.perf_counter(), wait, server.busy_s()))
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **kw):
+            mark()
+
+        def on_step_end(self, *a, **kw):
+            mark()
+
+    trainer.add_callback(Clock())
+    trainer.train()
+    engine.close()
+    spans = [(b, e) for b, e in zip(marks[::2], marks[1::2])][1:]  # step 1 is synchronous in every mode
+    wall = sum(e[0] - b[0] for b, e in spans)
+    return {
+        "step_time_s": wall / len(spans),
+        "step_times_s": [round(e[0] - b[0], 4) for b, e in zip(marks[::2], marks[1::2])],
+        "trainer_idle_frac": sum(e[1] - b[1] for b, e in spans) / wall,
+        "server_idle_frac": 1.0 - sum(e[2] - b[2] for b, e in spans) / wall,
+        "weight_syncs": trainer.vllm_generation.num_syncs,
+        "max_staleness_seen": max((h.staleness for h in trainer._async.history), default=0)
+        if trainer._async is not None
+        else 0,
+    }
+
+
+def overlap_figures(model_path, tok, quick: bool, tmp: str) -> dict:
+    """Synchronous vs `max_staleness` 1 and 2, one after another on the same workload and server."""
+    prompts, n, steps, budget, decode_s = (2, 4, 3, 256, 0.004) if quick else (8, 8, 6, 256, 0.008)
+    out = {
+        "overlap_prompts_per_step": prompts,
+        "overlap_n": n,
+        "overlap_steps": steps,
+        "overlap_decode_step_s": decode_s,
+    }
+    policy = ScriptedPolicy(tok, overlap_script(tok))
+    with FakeVLLMServer(policy, tok, decode_step_s=decode_s, max_num_seqs=32) as server:
+        for k in (0, 1, 2):
+            res = run_overlap(k, model_path, tok, server, prompts, n, steps, os.path.join(tmp, f"overlap{k}"), budget)
+            out.update({f"overlap_k{k}_{key}": v for key, v in res.items()})
+    for k in (1, 2):
+        out[f"overlap_step_time_ratio_k{k}_vs_sync"] = out[f"overlap_k{k}_step_time_s"] / out["overlap_k0_step_time_s"]
+    return out
+
+
 def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="4 prompts per step, n = 8 (4 initial), 2 steps")
     ap.add_argument("--json", action="store_true", help="print one JSON object of the figures as the last line")
+    ap.add_argument("--overlap-only", action="store_true", help="only the sync vs max_staleness comparison")
     opts = ap.parse_args(argv)
     prompts, n, initial, steps, budget = (4, 8, 4, 2, 256) if opts.quick else (16, 16, 8, 3, 320)
     torch.manual_seed(0)
@@ -231,6 +349,9 @@ def main(argv: list[str] | None = None):
         "steps": steps,
         "completion_budget": budget,
     }
+    if opts.overlap_only:
+        figures.update(overlap_figures(model_path, tok, opts.quick, tmp))
+        return _print(figures, opts)
     with FakeVLLMServer(policy, tok, decode_step_s=0.005, max_num_seqs=32) as server:
         results = {}
         for strategy in ("grpo", "appo"):
@@ -247,6 +368,11 @@ def main(argv: list[str] | None = None):
     figures["loss_rows_ratio"] = a["loss_rows_per_step"] / g["loss_rows_per_step"]
     t_trl, t_fkl = loss_times(appo_trainer, appo_batch, 3 if opts.quick else 10)
     figures.update(loss_time_trl_s=t_trl, loss_time_future_kl_s=t_fkl, loss_time_ratio_future_kl_vs_trl=t_fkl / t_trl)
+    figures.update(overlap_figures(model_path, tok, opts.quick, tmp))
+    _print(figures, opts)
+
+
+def _print(figures, opts):
     for k, v in figures.items():
         if not isinstance(v, list):
             print(f"{k:40s} {v:.4f}" if isinstance(v, float) else f"{k:40s} {v}")
