@@ -310,20 +310,27 @@ def run_overlap(k, model_path, tok, server, prompts, n, steps, out_dir, budget):
 
 
 def overlap_figures(model_path, tok, quick: bool, tmp: str) -> dict:
-    """Synchronous vs `max_staleness` 1 and 2, one after another on the same workload and server."""
-    prompts, n, steps, budget, decode_s = (2, 4, 3, 256, 0.004) if quick else (8, 8, 6, 256, 0.008)
-    out = {
-        "overlap_prompts_per_step": prompts,
-        "overlap_n": n,
-        "overlap_steps": steps,
-        "overlap_decode_step_s": decode_s,
-    }
+    """Synchronous vs `max_staleness` 1 and 2, one after another on the same workload and server.
+
+    Full mode first calibrates the server's decode time per token on a 2-step synchronous run, so that a
+    round's generation takes about as long as its training on this machine (measured, then scaled).
+    """
+    prompts, n, steps, budget, decode_s = (1, 4, 2, 128, 0.004) if quick else (2, 8, 6, 256, 0.01)
+    out = {"overlap_prompts_per_step": prompts, "overlap_n": n, "overlap_steps": steps}
     policy = ScriptedPolicy(tok, overlap_script(tok))
     with FakeVLLMServer(policy, tok, decode_step_s=decode_s, max_num_seqs=32) as server:
-        for k in (0, 1, 2):
+        if not quick:
+            cal = run_overlap(0, model_path, tok, server, prompts, n, 3, os.path.join(tmp, "overlap-cal"), budget)
+            idle = cal["trainer_idle_frac"]
+            decode_s = min(max(decode_s * (1 - idle) / max(idle, 1e-3), 0.001), 0.5)
+            server.decode_step_s = decode_s
+        out["overlap_decode_step_s"] = decode_s
+        for k in (0, 1) if quick else (0, 1, 2):
             res = run_overlap(k, model_path, tok, server, prompts, n, steps, os.path.join(tmp, f"overlap{k}"), budget)
             out.update({f"overlap_k{k}_{key}": v for key, v in res.items()})
-    for k in (1, 2):
+    idle = out["overlap_k0_trainer_idle_frac"]
+    out["overlap_generation_vs_training_sync"] = idle / max(1 - idle, 1e-9)
+    for k in (1,) if quick else (1, 2):
         out[f"overlap_step_time_ratio_k{k}_vs_sync"] = out[f"overlap_k{k}_step_time_s"] / out["overlap_k0_step_time_s"]
     return out
 
