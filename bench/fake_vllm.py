@@ -117,6 +117,7 @@ class FakeVLLMServer:
         self.abort_next, self.reject_next, self.reject_message = abort_next, reject_next, reject_message
         self.max_model_len, self.device = max_model_len, device
         self.rpc_calls: list[dict[str, Any]] = []
+        self.rpc_in_flight: list[int] = []
         self.events: list[str] = []
         self._pieces = PieceDecoder(tokenizer) if tokenizer is not None else None
         self.decode_step_s, self.max_num_seqs = decode_step_s, max_num_seqs
@@ -164,6 +165,7 @@ class FakeVLLMServer:
         async def collective_rpc(request: Request):
             body = await request.json()
             self.rpc_calls.append(body)
+            self.rpc_in_flight.append(self._active)  # completion requests being served when the rpc landed
             self.events.append(f"rpc:{body.get('method')}")
             return JSONResponse({"results": [None]})
 

@@ -367,3 +367,26 @@ def test_appo_selection_forward_never_overlaps_an_optimizer_step(
     for f0, f1 in spans["forward"]:
         for s0, s1 in spans["step"]:
             assert f1 <= s0 or s1 <= f0, "an APPO selection forward overlapped an optimizer step"
+
+
+def test_a_weight_sync_never_lands_while_a_request_decodes(tmp_path, tiny_tokenizer, tiny_model_path):
+    """vLLM server mode, disk route (CPU): every reload_weights reaches the server with no request in flight."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+    fake_vllm = pytest.importorskip("bench.fake_vllm")
+    eos = tiny_tokenizer.eos_token_id
+    answer = tiny_tokenizer.encode("<answer> 4 </answer>", add_special_tokens=False) + [eos]
+    policy = fake_vllm.ScriptedPolicy(tiny_tokenizer, lambda ctx, rng: answer[:1] * rng.randint(0, 8) + answer)
+    with fake_vllm.FakeVLLMServer(policy, tiny_tokenizer, max_model_len=1024, decode_step_s=0.02) as server:
+        trainer = make_trainer(
+            tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), use_vllm=True, vllm_mode="server",
+            vllm_server_base_url=server.url, num_generations=4, per_device_train_batch_size=4, max_steps=4,
+            max_completion_length=16, max_staleness=1, vllm_importance_sampling_mode="token_truncate",
+        )  # fmt: skip
+        trainer.train()
+    assert [c["method"] for c in server.rpc_calls] == ["reload_weights"] * 3  # steps 0, 1, 2
+    assert server.rpc_in_flight == [0, 0, 0]
+    assert [(h.staleness, h.background) for h in trainer._async.history] == [(0, False)] + [(1, True)] * 3
+    assert trainer.vllm_generation.num_syncs == 3
