@@ -379,7 +379,7 @@ def test_a_weight_sync_never_lands_while_a_request_decodes(tmp_path, tiny_tokeni
     eos = tiny_tokenizer.eos_token_id
     answer = tiny_tokenizer.encode("<answer> 4 </answer>", add_special_tokens=False) + [eos]
     policy = fake_vllm.ScriptedPolicy(tiny_tokenizer, lambda ctx, rng: answer[:1] * rng.randint(0, 8) + answer)
-    with fake_vllm.FakeVLLMServer(policy, tiny_tokenizer, max_model_len=1024, decode_step_s=0.02) as server:
+    with fake_vllm.FakeVLLMServer(policy, tiny_tokenizer, max_model_len=1024, decode_step_s=0.1) as server:
         trainer = make_trainer(
             tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), use_vllm=True, vllm_mode="server",
             vllm_server_base_url=server.url, num_generations=4, per_device_train_batch_size=4, max_steps=4,
