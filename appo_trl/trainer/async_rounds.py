@@ -34,11 +34,15 @@ in-process backend decodes with `SamplerCopy`, a frozen copy of the policy synce
 under DeepSpeed ZeRO-3 / FSDP, where the policy is sharded: an error at start-up). Torch's intra-op thread
 count is set to half the usable cores so that trainer and sampler share the machine instead of oversubscribing.
 
-APPO: branch selection runs a no-grad trainer forward inside the background round (`score_trajectories`). It
-holds `weights_lock`, which the trainer holds around every optimizer step (`OptimizerStepLock`), so the
-forward never reads half-updated weights. It reads the trainer's current weights, i.e. version s or s + 1:
-under staleness FutureValue exp(Σγ(ℓ_trainer − ℓ_sampler)) measures the sampler–trainer mismatch plus up to one
-step of policy lag (synchronously it measures the mismatch only).
+APPO: branch selection runs a no-grad trainer forward inside the background round (`score_trajectories`).
+With `async_fv_policy: proximal` (default) it waits for the optimizer step that follows the round's launch and
+holds `weights_lock` (which the trainer holds around every optimizer step, `OptimizerStepLock`), so it reads,
+deterministically, the weights s + 1 the round will be trained against and never half-updated ones. FutureValue
+exp(Σγ(ℓ_trainer − ℓ_sampler)) then measures the sampler–trainer mismatch plus the one step of policy lag the
+loss will correct (synchronously it measures the mismatch only, since both are version s). `async_fv_policy:
+sampler` (in-process backend only) scores with the sampler copy itself (version s): the synchronous reading,
+no waiting, but the lag the loss sees is then invisible to the branch score. A round's initial rollouts are
+sampled before the wait, so only its branches start after the trainer's step.
 
 Faults and resume: Ctrl-C (or any exception) in `Trainer.train` closes the rollout engine, which cancels the
 background round's requests, and joins the round thread (`close`); the thread is a daemon, so a stuck backend
@@ -140,19 +144,23 @@ class SamplerCopy:
 
 
 class OptimizerStepLock(TrainerCallback):
-    """Holds `lock` from `on_pre_optimizer_step` to `on_optimizer_step`: no reader sees half-updated weights."""
+    """Holds `rounds.weights_lock` from `on_pre_optimizer_step` to `on_optimizer_step` (no reader sees
+    half-updated weights), then counts the step and wakes the rounds waiting for it."""
 
-    def __init__(self, lock: threading.Lock):
-        self.lock, self.held = lock, False
+    def __init__(self, rounds: AsyncRounds):
+        self.rounds, self.held = rounds, False
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.lock.acquire()
+        self.rounds.weights_lock.acquire()
         self.held = True
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self.held:
             self.held = False
-            self.lock.release()
+            self.rounds.weights_lock.release()
+        with self.rounds.stepped:
+            self.rounds.optimizer_steps += 1
+            self.rounds.stepped.notify_all()
 
 
 @dataclass
@@ -194,6 +202,9 @@ class AsyncRounds:
         self.pending: PendingRound | None = None
         self.lookahead = BatchLookahead()
         self.weights_lock = threading.Lock()
+        self.stepped = threading.Condition()
+        self.optimizer_steps = 0  # counted by OptimizerStepLock
+        self._local = threading.local()  # on a round thread: `ticket`, the optimizer step its forward waits for
         self.history: list[HandedRound] = []
         self.num_syncs = 0
         self.dropped_rows = 0
@@ -277,7 +288,10 @@ class AsyncRounds:
     def _submit(self, inputs, job, step: int) -> PendingRound:
         future: Future = Future()
 
+        ticket = self.optimizer_steps + 1  # the optimizer step that follows this launch
+
         def work():
+            self._local.ticket = ticket
             if not future.set_running_or_notify_cancel():
                 return
             try:
@@ -302,6 +316,21 @@ class AsyncRounds:
             pending.future.exception(timeout=timeout)
         except Exception:  # noqa: BLE001 - a discarded round's own failure or a timeout
             pass
+
+    @contextlib.contextmanager
+    def trainer_forward(self):
+        """Around a trainer forward that may run on a round thread (APPO's branch selection): there, first
+        wait for the optimizer step that follows the round's launch (so the forward reads the weights the round
+        will be trained against, the proximal policy, whatever the timing), then hold `weights_lock`."""
+        ticket = getattr(self._local, "ticket", None)
+        if ticket is not None:
+            with self.stepped:
+                while self.optimizer_steps < ticket:
+                    if self.closed:
+                        raise RuntimeError("training stopped while a background round waited for its weights")
+                    self.stepped.wait(timeout=1.0)
+        with self.weights_lock:
+            yield
 
     # ---- evaluation, shutdown -----------------------------------------------------------------------------
     def before_foreground_round(self, step: int) -> None:
@@ -370,7 +399,7 @@ def build_async_rounds(trainer) -> AsyncRounds | None:
         sync_fn,
         max_steps=args.max_steps,
     )
-    trainer.add_callback(OptimizerStepLock(rounds.weights_lock))
+    trainer.add_callback(OptimizerStepLock(rounds))
     return rounds
 
 

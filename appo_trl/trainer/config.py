@@ -147,6 +147,14 @@ class APPOConfig(GRPOConfig):
             "every this many optimizer steps, and whenever the staleness bound needs it (<= max_staleness)."
         ),
     )
+    async_fv_policy: str = field(
+        default="proximal",
+        metadata=_h(
+            "APPO with max_staleness >= 1: the weights of the branch-selection forward. `proximal`: the weights the "
+            "round will train against (it waits for the trainer's next optimizer step), so FutureValue also "
+            "measures the one step of lag; `sampler`: the in-process sampler copy, FutureValue as synchronously."
+        ),
+    )
     # --- strategy -------------------------------------------------------------------------------------------
     rollout_strategy: str = field(
         default="grpo", metadata=_h("Rollout strategy: `grpo` (no branching), `arpo`, `aepo` or `appo`.")
@@ -530,6 +538,8 @@ class APPOConfig(GRPOConfig):
         k, w = self.max_staleness, self.weight_sync_steps
         if k < 0 or w < 1:
             self._fail(f"max_staleness={k} must be >= 0 and weight_sync_steps={w} >= 1.")
+        if self.async_fv_policy not in ("proximal", "sampler"):
+            self._fail(f"async_fv_policy={self.async_fv_policy!r}; choose one of ('proximal', 'sampler').")
         if k == 0:
             if w != 1:
                 self._fail(f"weight_sync_steps={w} needs max_staleness >= 1 (a synchronous run syncs every round).")
@@ -543,6 +553,8 @@ class APPOConfig(GRPOConfig):
                 f"gradient_accumulation_steps = {ga}: a round must span a whole number m of optimizer steps with "
                 "2m − 1 <= max_staleness (its last rows train m − 1 steps after its first)."
             )
+        if self.async_fv_policy == "sampler" and self.use_vllm:
+            self._fail("async_fv_policy=sampler scores with the in-process sampler copy; with use_vllm use proximal.")
         if not self.vllm_importance_sampling_correction:
             self._fail(
                 "max_staleness >= 1 trains on rows sampled by older weights: it needs the behaviour-policy "

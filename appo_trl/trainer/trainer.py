@@ -466,10 +466,15 @@ class APPOTrainer(GRPOTrainer):
         device = self.accelerator.device
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).to(device)
-        lock = self._async.weights_lock if self._async is not None else contextlib.nullcontext()
-        with lock, torch.no_grad():  # background rounds: never while an optimizer step updates the weights
+        model, guard = self.model, contextlib.nullcontext()
+        if self._async is not None:  # background rounds: the proximal weights, never mid optimizer step
+            if self.args.async_fv_policy == "sampler":
+                model = self._sampler.model
+            else:
+                guard = self._async.trainer_forward()
+        with guard, torch.no_grad():
             logps, entropies, _ = self._get_per_token_logps_and_entropies(
-                self.model,
+                model,
                 input_ids,
                 attention_mask,
                 completion_ids.size(1),

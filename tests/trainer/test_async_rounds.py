@@ -124,6 +124,7 @@ def test_lookahead_peeks_by_identity_within_one_epoch():
         ({"max_staleness": 1, "weight_sync_steps": 2}, "weight_sync_steps=2 > max_staleness=1"),
         ({"max_staleness": 1, "steps_per_generation": 2}, "2m − 1 <= max_staleness"),
         ({"max_staleness": 1, "vllm_importance_sampling_correction": False}, "behaviour-policy correction"),
+        ({"max_staleness": 1, "async_fv_policy": "newest"}, "async_fv_policy='newest'"),
     ],
 )
 def test_config_refuses_what_the_bound_cannot_honour(tmp_path, kw, message):
@@ -367,6 +368,29 @@ def test_appo_selection_forward_never_overlaps_an_optimizer_step(
     for f0, f1 in spans["forward"]:
         for s0, s1 in spans["step"]:
             assert f1 <= s0 or s1 <= f0, "an APPO selection forward overlapped an optimizer step"
+    # async_fv_policy=proximal: the round launched at step j scores after optimizer step j (its proximal weights)
+    for (f0, _), (_, s1) in zip(spans["forward"], spans["step"]):
+        assert f0 >= s1
+
+
+def test_appo_selection_with_the_sampler_copy(tmp_path, tiny_tokenizer, tiny_model_path):
+    trainer = make_trainer(
+        tmp_path, tiny_tokenizer, tiny_model_path, ScriptedEngine(tiny_tokenizer), RewardSpy(),
+        rollout_strategy="appo", num_generations=4, initial_rollouts=2, per_device_train_batch_size=4,
+        max_completion_length=64, min_remaining_tokens=1, tools=["python"], max_steps=3, max_staleness=1,
+        branch_entropy_source="trainer", async_fv_policy="sampler",
+    )  # fmt: skip
+    models = []
+    real_forward = trainer._get_per_token_logps_and_entropies
+
+    def forward(model, *a, **k):
+        if threading.current_thread() is not threading.main_thread():
+            models.append(model)
+        return real_forward(model, *a, **k)
+
+    trainer._get_per_token_logps_and_entropies = forward
+    trainer.train()
+    assert len(models) == 2 and all(m is trainer._sampler.model for m in models)
 
 
 def test_a_weight_sync_never_lands_while_a_request_decodes(tmp_path, tiny_tokenizer, tiny_model_path):
