@@ -341,6 +341,12 @@ class AsyncRounds:
         if self.version != step:
             self._sync(step)
 
+    def reset(self) -> None:
+        """At the start of `Trainer.train`: nothing in flight, the sampler's weights unknown (a resume loads
+        a checkpoint after the trainer was built), launches allowed."""
+        self.close()
+        self.closed, self.version, self.lookahead = False, None, BatchLookahead()
+
     def close(self, timeout: float = 30.0) -> None:
         """Stop launching, drop the round in flight and join its thread (after the engine was closed, which
         cancels its requests). A thread still alive after `timeout` is a daemon and is left behind, logged."""
@@ -403,6 +409,19 @@ def build_async_rounds(trainer) -> AsyncRounds | None:
     return rounds
 
 
+def round_job_factory(trainer):
+    """`make_job(inputs)` for `AsyncRounds.next_round`: on the trainer's thread, tokenise the prompts of generation
+    batch `inputs` and fix the round's seed; the returned job samples the round (on the round's thread)."""
+    n, strategy = trainer.num_generations, trainer.strategy
+
+    def make_job(inputs):
+        prompt_ids, _, _ = trainer._tokenize_prompts(copy.deepcopy([x["prompt"] for x in inputs]))
+        unique, seed = prompt_ids[::n], trainer._round_seed()
+        return lambda: strategy.generate(unique, n, seed)
+
+    return make_job
+
+
 @contextlib.contextmanager
 def behaviour_correction(trainer):
     """Within: TRL's behaviour-policy correction applies to the in-process sampler copy too.
@@ -424,4 +443,4 @@ def behaviour_correction(trainer):
 
 
 __all__ = ["AsyncRounds", "BackgroundRoundError", "BatchLookahead", "OptimizerStepLock", "SamplerCopy",
-           "behaviour_correction", "build_async_rounds", "sampler_threads"]  # fmt: skip
+           "behaviour_correction", "build_async_rounds", "round_job_factory", "sampler_threads"]  # fmt: skip

@@ -9,7 +9,8 @@ Override points of TRL's `GRPOTrainer`; everything else is TRL's:
   configured strategy (`appo_trl.trainer.strategies.STRATEGIES`: grpo, arpo, aepo, appo). Returns TRL's 8-tuple with
   the exact sampled ids, `tool_mask` = 1 on sampled tokens only, sampler logprobs (NaN on tool tokens), and
   re-emits TRL's generation metrics plus `branch/*` and `tools/*`. Weights are synced to the vLLM server once
-  per round, on every rank, before the first request.
+  per round, on every rank, before the first request. With `max_staleness >= 1` the round was generated in the
+  background while the previous one trained (`appo_trl.trainer.async_rounds`: bound, sync points, correction).
 - `_calculate_rewards`: unchanged, but the gathered rewards are kept for the strategy's advantages.
 - `_generate_and_score_completions`: calls TRL once, then lets the strategy replace the advantages (APPO's
   dual-group (B, T) advantages) and removes the rows that must not reach the loss (APPO's branch rows), with
@@ -35,7 +36,7 @@ from trl.data_utils import is_conversational
 
 from appo_trl.reporting.console import canonical_metrics, install_step_line
 from appo_trl.reporting.rollout_dump import dump_round
-from appo_trl.trainer.async_rounds import behaviour_correction, build_async_rounds
+from appo_trl.trainer.async_rounds import behaviour_correction, build_async_rounds, round_job_factory
 from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.rows import pad_rows, select_rows
@@ -258,6 +259,8 @@ class APPOTrainer(GRPOTrainer):
     def train(self, *args, **kwargs):
         """`Trainer.train`, then the engine's loop thread, backend worker and sandbox are shut down (a later
         call restarts them)."""
+        if self._async is not None:
+            self._async.reset()  # a resume loads other weights: the first round syncs and runs on them
         try:
             return super().train(*args, **kwargs)
         finally:
@@ -305,7 +308,7 @@ class APPOTrainer(GRPOTrainer):
         strategy = self.strategy if mode == "train" else self.eval_strategy
         if self._async is not None and mode == "train":  # max_staleness >= 1: the round may come from the background
             job = lambda: strategy.generate(prompt_ids[::n], n, self._round_seed())  # noqa: E731
-            batch = self._async.next_round(self._round_inputs, self.state.global_step, job, self._round_job)
+            batch = self._async.next_round(self._round_inputs, self.state.global_step, job, round_job_factory(self))
         else:
             if self._async is not None:
                 self._async.before_foreground_round(self.state.global_step)
@@ -345,14 +348,6 @@ class APPOTrainer(GRPOTrainer):
             self._old_logps_cache = [c if c is not None else nan0[i] for i, c in enumerate(batch.info["old_logps"])]
         row_prompt_ids = [list(t.prompt_ids) for t in rows]
         return row_prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, None, []
-
-    def _round_job(self, inputs):
-        """On the trainer's thread: tokenise the prompts of generation batch `inputs` and fix the round's seed;
-        returns the job that samples the round (run on the background round's thread)."""
-        n, strategy = self.num_generations, self.strategy
-        prompt_ids, _, _ = self._tokenize_prompts(copy.deepcopy([x["prompt"] for x in inputs]))
-        unique, seed = prompt_ids[::n], self._round_seed()
-        return lambda: strategy.generate(unique, n, seed)
 
     def _log_round(self, mode, strategy, batch, prompt_ids, completion_ids, tool_mask):
         """TRL's generation metrics (counted on sampled tokens) plus `tools/*` and `branch/*`; fixed collectives."""
