@@ -297,8 +297,12 @@ def run_overlap(k, model_path, tok, server, prompts, n, steps, out_dir, budget):
     engine.close()
     spans = [(b, e) for b, e in zip(marks[::2], marks[1::2])][1:]  # step 1 is synchronous in every mode
     wall = sum(e[0] - b[0] for b, e in spans)
+    gen = [e[1] - b[1] for b, e in spans]
+    train = [e[0] - b[0] - g for (b, e), g in zip(spans, gen)]
     return {
         "step_time_s": wall / len(spans),
+        "median_generation_wait_s": statistics.median(gen),
+        "median_trainer_busy_s": statistics.median(train),
         "step_times_s": [round(e[0] - b[0], 4) for b, e in zip(marks[::2], marks[1::2])],
         "trainer_idle_frac": sum(e[1] - b[1] for b, e in spans) / wall,
         "server_idle_frac": 1.0 - sum(e[2] - b[2] for b, e in spans) / wall,
@@ -320,9 +324,9 @@ def overlap_figures(model_path, tok, quick: bool, tmp: str) -> dict:
     policy = ScriptedPolicy(tok, overlap_script(tok))
     with FakeVLLMServer(policy, tok, decode_step_s=decode_s, max_num_seqs=32) as server:
         if not quick:
-            cal = run_overlap(0, model_path, tok, server, prompts, n, 3, os.path.join(tmp, "overlap-cal"), budget)
-            idle = cal["trainer_idle_frac"]
-            decode_s = min(max(decode_s * (1 - idle) / max(idle, 1e-3), 0.001), 0.5)
+            cal = run_overlap(0, model_path, tok, server, prompts, n, 4, os.path.join(tmp, "overlap-cal"), budget)
+            ratio = cal["median_trainer_busy_s"] / max(cal["median_generation_wait_s"], 1e-3)
+            decode_s = min(max(decode_s * ratio, 0.001), 0.5)
             server.decode_step_s = decode_s
         out["overlap_decode_step_s"] = decode_s
         for k in (0, 1) if quick else (0, 1, 2):
