@@ -120,7 +120,8 @@ def run(a, printer=_say) -> dict:
         printer(f"        reusing the SFT checkpoint in {work / 'sft'} (--reuse_sft)")
     else:
         P.build_model(str(work / "model"), a.seed)
-        P.run_sft(str(work / "model"), paths["sft"], str(work / "sft"), steps=a.sft_steps, seed=a.seed)
+        P.run_sft(str(work / "model"), paths["sft"], str(work / "sft"), steps=a.sft_steps, seed=a.seed,
+                  printer=printer)  # fmt: skip
     stage("sft", s)
     every = max(1, a.rl_steps // (a.checkpoints + 1))
     save_steps = [every * (i + 1) for i in range(a.checkpoints) if every * (i + 1) < a.rl_steps]
@@ -133,7 +134,7 @@ def run(a, printer=_say) -> dict:
         def evaluate(step: int, model: str) -> dict:
             s = time.monotonic()
             r = P.evaluate_heldout(model, paths["registry"], srv["url"], str(work / "eval" / f"step{step}"),
-                                   num_samples=a.eval_samples, seed=a.seed)  # fmt: skip
+                                   num_samples=a.eval_samples, seed=a.seed, printer=printer)  # fmt: skip
             times[f"eval_step{step}"] = round(time.monotonic() - s, 1)
             printer(f"        held-out @ step {step:>3}: pass@1 {100 * r['pass@1']:.1f} %  pass@{r['k']} "
                     f"{100 * r['pass@k']:.1f} %  tool calls/sample {r['calls_per_sample']:.2f}")  # fmt: skip

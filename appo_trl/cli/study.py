@@ -64,12 +64,12 @@ def run(a, printer=_say) -> dict:
     sft = work / "sft"
     if not (sft / "config.json").is_file():
         P.build_model(str(work / "model"), a.task_seed)
-        P.run_sft(str(work / "model"), paths["sft"], str(sft), steps=a.sft_steps, seed=a.task_seed)
+        P.run_sft(str(work / "model"), paths["sft"], str(sft), steps=a.sft_steps, seed=a.task_seed, printer=printer)
     with P.search_server(paths["corpus"], str(work / "search_server.log")) as srv:
         if "sft" not in done:
             shutil.rmtree(work / "eval" / "sft", ignore_errors=True)  # a half-finished eval of an older server
             done["sft"] = P.evaluate_heldout(str(sft), paths["registry"], srv["url"], str(work / "eval" / "sft"),
-                                             num_samples=a.eval_samples, seed=a.task_seed)  # fmt: skip
+                                             num_samples=a.eval_samples, seed=a.task_seed, printer=printer)  # fmt: skip
         printer(f"[study] SFT held-out pass@1 {100 * done['sft']['pass@1']:.1f} %")
         for seed in a.seeds:
             for strategy in a.strategies:
@@ -81,12 +81,12 @@ def run(a, printer=_say) -> dict:
                 args = P.rl_arguments(f"recipes/demo/{strategy}.yaml", str(sft), paths["rl"], str(run_dir),
                                       srv["url"], steps=a.rl_steps, seed=seed)  # fmt: skip
                 start = time.monotonic()
-                _, history = P.run_rl(args, printer=lambda m: None)
+                _, history = P.run_rl(args, printer=printer, label=f"RL {key}", every_s=20.0)
                 rl_s = time.monotonic() - start
                 shutil.rmtree(work / "eval" / strategy / f"seed{seed}", ignore_errors=True)
                 ev = P.evaluate_heldout(str(run_dir), paths["registry"], srv["url"],
                                         str(work / "eval" / strategy / f"seed{seed}"),
-                                        num_samples=a.eval_samples, seed=a.task_seed)  # fmt: skip
+                                        num_samples=a.eval_samples, seed=a.task_seed, printer=printer)  # fmt: skip
                 results[key] = {"strategy": strategy, "seed": seed, "eval": ev, "history": history, "rl_wall_s": rl_s}
                 printer(f"        held-out pass@1 {100 * ev['pass@1']:.1f} %, mean reward "
                         f"{statistics.fmean(h['reward'] for h in history):+.3f}, {rl_s:.0f} s")  # fmt: skip
