@@ -53,8 +53,11 @@ def add_task_arguments(p: argparse.ArgumentParser) -> None:
 def task_files(work: Path, seed: int, a: argparse.Namespace) -> dict[str, str]:
     """`write_task` into `<work>/data` with the options of `add_task_arguments`."""
     from appo_trl.synthetic import write_task
+    from appo_trl.synthetic.task import FAMILIES
 
-    return write_task(work / "data", seed, num_sft=a.num_sft, num_heldout=a.num_heldout, guess_share=a.guess_share)
+    families = tuple(getattr(a, "families", None) or FAMILIES)
+    return write_task(work / "data", seed, num_sft=a.num_sft, num_heldout=a.num_heldout, guess_share=a.guess_share,
+                      families=families)  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:

@@ -156,7 +156,8 @@ def _through_stdout(printer):
 
 
 def evaluate_heldout(model: str, registry: str, url: str, out_dir: str, *, num_samples: int, seed: int,
-                     max_completion_length: int = 128, temperature: float = 1.0, printer=None) -> dict:  # fmt: skip
+                     max_completion_length: int = 128, temperature: float = 1.0, call_limit: int = 3,
+                     printer=None) -> dict:  # fmt: skip
     """`appo eval` of `model` on the held-out split; returns the headline numbers (and writes report.json).
 
     With `printer`, a progress line (samples/s, ETA) at most every 20 s.
@@ -169,7 +170,7 @@ def evaluate_heldout(model: str, registry: str, url: str, out_dir: str, *, num_s
     config = EvalConfig(
         benchmarks=["synthetic"], registry=registry, output_dir=out_dir, model=model, backend="transformers",
         num_samples=num_samples, seed=seed, temperature=temperature, top_p=1.0, top_k=-1,
-        max_completion_length=max_completion_length, max_model_len=1024, call_limit=3,
+        max_completion_length=max_completion_length, max_model_len=1024, call_limit=call_limit,
         tool_config={"search": {**SEARCH_TOOL, "url": url}}, concurrency=16,
     )  # fmt: skip
     lines: list[ProgressLine] = []
@@ -249,21 +250,23 @@ def rl_arguments(recipe: str, model: str, data: str, out_dir: str, url: str, *, 
 class StepLine:
     """A `TrainerCallback` printing one short line per RL step and keeping the per-step numbers.
 
-    `history` holds, per step: reward, held-out-free training metrics (tool calls per sample, sampled tokens,
-    rows reaching the loss) and the step's wall time. Checkpoints are saved (model only) at `save_steps`.
+    `history` holds, per step: reward, held-out-free training metrics (tool calls per sample and in all, sampled
+    tokens, rows reaching the loss of the `rows_per_step` sampled) and the step's wall and CPU seconds: the
+    budgets of `appo_trl.synthetic.compute`. Checkpoints are saved (model only) at `save_steps`.
     """
 
     KEYS = {"reward": "reward", "tools/call_frequency": "calls", "rollout/sampled_tokens": "sampled_tokens",
             "branch/loss_rows_frac": "loss_rows_frac", "step_time": "step_time", "entropy": "entropy",
             "tools/python/calls": "python_calls", "tools/search/calls": "search_calls",
-            "tools/failure_frequency": "tool_failures"}  # fmt: skip
+            "tools/failure_frequency": "tool_failures", "tools/calls": "tool_calls"}  # fmt: skip
 
     def __init__(self, total: int, save_steps: list[int] | None = None, printer=print, label: str = "RL",
-                 every_s: float | None = None):  # fmt: skip
+                 every_s: float | None = None, rows_per_step: int | None = None):  # fmt: skip
         """`every_s`: instead of a line per step, a `ProgressLine` at most every `every_s` seconds (the study)."""
         from appo_trl.reporting.console import ProgressLine
 
         self.total, self.save_steps, self.printer, self.label = total, set(save_steps or []), printer, label
+        self.rows_per_step = rows_per_step
         self.progress = ProgressLine(label, total, printer=printer, every_s=every_s) if every_s else None
         self.history: list[dict] = []
         self._t, self._cpu = time.monotonic(), time.process_time()
@@ -276,6 +279,8 @@ class StepLine:
         now = time.monotonic()
         row = {"step": state.global_step, **{v: float(logs[k]) for k, v in self.KEYS.items() if k in logs}}
         row["wall_s"], row["cpu_s"] = now - self._t, time.process_time() - self._cpu
+        if self.rows_per_step:  # grpo logs no loss_rows_frac: every row reaches the loss
+            row["loss_rows"] = self.rows_per_step * row.get("loss_rows_frac", 1.0)
         self._t, self._cpu = now, time.process_time()
         self.history.append(row)
         if self.progress is not None:
@@ -314,7 +319,10 @@ def run_rl(
     training_args.disable_tqdm = True
     set_seed(training_args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, padding_side="left")
-    callback = _callback_class()(training_args.max_steps, save_steps, printer, label, every_s)
+    # rows sampled per optimizer step (one generation round feeds steps_per_generation micro-steps)
+    rows = training_args.generation_batch_size * training_args.gradient_accumulation_steps
+    rows //= training_args.steps_per_generation
+    callback = _callback_class()(training_args.max_steps, save_steps, printer, label, every_s, rows)
     with _quiet():
         trainer = APPOTrainer(
             model=model_args.model_name_or_path,
