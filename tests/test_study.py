@@ -20,8 +20,16 @@ def test_quick_is_the_demo_shape_and_full_is_the_papers():
     assert variant_overrides("appo", quick) == []  # the recipes as they are: n = 4, 2 initial rollouts
     full = args("--full")
     assert full.strategies[-3:] == ["arpo+ref", "aepo+ref", "appo+ref"] and "chain" in full.families
-    assert variant_overrides("grpo", full) == ["--num_generations", "16", "--per_device_train_batch_size", "64",
-                                               "--tool_call_limit", "5", "--max_completion_length", "256"]
+    assert variant_overrides("grpo", full) == [
+        "--num_generations",
+        "16",
+        "--per_device_train_batch_size",
+        "64",
+        "--tool_call_limit",
+        "5",
+        "--max_completion_length",
+        "256",
+    ]
     assert variant_overrides("aepo+ref", full) == [
         "--reference", "aepo", "--num_generations", "16", "--per_device_train_batch_size", "64",
         "--initial_rollouts", "8", "--tool_call_limit", "5", "--max_completion_length", "256"]  # fmt: skip

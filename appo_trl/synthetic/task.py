@@ -215,7 +215,8 @@ def build_task(seed: int = 0, *, num_sft: int = 96, num_rl: int = 256, num_heldo
     rng = random.Random(seed)
     least = 3 if chains.FAMILY in families else 2  # a neighbour cycle needs 3 entities
     # at most 2 questions per entity and family (ceil(ceil(n / 3) / 2) = ceil(n / 6) for the default families)
-    need = [max(least, -(-(-(-n // len(families))) // 2) + 1) for n in (num_sft, num_rl, num_heldout)]
+    per_family = [-(-n // len(families)) for n in (num_sft, num_rl, num_heldout)]
+    need = [max(least, -(-k // 2) + 1) for k in per_family]
     entities = make_entities(rng, sum(need))
     a, b = need[0], need[0] + need[1]
     seen: set[str] = set()
