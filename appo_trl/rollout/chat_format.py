@@ -52,6 +52,14 @@ class ParsedCall:
     raw: str = ""  # the text between the markers, stripped (the query recorded for a bad call)
 
 
+def _special_strings(tokenizer) -> set[str]:
+    """The tokenizer's special-token strings: EOS, `all_special_tokens` and every added token marked special."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    found = {tokenizer.eos_token, *(getattr(tokenizer, "all_special_tokens", None) or [])}
+    found.update(t.content for t in added.values() if getattr(t, "special", False))
+    return {t for t in found if t}
+
+
 class ChatTemplateToolError(ValueError):
     """The chat template cannot be used for tool calling (raised at construction)."""
 
@@ -117,8 +125,9 @@ class ChatToolFormat:
         # the last word before the JSON and the first after it (a `<think></think>` header is left out)
         before = full[len(head) if full.startswith(head) else 0 : start].split()
         tail = full[end:]
-        eos = self.tokenizer.eos_token or ""
-        cut = tail.find(eos) if eos else -1
+        # the close marker ends at the first special token (`<|im_end|>`), whichever the tokenizer's EOS is
+        specials = [t for t in _special_strings(self.tokenizer) if len(t) > 1]
+        cut = min((i for i in (tail.find(t) for t in specials) if i >= 0), default=-1)
         after = (tail[:cut] if cut >= 0 else tail).split()
         open_marker = before[-1] if before else ""
         close_marker = after[0] if after else ""
@@ -127,9 +136,10 @@ class ChatToolFormat:
                 "tool_format=chat: the chat template renders tool calls without an opening and closing marker "
                 f"around the JSON (found {open_marker!r} ... {close_marker!r}); the engine cuts calls between them"
             )
-        # the end of the assistant turn: up to the EOS when the template writes it there, else the first word
+        # the end of the assistant turn: the special token right after the close marker, else the next word
         rest = tail[tail.find(close_marker) + len(close_marker) :].lstrip()
-        turn_end = rest[: rest.find(eos) + len(eos)] if eos and eos in rest else (rest.split() or [""])[0]
+        turn_end = next((t for t in sorted(specials, key=len, reverse=True) if rest.startswith(t)), None)
+        turn_end = turn_end or (rest.split() or [""])[0]
         if not turn_end:
             raise ChatTemplateToolError(
                 "tool_format=chat: the chat template does not end the assistant turn after a tool call"

@@ -496,9 +496,10 @@ class RolloutEngine:
                 group.active -= 1
         traj.check()
 
-    def _stop_tag(self, stop: str) -> str:
-        """The tool tag of a tag-format stop string; chat format parses the name later (the marker is kept)."""
-        return stop if self.chat is not None else stop[2:-1]
+    @staticmethod
+    def _stop_tag(stop: str) -> str:
+        """The tool tag of a tag-format stop string (`</python>` -> `python`); chat format has no stop strings."""
+        return stop[2:-1]
 
     def _pending_tag(self, traj: Trajectory) -> str | None:
         """The tool tag whose stop string the prefix's last sampled token completes, if any (chat: the prefix

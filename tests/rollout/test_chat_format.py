@@ -446,3 +446,29 @@ def test_a_bad_call_among_good_ones_gets_its_own_error_in_place(make_engine, tok
     assert results[1] == "{'error': 'Tool divide not found.'}" and results[2].startswith("{'error': 'the tool call")
     assert [r.query for r in traj.tool_calls][1:3] == ['{"name": "divide", "arguments": {"a": 1}}', "{x}"]
     assert traj.finish_reason == "eos" and traj.completion_ids[-len(t1) :] == t1
+
+
+def test_a_turn_ended_by_another_eos_gets_the_templates_end_of_turn(tiny_chat_model_path):
+    """A base-model tokenizer (EOS `<|endoftext|>`, turns end with `<|im_end|>`): the calls still run, and the
+    template's end of turn is inserted (mask 0) before the tool turn, so the next turn is in the right state."""
+    tok = qwen_tokenizer(tiny_chat_model_path, "qwen2_5")
+    tok.eos_token = "<|endoftext|>"
+    chat = ChatToolFormat(tok)
+    assert chat.turn_end == "<|im_end|>"
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    t0 = enc(call_text("multiply", {"a": 6, "b": 7}) + "\n" + call_text("multiply", {"a": 2, "b": 3}))
+    t0 += [tok.eos_token_id]
+    t1 = enc("ok") + [tok.eos_token_id]
+    engine = RolloutEngine(ScriptedPolicy(tok, by_responses(tok, [t0, t1])), tok,
+                           RolloutConfig(max_completion_length=600, max_model_len=4096),
+                           build_tools([multiply], tool_format="chat"), chat=chat)  # fmt: skip
+    try:
+        [[traj]] = engine.run(
+            engine.rollout([enc("<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n")], 1, seed=0)
+        )
+        pieces = chat.tool_turn_ids(["multiply"] * 2, ["42", "6"], 10_000)
+        im_end = tok.convert_tokens_to_ids("<|im_end|>")
+        assert traj.completion_ids == t0 + [im_end] + pieces[0] + pieces[1] + t1
+        assert traj.loss_mask[len(t0) - 1 : len(t0) + 1] == [1, 0] and traj.num_calls == 2
+    finally:
+        engine.close()
