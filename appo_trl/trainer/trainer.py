@@ -4,8 +4,9 @@ Override points of TRL's `GRPOTrainer`; everything else is TRL's:
 
 - `__init__`: TRL 1.16's signature and order; no `args` or a plain `GRPOConfig` become an `APPOConfig`, and a
   `rollout_func` runs on TRL's own sampler for grpo (`trl_compat`). TRL's `tools=` (functions, built-in names,
-  dotted paths), resolved and checked before the model loads; `tool_format: chat` renders their schemas into prompts through TRL's own
-  `_tokenize_prompts` (`self.tools`) and hands completions to rewards in TRL's tool-loop message shape.
+  dotted paths), resolved and checked before the model loads; `tool_format: chat` renders their schemas into
+  prompts through TRL's own `_tokenize_prompts` (`self.tools`) and hands completions to rewards in TRL's
+  tool-loop message shape.
 - `_generate(prompts)`: (for in-process `grpo` with no `tools`, TRL's own sampler runs unchanged) replaces TRL's sampler and tool loop with `appo_trl.rollout`'s engine, driven by the
   configured strategy (`appo_trl.trainer.strategies.STRATEGIES`: grpo, arpo, aepo, appo). Returns TRL's 8-tuple with
   the exact sampled ids, `tool_mask` = 1 on sampled tokens only, sampler logprobs (NaN on tool tokens), and
