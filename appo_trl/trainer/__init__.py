@@ -6,7 +6,8 @@
 - `loss`: the policy-loss step for the loss modes TRL does not have;
 - `weight_sync`: the disk route of the vLLM-server weight sync on CPU (NCCL is TRL's own);
 - `checkpoints`: `resume_from_checkpoint` resolution;
-- `rows`: tensor helpers over TRL's generation-batch dict.
+- `rows`: tensor helpers over TRL's generation-batch dict;
+- `trl_compat`: TRL's constructor on `APPOTrainer` (default config, a plain `GRPOConfig`, `rollout_func`).
 
 Imports the floors below it (`tools`, `rollout`, `algorithms`, `rewards`, `configs`, `data`, `reporting`);
 never `evaluation`, `stages`, `synthetic` or `cli`. Nothing is imported here, so `appo_trl.trainer.config`

@@ -102,7 +102,9 @@ class APPOConfig(GRPOConfig):
         default=3,
         metadata=_h(
             "Tool calls allowed per trajectory across all tools (a branch inherits its parent's count). "
-            "At the limit the trajectory ends. Released values: 3 reasoning, 6 deep search."
+            "At the limit the trajectory ends. Each call of a multi-call chat turn counts, and a turn that would "
+            "pass the limit runs none of its calls (TRL's `max_tool_calling_iterations`, which sets this field, "
+            "counts turns). Released values: 3 reasoning, 6 deep search."
         ),
     )
     dump_rollouts: int = field(

@@ -2,9 +2,11 @@
 
 Override points of TRL's `GRPOTrainer`; everything else is TRL's:
 
-- `__init__(..., tools=...)`: TRL's `tools=` (functions, built-in names, dotted paths), resolved and checked
-  before the model loads; `tool_format: chat` renders their schemas into prompts through TRL's own
-  `_tokenize_prompts` (`self.tools`) and hands completions to rewards in TRL's tool-loop message shape.
+- `__init__`: TRL 1.16's signature and order; no `args` or a plain `GRPOConfig` become an `APPOConfig`, and a
+  `rollout_func` runs on TRL's own sampler for grpo (`trl_compat`). TRL's `tools=` (functions, built-in names,
+  dotted paths), resolved and checked before the model loads; `tool_format: chat` renders their schemas into
+  prompts through TRL's own `_tokenize_prompts` (`self.tools`) and hands completions to rewards in TRL's
+  tool-loop message shape.
 - `_generate(prompts)`: (for in-process `grpo` with no `tools`, TRL's own sampler runs unchanged) replaces TRL's sampler and tool loop with `appo_trl.rollout`'s engine, driven by the
   configured strategy (`appo_trl.trainer.strategies.STRATEGIES`: grpo, arpo, aepo, appo). Returns TRL's 8-tuple with
   the exact sampled ids, `tool_mask` = 1 on sampled tokens only, sampler logprobs (NaN on tool tokens), and
@@ -111,8 +113,10 @@ class APPOTrainer(GRPOTrainer):
     tool is checked here, before the model loads. Plus `rollout_engine`: an object with the
     `appo_trl.rollout.RolloutEngine` interface (`rollout`, `branch_many`, `run`), built from the config when
     omitted, and `tool_dirs`: folders searched first for dotted tool paths (default: the folder of the recipe
-    `appo train` parsed, then the working directory). TRL's `environment_factory` and `rollout_func` are not
-    supported.
+    `appo train` parsed, then the working directory). Without `args`, an `APPOConfig("<model>-APPO")` is built as
+    TRL builds its `GRPOConfig`; a plain `GRPOConfig` is converted to an `APPOConfig` (`rollout_strategy: grpo`).
+    TRL's `rollout_func` is served by TRL's own sampler for `rollout_strategy: grpo` without tools and refused
+    otherwise (`appo_trl.trainer.trl_compat`); `environment_factory` is not supported.
     """
 
     _tag_names = ["trl", "grpo", "appo", "appo-trl"]
@@ -129,14 +133,22 @@ class APPOTrainer(GRPOTrainer):
         reward_processing_classes=None,
         callbacks=None,
         optimizers=(None, None),
+        quantization_config=None,
         peft_config=None,
         tools=None,
+        rollout_func=None,
+        environment_factory=None,
         rollout_engine=None,
         tool_dirs=(),
     ):
-        if not isinstance(args, APPOConfig):
-            raise TypeError("APPOTrainer needs an APPOConfig (it carries the strategy, tools and loss settings).")
+        from appo_trl.trainer.trl_compat import check_rollout_func, resolve_args
+
+        args = resolve_args(model, args)  # None -> APPOConfig("<model>-APPO"); a GRPOConfig -> rollout_strategy grpo
+        if environment_factory is not None:
+            raise ValueError("APPOTrainer: environment_factory is not supported yet; expose the environment's "
+                             "methods as tools=[...] instead.")  # fmt: skip
         self._resolve_tool_specs(args, tools, tool_dirs)  # fails here, before the model loads
+        check_rollout_func(args, rollout_func, bool(self.tool_specs), rollout_engine)
         from appo_trl.configs.preflight import check_reward_columns  # before the model loads
 
         check_reward_columns(reward_funcs if isinstance(reward_funcs, list) else [reward_funcs], train_dataset)
@@ -151,7 +163,9 @@ class APPOTrainer(GRPOTrainer):
                 reward_processing_classes=reward_processing_classes,
                 callbacks=callbacks,
                 optimizers=optimizers,
+                quantization_config=quantization_config,
                 peft_config=peft_config,
+                rollout_func=rollout_func,
             )
         if self._custom_loss and self._entropy_bonus_enabled:
             raise ValueError(f"loss_mode={args.loss_mode} does not add TRL's entropy bonus; set entropy_coef=0.")
@@ -164,7 +178,8 @@ class APPOTrainer(GRPOTrainer):
         self.eval_strategy = GRPOStrategy(self)  # validation: no branching (as the released code: n = 1, no branching)
         self._rollout_engine = rollout_engine
         # in-process GRPO without tools and without an injected engine is exactly TRL's own sampler: keep it
-        self._trl_sampler = (
+        # (a rollout_func, checked above to be grpo without tools, is served by TRL's own `_generate` as well)
+        self._trl_sampler = rollout_func is not None or (
             args.rollout_strategy == "grpo" and not self.tool_specs and not args.use_vllm and rollout_engine is None
         )
         if args.dump_rollouts and self._trl_sampler:
