@@ -112,6 +112,13 @@ class APPOConfig(GRPOConfig):
             "`appo rollouts OUTPUT_DIR` shows them as branch trees: fork points, rewards, tool calls."
         ),
     )
+    max_nan_reward_steps: int = field(
+        default=3,
+        metadata=_h(
+            "Training rounds in a row in which every reward function returns None/NaN for every completion before "
+            "the run stops with an error naming the functions (such rounds train nothing); 0 = never stop."
+        ),
+    )
     rollout_concurrency: int = field(
         default=64, metadata=_h("Maximum sampler requests in flight per rank (async tool loop).")
     )
@@ -447,6 +454,8 @@ class APPOConfig(GRPOConfig):
                 self._fail(f"{name}={getattr(self, name)!r}; choose one of {allowed}.")
         if self.beam_size < 1:
             self._fail(f"beam_size={self.beam_size} must be >= 1.")
+        if self.max_nan_reward_steps < 0:
+            self._fail(f"max_nan_reward_steps={self.max_nan_reward_steps} must be >= 0 (0 = never stop).")
         if self.dump_rollouts < 0:
             self._fail(f"dump_rollouts={self.dump_rollouts} must be >= 0 (groups written per step).")
         for name in ("branch_probability", "reward_scale_discount", "future_kl_clip_ratio"):

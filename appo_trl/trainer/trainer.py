@@ -10,7 +10,9 @@ Override points of TRL's `GRPOTrainer`; everything else is TRL's:
   the exact sampled ids, `tool_mask` = 1 on sampled tokens only, sampler logprobs (NaN on tool tokens), and
   re-emits TRL's generation metrics plus `branch/*` and `tools/*`. Weights are synced to the vLLM server once
   per round, on every rank, before the first request.
-- `_calculate_rewards`: unchanged, but the gathered rewards are kept for the strategy's advantages.
+- `_calculate_rewards`: TRL's, with every reward function's output checked (`reward_checks`: a string names the
+  function; `max_nan_reward_steps` rounds in a row without any reward stop the run); the gathered rewards are
+  kept for the strategy's advantages.
 - `_generate_and_score_completions`: calls TRL once, then lets the strategy replace the advantages (APPO's
   dual-group (B, T) advantages) and removes the rows that must not reach the loss (APPO's branch rows), with
   `num_items_in_batch` recomputed as the global mask sum of the remaining rows.
@@ -153,6 +155,7 @@ class APPOTrainer(GRPOTrainer):
                 optimizers=optimizers,
                 peft_config=peft_config,
             )
+        self._check_reward_outputs()
         if self._custom_loss and self._entropy_bonus_enabled:
             raise ValueError(f"loss_mode={args.loss_mode} does not add TRL's entropy bonus; set entropy_coef=0.")
         self._setup_chat_tools(train_dataset)
@@ -178,6 +181,18 @@ class APPOTrainer(GRPOTrainer):
         self._round_rewards: torch.Tensor | None = None
         self._round_index = 0
         self._old_logps_cache: list[torch.Tensor] | None = None
+
+    def _check_reward_outputs(self) -> None:
+        """Wrap each reward function so a bad return value names it; count rounds without any reward."""
+        from torch import nn
+
+        from appo_trl.trainer.reward_checks import NaNRewardGuard, checked_reward_func
+
+        self.reward_funcs = [
+            f if isinstance(f, nn.Module) else checked_reward_func(f, name)
+            for f, name in zip(self.reward_funcs, self.reward_func_names)
+        ]
+        self._nan_reward_guard = NaNRewardGuard(self.args.max_nan_reward_steps)
 
     def _resolve_tool_specs(self, args, tools, tool_dirs) -> None:
         """Resolve and check every tool (names, dotted paths, schemas, parameters) and build them once."""
@@ -441,6 +456,8 @@ class APPOTrainer(GRPOTrainer):
     # ---- scoring ---------------------------------------------------------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.model.training:
+            self._nan_reward_guard.update(rewards_per_func, self.reward_func_names, self.state.global_step)
         self._round_rewards = rewards_per_func  # gathered (N_global, F), for the strategy's advantages
         return rewards_per_func
 
