@@ -27,6 +27,8 @@ class APPOScriptArguments(ScriptArguments):
         answer_column: column holding the gold answer(s), passed to reward functions as `answer`.
         reward_funcs: reward function names from `appo_trl.rewards` or dotted import paths.
         system_prompt: system message prepended to string prompts (a name from the prompt registry or text).
+        skip_bad_rows: drop bad rows (malformed or non-UTF-8 JSON lines, null or empty prompts, prompts too long
+            for the model), counted and logged per file, instead of stopping at the first one.
     """
 
     dataset_name: str | None = field(
@@ -40,6 +42,13 @@ class APPOScriptArguments(ScriptArguments):
     )
     system_prompt: str | None = field(
         default=None, metadata={"help": "System prompt name (prompt registry) or literal text."}
+    )
+    skip_bad_rows: bool = field(
+        default=False,
+        metadata={
+            "help": "Drop bad rows (malformed or non-UTF-8 JSON lines, null or empty prompts, prompts too long for "
+            "the model), counted and logged per file; false (default): stop at the first one, naming file and row."
+        },
     )
 
 
