@@ -43,7 +43,8 @@ def main(script_args, training_args, model_args, recipe=None) -> APPOTrainer:  #
 
     Everything that can be checked without the weights is checked first (`appo_trl.configs.preflight`): the model
     source, 4-bit loading, the data (bad rows, prompts too long for the model) and the columns the rewards need,
-    the tools and the search server, Hub access when pushing. A failure there raises a `ConfigError` before the model loads.
+    the tools and the search server, Hub access when pushing. A failure there raises a `ConfigError` before the
+    model loads.
     """
     from transformers import set_seed
     from trl import get_peft_config

@@ -5,9 +5,9 @@ from `transformers.utils.get_json_schema`, exactly what `apply_chat_template(too
 model. `FunctionTool` wraps one such function into this package's `Tool` protocol: `call(text)` takes the
 *JSON arguments* of a chat-format tool call, runs the function (sync ones in the tools' own daemon-thread
 pool, `appo_trl.tools.pool`, never the event loop's default executor that the in-process sampler needs, so a
-slow or stuck tool stalls neither the rollout loop nor sampling) and returns its result as text, `str(result)` as TRL does. A function that
-raises, or arguments that do not fit its signature, give `ok=False` with TRL's error text
-`str({"error": str(exc)})`: the model reads it, the run goes on.
+slow or stuck tool stalls neither the rollout loop nor sampling) and returns its result as text, `str(result)`
+as TRL does. A function that raises, or arguments that do not fit its signature, give `ok=False` with TRL's
+error text `str({"error": str(exc)})`: the model reads it, the run goes on.
 
 `resolve_tools(specs)` turns a `tools=` list into `FunctionTool`s and checks each one *at construction*: an
 entry may be a callable, a built-in name (`python`, `search`, wrapped with a one-argument schema around the

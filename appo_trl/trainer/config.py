@@ -141,6 +141,14 @@ class APPOConfig(GRPOConfig):
             "runs on CPU, else nccl). See appo_trl.trainer.weight_sync."
         ),
     )
+    vllm_server_wait_s: float = field(
+        default=300.0,
+        metadata=_h(
+            "Server mode: seconds to wait for a vLLM server that stopped answering (connection refused) to come back "
+            "(GET /health) before the run fails. When it is back, the weights are synced again and the round is "
+            "re-run (disk sync; with nccl a restart is an error). 0 = fail when the request retries are spent."
+        ),
+    )
     vllm_weight_sync_dir: str | None = field(
         default=None,
         metadata=_h("disk sync: folder the server reads the weights from (default: a temporary folder)."),
@@ -463,6 +471,8 @@ class APPOConfig(GRPOConfig):
                 self._fail(f"{name}={getattr(self, name)!r}; choose one of {allowed}.")
         if self.beam_size < 1:
             self._fail(f"beam_size={self.beam_size} must be >= 1.")
+        if self.vllm_server_wait_s < 0:
+            self._fail(f"vllm_server_wait_s={self.vllm_server_wait_s} must be >= 0 (0 = do not wait).")
         if self.max_nan_reward_steps < 0:
             self._fail(f"max_nan_reward_steps={self.max_nan_reward_steps} must be >= 0 (0 = never stop).")
         if self.dump_rollouts < 0:

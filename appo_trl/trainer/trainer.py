@@ -40,7 +40,7 @@ from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.rows import pad_rows, select_rows
 from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RoundBatch
-from appo_trl.trainer.weight_sync import prepare_vllm_server
+from appo_trl.trainer.weight_sync import generate_round, prepare_vllm_server
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,8 @@ def build_rollout_engine(trainer):
     trainer._appo_tools = None  # built once; a second engine (after close) builds fresh tools
     if args.use_vllm:
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        backend = VLLMServerBackend(base_url, max_concurrency=args.rollout_concurrency)
+        backend = VLLMServerBackend(base_url, max_concurrency=args.rollout_concurrency,
+                                    server_wait_s=args.vllm_server_wait_s)  # fmt: skip
     else:
         backend = TransformersBackend(trainer.model, trainer._tokenizer, accelerator=trainer.accelerator)
     # prompt + completion must fit the sampler: vLLM's --max-model-len when given, else the model's positions
@@ -295,11 +296,9 @@ class APPOTrainer(GRPOTrainer):
         n = self.num_generations if mode == "train" else self.num_generations_eval
         prompts = copy.deepcopy(prompts)
         prompt_ids, _, _ = self._tokenize_prompts(prompts)
-        if self.use_vllm and self.state.global_step != self._last_loaded_step:
-            self.vllm_generation.sync_weights()  # once per round, on every rank, before any request
-            self._last_loaded_step = self.state.global_step
         strategy = self.strategy if mode == "train" else self.eval_strategy
-        batch = strategy.generate(prompt_ids[::n], n, self._round_seed())
+        # server mode: the weight sync once per round, and the round again after a server restart
+        batch = generate_round(self, strategy, prompt_ids[::n], n, self._round_seed())
         rows = batch.rows
         if len(rows) != len(prompts) or any(len(g) != n for g in batch.groups):
             raise RuntimeError(f"strategy {strategy.name} returned {len(rows)} rows for {len(prompts)} prompts")
