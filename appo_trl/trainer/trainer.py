@@ -189,7 +189,7 @@ class APPOTrainer(GRPOTrainer):
 
         from appo_trl.trainer.reward_checks import NaNRewardGuard, checked_reward_func
 
-        self.reward_funcs = [
+        self._checked_reward_funcs = [  # used by _calculate_rewards only: `reward_funcs` stays the user's
             f if isinstance(f, nn.Module) else checked_reward_func(f, name)
             for f, name in zip(self.reward_funcs, self.reward_func_names)
         ]
@@ -454,7 +454,11 @@ class APPOTrainer(GRPOTrainer):
 
     # ---- scoring ---------------------------------------------------------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        funcs, self.reward_funcs = self.reward_funcs, self._checked_reward_funcs
+        try:
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        finally:
+            self.reward_funcs = funcs
         if self.model.training:
             self._nan_reward_guard.update(rewards_per_func, self.reward_func_names, self.state.global_step)
         self._round_rewards = rewards_per_func  # gathered (N_global, F), for the strategy's advantages
