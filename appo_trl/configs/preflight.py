@@ -12,7 +12,9 @@
 3. `check_reward_columns`: a built-in reward that scores against gold answers needs an answer column.
 4. `check_tools`: tool names and parameters (`build_tools`), then each tool's own `check()` (the search
    tool asks its server's `/health` whether it is appo-trl's search server and which corpus it serves).
-5. `check_hub`: with `push_to_hub`, the token works, may write, and its owner may write to the repo's
+5. `prompt_token_limit`: the most prompt tokens the sampler takes (`vllm_max_model_length`, else the model
+   config's `max_position_embeddings`), which `appo_trl.data` checks every prompt against (`configs.rows`).
+6. `check_hub`: with `push_to_hub`, the token works, may write, and its owner may write to the repo's
    namespace; the push itself still happens once, at the end (`appo_trl.reporting.hub`).
 
 What this does not do: load weights, or check the vLLM server (TRL's client waits for it at start-up).
@@ -164,6 +166,28 @@ def check_tools(training_args) -> None:
             aclose = getattr(tool, "aclose", None)
             if aclose is not None:
                 asyncio.run(aclose())
+
+
+def prompt_token_limit(training_args, model_args) -> tuple[int, str] | None:
+    """`(limit, what sets it)`: a prompt of `limit` tokens or more leaves the sampler no room to generate.
+
+    `vllm_max_model_length` when set, else the model config's `max_position_embeddings` (config.json only, no
+    weights), as the rollout engine takes it; None when neither is known.
+    """
+    if getattr(training_args, "vllm_max_model_length", None):
+        return int(training_args.vllm_max_model_length), "vllm_max_model_length"
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(
+            model_args.model_name_or_path,
+            revision=getattr(model_args, "model_revision", None),
+            trust_remote_code=getattr(training_args, "trust_remote_code", False),
+        )
+    except (OSError, ValueError):
+        return None  # check_model_source has vouched for the model; a config we cannot read here is not fatal
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return (int(limit), "the model's max_position_embeddings") if limit else None
 
 
 def hub_repo_id(training_args) -> str:

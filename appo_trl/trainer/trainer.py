@@ -12,7 +12,9 @@ Override points of TRL's `GRPOTrainer`; everything else is TRL's:
   the exact sampled ids, `tool_mask` = 1 on sampled tokens only, sampler logprobs (NaN on tool tokens), and
   re-emits TRL's generation metrics plus `branch/*` and `tools/*`. Weights are synced to the vLLM server once
   per round, on every rank, before the first request.
-- `_calculate_rewards`: unchanged, but the gathered rewards are kept for the strategy's advantages.
+- `_calculate_rewards`: TRL's, with every reward function's output checked (`reward_checks`: a string names the
+  function; `max_nan_reward_steps` rounds in a row without any reward stop the run); the gathered rewards are
+  kept for the strategy's advantages.
 - `_generate_and_score_completions`: calls TRL once, then lets the strategy replace the advantages (APPO's
   dual-group (B, T) advantages) and removes the rows that must not reach the loss (APPO's branch rows), with
   `num_items_in_batch` recomputed as the global mask sum of the remaining rows.
@@ -40,7 +42,7 @@ from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.rows import pad_rows, select_rows
 from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RoundBatch
-from appo_trl.trainer.weight_sync import prepare_vllm_server
+from appo_trl.trainer.weight_sync import generate_round, prepare_vllm_server
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +78,8 @@ def build_rollout_engine(trainer):
     trainer._appo_tools = None  # built once; a second engine (after close) builds fresh tools
     if args.use_vllm:
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        backend = VLLMServerBackend(base_url, max_concurrency=args.rollout_concurrency)
+        backend = VLLMServerBackend(base_url, max_concurrency=args.rollout_concurrency,
+                                    server_wait_s=args.vllm_server_wait_s)  # fmt: skip
     else:
         backend = TransformersBackend(trainer.model, trainer._tokenizer, accelerator=trainer.accelerator)
     # prompt + completion must fit the sampler: vLLM's --max-model-len when given, else the model's positions
@@ -167,6 +170,7 @@ class APPOTrainer(GRPOTrainer):
                 peft_config=peft_config,
                 rollout_func=rollout_func,
             )
+        self._check_reward_outputs()
         if self._custom_loss and self._entropy_bonus_enabled:
             raise ValueError(f"loss_mode={args.loss_mode} does not add TRL's entropy bonus; set entropy_coef=0.")
         self._setup_chat_tools(train_dataset)
@@ -193,6 +197,18 @@ class APPOTrainer(GRPOTrainer):
         self._round_rewards: torch.Tensor | None = None
         self._round_index = 0
         self._old_logps_cache: list[torch.Tensor] | None = None
+
+    def _check_reward_outputs(self) -> None:
+        """Wrap each reward function so a bad return value names it; count rounds without any reward."""
+        from torch import nn
+
+        from appo_trl.trainer.reward_checks import NaNRewardGuard, checked_reward_func
+
+        self._checked_reward_funcs = [  # used by _calculate_rewards only: `reward_funcs` stays the user's
+            f if isinstance(f, nn.Module) else checked_reward_func(f, name)
+            for f, name in zip(self.reward_funcs, self.reward_func_names)
+        ]
+        self._nan_reward_guard = NaNRewardGuard(self.args.max_nan_reward_steps)
 
     def _resolve_tool_specs(self, args, tools, tool_dirs) -> None:
         """Resolve and check every tool (names, dotted paths, schemas, parameters) and build them once."""
@@ -295,11 +311,9 @@ class APPOTrainer(GRPOTrainer):
         n = self.num_generations if mode == "train" else self.num_generations_eval
         prompts = copy.deepcopy(prompts)
         prompt_ids, _, _ = self._tokenize_prompts(prompts)
-        if self.use_vllm and self.state.global_step != self._last_loaded_step:
-            self.vllm_generation.sync_weights()  # once per round, on every rank, before any request
-            self._last_loaded_step = self.state.global_step
         strategy = self.strategy if mode == "train" else self.eval_strategy
-        batch = strategy.generate(prompt_ids[::n], n, self._round_seed())
+        # server mode: the weight sync once per round, and the round again after a server restart
+        batch = generate_round(self, strategy, prompt_ids[::n], n, self._round_seed())
         rows = batch.rows
         if len(rows) != len(prompts) or any(len(g) != n for g in batch.groups):
             raise RuntimeError(f"strategy {strategy.name} returned {len(rows)} rows for {len(prompts)} prompts")
@@ -455,7 +469,13 @@ class APPOTrainer(GRPOTrainer):
 
     # ---- scoring ---------------------------------------------------------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        funcs, self.reward_funcs = self.reward_funcs, self._checked_reward_funcs
+        try:
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        finally:
+            self.reward_funcs = funcs
+        if self.model.training:
+            self._nan_reward_guard.update(rewards_per_func, self.reward_func_names, self.state.global_step)
         self._round_rewards = rewards_per_func  # gathered (N_global, F), for the strategy's advantages
         return rewards_per_func
 
