@@ -23,6 +23,7 @@ variable-length loop: every rank issues the same gathers per round and per micro
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -37,6 +38,7 @@ from appo_trl.reporting.rollout_dump import dump_round
 from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.rows import pad_rows, select_rows
+from appo_trl.trainer.sharded import full_weights_for_round
 from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RoundBatch
 from appo_trl.trainer.weight_sync import prepare_vllm_server
 
@@ -284,7 +286,8 @@ class APPOTrainer(GRPOTrainer):
             self.vllm_generation.sync_weights()  # once per round, on every rank, before any request
             self._last_loaded_step = self.state.global_step
         strategy = self.strategy if mode == "train" else self.eval_strategy
-        batch = strategy.generate(prompt_ids[::n], n, self._round_seed())
+        with self._round_weights():  # ZeRO-3 / FSDP2: gathered once on every rank, no collective inside
+            batch = strategy.generate(prompt_ids[::n], n, self._round_seed())
         rows = batch.rows
         if len(rows) != len(prompts) or any(len(g) != n for g in batch.groups):
             raise RuntimeError(f"strategy {strategy.name} returned {len(rows)} rows for {len(prompts)} prompts")
@@ -313,6 +316,19 @@ class APPOTrainer(GRPOTrainer):
             self._old_logps_cache = [c if c is not None else nan0[i] for i, c in enumerate(batch.info["old_logps"])]
         row_prompt_ids = [list(t.prompt_ids) for t in rows]
         return row_prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, None, []
+
+    @contextlib.contextmanager
+    def _round_weights(self):
+        """In-process sampling: the round's forwards (sampler, APPO's selection) run on weights gathered once.
+
+        See `appo_trl.trainer.sharded`; a vLLM server or an injected engine without such a backend needs nothing.
+        """
+        hold = getattr(getattr(self.rollout_engine, "backend", None), "unwrapped_for_rollout", None)
+        if hold is None:
+            yield
+            return
+        with full_weights_for_round(self) as model, hold(model):
+            yield
 
     def _log_round(self, mode, strategy, batch, prompt_ids, completion_ids, tool_mask):
         """TRL's generation metrics (counted on sampled tokens) plus `tools/*` and `branch/*`; fixed collectives."""
