@@ -10,8 +10,9 @@ of the round run on the plain module without any collective:
 
 - ZeRO-3: TRL's `unwrap_model_for_generation` on the DeepSpeed engine (`trainer.model_wrapped`), as TRL's own
   `GRPOTrainer` samples: `GatheredParameters` over all parameters, and ZeRO-3's module hooks removed for the
-  round (re-registered, with the prefetch trace invalidated, on exit). Given the bare module instead of the
-  engine, TRL cannot find the hooks (they hang off the engine's optimizer) and leaves them in place: the
+  round (re-registered, with the prefetch trace invalidated, on exit), plus the start-of-forward hook TRL
+  leaves on (it broadcasts on every forward while the trace is incomplete). Given the bare module instead of
+  the engine, TRL cannot find the hooks (they hang off the engine's optimizer) and leaves them in place: the
   sampler's forwards then re-partition parameters and record a trace that the first training forward replays,
   which is how the first backward failed with `The size of tensor a (0) must match the size of tensor b (64)`.
 - FSDP2: `unshard()` of every FSDP module (one all-gather each, in module order), resharding after forward
@@ -64,6 +65,29 @@ def _fsdp2_unsharded(modules: list) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _zero3_start_hook_removed(engine) -> Iterator[None]:
+    """Take ZeRO-3's start-of-forward hook off the module for the round (TRL's unwrap leaves it on).
+
+    That hook (`DeepSpeedZeRoOffload.fwd_pre_hook`) calls the parameter coordinator's `reset_step`, which
+    broadcasts (`assert_ints_same_as_other_ranks`) on every forward while the prefetch trace is incomplete, and
+    TRL's unwrap invalidates the trace at every exit: one collective per sampler forward. Put back first in line.
+    """
+    optimizer = getattr(engine, "optimizer", None)
+    offload = getattr(optimizer, "parameter_offload", optimizer)
+    handle = getattr(offload, "fwd_pre_hook", None)
+    module = getattr(offload, "module", None)
+    hook = module._forward_pre_hooks.get(handle.id) if handle is not None and module is not None else None
+    if hook is None:
+        yield
+        return
+    handle.remove()
+    try:
+        yield
+    finally:
+        offload.fwd_pre_hook = module.register_forward_pre_hook(hook, prepend=True)
+
+
+@contextlib.contextmanager
 def full_weights_for_round(trainer) -> Iterator[torch.nn.Module]:
     """Gather the policy's full weights on every rank for one generation round; yields the module to sample with.
 
@@ -79,6 +103,7 @@ def full_weights_for_round(trainer) -> Iterator[torch.nn.Module]:
         unwrap_model_for_generation(
             wrapped, accelerator, gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
         ) as model,
+        _zero3_start_hook_removed(wrapped) if trainer._dist.is_zero3 else contextlib.nullcontext(),
         _fsdp2_unsharded(_fsdp2_modules(model)) if fsdp2 else contextlib.nullcontext(),
         trainer._dist.summon_full_params(wrapped, recurse=False),  # FSDP1 (TRL's path); a no-op otherwise
     ):
