@@ -38,8 +38,6 @@ def full_params(trainer) -> dict:
     """Every parameter in full on this rank (a collective under ZeRO-3 and FSDP2: same order on every rank)."""
     import contextlib
 
-    import torch
-
     model = trainer.model
     params = dict(model.named_parameters())
     ctx = contextlib.nullcontext()
