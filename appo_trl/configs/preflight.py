@@ -248,6 +248,26 @@ def check_launch_precision(
         )
 
 
+def check_launch_engine(parsed, distributed_type: str | None = None) -> None:
+    """FSDP needs GPUs: on CPU accelerate keeps no FSDP plugin and trains plain DDP, silently. Say so instead.
+
+    `distributed_type`: the accelerate config's (before the launch); default: what `accelerate launch` exported.
+    """
+    fsdp = distributed_type == "FSDP" if distributed_type is not None else (
+        os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"))  # fmt: skip
+    if not fsdp:
+        return
+    import torch
+
+    use_cpu = any(getattr(obj, "use_cpu", False) for obj in parsed)
+    if use_cpu or not torch.cuda.is_available():
+        raise PreflightError(
+            "accelerate runs FSDP only on GPUs; on CPU it would train plain DDP instead"
+            + (" (the recipe sets use_cpu: true)" if use_cpu else "")
+            + ": use --accelerate_config zero2 or zero3 (sharded, CPU-capable) or ddp."
+        )
+
+
 def skip_deepspeed_cpu_comm_build() -> bool:
     """Under DeepSpeed on CPU, skip the JIT build of DeepSpeed's shared-memory comm op (`deepspeed_shm_comm`).
 

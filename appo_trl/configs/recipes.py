@@ -141,7 +141,7 @@ def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> tuple:
     parser.error = _raise_recipe_error  # argparse would print the whole usage (hundreds of flags) and exit
     config = coerce_recipe_values(parser, config)
     parser.set_defaults_with_config(**config)
-    from appo_trl.configs.preflight import check_launch_precision, skip_deepspeed_cpu_comm_build
+    from appo_trl.configs.preflight import check_launch_engine, check_launch_precision, skip_deepspeed_cpu_comm_build
 
     skip_deepspeed_cpu_comm_build()  # before the training arguments start DeepSpeed's distributed state
     try:
@@ -157,6 +157,7 @@ def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> tuple:
             )
         raise RecipeError(message) from exc
     check_launch_precision(parsed)  # under `accelerate launch` with DeepSpeed: one line before the model loads
+    check_launch_engine(parsed)  # FSDP on CPU would silently be DDP
     return parsed
 
 
@@ -265,13 +266,16 @@ def check_before_relaunch(dataclass_types: Sequence[type], argv: Sequence[str]) 
     Returns the recipe's mixed precision (`bf16`, `fp16`, `no`) for `maybe_relaunch`, None when nothing is
     relaunched; a `--mixed_precision` flag that contradicts the recipe is an error here.
     """
-    from appo_trl.configs.preflight import check_launch_precision, recipe_mixed_precision
+    from appo_trl.configs.preflight import check_launch_engine, check_launch_precision, recipe_mixed_precision
 
     launch, rest = split_launch_args(argv)
     if not launch or os.environ.get("APPO_LAUNCHED") == "1":
         return None
     parsed = parse_recipe(dataclass_types, rest)
     check_launch_precision(parsed, launch.get("--mixed_precision"), where="--mixed_precision")
+    if "--accelerate_config" in launch:
+        config = yaml.safe_load(resolve_accelerate_config(launch["--accelerate_config"]).read_text()) or {}
+        check_launch_engine(parsed, str(config.get("distributed_type", "")))
     return recipe_mixed_precision(parsed)
 
 
