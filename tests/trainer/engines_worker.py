@@ -112,15 +112,21 @@ def train_one(strategy, model_path, out, rank):
     return result
 
 
-def main(model_path, out):
-    import torch.distributed as dist
-
+def watch(out) -> int:
+    """Write this rank's pid to OUT/pids/; dump every thread's stack on SIGUSR1 and after WATCHDOG_S."""
     os.makedirs(os.path.join(out, "pids"), exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out, "pids", f"rank{rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's timeout: every rank prints its stack
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)  # and on its own, should the test's kill not come
+    return rank
+
+
+def main(model_path, out):
+    import torch.distributed as dist
+
+    rank = watch(out)
     results = {}
     for strategy in STRATEGIES:
         results[strategy] = train_one(strategy, model_path, out, rank)
@@ -132,5 +138,67 @@ def main(model_path, out):
     dist.barrier()
 
 
+def fsdp2_round(model_path, out):
+    """`torchrun --nproc_per_node 2 engines_worker.py fsdp2 MODEL OUT`: the round gather under FSDP2, on CPU.
+
+    accelerate runs FSDP only on GPUs, so the model is sharded with torch's `fully_shard` directly (per decoder
+    layer, then the root, as accelerate's FSDP2 wrap does). Inside `full_weights_for_round` rank 0 runs 6 forwards
+    and rank 1 one (no collective may happen there); the logits must match an unsharded copy; after the round the
+    layers are sharded again and a forward + backward on both ranks works.
+    """
+    import types
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+    from trl.distributed import DistributedBackend
+
+    from appo_trl.trainer.sharded import full_weights_for_round
+
+    rank = watch(out)
+    dist.init_process_group("gloo")
+    plain = AutoModelForCausalLM.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    state = types.SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=types.SimpleNamespace(fsdp_version=2))
+    accelerator = types.SimpleNamespace(unwrap_model=lambda m: m, state=state)
+    trainer = types.SimpleNamespace(
+        accelerator=accelerator, args=types.SimpleNamespace(gradient_checkpointing_kwargs=None),
+        model=model, model_wrapped=model, _dist=DistributedBackend(accelerator),
+    )  # fmt: skip
+    weight = lambda: model.model.layers[0].mlp.up_proj.weight  # noqa: E731
+    ids = torch.tensor([[5, 6, 7, 8]])
+    max_diff = 0.0
+    with torch.no_grad(), full_weights_for_round(trainer) as held:
+        for _ in range(6 if rank == 0 else 1):  # unequal forward counts: no collective may run here
+            logits = held(input_ids=ids).logits
+            max_diff = max(max_diff, float((logits - plain(input_ids=ids).logits).abs().max()))
+        unsharded_inside = not isinstance(weight(), DTensor)
+    resharded_after = isinstance(weight(), DTensor)
+    loss = model(input_ids=ids, labels=ids).loss  # both ranks: a sharded forward + backward still works
+    loss.backward()
+    resharded_after_forward = isinstance(weight(), DTensor)
+    result = {
+        "max_logit_diff": max_diff,
+        "unsharded_inside": unsharded_inside,
+        "resharded_after": resharded_after,
+        "resharded_after_forward": resharded_after_forward,
+        "grad": weight().grad is not None,
+    }
+    results = [None] * dist.get_world_size()
+    dist.all_gather_object(results, result)
+    if rank == 0:
+        with open(os.path.join(out, "fsdp2.json"), "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "fsdp2":
+        fsdp2_round(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[1], sys.argv[2])

@@ -43,13 +43,8 @@ def _stacks_and_kill(proc, out) -> str:
     return stdout + stderr
 
 
-def launch(engine, model_path, out, port):
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-        str(REPO_ROOT / "accelerate_configs" / f"{engine}.yaml"), "--num_processes", "2",
-        "--mixed_precision", "no", "--main_process_port", str(port),
-        os.path.join(HERE, "engines_worker.py"), model_path, str(out),
-    ]  # fmt: skip
+def run_ranks(cmd, out, what):
+    """Run a 2-process launch; past TIMEOUT_S fail with every rank's stack. Returns its log."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "APPO_LAUNCHED": "",
            "ENGINES_WATCHDOG_S": str(TIMEOUT_S + 30)}  # fmt: skip
     proc = subprocess.Popen(
@@ -60,10 +55,21 @@ def launch(engine, model_path, out, port):
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         pytest.fail(
-            f"{engine}: no result after {TIMEOUT_S} s; each rank's stack:\n" + _stacks_and_kill(proc, out)[-20000:]
+            f"{what}: no result after {TIMEOUT_S} s; each rank's stack:\n" + _stacks_and_kill(proc, out)[-20000:]
         )
     log = stdout + stderr
     assert proc.returncode == 0, log[-6000:]
+    return log
+
+
+def launch(engine, model_path, out, port):
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+        str(REPO_ROOT / "accelerate_configs" / f"{engine}.yaml"), "--num_processes", "2",
+        "--mixed_precision", "no", "--main_process_port", str(port),
+        os.path.join(HERE, "engines_worker.py"), model_path, str(out),
+    ]  # fmt: skip
+    log = run_ranks(cmd, out, engine)
     return json.loads((out / "result.json").read_text()), log
 
 
@@ -105,3 +111,15 @@ def test_rl_under_deepspeed(runs, engine, stage, port, tiny_model_path, tmp_path
             loaded = AutoModelForCausalLM.from_pretrained(path).state_dict()
             for k in final:
                 torch.testing.assert_close(loaded[k].float(), final[k], rtol=0, atol=0, msg=f"{strategy} {path} {k}")
+
+
+@pytest.mark.slow
+def test_fsdp2_round_gather(tiny_model_path, tmp_path):
+    """FSDP2 (torch's `fully_shard` on CPU, gloo): unequal forward counts inside the round, exact logits, and the
+    layers sharded again afterwards (accelerate itself runs FSDP only on GPUs)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(HERE, "engines_worker.py"), "fsdp2", tiny_model_path, str(tmp_path)]  # fmt: skip
+    run_ranks(cmd, tmp_path, "fsdp2")
+    for rank in json.loads((tmp_path / "fsdp2.json").read_text()):
+        assert rank["max_logit_diff"] == 0.0 and rank["unsharded_inside"], rank
+        assert rank["resharded_after"] and rank["resharded_after_forward"] and rank["grad"], rank
