@@ -15,6 +15,11 @@
 5. `check_hub`: with `push_to_hub`, the token works, may write, and its owner may write to the repo's
    namespace; the push itself still happens once, at the end (`appo_trl.reporting.hub`).
 
+`configs.recipes` also calls three launch checks, in every launched rank and (the first two) before
+`appo train` / `appo sft` relaunch themselves: `check_launch_precision` (a DeepSpeed launch's mixed precision
+must be the recipe's), `check_launch_engine` (FSDP on CPU would silently be DDP), and
+`skip_deepspeed_cpu_comm_build` (no JIT build of DeepSpeed's CPU shm comm op, which training never uses).
+
 What this does not do: load weights, or check the vLLM server (TRL's client waits for it at start-up).
 """
 

@@ -18,7 +18,9 @@ Override points of TRL's `GRPOTrainer`; everything else is TRL's:
   entropy_balanced (and for AEPO's entropy-aware advantage).
 
 Groups never cross ranks (`APPOConfig` validates the batch shape) and no collective runs inside a
-variable-length loop: every rank issues the same gathers per round and per micro-step.
+variable-length loop: every rank issues the same gathers per round and per micro-step. With the in-process
+sampler under ZeRO-3 / FSDP2 the full weights are gathered once per round (`appo_trl.trainer.sharded`), so the
+sampler's and APPO's selection forwards, whose number differs between ranks, run without collectives.
 """
 
 from __future__ import annotations
