@@ -8,9 +8,11 @@ may fill: a tool that never returns cannot stop sampling). Each row has its own 
 (`--logprobs-mode processed_logprobs`): the log-softmax after temperature, top-k and top-p, read at the
 sampled id; top logprobs come from the same distribution.
 
-With an `accelerator`, the model is unwrapped for generation with TRL's `unwrap_model_for_generation`
-(gathers ZeRO-3 shards once per batch; under multi-process ZeRO-3 wrap the whole `engine.run` in
-`backend.unwrapped_for_rollout()` on every rank instead, since ranks run different numbers of batches). This backend is not meant to be fast; use `VLLMServerBackend` at scale.
+With an `accelerator`, the model is unwrapped for generation with TRL's `unwrap_model_for_generation` once
+per batch. Under multi-process ZeRO-3 or FSDP2 every forward is a collective and ranks run different numbers
+of batches, so a trainer gathers the full weights once per round on every rank and hands the gathered module
+to `backend.unwrapped_for_rollout(model)` around the whole `engine.run` (`APPOTrainer` does, through
+`appo_trl.trainer.sharded`). This backend is not meant to be fast; use `VLLMServerBackend` at scale.
 """
 
 from __future__ import annotations
@@ -134,13 +136,14 @@ class TransformersBackend:
                     req.future.set_result(seg)
 
     @contextlib.contextmanager
-    def unwrapped_for_rollout(self):
-        """Unwrap (gather ZeRO-3 parameters) once for a whole rollout instead of once per batch.
+    def unwrapped_for_rollout(self, model=None):
+        """Sample with one unwrapped model for a whole rollout instead of unwrapping once per batch.
 
-        Use it around `engine.run(...)` on every rank under ZeRO-3 with several processes: the per-batch
-        unwrap is a collective, and ranks run different numbers of batches.
+        `model`: a module whose full weights the caller already gathered (on every rank, at the same point);
+        without it, `self.model` is unwrapped once here. Under ZeRO-3 / FSDP2 with several processes the
+        per-batch unwrap is a collective and ranks run different numbers of batches: hold the gathered model.
         """
-        with self._unwrapped() as model:
+        with contextlib.nullcontext(model) if model is not None else self._unwrapped() as model:
             self._held = model
             try:
                 yield model

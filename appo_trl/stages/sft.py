@@ -281,10 +281,16 @@ def main(script_args, training_args, model_args, recipe=None, callbacks=None):
 
 def cli(argv: Sequence[str] | None = None, entry_script: str | None = None) -> int:
     """`appo sft` / `sft/train.py`: parse the recipe (relaunching under accelerate when asked) and train."""
-    from appo_trl.configs.recipes import RecipeError, maybe_relaunch, parse_recipe
+    from appo_trl.configs.errors import ConfigError
+    from appo_trl.configs.recipes import RecipeError, check_before_relaunch, maybe_relaunch, parse_recipe
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    code = maybe_relaunch(argv, entry_script or __file__)
+    try:
+        precision = check_before_relaunch(dataclass_types(), argv)  # the launch trains in the recipe's precision
+    except ConfigError as exc:
+        print(f"appo sft: {exc}", file=sys.stderr)
+        return 2
+    code = maybe_relaunch(argv, entry_script or __file__, precision)
     if code is not None:
         return code
     try:

@@ -128,8 +128,8 @@ def cli(argv: list[str] | None = None) -> int:
     from appo_trl.configs.recipes import check_before_relaunch, maybe_relaunch, parse_recipe
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    check_before_relaunch(dataclass_types(), argv)  # one line here, not one torchrun failure report per rank
-    code = maybe_relaunch(argv, __file__)
+    precision = check_before_relaunch(dataclass_types(), argv)  # one line here, not one report per rank
+    code = maybe_relaunch(argv, __file__, precision)
     if code is not None:
         return code
     script_args, training_args, model_args = parse_recipe(dataclass_types(), argv)

@@ -22,11 +22,14 @@ Override points of TRL's `GRPOTrainer`; everything else is TRL's:
   entropy_balanced (and for AEPO's entropy-aware advantage).
 
 Groups never cross ranks (`APPOConfig` validates the batch shape) and no collective runs inside a
-variable-length loop: every rank issues the same gathers per round and per micro-step.
+variable-length loop: every rank issues the same gathers per round and per micro-step. With the in-process
+sampler under ZeRO-3 / FSDP2 the full weights are gathered once per round (`appo_trl.trainer.sharded`), so the
+sampler's and APPO's selection forwards, whose number differs between ranks, run without collectives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -41,6 +44,7 @@ from appo_trl.reporting.rollout_dump import dump_round
 from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.rows import pad_rows, select_rows
+from appo_trl.trainer.sharded import full_weights_for_round
 from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RoundBatch
 from appo_trl.trainer.weight_sync import generate_round, prepare_vllm_server
 
@@ -312,8 +316,13 @@ class APPOTrainer(GRPOTrainer):
         prompts = copy.deepcopy(prompts)
         prompt_ids, _, _ = self._tokenize_prompts(prompts)
         strategy = self.strategy if mode == "train" else self.eval_strategy
+<<<<<<< HEAD
         # server mode: the weight sync once per round, and the round again after a server restart
         batch = generate_round(self, strategy, prompt_ids[::n], n, self._round_seed())
+=======
+        with self._round_weights():  # ZeRO-3 / FSDP2: gathered once on every rank, no collective inside
+            batch = strategy.generate(prompt_ids[::n], n, self._round_seed())
+>>>>>>> i21-dist
         rows = batch.rows
         if len(rows) != len(prompts) or any(len(g) != n for g in batch.groups):
             raise RuntimeError(f"strategy {strategy.name} returned {len(rows)} rows for {len(prompts)} prompts")
@@ -342,6 +351,19 @@ class APPOTrainer(GRPOTrainer):
             self._old_logps_cache = [c if c is not None else nan0[i] for i, c in enumerate(batch.info["old_logps"])]
         row_prompt_ids = [list(t.prompt_ids) for t in rows]
         return row_prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, None, []
+
+    @contextlib.contextmanager
+    def _round_weights(self):
+        """In-process sampling: the round's forwards (sampler, APPO's selection) run on weights gathered once.
+
+        See `appo_trl.trainer.sharded`; a vLLM server or an injected engine without such a backend needs nothing.
+        """
+        hold = getattr(getattr(self.rollout_engine, "backend", None), "unwrapped_for_rollout", None)
+        if hold is None:
+            yield
+            return
+        with full_weights_for_round(self) as model, hold(model):
+            yield
 
     def _log_round(self, mode, strategy, batch, prompt_ids, completion_ids, tool_mask):
         """TRL's generation metrics (counted on sampled tokens) plus `tools/*` and `branch/*`; fixed collectives."""
