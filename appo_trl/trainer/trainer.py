@@ -316,13 +316,10 @@ class APPOTrainer(GRPOTrainer):
         prompts = copy.deepcopy(prompts)
         prompt_ids, _, _ = self._tokenize_prompts(prompts)
         strategy = self.strategy if mode == "train" else self.eval_strategy
-<<<<<<< HEAD
+        # in-process sampling under ZeRO-3 / FSDP2: weights gathered once on every rank, no collective inside;
         # server mode: the weight sync once per round, and the round again after a server restart
-        batch = generate_round(self, strategy, prompt_ids[::n], n, self._round_seed())
-=======
-        with self._round_weights():  # ZeRO-3 / FSDP2: gathered once on every rank, no collective inside
-            batch = strategy.generate(prompt_ids[::n], n, self._round_seed())
->>>>>>> i21-dist
+        with self._round_weights():
+            batch = generate_round(self, strategy, prompt_ids[::n], n, self._round_seed())
         rows = batch.rows
         if len(rows) != len(prompts) or any(len(g) != n for g in batch.groups):
             raise RuntimeError(f"strategy {strategy.name} returned {len(rows)} rows for {len(prompts)} prompts")
