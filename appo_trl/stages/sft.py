@@ -305,9 +305,10 @@ def cli(argv: Sequence[str] | None = None, entry_script: str | None = None) -> i
         print(f"appo sft: {exc}", file=sys.stderr)
         return 2
     from appo_trl.reporting.hub import recipe_from_argv
+    from appo_trl.stages.interrupts import run_interruptible
 
-    main(*args, recipe=recipe_from_argv(argv))
-    return 0
+    # Ctrl-C and SIGTERM: one line naming the checkpoint kept, exit code 130 / 143
+    return run_interruptible("appo sft", args[1].output_dir, lambda: main(*args, recipe=recipe_from_argv(argv)))
 
 
 if __name__ == "__main__":
