@@ -276,10 +276,14 @@ class AtomicCheckpointMixin:
         self._staging_root, self._push_deferred = staging_root, False
         try:
             super()._save_checkpoint(model, trial)
+            self._staging_root = None
             if writer and self.state.best_model_checkpoint == staged:  # transformers saw the staged path
                 self.state.best_model_checkpoint = final
                 self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
-        except BaseException as exc:
+            self.accelerator.wait_for_everyone()  # every rank's files (rng_state_K.pth, shards) are in `staged`
+            if writer:
+                publish(staged, final)
+        except BaseException as exc:  # also Ctrl-C / SIGTERM: nothing half-written stays behind
             self._staging_root = None
             full = writer and is_disk_full(exc, run_dir)
             if writer:
@@ -294,9 +298,7 @@ class AtomicCheckpointMixin:
             raise
         finally:
             self._staging_root = None
-        self.accelerator.wait_for_everyone()  # every rank's files (rng_state_K.pth, shards) are in `staged`
         if writer:
-            publish(staged, final)
             rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
         self.accelerator.wait_for_everyone()
         if self._push_deferred:
