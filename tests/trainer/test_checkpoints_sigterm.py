@@ -98,3 +98,71 @@ def test_sigterm_stops_like_ctrl_c(tiny_model_path, tmp_path):
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-3000:]
     assert f"Resuming from {kept}" in err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_run_interruptible_one_line_and_exit_code(tmp_path, capsys, signum):
+    """In-process: SIGTERM and Ctrl-C (SIGINT) take one path: `finally` blocks run, one line, 128 + signal."""
+    from appo_trl.stages.interrupts import run_interruptible
+
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    cleaned = []
+    before = signal.getsignal(signal.SIGTERM)
+
+    def work():
+        try:
+            os.kill(os.getpid(), signum)
+            time.sleep(30)
+        finally:
+            cleaned.append(True)
+
+    assert run_interruptible("appo sft", str(tmp_path), work) == 128 + signum
+    assert cleaned == [True] and signal.getsignal(signal.SIGTERM) is before
+    err = capsys.readouterr().err
+    name = signal.Signals(signum).name
+    assert err == f"appo sft: stopped by {name}; kept {tmp_path / 'checkpoint-3'} (continue with " \
+        "--resume_from_checkpoint true); the steps after it are lost.\n"  # fmt: skip
+
+
+FAKE_LAUNCHER = """
+import subprocess, sys
+# like `accelerate launch` with one process: start the rank, die on SIGTERM without passing it on
+subprocess.Popen([sys.executable, "-c", sys.argv[1]]).wait()
+"""
+FAKE_RANK = """
+import os, signal, sys, time
+def stop(signum, frame):
+    time.sleep(1.0)  # a graceful shutdown that takes a while (sandbox, engine threads)
+    open(os.environ["DONE"], "w").write(str(os.getpid()))
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+open(os.environ["READY"], "w").write(str(os.getpid()))
+time.sleep(60)
+"""
+
+
+def test_relaunched_run_passes_sigterm_to_its_ranks_and_waits(tmp_path):
+    """`appo train --num_processes N` runs `accelerate launch` as a child: a SIGTERM to `appo train` reaches every
+    rank, and `appo train` exits (143) only after they have, so none is left behind."""
+    ready, done = tmp_path / "ready", tmp_path / "done"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "READY": str(ready), "DONE": str(done)}
+    parent = (
+        "import sys; from appo_trl.configs.recipes import run_launcher; "
+        f"sys.exit(run_launcher([sys.executable, '-c', {FAKE_LAUNCHER!r}, {FAKE_RANK!r}], dict(__import__('os').environ)))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.2)
+        rank = int(ready.read_text())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert done.exists() and int(done.read_text()) == rank  # the rank shut down gracefully, before the parent left
+    assert not psutil.pid_exists(rank) or psutil.Process(rank).status() == psutil.STATUS_ZOMBIE
