@@ -5,7 +5,8 @@
 - `strategies`: how one generation round turns prompts into groups of n rows (grpo / arpo / aepo / appo);
 - `loss`: the policy-loss step for the loss modes TRL does not have;
 - `weight_sync`: the disk route of the vLLM-server weight sync on CPU (NCCL is TRL's own);
-- `checkpoints`: `resume_from_checkpoint` resolution;
+- `checkpoints`: atomic checkpoint saves (a staging folder, then one rename) and `resume_from_checkpoint`
+  resolution (the newest complete checkpoint; broken ones are named and skipped);
 - `rows`: tensor helpers over TRL's generation-batch dict.
 
 Imports the floors below it (`tools`, `rollout`, `algorithms`, `rewards`, `configs`, `data`, `reporting`);
