@@ -305,6 +305,27 @@ class AtomicCheckpointMixin:
             self._push_deferred = False
             super()._push_from_checkpoint(final)
 
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """transformers' loader; on a multi-process CPU run the optimizer state is mapped to `"cpu"`, not to
+        `args.device` (`cpu:0`, a location `torch.load` cannot restore to: every such resume crashed)."""
+        device = self.args.device
+        if checkpoint is None or self.args.world_size <= 1 or device.type != "cpu" or device.index is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        import torch
+
+        real_load = torch.load
+
+        def load(*args, map_location=None, **kwargs):
+            if isinstance(map_location, torch.device) and map_location.type == "cpu":
+                map_location = "cpu"
+            return real_load(*args, map_location=map_location, **kwargs)
+
+        torch.load = load  # only for this call (no other thread loads while a run resumes)
+        try:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        finally:
+            torch.load = real_load
+
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """`Trainer.train`; `resume_from_checkpoint=True` takes the newest *complete* checkpoint of `output_dir`."""
         if resume_from_checkpoint is True:

@@ -190,3 +190,23 @@ def test_save_replaces_a_broken_folder_and_keeps_rotation(tiny_model_path, tmp_p
     _sft_trainer(tiny_model_path, out, max_steps=3, save_total_limit=2).train()
     assert _folders(out) == ["checkpoint-2", "checkpoint-3"]
     assert checkpoint_problem(str(out / "checkpoint-2")) is None
+
+
+def test_multi_process_cpu_resume_loads_the_optimizer(tiny_model_path, tmp_path, monkeypatch):
+    """On a 2-process CPU run `args.device` is `cpu:0`; transformers maps the optimizer state there and torch
+    cannot restore to it ("don't know how to restore data location ... (tagged with cpu:0)"): every such resume
+    crashed. Reproduced in one process by giving the arguments that device and world size."""
+    from trl import SFTConfig
+
+    out = tmp_path / "out"
+    _sft_trainer(tiny_model_path, out, max_steps=1).train()
+    trainer = _sft_trainer(tiny_model_path, out, max_steps=1)
+    trainer.create_optimizer_and_scheduler(num_training_steps=1)
+    monkeypatch.setattr(SFTConfig, "world_size", property(lambda self: 2))
+    trainer.args.__dict__["_setup_devices"] = torch.device("cpu", 0)
+    assert str(trainer.args.device) == "cpu:0"
+    trainer._load_optimizer_and_scheduler(str(out / "checkpoint-1"))
+    saved = torch.load(out / "checkpoint-1" / "optimizer.pt", weights_only=True)["state"]
+    loaded = trainer.optimizer.state_dict()["state"]
+    assert loaded.keys() == saved.keys() and loaded
+    torch.testing.assert_close(loaded[0]["exp_avg"], saved[0]["exp_avg"])
