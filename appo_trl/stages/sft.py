@@ -227,8 +227,10 @@ def sft_trainer_class() -> type:
     return APPOSFTTrainer
 
 
-def main(script_args, training_args, model_args, recipe=None):
+def main(script_args, training_args, model_args, recipe=None, callbacks=None):
     """Run SFT with parsed arguments and return the trainer; saves to `output_dir`, pushes when asked.
+
+    `callbacks` go to TRL's `SFTTrainer` as they are (the demo's progress line).
 
     `recipe` is what the model card prints (default: every setting that differs from its default).
     """
@@ -275,6 +277,7 @@ def main(script_args, training_args, model_args, recipe=None):
         train_dataset=train_dataset,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
+        callbacks=callbacks,
     )
     state = trainer.accelerator.state
     logger.info("process %d of world_size=%d (%s)", state.process_index, state.num_processes, state.distributed_type)
