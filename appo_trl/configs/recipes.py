@@ -292,4 +292,49 @@ def maybe_relaunch(
         return None
     cmd = launch_command(launch, entry_script, rest, mixed_precision)
     print("appo: launching " + " ".join(cmd), file=sys.stderr, flush=True)
-    return subprocess.call(cmd, env={**os.environ, "APPO_LAUNCHED": "1"})
+    return run_launcher(cmd, {**os.environ, "APPO_LAUNCHED": "1"})
+
+
+def run_launcher(cmd: Sequence[str], env: dict, grace: float = 25.0) -> int:
+    """Run `cmd` (`accelerate launch ...`) in its own process group and return its exit code.
+
+    SIGTERM (Slurm, Kubernetes) and Ctrl-C sent to this process are forwarded to the whole group, so the launcher
+    and every rank get them, and this process waits until every process of the group has exited (SIGKILL to the
+    group after `grace` seconds): stopping `appo train` leaves no rank behind. Then it returns 128 + the signal.
+    (`accelerate launch` with one process dies on SIGTERM without passing it on; its rank handles it.)
+    """
+    import signal
+    import threading
+    import time
+
+    proc = subprocess.Popen(list(cmd), env=env, start_new_session=True)
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        code = proc.wait()
+        if received:
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(proc.pid, 0)  # a rank of the group is still shutting down
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
+            else:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 128 + received[0] if received else code

@@ -133,8 +133,12 @@ def cli(argv: list[str] | None = None) -> int:
     if code is not None:
         return code
     script_args, training_args, model_args = parse_recipe(dataclass_types(), argv)
-    main(script_args, training_args, model_args)
-    return 0
+    from appo_trl.stages.interrupts import run_interruptible
+
+    # Ctrl-C and SIGTERM: one line naming the checkpoint kept, exit code 130 / 143
+    return run_interruptible(
+        "appo train", training_args.output_dir, lambda: main(script_args, training_args, model_args)
+    )
 
 
 if __name__ == "__main__":

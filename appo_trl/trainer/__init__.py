@@ -6,7 +6,8 @@
 - `loss`: the policy-loss step for the loss modes TRL does not have;
 - `weight_sync`: the disk route of the vLLM-server weight sync on CPU (NCCL is TRL's own);
 - `sharded`: the full weights gathered once per generation round under ZeRO-3 / FSDP2 (in-process sampling);
-- `checkpoints`: `resume_from_checkpoint` resolution;
+- `checkpoints`: atomic checkpoint saves (a staging folder, then one rename) and `resume_from_checkpoint`
+  resolution (the newest complete checkpoint; broken ones are named and skipped);
 - `rows`: tensor helpers over TRL's generation-batch dict;
 - `trl_compat`: TRL's constructor on `APPOTrainer` (default config, a plain `GRPOConfig`, `rollout_func`).
 

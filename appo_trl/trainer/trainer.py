@@ -41,6 +41,7 @@ from trl.data_utils import is_conversational
 
 from appo_trl.reporting.console import canonical_metrics, install_step_line
 from appo_trl.reporting.rollout_dump import dump_round
+from appo_trl.trainer.checkpoints import AtomicCheckpointMixin, read_sampler_state, write_sampler_state
 from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.rows import pad_rows, select_rows
@@ -110,7 +111,7 @@ def build_rollout_engine(trainer):
     )  # fmt: skip
 
 
-class APPOTrainer(GRPOTrainer):
+class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     """GRPO, ARPO, AEPO and APPO for tool-using LLMs, as one `GRPOTrainer` subclass.
 
     Same constructor as `GRPOTrainer`, with TRL's `tools=`: a list of Python functions (sync or async, typed,
@@ -123,7 +124,9 @@ class APPOTrainer(GRPOTrainer):
     `appo train` parsed, then the working directory). Without `args`, an `APPOConfig("<model>-APPO")` is built as
     TRL builds its `GRPOConfig`; a plain `GRPOConfig` is converted to an `APPOConfig` (`rollout_strategy: grpo`).
     TRL's `rollout_func` is served by TRL's own sampler for `rollout_strategy: grpo` without tools and refused
-    otherwise (`appo_trl.trainer.trl_compat`); `environment_factory` is not supported.
+    otherwise (`appo_trl.trainer.trl_compat`); `environment_factory` is not supported. Checkpoints are saved
+    atomically and hold the sampler's round counter (`trainer.checkpoints`), so a resumed run samples the
+    completions of the uninterrupted one.
     """
 
     _tag_names = ["trl", "grpo", "appo", "appo-trl"]
@@ -301,6 +304,28 @@ class APPOTrainer(GRPOTrainer):
         if self.is_world_process_zero():
             base = get_config_model_id(self.model.config)
             fix_local_base_model(os.path.join(self.args.output_dir, "README.md"), base)
+
+    # ---- checkpoints: the sampler's state (its seeds derive from the round counter) ------------------------------
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        if self.args.should_save:
+            write_sampler_state(
+                output_dir, {"round_index": self._round_index, "tool_idle_rounds": self._tool_idle_rounds}
+            )
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)  # called on every resume, before the first round
+        if checkpoint is None:
+            return
+        state = read_sampler_state(checkpoint)
+        if state is None:
+            logger.warning(
+                "%s has no sampler state (saved by an older version): completions after this resume differ from "
+                "the uninterrupted run's", checkpoint,
+            )  # fmt: skip
+            return
+        self._round_index = int(state["round_index"])
+        self._tool_idle_rounds = int(state.get("tool_idle_rounds", 0))
 
     # ---- generation ------------------------------------------------------------------------------------------
     def _round_seed(self) -> int:
