@@ -414,3 +414,17 @@ def test_a_weight_sync_never_lands_while_a_request_decodes(tmp_path, tiny_tokeni
     assert server.rpc_in_flight == [0, 0, 0]
     assert [(h.staleness, h.background) for h in trainer._async.history] == [(0, False)] + [(1, True)] * 3
     assert trainer.vllm_generation.num_syncs == 3
+
+
+@pytest.mark.parametrize("strategy", ["arpo", "aepo"])
+def test_arpo_and_aepo_run_in_the_background_unchanged(tmp_path, tiny_tokenizer, tiny_model_path, strategy):
+    engine = ThreadEngine(tiny_tokenizer)
+    trainer = make_trainer(
+        tmp_path, tiny_tokenizer, tiny_model_path, engine, RewardSpy(), rollout_strategy=strategy,
+        num_generations=4, initial_rollouts=2, per_device_train_batch_size=4, max_completion_length=64,
+        tools=["python"], max_steps=3, max_staleness=1,
+    )  # fmt: skip
+    trainer.train()
+    assert [(h.staleness, h.background) for h in trainer._async.history] == [(0, False), (1, True), (1, True)]
+    assert engine.threads == ["MainThread", "appo-round-0", "appo-round-1"]
+    assert all(h is not None for h in engine.hooks)  # the in-loop branching hook rode along into the background
