@@ -50,7 +50,10 @@ never blocks interpreter exit. Rounds in flight live only in memory: a resumed r
 round, so a round is never trained twice or half (TRL regenerates a partly trained generation batch itself).
 
 What this module does not do: run more than one round ahead (one round generates while one trains), sample
-(the strategies and the rollout engine do), or compute losses.
+(the strategies and the rollout engine do), compute losses, survive a vLLM server restart inside a background
+round (`weight_sync.generate_round` does that for synchronous rounds; here the restart surfaces as a
+`BackgroundRoundError`), or agree on a fault across ranks: with several processes a failed background round
+raises on its own rank, and the other ranks stop at their next collective (tested on one process only).
 """
 
 from __future__ import annotations
