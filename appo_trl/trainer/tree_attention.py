@@ -87,9 +87,10 @@ def _segment_attention(base, module, query, key, value, kv_index, cu_q, cu_k, sc
         lq, lk = q1 - q0, k1 - k0
         idx = kv_index[k0:k1]
         k, v = key.index_select(2, idx), value.index_select(2, idx)
-        allowed = torch.arange(lk, device=query.device)[None, :] <= (lk - lq) + torch.arange(lq, device=query.device)[
-            :, None
-        ]
+        allowed = (
+            torch.arange(lk, device=query.device)[None, :]
+            <= (lk - lq) + torch.arange(lq, device=query.device)[:, None]
+        )
         if fn is eager_attention:
             mask = torch.zeros(lq, lk, dtype=query.dtype, device=query.device)
             mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)[None, None]
