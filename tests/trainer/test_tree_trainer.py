@@ -50,6 +50,7 @@ def run_one_step(tmp_path, tokenizer, model_path, compare=False, **kw):
 
 def loss_and_grads(trainer, model, inputs, tree: bool):
     trainer.args.tree_forward = tree
+    model = trainer.accelerator.unwrap_model(model)  # DDP: compare on the rank's own module, no collective
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     loss = type(trainer)._compute_loss(trainer, model, inputs)  # the class's, not the spy
     grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
@@ -101,3 +102,25 @@ def test_score_trajectories_equal_rowwise(tiny_model_path, tiny_tokenizer, tmp_p
     for key in ("logps", "entropies"):
         torch.testing.assert_close(out[True][key], out[False][key], atol=TOL, rtol=0)
         assert out[True][key].abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_two_process_gloo(tiny_model_path, tmp_path):
+    """Two ranks (gloo, DDP): each rank's micro-batches give the row-wise loss and gradients through the tree."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(__file__)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(here, "ddp_tree.py"), tiny_model_path, str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=500, env=env, cwd=os.path.join(here, "..", "..")
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.load(open(tmp_path / "result.json"))
+    assert result["world"] == 2 and result["ddp"] == "DistributedDataParallel", result
+    for loss_diff, grad_diff, micro_batches in result["diffs"]:
+        assert micro_batches == 2 and loss_diff <= TOL and grad_diff <= TOL, result
