@@ -420,8 +420,10 @@ class APPOTrainer(GRPOTrainer):
                 out[i, :width] = row[:width]
             return out.to(input_ids.device), None, None
         if self.args.tree_forward:
-            return self._tree_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, compute_entropy=compute_entropy, **kwargs
+            from appo_trl.trainer.tree import trainer_tree_forward
+
+            return trainer_tree_forward(
+                self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, **kwargs
             )
         return super()._get_per_token_logps_and_entropies(
             model,
@@ -432,27 +434,6 @@ class APPOTrainer(GRPOTrainer):
             compute_entropy=compute_entropy,
             **kwargs,
         )
-
-    def _tree_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, **kwargs):
-        """The tree forward (`appo_trl.trainer.tree`) in TRL's `(B, C)` layout; `tree/tokens_ratio` on the loss pass."""
-        from appo_trl.trainer.tree import tree_logps_and_entropies
-
-        unsupported = [k for k, v in kwargs.items() if v is not None and v is not False]
-        if unsupported:
-            raise ValueError(f"tree_forward=True does not support {unsupported} (multimodal or MoE inputs).")
-        logps, entropies, counts = tree_logps_and_entropies(
-            model,
-            input_ids,
-            attention_mask,
-            logits_to_keep,
-            compute_entropy=compute_entropy,
-            token_budget=self.args.tree_token_budget,
-            autocast=self.accelerator.autocast(),
-        )
-        if torch.is_grad_enabled():  # the loss forward: tokens through the model / tokens row-wise
-            mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["tree/tokens_ratio"].append(counts["tree_tokens"] / max(counts["row_tokens"], 1))
-        return logps, entropies, None
 
     def _prepare_inputs(self, generation_batch):
         """TRL's, but with `tree_forward` a generation batch is shuffled by groups, not rows, before it is split

@@ -156,3 +156,24 @@ def tree_logps_and_entropies(
 
     counts = {"tree_tokens": sum(p.unique_tokens for p in packs), "row_tokens": int(input_ids.numel())}
     return scatter(logps), scatter(entropies) if compute_entropy else None, counts
+
+
+def trainer_tree_forward(trainer, model, input_ids, attention_mask, logits_to_keep, compute_entropy, **kwargs):
+    """`APPOTrainer._get_per_token_logps_and_entropies` with `tree_forward`: TRL's return triple, and on the loss
+    pass (gradients on) the metric `tree/tokens_ratio` = tokens forwarded / tokens of the row-wise forward."""
+    unsupported = [k for k, v in kwargs.items() if v is not None and v is not False]
+    if unsupported:
+        raise ValueError(f"tree_forward=True does not support {unsupported} (multimodal or MoE inputs).")
+    logps, entropies, counts = tree_logps_and_entropies(
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        compute_entropy=compute_entropy,
+        token_budget=trainer.args.tree_token_budget,
+        autocast=trainer.accelerator.autocast(),
+    )
+    if torch.is_grad_enabled():
+        mode = "train" if trainer.model.training else "eval"
+        trainer._metrics[mode]["tree/tokens_ratio"].append(counts["tree_tokens"] / max(counts["row_tokens"], 1))
+    return logps, entropies, None

@@ -173,3 +173,14 @@ def test_packer_scores_every_completion_token_and_no_leaf():
     # 12 labelled positions of 20: the 8 without a label are the 5 shared prompt tokens that predict prompt tokens
     # and the 3 leaves (each row's last token predicts nothing)
     assert (labels != -100).sum().item() == 12
+
+
+def test_bad_input_fails_with_one_clear_line(tmp_path):
+    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.trainer.tree import row_spans
+
+    with pytest.raises(ValueError, match="tree_token_budget=0 must be >= 1"):
+        APPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", tree_token_budget=0)
+    with pytest.raises(ValueError, match="row 1's attention mask has a hole"):
+        row_spans(torch.tensor([[0, 1, 1], [1, 0, 1]]))
+    assert row_spans(torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]])) == [(1, 3), (0, 4)]
