@@ -90,7 +90,7 @@ def forward(model, ids, mask, c, tree: bool, entropy: bool):
 
     if tree:
         logps, ent, _ = tree_logps_and_entropies(
-            model, ids, mask, c, compute_entropy=entropy, token_budget=1 << 20, autocast=contextlib.nullcontext()
+            model, ids, mask, c, compute_entropy=entropy, token_budget=1 << 20, autocast=contextlib.nullcontext
         )
         return logps, ent
     labels = ids.masked_fill(mask == 0, -100)

@@ -27,6 +27,7 @@ multimodal inputs and MoE auxiliary losses.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 
@@ -128,11 +129,12 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
 
 
 def tree_logps_and_entropies(
-    model, input_ids, attention_mask, logits_to_keep, *, compute_entropy, token_budget, autocast
+    model, input_ids, attention_mask, logits_to_keep, *, compute_entropy, token_budget, autocast=contextlib.nullcontext
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, int]]:
     """Per-token log-probs and entropies `(B, C)` through the tree forward, plus the token counts it forwarded.
 
-    `model` must carry TRL's fused LM head (`add_fused_lm_head`) and tree attention (`install_tree_attention`).
+    `autocast` makes one context per trie (e.g. `accelerator.autocast`). `model` must carry TRL's fused LM head
+    (`add_fused_lm_head`) and tree attention (`install_tree_attention`).
     """
     batch = input_ids.size(0)
     device = input_ids.device
@@ -140,7 +142,7 @@ def tree_logps_and_entropies(
     index, logps, entropies = [], [], []
     for pack in packs:
         inputs = {k: v.to(device) for k, v in pack.inputs.items()}
-        with autocast, tree_forward_active():
+        with autocast(), tree_forward_active():
             out = model(**inputs, fused_lm_head=True)
         source = pack.source.to(device)
         index.append(pack.flat_index.to(device))
@@ -171,7 +173,7 @@ def trainer_tree_forward(trainer, model, input_ids, attention_mask, logits_to_ke
         logits_to_keep,
         compute_entropy=compute_entropy,
         token_budget=trainer.args.tree_token_budget,
-        autocast=trainer.accelerator.autocast(),
+        autocast=trainer.accelerator.autocast,  # a fresh context per trie
     )
     if torch.is_grad_enabled():
         mode = "train" if trainer.model.training else "eval"

@@ -89,7 +89,7 @@ def rowwise(model, ids, mask, c):
 def tree(model, ids, mask, c, budget=10_000):
     install_tree_attention(model)
     logps, ent, _ = tree_logps_and_entropies(
-        model, ids, mask, c, compute_entropy=True, token_budget=budget, autocast=contextlib.nullcontext()
+        model, ids, mask, c, compute_entropy=True, token_budget=budget, autocast=contextlib.nullcontext
     )
     return logps, ent
 

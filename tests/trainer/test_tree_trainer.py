@@ -124,3 +124,21 @@ def test_two_process_gloo(tiny_model_path, tmp_path):
     assert result["world"] == 2 and result["ddp"] == "DistributedDataParallel", result
     for loss_diff, grad_diff, micro_batches in result["diffs"]:
         assert micro_batches == 2 and loss_diff <= TOL and grad_diff <= TOL, result
+
+
+def test_small_token_budget_several_tries_per_forward(tiny_model_path, tiny_tokenizer, tmp_path):
+    """A budget below one group's unique tokens: every forward runs several tries (each in its own autocast
+    context), still exact."""
+    from appo_trl.trainer.tree import pack_rows
+
+    trainer, _, seen, compared = run_one_step(
+        tmp_path, tiny_tokenizer, tiny_model_path, compare=True, tree_token_budget=64, **STRATEGIES["arpo"]
+    )
+    inputs = seen[0]
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    assert len(pack_rows(ids, mask, inputs["completion_ids"].size(1), 64)) > 1
+    for pair in compared:
+        torch.testing.assert_close(pair[True][0], pair[False][0], atol=TOL, rtol=0)
+        for name, grad in pair[False][1].items():
+            torch.testing.assert_close(pair[True][1][name], grad, atol=TOL, rtol=0, msg=name)
