@@ -19,7 +19,10 @@ one sequence), `max_num_seqs` (at most K sequences decoding at once, the rest qu
 on a busy GPU; None = unlimited), `extra_delay_s` (slow server), `fail_next` (answer the next N completion
 requests with HTTP 500), `abort_next` (answer the next N with `finish_reason: "abort"` and half the tokens, as
 a real server does on `POST /pause` or shutdown), `reject_next` (answer the next N with HTTP 400 and a vLLM
-error body) and `stop()` (server down).
+error body), `stop()` (server down), `restart(down_s)` (down for `down_s` seconds, then up again on the same
+port: a new "process", events get a `"restart"` marker) and `restart_at` (the completion request with this
+0-based index answers HTTP 503 and triggers `restart(restart_down_s)` in the background, as a server dying
+mid-round).
 """
 
 from __future__ import annotations
@@ -107,15 +110,20 @@ class FakeVLLMServer:
         reject_next: the next N completion requests answer HTTP 400 with `reject_message`.
         max_model_len: reported by `/v1/models`.
         device: reported by `/server_info` as `device_config.device`.
+        restart_at: index of the completion request that makes the server restart (None: never).
+        restart_down_s: how long that restart keeps the port closed.
     """
 
     def __init__(self, policy, tokenizer=None, *, model_name: str = "fake-model", decode_step_s: float = 0.0,
                  max_num_seqs: int | None = None, extra_delay_s: float = 0.0, fail_next: int = 0,
                  abort_next: int = 0, reject_next: int = 0, reject_message: str = "injected rejection",
-                 max_model_len: int = 32768, device: str = "cpu"):  # fmt: skip
+                 max_model_len: int = 32768, device: str = "cpu", restart_at: int | None = None,
+                 restart_down_s: float = 1.0):  # fmt: skip
         self.policy, self.tokenizer, self.model_name = policy, tokenizer, model_name
         self.abort_next, self.reject_next, self.reject_message = abort_next, reject_next, reject_message
         self.max_model_len, self.device = max_model_len, device
+        self.restart_at, self.restart_down_s = restart_at, restart_down_s
+        self.restarter: threading.Thread | None = None
         self.rpc_calls: list[dict[str, Any]] = []
         self.events: list[str] = []
         self._pieces = PieceDecoder(tokenizer) if tokenizer is not None else None
@@ -169,6 +177,13 @@ class FakeVLLMServer:
         @app.post("/v1/completions")
         async def completions(request: Request):
             body = await request.json()
+            if self.restart_at is not None and len(self.bodies) == self.restart_at:
+                self.restart_at = None
+                self.bodies.append(body)
+                self.events.append("dying")
+                self.restarter = threading.Thread(target=self.restart, args=(self.restart_down_s,), daemon=True)
+                self.restarter.start()
+                return JSONResponse({"error": {"message": "server shutting down", "code": 503}}, status_code=503)
             self.bodies.append(body)
             self.events.append("completion")
             if self.fail_next > 0:
@@ -273,7 +288,7 @@ class FakeVLLMServer:
         }  # fmt: skip
 
     def start(self) -> FakeVLLMServer:
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="error", access_log=False,
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port or 0, log_level="error", access_log=False,
                                 lifespan="off", timeout_keep_alive=30)  # fmt: skip
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="fake-vllm", daemon=True)
@@ -290,6 +305,14 @@ class FakeVLLMServer:
             self._server.should_exit = True
             self._thread.join(timeout=10)
             self._server = None
+
+    def restart(self, down_s: float = 1.0) -> None:
+        """Stop (connections refused), wait `down_s`, start again on the same port; blocking."""
+        self.stop()
+        self._sem = None  # asyncio objects of the old server's loop
+        self.events.append("restart")
+        time.sleep(down_s)
+        self.start()
 
     def __enter__(self) -> FakeVLLMServer:
         return self.start()
