@@ -14,6 +14,8 @@ Figures: `step_time_ratio_appo_vs_grpo` (mean optimizer-step wall time after a w
 `loss_rows_ratio` (rows reaching `_compute_loss`), `loss_time_ratio_future_kl_vs_trl` (`_compute_loss`
 forward+backward on the same APPO batch, future_kl vs TRL's loss). The benchmark imports only the package and
 `bench/` (never `tests/`), so it runs from any checkout; `make test` runs it once with `--quick --json`.
+`tree_*` figures: the row-wise and the tree forward side by side (`bench/tree_forward.py`: workload (a) paper-shaped,
+scaled down under `--quick`, and (b) the demo's shape).
 """
 
 from __future__ import annotations
@@ -339,6 +341,13 @@ def overlap_figures(model_path, tok, quick: bool, tmp: str) -> dict:
     return out
 
 
+def tree_forward_figures(quick: bool) -> dict:
+    """Row-wise against tree forward (`bench/tree_forward.py`): tokens, loss-step and step time, saved activations."""
+    from bench.tree_forward import tree_figures
+
+    return tree_figures(quick)
+
+
 def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="4 prompts per step, n = 8 (4 initial), 2 steps")
@@ -379,6 +388,7 @@ def main(argv: list[str] | None = None):
     figures["loss_rows_ratio"] = a["loss_rows_per_step"] / g["loss_rows_per_step"]
     t_trl, t_fkl = loss_times(appo_trainer, appo_batch, 3 if opts.quick else 10)
     figures.update(loss_time_trl_s=t_trl, loss_time_future_kl_s=t_fkl, loss_time_ratio_future_kl_vs_trl=t_fkl / t_trl)
+    figures.update(tree_forward_figures(opts.quick))  # row-wise vs tree forward, workloads (a) and (b)
     figures.update(overlap_figures(model_path, tok, opts.quick, tmp))
     _print(figures, opts)
 

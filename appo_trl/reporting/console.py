@@ -19,6 +19,8 @@ Console. `StepLineCallback` replaces the progress bar's dict dump (`ProgressCall
 
     step 3/10 | reward -0.412 ±0.310 | acc 25.0% | tools 1.50/compl | branches 2.0/prompt | loss 0.0123 | 1.02 s
 
+(with `tree_forward`, `| tree 0.31x` before the time: tokens forwarded over row-wise tokens, `tree/tokens_ratio`)
+
 (accuracy only when a 0/1 correctness reward such as `math_verify` or `qa_em` is configured, branches
 only for branching strategies). It changes the console only: `on_log` of the tracker callbacks is untouched.
 
@@ -101,6 +103,9 @@ def format_step_line(logs: dict, step: int, max_steps: int | None = None) -> str
     length = _num(logs, f"{prefix}completions/mean_length")
     if length is not None:
         parts.append(f"len {length:.0f}")
+    tree = _num(logs, f"{prefix}tree/tokens_ratio")  # tree forward: tokens forwarded / row-wise tokens
+    if tree is not None:
+        parts.append(f"tree {tree:.2f}x")
     step_time = _num(logs, f"{prefix}step_time") or _num(logs, f"{prefix}runtime")
     if step_time is not None:
         parts.append(f"{step_time:.2f} s")

@@ -408,6 +408,22 @@ class APPOConfig(GRPOConfig):
     future_kl_safety_threshold: float = field(
         default=6.0, metadata=_h("future_kl: for A < 0 and ratio above this, the future weight is capped to [0.8, 1].")
     )
+    tree_forward: bool = field(
+        default=True,
+        metadata=_h(
+            "Train on the tree: every trainer forward (loss, TRL's old-logp pass, the reference pass, APPO's "
+            "branch scoring) folds its rows into prefix tries and sends each shared token through the model once "
+            "(TRL's `packing: tree` of AsyncGRPO, here for every strategy). Exact: same logps, entropies, loss and "
+            "gradients as the row-by-row forward (float32, 1e-5). Micro-batches then hold whole groups."
+        ),
+    )
+    tree_token_budget: int = field(
+        default=16384,
+        metadata=_h(
+            "tree_forward: most unique tokens in one trie (one forward); it bounds activation memory as "
+            "`per_device_train_batch_size` rows do row-wise. A row longer than the budget is forwarded alone."
+        ),
+    )
 
     def __post_init__(self):
         self._apply_reference()
@@ -457,6 +473,8 @@ class APPOConfig(GRPOConfig):
 
     def _validate_appo(self):  # noqa: C901 - a flat list of independent checks
         n = self.num_generations
+        if self.tree_forward and self.tree_token_budget < 1:
+            self._fail(f"tree_token_budget={self.tree_token_budget} must be >= 1 (unique tokens per forward).")
         if self.rollout_strategy not in ROLLOUT_STRATEGIES:
             self._fail(f"rollout_strategy={self.rollout_strategy!r}; choose one of {ROLLOUT_STRATEGIES}.")
         if self.initial_rollouts is None:

@@ -31,3 +31,30 @@ def select_rows(batch: dict, index: torch.Tensor, num_rows: int) -> dict:
         else:
             out[key] = value
     return out
+
+
+def group_permutation(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """A random row order that keeps the rows of one prompt together: groups shuffled, rows in a group in order.
+
+    A group is every row with the same prompt tokens. With the tree forward a micro-batch should hold whole groups,
+    so that their shared prompt is forwarded once (TRL's `shuffle_sequence_dict` shuffles single rows). A group
+    still straddles two micro-batches when the micro-batch size is not a multiple of the group size.
+    """
+    keys: dict[tuple, list[int]] = {}
+    for i, (ids, mask) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist())):
+        keys.setdefault(tuple(t for t, m in zip(ids, mask) if m), []).append(i)
+    groups = list(keys.values())
+    return torch.tensor([i for g in torch.randperm(len(groups)).tolist() for i in groups[g]], dtype=torch.long)
+
+
+def permute_rows(batch: dict, permutation: torch.Tensor) -> dict:
+    """TRL's `shuffle_sequence_dict` with a given permutation (0-dim tensors and `None` unchanged)."""
+
+    def permute(v):
+        if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0):
+            return v
+        if isinstance(v, torch.Tensor):
+            return v[permutation.to(v.device)]
+        return [v[i] for i in permutation.tolist()]
+
+    return {key: permute(value) for key, value in batch.items()}

@@ -19,6 +19,9 @@ Override points of TRL's `GRPOTrainer`; everything else is TRL's:
 - `_generate_and_score_completions`: calls TRL once, then lets the strategy replace the advantages (APPO's
   dual-group (B, T) advantages) and removes the rows that must not reach the loss (APPO's branch rows), with
   `num_items_in_batch` recomputed as the global mask sum of the remaining rows.
+- `_get_per_token_logps_and_entropies`: with `tree_forward` (default) every trainer forward (loss, old-logp,
+  reference, APPO's `score_trajectories`) runs on prefix tries (`appo_trl.trainer.tree`), results in TRL's layout;
+  `_prepare_inputs` then shuffles whole groups instead of rows before the micro-batch split.
 - `_compute_loss`: TRL's own loss for `loss_mode=clip`; `appo_trl.trainer.loss` for dual_clip, future_kl and
   entropy_balanced (and for AEPO's entropy-aware advantage).
 
@@ -46,7 +49,7 @@ from appo_trl.trainer.async_rounds import behaviour_correction, build_async_roun
 from appo_trl.trainer.checkpoints import AtomicCheckpointMixin, read_sampler_state, write_sampler_state
 from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.loss import compute_policy_loss
-from appo_trl.trainer.rows import pad_rows, select_rows
+from appo_trl.trainer.rows import group_permutation, pad_rows, permute_rows, select_rows
 from appo_trl.trainer.sharded import full_weights_for_round
 from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RoundBatch
 from appo_trl.trainer.weight_sync import generate_round, prepare_vllm_server
@@ -206,6 +209,8 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 "dump_rollouts needs appo-trl's rollout engine, but grpo without tools runs TRL's own sampler: "
                 "enable a tool (tools: [python]) or use TRL's log_completions instead."
             )
+        if args.tree_forward:
+            self._setup_tree_forward()
         install_step_line(self)  # one readable console line per step; the trackers still get every metric
         self._tool_idle_rounds = 0
         self._round: RoundBatch | None = None
@@ -218,6 +223,16 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         backend = getattr(rollout_engine, "backend", None)
         if self._sampler is not None and getattr(backend, "model", None) is self.model:
             backend.model, backend.accelerator = self._sampler.model, None  # decode with the copy, not the policy
+
+    def _setup_tree_forward(self) -> None:
+        """`tree_forward`: tree attention on the policy and the reference model (`appo_trl.trainer.tree_attention`)."""
+        from appo_trl.trainer.tree_attention import install_tree_attention
+
+        if self.aux_loss_enabled:
+            raise ValueError("tree_forward=True cannot compute the MoE load-balancing loss; set tree_forward=False.")
+        install_tree_attention(self.model)
+        if self.ref_model is not None:
+            install_tree_attention(self.ref_model)
 
     def _check_reward_outputs(self) -> None:
         """Wrap each reward function so a bad return value names it; count rounds without any reward."""
@@ -515,6 +530,12 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 width = min(len(row), logits_to_keep)
                 out[i, :width] = row[:width]
             return out.to(input_ids.device), None, None
+        if self.args.tree_forward:
+            from appo_trl.trainer.tree import trainer_tree_forward
+
+            return trainer_tree_forward(
+                self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, **kwargs
+            )
         return super()._get_per_token_logps_and_entropies(
             model,
             input_ids,
@@ -524,6 +545,22 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             compute_entropy=compute_entropy,
             **kwargs,
         )
+
+    def _prepare_inputs(self, generation_batch):
+        """TRL's, but with `tree_forward` a generation batch is shuffled by groups, not rows, before it is split
+        into micro-batches (`rows.group_permutation`), so that a group's rows share their prompt in one forward."""
+        if not (self.args.tree_forward and self.model.training):
+            return super()._prepare_inputs(generation_batch)
+        from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
+
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            batch = self._generate_and_score_completions(generation_batch)
+            batch = split_pixel_values_by_grid(batch)
+            batch = permute_rows(batch, group_permutation(batch["prompt_ids"], batch["prompt_mask"]))
+            batches = split_tensor_dict(batch, self.args.steps_per_generation)
+            self._buffered_inputs = [unsplit_pixel_values_by_grid(b) for b in batches]
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def score_trajectories(self, trajectories) -> dict[str, torch.Tensor]:
         """No-grad trainer forward on trajectories: per-token logps and exact entropies, (R, T) on CPU."""

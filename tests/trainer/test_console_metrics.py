@@ -77,3 +77,8 @@ def test_appo_step_logs_each_quantity_once_and_one_console_line(tmp_path, tiny_t
     console = out.out + out.err
     assert "step 1/1 | reward " in console and "tools 1.00/compl" in console and "branches " in console
     assert "{'loss'" not in console and "'rollout/" not in console  # no metric dict wall
+
+
+def test_step_line_shows_the_tree_forward_ratio():
+    line = format_step_line({"reward": 0.5, "tree/tokens_ratio": 0.3061, "step_time": 2.0}, 1)
+    assert line == "step 1 | reward 0.500 | tree 0.31x | 2.00 s"

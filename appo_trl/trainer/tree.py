@@ -1,0 +1,181 @@
+"""The tree forward: the rows of a forward folded into prefix tries, each shared token sent through the model once.
+
+`tree_logps_and_entropies` replaces the row-by-row body of TRL's `_get_per_token_logps_and_entropies` (the one
+override point, in `APPOTrainer`): it takes TRL's `(B, P + C)` layout (left-padded prompts, right-padded
+completions), packs the rows into tries, runs one forward per trie with tree attention
+(`appo_trl.trainer.tree_attention`) and TRL's fused LM head (`shift_labels`: one label per packed position), and
+scatters the per-token log-probabilities and entropies back into TRL's `(B, C)` layout, zero where the row-wise
+forward has no label (padding). TRL's loss code and ours then run unchanged, with per-token advantages in `(B, C)`
+as before; nothing of the loss is moved into the packed layout.
+
+The packer is TRL's `trl.experimental.async_grpo.packing.TreeRow`, reused as is: its nodes are keyed on a token
+*and* the next one, so a node has exactly one next-token label and the trie forks one token before rows diverge.
+That keeps the two traps of a stored-once prefix closed: the last prompt token is duplicated per distinct first
+completion token, so every first completion token is scored (the NeMo Automodel trap), and a row's last token is a
+leaf keyed on `None` that predicts nothing (AReaL #1308's extra logprob at the last node). Its `pack()` carries one
+advantage per sample; here only its layout and `token_index` (the packed position predicting each trained token)
+are used, and the trained positions are mapped back to `(row, column)` here, so per-token advantages stay in TRL's
+layout. Each trie is bounded by `token_budget` unique tokens (`TreeRow.fits`); a row longer than the budget gets a
+trie of its own (it cannot be split). Rows are packed in lexicographic order, so rows that share a prefix meet in
+the same trie.
+
+Exactness: a token's hidden state depends only on its own root-to-token path, which equals its row's prefix at the
+same positions (position ids are depths, i.e. what the sampler used); so the results equal the row-wise forward up
+to float summation order (float32: 1e-5, `tests/trainer/test_tree_forward.py`). Not supported (a clear error):
+multimodal inputs and MoE auxiliary losses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+with warnings.catch_warnings():  # TRL flags all of `trl.experimental` as unstable; the trie is pinned by our tests
+    warnings.simplefilter("ignore")
+    from trl.experimental.async_grpo.packing import TreeRow
+
+from appo_trl.trainer.tree_attention import tree_forward_active
+
+
+@dataclass
+class TreePack:
+    """One trie: model inputs (`(1, N)` tensors and the tree layout) and where its scores go in `(B, C)`."""
+
+    inputs: dict[str, torch.Tensor]
+    flat_index: torch.Tensor  # (M,) row * C + column of each trained target
+    source: torch.Tensor  # (M,) packed position whose prediction is that target
+    unique_tokens: int
+
+
+def row_spans(attention_mask: torch.Tensor) -> list[tuple[int, int]]:
+    """`[start, end)` of each row's real tokens; they must be one contiguous run (left pad, tokens, right pad)."""
+    mask = attention_mask.bool().cpu()
+    spans = []
+    for i, row in enumerate(mask):
+        idx = row.nonzero().flatten()
+        if idx.numel() == 0:
+            spans.append((0, 0))
+            continue
+        start, end = int(idx[0]), int(idx[-1]) + 1
+        if end - start != idx.numel():
+            raise ValueError(f"tree_forward: row {i}'s attention mask has a hole; rows must be pad/tokens/pad.")
+        spans.append((start, end))
+    return spans
+
+
+def _segment_ancestry(cu_q: torch.Tensor, kv_index: torch.Tensor, cu_k: torch.Tensor) -> tuple:
+    """Segment id of every packed token, and `anc[s, t]` = segment t lies on segment s's root path (or is s)."""
+    lengths = (cu_q[1:] - cu_q[:-1]).long()
+    seg_id = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    anc = torch.zeros(len(lengths), len(lengths), dtype=torch.bool)
+    for s in range(len(lengths)):
+        anc[s, seg_id[kv_index[cu_k[s] : cu_k[s + 1]]]] = True
+    return seg_id, anc
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, token_budget: int):
+    """Fold the rows into tries of at most `token_budget` unique tokens; see the module docstring."""
+    batch, width = input_ids.shape
+    prompt_width = width - logits_to_keep
+    spans = row_spans(attention_mask)
+    ids = input_ids.cpu()
+    tokens = [ids[i, s:e] for i, (s, e) in enumerate(spans)]
+    order = sorted((i for i in range(batch) if spans[i][1] > spans[i][0]), key=lambda i: tokens[i].tolist())
+    tries: list[tuple[TreeRow, list[int]]] = []
+    for i in order:
+        start, end = spans[i]
+        trained = torch.zeros(end - start, dtype=torch.long)
+        trained[max(prompt_width - start, 1) :] = 1  # completion positions; position 0 has no predecessor
+        sample = {
+            "input_ids": tokens[i],
+            "completion_mask": trained,
+            "old_log_probs": torch.zeros(end - start),
+            "advantage": 0.0,
+            "group_id": i,
+        }
+        if not tries or (tries[-1][1] and not tries[-1][0].fits(sample, token_budget)):
+            tries.append((TreeRow(), []))
+        tries[-1][0].add(sample)
+        tries[-1][1].append(i)
+    packs = []
+    for trie, rows in tries:
+        packed = trie.pack()
+        columns = []
+        for i in rows:
+            start, end = spans[i]
+            first = max(prompt_width - start, 1)
+            columns.append(i * logits_to_keep + torch.arange(start + first, end) - prompt_width)
+        flat_index = torch.cat(columns)
+        if flat_index.numel() != packed["token_index"].numel():
+            raise RuntimeError("tree_forward: trained targets and packed predictions disagree")
+        seg_id, seg_anc = _segment_ancestry(packed["tree_cu_seqlens_q"], packed["tree_kv_index"],
+                                            packed["tree_cu_seqlens_k"])  # fmt: skip
+        inputs = {
+            "input_ids": packed["input_ids"][None],
+            "position_ids": packed["position_ids"][None],
+            "shift_labels": packed["shift_labels"][None],
+            "tree_kv_index": packed["tree_kv_index"],
+            "tree_cu_seqlens_q": packed["tree_cu_seqlens_q"],
+            "tree_cu_seqlens_k": packed["tree_cu_seqlens_k"],
+            "tree_max_seqlens": packed["tree_max_seqlens"],
+            "tree_seg_id": seg_id,
+            "tree_seg_anc": seg_anc,
+        }
+        packs.append(TreePack(inputs, flat_index, packed["token_index"], len(trie.tokens)))
+    return packs
+
+
+def tree_logps_and_entropies(
+    model, input_ids, attention_mask, logits_to_keep, *, compute_entropy, token_budget, autocast=contextlib.nullcontext
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, int]]:
+    """Per-token log-probs and entropies `(B, C)` through the tree forward, plus the token counts it forwarded.
+
+    `autocast` makes one context per trie (e.g. `accelerator.autocast`). `model` must carry TRL's fused LM head
+    (`add_fused_lm_head`) and tree attention (`install_tree_attention`).
+    """
+    batch = input_ids.size(0)
+    device = input_ids.device
+    packs = pack_rows(input_ids, attention_mask, logits_to_keep, token_budget)
+    index, logps, entropies = [], [], []
+    for pack in packs:
+        inputs = {k: v.to(device) for k, v in pack.inputs.items()}
+        with autocast(), tree_forward_active():
+            out = model(**inputs, fused_lm_head=True)
+        source = pack.source.to(device)
+        index.append(pack.flat_index.to(device))
+        logps.append(out.log_probs[0].index_select(0, source))
+        if compute_entropy:
+            entropies.append(out.entropy[0].index_select(0, source))
+
+    def scatter(values):
+        flat = torch.zeros(batch * logits_to_keep, dtype=values[0].dtype if values else torch.float32, device=device)
+        if values:
+            flat = flat.index_put((torch.cat(index),), torch.cat(values))
+        return flat.view(batch, logits_to_keep)
+
+    counts = {"tree_tokens": sum(p.unique_tokens for p in packs), "row_tokens": int(input_ids.numel())}
+    return scatter(logps), scatter(entropies) if compute_entropy else None, counts
+
+
+def trainer_tree_forward(trainer, model, input_ids, attention_mask, logits_to_keep, compute_entropy, **kwargs):
+    """`APPOTrainer._get_per_token_logps_and_entropies` with `tree_forward`: TRL's return triple, and on the loss
+    pass (gradients on) the metric `tree/tokens_ratio` = tokens forwarded / tokens of the row-wise forward."""
+    unsupported = [k for k, v in kwargs.items() if v is not None and v is not False]
+    if unsupported:
+        raise ValueError(f"tree_forward=True does not support {unsupported} (multimodal or MoE inputs).")
+    logps, entropies, counts = tree_logps_and_entropies(
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        compute_entropy=compute_entropy,
+        token_budget=trainer.args.tree_token_budget,
+        autocast=trainer.accelerator.autocast,  # a fresh context per trie
+    )
+    if torch.is_grad_enabled():
+        mode = "train" if trainer.model.training else "eval"
+        trainer._metrics[mode]["tree/tokens_ratio"].append(counts["tree_tokens"] / max(counts["row_tokens"], 1))
+    return logps, entropies, None

@@ -1,0 +1,192 @@
+"""Row-wise against tree forward, side by side in one process (used by `bench/trainer.py`; runnable alone).
+
+One group per micro-batch, as `APPOTrainer` forms them with `tree_forward` (groups are shuffled, not rows), on a
+random Qwen3 model. For each workload and strategy shape the two forwards run interleaved on the same rows:
+
+- `tokens`: tokens sent through the model per step (row-wise: B x padded length, as TRL's forward; tree: unique
+  tokens of the tries), and their ratio (the `tree/tokens_ratio` the trainer logs);
+- `loss_step_s`: forward + backward of a policy-gradient loss over per-token logps and entropies (median);
+- `step_s`: TRL's no-grad old-logp pass + the loss step + an AdamW step (median);
+- `saved_mb`: bytes of the tensors autograd saves for the backward (distinct storages) during the loss forward,
+  the activation memory that sets a training step's peak on top of weights and optimizer state. It is measured
+  in-process and is deterministic, unlike RSS on a shared machine.
+
+Workloads (rows are synthetic token ids; the forward cost does not depend on their values):
+- (a) paper-shaped: prompt 1,536 tokens, n = 16, completions of about 512 tokens holding two tool results of 64
+  tokens; GRPO (16 independent rows) and ARPO (8 roots; 8 branches, each copying its parent up to the end of its
+  first or second tool result); hidden 512, 4 layers.
+- (b) the demo's shape: prompt 200 tokens, n = 4, completions up to 96 tokens with two tool results of 12 tokens,
+  GRPO and ARPO (2 roots + 2 branches); the demo's model (hidden 128, 2 layers, vocab 512).
+`--quick` shrinks (a) to prompt 192, completions 64, hidden 64, 2 layers, so `make test` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+
+def group_rows(strategy: str, prompt_len: int, n: int, completion_len: int, tool_len: int, vocab: int, seed: int):
+    """One group of (prompt, completion) token lists; ARPO branches share their parent up to a tool result."""
+    rng = random.Random(seed)
+    tok = lambda k: [rng.randrange(4, vocab) for _ in range(k)]  # noqa: E731
+    prompt = tok(prompt_len)
+    seg = (completion_len - 2 * tool_len) // 3
+
+    def root():
+        return tok(seg) + tok(tool_len) + tok(seg) + tok(tool_len) + tok(completion_len - 2 * tool_len - 2 * seg)
+
+    if strategy == "grpo":
+        return [(prompt, root()) for _ in range(n)]
+    roots = [root() for _ in range(n // 2)]
+    branches = []
+    for j in range(n - n // 2):
+        parent = roots[j % len(roots)]
+        cut = (seg + tool_len) if j % 2 == 0 else (2 * seg + 2 * tool_len)  # after the 1st / 2nd tool result
+        branches.append(parent[:cut] + tok(rng.randint(completion_len - cut - seg // 2, completion_len - cut)))
+    return [(prompt, c) for c in roots + branches]
+
+
+def trl_layout(rows):
+    width_p, width_c = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
+    ids = torch.zeros(len(rows), width_p + width_c, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(rows):
+        ids[i, width_p - len(p) : width_p], mask[i, width_p - len(p) : width_p] = torch.tensor(p), 1
+        ids[i, width_p : width_p + len(c)], mask[i, width_p : width_p + len(c)] = torch.tensor(c), 1
+    return ids, mask, width_c
+
+
+def build_model(hidden: int, layers: int, vocab: int, max_len: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from appo_trl.trainer.tree_attention import install_tree_attention
+
+    heads = max(1, hidden // 64)
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads,
+                         max_position_embeddings=max_len, attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).float()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    install_tree_attention(model)  # the row-wise path (no tree kwargs) runs plain SDPA through it
+    return model
+
+
+def forward(model, ids, mask, c, tree: bool, entropy: bool):
+    from appo_trl.trainer.tree import tree_logps_and_entropies
+
+    if tree:
+        logps, ent, _ = tree_logps_and_entropies(
+            model, ids, mask, c, compute_entropy=entropy, token_budget=1 << 20, autocast=contextlib.nullcontext
+        )
+        return logps, ent
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :-c] = -100
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    return out.log_probs[:, -c:], (out.entropy[:, -c:] if entropy else None)
+
+
+def saved_bytes(model, fn) -> tuple[int, object]:
+    """Bytes of the distinct storages, parameters excluded, that autograd saves for the backward while `fn` runs."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def measure(model, rows, repeats: int) -> dict:
+    ids, mask, c = trl_layout(rows)
+    mask_c = mask[:, -c:].float()
+    adv = torch.randn(len(rows), 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    from appo_trl.trainer.tree import pack_rows
+
+    tree_tokens = sum(p.unique_tokens for p in pack_rows(ids, mask, c, 1 << 20))
+
+    def loss_step(tree):
+        logps, ent = forward(model, ids, mask, c, tree, entropy=True)
+        loss = -((logps * adv + 1e-3 * ent) * mask_c).sum() / mask_c.sum()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def step(tree):
+        with torch.no_grad():
+            forward(model, ids, mask, c, tree, entropy=False)
+        logps, ent = forward(model, ids, mask, c, tree, entropy=True)
+        (-((logps * adv) * mask_c).sum() / mask_c.sum()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    out = {"tokens_row": int(ids.numel()), "tokens_tree": tree_tokens, "tokens_ratio": tree_tokens / ids.numel()}
+    for name, fn in (("loss_step_s", loss_step), ("step_s", step)):
+        times = {False: [], True: []}
+        for i in range(repeats):
+            for tree in (False, True) if i % 2 == 0 else (True, False):
+                t0 = time.perf_counter()
+                fn(tree)
+                times[tree].append(time.perf_counter() - t0)
+        out[f"{name}_row"], out[f"{name}_tree"] = (statistics.median(times[k]) for k in (False, True))
+        out[f"{name}_ratio"] = out[f"{name}_tree"] / out[f"{name}_row"]
+    for tree in (False, True):
+        nbytes, (logps, _) = saved_bytes(model, lambda t=tree: forward(model, ids, mask, c, t, entropy=True))
+        out[f"saved_mb_{'tree' if tree else 'row'}"] = nbytes / 2**20
+        del logps
+    out["saved_mb_ratio"] = out["saved_mb_tree"] / out["saved_mb_row"]
+    return out
+
+
+WORKLOADS = {  # prompt, n, completion, tool result, hidden, layers, vocab
+    "a": (1536, 16, 512, 64, 512, 4, 8192),
+    "a_quick": (192, 8, 64, 8, 64, 2, 512),
+    "b": (200, 4, 96, 12, 128, 2, 512),
+}
+
+
+def tree_figures(quick: bool) -> dict:
+    """`{workload}_{strategy}_{figure}` for workloads (a) (scaled down with `quick`) and (b), GRPO and ARPO."""
+    figures = {}
+    for workload in ("a_quick" if quick else "a", "b"):
+        prompt, n, comp, tool, hidden, layers, vocab = WORKLOADS[workload]
+        model = build_model(hidden, layers, vocab, prompt + comp + 8)
+        for strategy in ("grpo", "arpo"):
+            rows = group_rows(strategy, prompt, n, comp, tool, vocab, seed=1)
+            result = measure(model, rows, repeats=1 if quick or workload == "a" else 3)
+            figures.update({f"tree_{workload}_{strategy}_{k}": v for k, v in result.items()})
+    return figures
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="workload (a) scaled down (prompt 192, completion 64)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object of the figures as the last line")
+    opts = ap.parse_args(argv)
+    figures = tree_figures(opts.quick)
+    for k, v in figures.items():
+        print(f"{k:44s} {v:.4f}" if isinstance(v, float) else f"{k:44s} {v}")
+    if opts.json:
+        print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""The tree forward is exact: against the row-by-row forward (float32, CPU, 1e-5) for logps, entropies and every
+parameter's gradient, on tiny Qwen2, Qwen3 and Llama models, with SDPA and eager attention.
+
+Cases (each is a batch in TRL's layout: left-padded prompts, right-padded completions):
+- `first`: a group whose rows diverge at the first completion token (the prompt-to-first-completion transition:
+  the last prompt token predicts a different token per row; a stored-once prompt that scores only one of them is
+  the NeMo Automodel trap);
+- `tool`: rows that share a completion prefix through a tool-result span and diverge right after it (ARPO's branch
+  point at a tool-result boundary);
+- `last`: rows that differ only in their last token (the leaf; AReaL #1308 scored an extra logprob there);
+- `identical`: identical rows; `disjoint`: rows that share nothing; `mixed`: all of them and two prompt lengths.
+Plus gradient checkpointing (reentrant and not: AReaL #889), LoRA, a token budget that splits the batch, and the
+packer's own bookkeeping (no label on a leaf, first completion token scored).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from appo_trl.trainer.tree import pack_rows, tree_logps_and_entropies
+from appo_trl.trainer.tree_attention import install_tree_attention
+
+TOL = 1e-5
+P = [1, 2, 3, 4, 5, 6]  # a prompt
+TOOL = [30, 31, 32]  # a tool-result span (masked in the loss, shared in the forward)
+CASES = {
+    "first": [(P, [7, 8, 9, 10]), (P, [11, 8, 9]), (P, [12, 13, 14, 15, 16])],
+    "tool": [(P, [7, 8, *TOOL, 9, 10]), (P, [7, 8, *TOOL, 17, 18, 19]), (P, [7, 8, *TOOL, 9, 20])],
+    "last": [(P, [7, 8, 9, 10]), (P, [7, 8, 9, 11]), (P, [7, 8, 9, 12])],
+    "identical": [(P, [7, 8, 9, 10])] * 3,
+    "disjoint": [([1, 2, 3], [4, 5, 6]), ([9, 8], [7, 6, 5, 4]), ([40, 41, 42, 43], [44])],
+    "mixed": [
+        (P, [7, 8, *TOOL, 9, 10]),
+        (P, [7, 8, *TOOL, 9, 10]),
+        (P, [11, 8]),
+        ([5, 6], [7, 8, 9, 10, 11, 12, 13, 14]),
+        ([5, 6], [7, 8, 9, 10, 11, 12, 13, 15]),
+        ([44, 45, 46], [1]),
+    ],
+}
+
+
+def tiny(arch: str, attn: str = "sdpa", seed: int = 0):
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+    from trl.trainer.utils import add_fused_lm_head
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, attn_implementation=attn)  # fmt: skip
+    config, cls = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    model = cls(config(**common)).float()
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    return model
+
+
+def batch(rows):
+    width_p = max(len(p) for p, _ in rows)
+    width_c = max(len(c) for _, c in rows)
+    ids = torch.zeros(len(rows), width_p + width_c, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(rows):
+        ids[i, width_p - len(p) : width_p], mask[i, width_p - len(p) : width_p] = torch.tensor(p), 1
+        ids[i, width_p : width_p + len(c)], mask[i, width_p : width_p + len(c)] = torch.tensor(c), 1
+    return ids, mask, width_c
+
+
+def rowwise(model, ids, mask, c):
+    """TRL's row-by-row body of `_get_per_token_logps_and_entropies`."""
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :-c] = -100
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    return out.log_probs[:, -c:], out.entropy[:, -c:]
+
+
+def tree(model, ids, mask, c, budget=10_000):
+    install_tree_attention(model)
+    logps, ent, _ = tree_logps_and_entropies(
+        model, ids, mask, c, compute_entropy=True, token_budget=budget, autocast=contextlib.nullcontext
+    )
+    return logps, ent
+
+
+def grads(model, logps, ent, mask_c):
+    weights = torch.linspace(-1.0, 1.0, logps.numel()).view_as(logps) * mask_c
+    model.zero_grad()
+    ((logps * weights).sum() + 0.3 * (ent * weights.flip(0)).sum()).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_exact(model, rows, budget=10_000, grad=True):
+    ids, mask, c = batch(rows)
+    mask_c = mask[:, -c:].float()
+    lr, er = rowwise(model, ids, mask, c)
+    g_row = grads(model, lr, er, mask_c) if grad else {}
+    lt, et = tree(model, ids, mask, c, budget)
+    g_tree = grads(model, lt, et, mask_c) if grad else {}
+    torch.testing.assert_close(lt, lr * mask_c, atol=TOL, rtol=0)
+    torch.testing.assert_close(et, er * mask_c, atol=TOL, rtol=0)
+    assert set(g_tree) == set(g_row) and g_row
+    for name in g_row:
+        torch.testing.assert_close(g_tree[name], g_row[name], atol=TOL, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_tree_forward_matches_rowwise(arch, case):
+    assert_exact(tiny(arch), CASES[case])
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_tree_forward_eager_attention(arch):
+    assert_exact(tiny(arch, attn="eager"), CASES["mixed"])
+
+
+def test_token_budget_splits_into_several_tries_and_stays_exact():
+    ids, mask, c = batch(CASES["mixed"])
+    assert len(pack_rows(ids, mask, c, token_budget=14)) > 1
+    assert_exact(tiny("qwen3"), CASES["mixed"], budget=14)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing(reentrant):
+    model = tiny("qwen3")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    assert_exact(model, CASES["mixed"])
+
+
+def test_lora():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        tiny("qwen2"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    assert_exact(model, CASES["mixed"])
+
+
+def test_generation_outside_the_tree_forward_is_unchanged():
+    model = tiny("qwen3")
+    ids, mask, c = batch(CASES["mixed"])
+    before = rowwise(model, ids, mask, c)[0]
+    install_tree_attention(model)
+    assert model.config._attn_implementation == "appo_tree:sdpa"
+    torch.testing.assert_close(rowwise(model, ids, mask, c)[0], before, atol=0, rtol=0)
+
+
+def test_packer_scores_every_completion_token_and_no_leaf():
+    """Shared prompt of 6 tokens, 3 rows diverging at the first completion token: the last prompt token is forwarded
+    once per distinct first completion token (3 times), every completion token is scored once, leaves predict
+    nothing. Unique tokens: 5 shared prompt tokens + 3 x (last prompt token + completion) = 5 + 3 + 4 + 3 + 5 = 20."""
+    ids, mask, c = batch(CASES["first"])
+    (pack,) = pack_rows(ids, mask, c, token_budget=10_000)
+    assert pack.unique_tokens == 20 == pack.inputs["input_ids"].numel()
+    assert pack.flat_index.tolist() == [0, 1, 2, 3, c + 0, c + 1, c + 2, 2 * c + 0, 2 * c + 1, 2 * c + 2, 2 * c + 3,
+                                        2 * c + 4]  # fmt: skip
+    labels = pack.inputs["shift_labels"][0]
+    first_tokens = sorted(labels[pack.source[[0, 4, 7]]].tolist())
+    assert first_tokens == [7, 11, 12]  # each first completion token is predicted by its own copy of the prompt end
+    # 12 labelled positions of 20: the 8 without a label are the 5 shared prompt tokens that predict prompt tokens
+    # and the 3 leaves (each row's last token predicts nothing)
+    assert (labels != -100).sum().item() == 12
+
+
+def test_bad_input_fails_with_one_clear_line(tmp_path):
+    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.trainer.tree import row_spans
+
+    with pytest.raises(ValueError, match="tree_token_budget=0 must be >= 1"):
+        APPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", tree_token_budget=0)
+    with pytest.raises(ValueError, match="row 1's attention mask has a hole"):
+        row_spans(torch.tensor([[0, 1, 1], [1, 0, 1]]))
+    assert row_spans(torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]])) == [(1, 3), (0, 4)]
