@@ -84,6 +84,7 @@ class ReplicaSet:
         self.num_resent = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.router_process = None  # the `VLLMRouter` appo started, stopped by `close`
 
     # ---- state
     def up(self) -> list[str]:
@@ -179,10 +180,14 @@ class ReplicaSet:
                 logger.warning("replica health check failed: %s: %s", type(exc).__name__, exc)
 
     def close(self) -> None:
+        """Stop the monitor, and the router when appo started it."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        if self.router_process is not None:
+            self.router_process.stop()
+        _REGISTRY.pop(self.router_url, None)
 
     def metrics(self) -> dict[str, float]:
         now = time.monotonic()
