@@ -19,7 +19,10 @@ one sequence), `max_num_seqs` (at most K sequences decoding at once, the rest qu
 on a busy GPU; None = unlimited), `extra_delay_s` (slow server), `fail_next` (answer the next N completion
 requests with HTTP 500), `abort_next` (answer the next N with `finish_reason: "abort"` and half the tokens, as
 a real server does on `POST /pause` or shutdown), `reject_next` (answer the next N with HTTP 400 and a vLLM
-error body) and `stop()` (server down).
+error body), `fail_rpc_next` (answer the next N `POST /collective_rpc` with HTTP 500), `stop()` (server down) and
+`kill()` (a crash: every open connection is cut, in-flight requests get no answer). `sessions` records each
+completion request's `X-Session-ID` header (None without one); `start()` reuses `port` when it is set (a
+replica restarting at its URL).
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ class FakeVLLMServer:
         self.abort_next, self.reject_next, self.reject_message = abort_next, reject_next, reject_message
         self.max_model_len, self.device = max_model_len, device
         self.rpc_calls: list[dict[str, Any]] = []
+        self.sessions: list[str | None] = []
+        self.fail_rpc_next = 0
         self.events: list[str] = []
         self._pieces = PieceDecoder(tokenizer) if tokenizer is not None else None
         self.decode_step_s, self.max_num_seqs = decode_step_s, max_num_seqs
@@ -162,6 +167,9 @@ class FakeVLLMServer:
         @app.post("/collective_rpc")
         async def collective_rpc(request: Request):
             body = await request.json()
+            if self.fail_rpc_next > 0:
+                self.fail_rpc_next -= 1
+                return JSONResponse({"error": {"message": "injected rpc failure", "code": 500}}, status_code=500)
             self.rpc_calls.append(body)
             self.events.append(f"rpc:{body.get('method')}")
             return JSONResponse({"results": [None]})
@@ -170,6 +178,7 @@ class FakeVLLMServer:
         async def completions(request: Request):
             body = await request.json()
             self.bodies.append(body)
+            self.sessions.append(request.headers.get("x-session-id"))
             self.events.append("completion")
             if self.fail_next > 0:
                 self.fail_next -= 1
@@ -273,10 +282,16 @@ class FakeVLLMServer:
         }  # fmt: skip
 
     def start(self) -> FakeVLLMServer:
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="error", access_log=False,
-                                lifespan="off", timeout_keep_alive=30)  # fmt: skip
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port or 0, log_level="error",
+                                access_log=False, lifespan="off", timeout_keep_alive=30)  # fmt: skip
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="fake-vllm", daemon=True)
+        self._loop = asyncio.new_event_loop()
+
+        def run():
+            asyncio.set_event_loop(self._loop)
+            self._loop.run_until_complete(self._server.serve())
+
+        self._thread = threading.Thread(target=run, name="fake-vllm", daemon=True)
         self._thread.start()
         while not self._server.started:
             if not self._thread.is_alive():
@@ -290,6 +305,24 @@ class FakeVLLMServer:
             self._server.should_exit = True
             self._thread.join(timeout=10)
             self._server = None
+
+    def kill(self) -> None:
+        """A crash: stop listening and cut every open connection at once (no answer to in-flight requests)."""
+        server = self._server
+        if server is None:
+            return
+
+        def abort():  # as the kernel does for a dead process: no more accepts, every connection reset
+            for listener in server.servers:
+                listener.close()
+            for conn in list(server.server_state.connections):
+                if conn.transport is not None:
+                    conn.transport.abort()
+            server.should_exit = server.force_exit = True
+
+        self._loop.call_soon_threadsafe(abort)
+        self._thread.join(timeout=10)
+        self._server = None
 
     def __enter__(self) -> FakeVLLMServer:
         return self.start()

@@ -131,14 +131,29 @@ class ReplicaSet:
             self.down_since[url] = time.monotonic()
             self.last_error[url] = error
             self.num_down_events += 1
-        try:
-            self.router.remove_worker(url)
-        except RouterError as exc:  # the router keeps health-checking it; it still never gets new weights
-            logger.warning("could not remove %s from the router: %s", url, exc)
+        self._remove_from_router(url)
         left = len(self.up())
         logger.warning(
             "vLLM replica %s is down (%s): out of the router; %d of %d replicas serve the round. It rejoins after "
             "it is healthy and has the current weights.", url, error, left, len(self.urls),
+        )  # fmt: skip
+
+    def _remove_from_router(self, url: str, attempts: int = 5) -> None:
+        for _ in range(attempts):  # checked: the router must stop sending it requests
+            try:
+                self.router.remove_worker(url)
+                if url not in self.router.list_workers():
+                    return
+            except RouterError as exc:
+                last = exc
+            else:
+                last = "it still lists it"
+            time.sleep(0.2)
+        # the router then only skips it while its own health check fails: a replica that restarts before the
+        # next weight sync could get requests with its old weights; say so
+        logger.warning(
+            "could not remove %s from the router %s (%s): if it restarts before the next weight sync, the "
+            "router may send it requests while it holds old weights", url, self.router_url, last,
         )  # fmt: skip
 
     def rejoin(self, url: str) -> float:

@@ -21,6 +21,7 @@ and `appo_trl.trainer.weight_sync` do), or start vLLM servers.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import socket
@@ -115,6 +116,7 @@ class VLLMRouter:
         self.policy, self.host, self.port = policy, host, port
         self.request_timeout_s, self.startup_timeout_s = request_timeout_s, startup_timeout_s
         self.log_path = log_path
+        self._own_log = log_path is None
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -167,6 +169,7 @@ class VLLMRouter:
             return f"log {self.log_path}"
 
     def stop(self) -> None:
+        """Stop the router (terminate, then kill after 10 s); remove the log file appo created for it."""
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -175,6 +178,9 @@ class VLLMRouter:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+        if proc is not None and self._own_log and self.log_path:
+            with contextlib.suppress(OSError):
+                os.remove(self.log_path)
 
     def __enter__(self) -> VLLMRouter:
         return self.start()
