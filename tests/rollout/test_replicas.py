@@ -16,7 +16,7 @@ import time
 import pytest
 
 from appo_trl.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from appo_trl.rollout.replicas import ReplicaBackend, ReplicaSet, ReplicasDownError, parse_server_urls
+from appo_trl.rollout.replicas import ReplicaBackend, ReplicasDownError, ReplicaSet, parse_server_urls
 from appo_trl.rollout.router import RouterClient, RouterError, VLLMRouter, router_executable
 from appo_trl.rollout.vllm_server import VLLMServerBackend
 from bench.fake_vllm import FakeVLLMServer, ScriptedPolicy
