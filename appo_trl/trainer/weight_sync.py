@@ -30,7 +30,7 @@ starts vLLM's router in front of the list (`appo_trl.rollout.router`) and a `Rep
   A replica that is down and answers `/health` again gets the weights and the reset first, then rejoins the
   router (`ReplicaSet.rejoin`, its dead time logged);
 - NCCL route (`ReplicatedNCCLSync`): TRL's `VLLMClient` per replica, each with its own NCCL group
-  (`vllm_server_group_port + i`), the weights broadcast to each in turn, then its prefix-cache reset. A
+  (`vllm_group_port + i`), the weights broadcast to each in turn, then its prefix-cache reset. A
   replica that fails stops the run with its URL. A replica that died cannot rejoin on this route (its NCCL
   group would have to be rebuilt): the run stops at the next sync, naming it.
 
