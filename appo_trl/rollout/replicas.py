@@ -12,10 +12,12 @@ commas or spaces). `ReplicaSet` holds the replicas behind one `vllm-router` (`ap
   time is logged and counted (`metrics()`).
 
 `ReplicaBackend` wraps the `VLLMServerBackend` that talks to the router: a request that fails with a server
-error (a replica died under it: connection reset, the router's 5xx) is sent again, whole (prompt and every
-earlier turn: the prefix is part of the request), once the set has at least one replica up, until
-`timeout_s` after its first attempt; each request still yields exactly one segment, so no row is lost or
-doubled. When every replica is down it raises `ReplicasDownError` at once, naming each URL.
+error (connection reset, the router's 5xx) after the backend's own retries is checked against the replicas'
+health: when a replica was found down meanwhile (it died under the request), the request is sent again, whole
+(prompt and every earlier turn: the prefix is part of the request), until `timeout_s` after its first
+attempt; when every replica still answers, the error is the server's own and is raised. Each request yields
+exactly one segment, so no row is lost or doubled. When every replica is down it raises `ReplicasDownError`
+at once, naming each URL.
 
 What it does not do: route (the router does), start or restart vLLM servers, or sync weights.
 """
@@ -76,6 +78,7 @@ class ReplicaSet:
         self.auto_rejoin = auto_rejoin
         self._lock = threading.Lock()
         self._failures = dict.fromkeys(self.urls, 0)
+        self._leaving: set[str] = set()  # being removed from the router
         self.down_since: dict[str, float] = {}  # url -> time.monotonic() it was found down
         self.last_error: dict[str, str] = {}
         self.dead_time_s = dict.fromkeys(self.urls, 0.0)
@@ -124,14 +127,18 @@ class ReplicaSet:
                 self.mark_down(url, error)
 
     def mark_down(self, url: str, error: str) -> None:
-        """Take `url` out of the router; it stays out until `rejoin` (after a weight sync)."""
+        """Take `url` out of the router; then it is down, until `rejoin` (after a weight sync)."""
         with self._lock:
-            if url in self.down_since:
+            if url in self.down_since or url in self._leaving:
                 return
-            self.down_since[url] = time.monotonic()
+            self._leaving.add(url)
+        found = time.monotonic()
+        self._remove_from_router(url)
+        with self._lock:
+            self._leaving.discard(url)
+            self.down_since[url] = found
             self.last_error[url] = error
             self.num_down_events += 1
-        self._remove_from_router(url)
         left = len(self.up())
         logger.warning(
             "vLLM replica %s is down (%s): out of the router; %d of %d replicas serve the round. It rejoins after "
@@ -258,20 +265,24 @@ class ReplicaBackend:
         while True:
             if not self.replicas.up():
                 raise self._all_down()
+            downs = self.replicas.num_down_events
             try:
                 return await self.backend.generate(prompt_ids, params)
             except VLLMRequestError:
                 raise
             except VLLMServerError as exc:
-                # a replica died under the request (or the router could not reach it): find out who, resend
-                await asyncio.to_thread(self.replicas.check)
+                # did a replica die under the request? poll until it is found down (or every replica answers)
+                for _ in range(self.replicas.failures_to_down):
+                    await asyncio.to_thread(self.replicas.check)
+                    if self.replicas.num_down_events > downs:
+                        break
+                    await asyncio.sleep(self.replicas.health_interval_s)
                 if not self.replicas.up():
                     raise self._all_down() from exc
-                if time.monotonic() > deadline:
-                    raise
+                if self.replicas.num_down_events == downs or time.monotonic() > deadline:
+                    raise  # every replica still answers: the server's own error, already retried
                 self.replicas.num_resent += 1
                 logger.info("resending a request after %s (replicas up: %s)", exc, self.replicas.up())
-                await asyncio.sleep(self.replicas.health_interval_s)
 
     async def health(self) -> bool:
         return await self.backend.health()

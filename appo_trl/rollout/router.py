@@ -130,6 +130,8 @@ class VLLMRouter:
             "--request-timeout-secs", str(int(self.request_timeout_s)),
             "--worker-startup-timeout-secs", str(int(self.startup_timeout_s)),
             "--health-check-interval-secs", "2", "--log-level", "warning",
+            # its Prometheus exporter has a fixed default port: two routers on one host would collide
+            "--prometheus-host", self.host, "--prometheus-port", str(free_port(self.host)),
         ]  # fmt: skip
 
     def start(self) -> VLLMRouter:

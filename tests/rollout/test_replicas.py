@@ -18,7 +18,7 @@ import pytest
 from appo_trl.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from appo_trl.rollout.replicas import ReplicaBackend, ReplicasDownError, ReplicaSet, parse_server_urls
 from appo_trl.rollout.router import RouterClient, RouterError, VLLMRouter, router_executable
-from appo_trl.rollout.vllm_server import VLLMServerBackend
+from appo_trl.rollout.vllm_server import VLLMServerBackend, VLLMServerError
 from bench.fake_vllm import FakeVLLMServer, ScriptedPolicy
 from tests.rollout.conftest import ScriptedTool, generate_once
 
@@ -146,12 +146,12 @@ def test_replica_killed_mid_round_resends_and_completes(pair, enc, caplog):
         start = time.monotonic()
         groups = engine.run(engine.rollout([enc(f"question {i}") for i in range(8)], 4, seed=2))
         took = time.monotonic() - start
-    killer.join()
+        killer.join()
+        _wait_down(replicas, victim.url)  # (the router may have moved its requests before the monitor saw it)
     rows = [t for g in groups for t in g]
     assert [len(g) for g in groups] == [4] * 8 and len({t.uid for t in rows}) == 32  # nothing lost or doubled
     assert all(t.finish_reason == "eos" and len(t.tool_calls) == 1 for t in rows)  # every row whole
     assert killed["in_flight_sessions"] <= _sessions(survivor)  # the dead replica's trees finished elsewhere
-    _wait_down(replicas, victim.url)
     assert replicas.down() == [victim.url] and RouterClient(replicas.router_url).list_workers() == [survivor.url]
     m = engine.metrics()
     assert m["replicas/up"] == 1 and m["replicas/down_events"] == 1 and m["replicas/dead_time_s"] > 0
@@ -195,3 +195,17 @@ def test_all_replicas_down_is_one_clear_error_within_the_timeout(pair, enc):
     assert time.monotonic() - start < 30  # the backend's timeout_s
     msg = str(err.value)
     assert msg.startswith("all 2 vLLM replicas behind the router") and all(s.url in msg for s in servers)
+
+
+@needs_router
+def test_a_server_error_with_every_replica_up_is_raised_not_resent(pair, enc):
+    """Resending is for a replica that died; a 5xx from healthy replicas is the backend's error, raised."""
+    servers, make = pair
+    engine, replicas = make()
+    for s in servers:
+        s.fail_next = 100
+    start = time.monotonic()
+    with pytest.raises(VLLMServerError, match="failed after 3 attempts") as err:
+        generate_once(engine.backend, enc("question"), SamplingParams(max_tokens=8, seed=1, session_id="t"))
+    assert not isinstance(err.value, ReplicasDownError) and replicas.down() == [] and replicas.num_resent == 0
+    assert time.monotonic() - start < 15
