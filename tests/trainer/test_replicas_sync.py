@@ -191,3 +191,26 @@ def test_nccl_route_syncs_every_replica_in_turn(tiny_model_path, tiny_tokenizer,
     bad = ReplicatedNCCLSync(replica_urls=["http://r0:8000", "http://bad:8000"], **kw)
     with pytest.raises(WeightSyncError, match="vLLM replica http://bad:8000 did not take the new weights"):
         bad.sync_weights()
+
+
+@needs_router
+def test_a_router_the_user_runs_is_read_for_its_replicas(two_servers):
+    """One URL that answers the router's `GET /list_workers`: its workers are the replicas; a plain server is not."""
+    from types import SimpleNamespace
+
+    from appo_trl.rollout.replicas import replica_set_for
+    from appo_trl.rollout.router import VLLMRouter
+    from appo_trl.trainer.weight_sync import prepare_replicas
+
+    a, b = two_servers
+    with VLLMRouter([a.url, b.url]) as router:
+        args = SimpleNamespace(vllm_server_base_url=router.url, vllm_server_timeout=30, vllm_router_policy="x",
+                               vllm_router_port=None)  # fmt: skip
+        replicas = prepare_replicas(args)
+        try:
+            assert sorted(replicas.urls) == sorted([a.url, b.url]) and replica_set_for(router.url) is replicas
+            assert args.vllm_server_base_url == router.url and replicas.router_process is None  # not ours to stop
+        finally:
+            replicas.close()
+        assert router.proc.poll() is None
+    assert prepare_replicas(SimpleNamespace(vllm_server_base_url=a.url, vllm_server_timeout=30)) is None
