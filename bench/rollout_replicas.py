@@ -33,6 +33,12 @@ def counter(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
+def mid_sampled(traj) -> int:
+    """The middle one of the positions the policy sampled (a branch point never inside a tool result)."""
+    sampled = [i for i, m in enumerate(traj.loss_mask) if m]
+    return sampled[len(sampled) // 2] if sampled else 0
+
+
 def _quantile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else math.nan
@@ -58,7 +64,7 @@ def run_policy(policy: str, urls: list[str], tok, prompts, n: int, seed: int, sc
         try:
             t0 = time.perf_counter()
             rows = [t for g in engine.run(engine.rollout(prompts, n, seed=seed)) for t in g]
-            engine.run(engine.branch_many([(t, len(t.completion_ids) // 2) for t in rows], seed=seed + 1))
+            engine.run(engine.branch_many([(t, mid_sampled(t)) for t in rows], seed=seed + 1))
             wall = time.perf_counter() - t0
             m = engine.metrics()
         finally:

@@ -25,6 +25,7 @@ from appo_trl.rollout.replicas import ReplicaBackend, ReplicaSet
 from appo_trl.rollout.router import VLLMRouter
 from appo_trl.rollout.vllm_server import VLLMServerBackend
 from appo_trl.trainer.weight_sync import DevClient
+from bench.rollout_replicas import mid_sampled
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def _workload(engine, prompts):
     """A seeded tree workload: each prompt sampled 4 times, then every row branched at its middle."""
     groups = engine.run(engine.rollout(prompts, 4, seed=11))
     rows = [t for g in groups for t in g]
-    engine.run(engine.branch_many([(t, len(t.completion_ids) // 2) for t in rows], seed=12))
+    engine.run(engine.branch_many([(t, mid_sampled(t)) for t in rows], seed=12))
     return rows
 
 
