@@ -2,11 +2,12 @@
 
 For each router policy (default: `consistent_hash`, then `round_robin`), on the same seeded workload:
 every replica's prefix cache is reset, `vllm-router` is started in front of the replicas with that policy,
-and the rollout engine (through `ReplicaBackend`, every request carrying its tree id as `X-Session-ID`, at most 4
-requests in flight) runs `--prompts` prompts x `--n` trajectories with scripted tool calls (`ScriptedCalls` of bench/rollout.py: the
-servers decode for real, the call decisions come from each request's seed), then one branch per trajectory at
-the middle of its completion (a branch re-sends its parent's prefix). Reported per policy: wall time, tokens/s,
-request latency p50/p95, prefix-cache hit rate (`vllm:prefix_cache_hits_total` / `..._queries_total`, summed
+and the rollout engine (through `ReplicaBackend`, every request carrying its tree id as `X-Session-ID`, at
+most 4 requests in flight) runs `--prompts` prompts x `--n` trajectories with scripted tool calls
+(`ScriptedCalls` of bench/rollout.py: the servers decode for real, the call decisions come from each request's
+seed), then one branch per trajectory at the middle of its sampled tokens (a branch re-sends its parent's
+prefix). Reported per policy: wall time, tokens/s, request latency p50/p95, prefix-cache hit rate
+(`vllm:prefix_cache_hits_total` / `..._queries_total`, summed
 over the replicas' own `/metrics`), and the requests each replica served; then the ratio of cache hits.
 
 On a 2-core machine the tokens/s are not a scaling figure (both replicas share the cores); the hit-rate ratio
