@@ -1,5 +1,5 @@
 # appo-trl developer commands. `make test` and `make demo` create .venv when it is missing.
-.PHONY: install test test-fast test-vllm install-vllm demo study bench quality clean
+.PHONY: install test test-fast test-vllm install-vllm demo study study-full bench quality clean
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -69,6 +69,11 @@ demo: install
 # GRPO vs ARPO vs AEPO vs APPO from one SFT checkpoint, 3 seeds (docs/study.md); about 35 minutes on 2 cores
 study: install
 	$(VENV)/bin/appo study
+
+# the papers' shape: n = 16 with 8 initial rollouts, the chain family, the reference presets (many hours on CPU;
+# resumes from outputs/study-full/study.json, so it can run in parts)
+study-full: install
+	$(VENV)/bin/appo study --full --workdir outputs/study-full
 
 bench: install
 	$(PY) bench/tools.py

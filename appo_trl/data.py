@@ -32,6 +32,11 @@ Any column may be a dotted path into a struct column (`answer_column: reward_mod
 A missing column is an error naming the column, the source and the columns found. A local path that does not
 exist, an empty data file or an empty split is a `DataError` naming it (never a Hub lookup of a local path).
 
+Bad rows are found while loading, before the model loads, each reported in one line naming the file and the row
+(`appo_trl.configs.rows`): a JSON line that is malformed or not UTF-8, a `null` or empty prompt, and, given the
+tokenizer and the model's limit, a prompt of more tokens than the sampler can take. With `skip_bad_rows: true`
+such rows are dropped instead, counted and logged per file.
+
 SFT rows (`load_sft_dataset`) come out as `messages`; LLaMA-Factory sharegpt records (`system`,
 `conversations: [{from, value}]`, ARPO-SFT's format) are converted by `sharegpt_to_messages`.
 
@@ -50,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from appo_trl.configs.errors import DataError
+from appo_trl.configs.rows import find_bad_prompts, scan_json_file
 
 DATA_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 ARPO_ANSWER_PATH = "reward_model.ground_truth"
@@ -126,8 +132,12 @@ def parse_sources(spec: str | Mapping | Sequence | None) -> list[DataSource]:
     return sources
 
 
-def load_source(path: str, split: str = "train", config_name: str | None = None):
-    """Load one split of one source (Hub id, data file or folder) as a `datasets.Dataset`."""
+def load_source(path: str, split: str = "train", config_name: str | None = None, skip_bad_rows: bool = False):
+    """Load one split of one source (Hub id, data file or folder) as a `datasets.Dataset`.
+
+    A JSON / JSON-lines file is checked line by line first (`scan_json_file`): malformed or non-UTF-8 lines are a
+    `DataError` naming the line, or are dropped with `skip_bad_rows`.
+    """
     import datasets
 
     expanded = os.path.expanduser(path)
@@ -142,6 +152,8 @@ def load_source(path: str, split: str = "train", config_name: str | None = None)
             )
         if builder == "json" and not _has_content(expanded):
             raise DataError(f"Dataset file {path!r} is empty (no records).")
+        if builder == "json":
+            expanded = scan_json_file(expanded, skip_bad_rows)
         ds = datasets.load_dataset(builder, data_files=expanded, split="train")
     elif os.path.isdir(expanded) or _looks_local(path):
         if not os.path.isdir(expanded):
@@ -189,13 +201,14 @@ def load_mixture(
     config_name: str | None = None,
     convert=None,
     seed: int = MIXTURE_SEED,
+    skip_bad_rows: bool = False,
 ):
     """Load, convert (`convert(dataset, source_path) -> Dataset`), subsample by weight, concatenate, shuffle."""
     import datasets
 
     parts = []
     for source in sources:
-        ds = load_source(source.path, split, config_name)
+        ds = load_source(source.path, split, config_name, skip_bad_rows)
         if convert is not None:
             ds = convert(ds, source.path)
         parts.append(_apply_weight(ds, source.weight, seed))
@@ -304,9 +317,22 @@ def normalize_answer(answer: Any) -> str | list[str]:
     return str(answer)
 
 
-def rl_converter(prompt_column: str = "prompt", answer_column: str = "answer", system_prompt: str | None = None):
-    """A `convert(dataset, source)` function producing RL rows (`prompt`, `answer`, `ability`, `data_source`)."""
+def rl_converter(prompt_column: str = "prompt", answer_column: str = "answer", system_prompt: str | None = None,
+                 tokenizer=None, max_prompt_tokens: tuple[int, str] | None = None,
+                 skip_bad_rows: bool = False):  # fmt: skip
+    """A `convert(dataset, source)` function producing RL rows (`prompt`, `answer`, `ability`, `data_source`).
+
+    Rows with a null or empty prompt, or (given `tokenizer` and `max_prompt_tokens = (limit, what sets it)`) a
+    rendered prompt of `limit` tokens or more, raise a `DataError` naming the source and row, or are dropped
+    with `skip_bad_rows`.
+    """
     system_text = resolve_system_prompt(system_prompt)
+
+    def drop_bad_rows(ds, source: str):
+        prompts = [get_column(row, prompt_column) for row in ds] if "." in prompt_column else ds[prompt_column]
+        bad = find_bad_prompts(source, prompts, lambda p: to_messages(p, system_text), tokenizer, max_prompt_tokens)
+        bad.resolve(skip_bad_rows)
+        return bad.drop_from(ds)
 
     def convert(ds, source: str):
         features = ds.features
@@ -320,6 +346,7 @@ def rl_converter(prompt_column: str = "prompt", answer_column: str = "answer", s
         if answer_column != "answer" or with_answer:
             _require(features, answer_col, "answer", source)
         keep = [c for c in PASSTHROUGH_COLUMNS if c in features]
+        ds = drop_bad_rows(ds, source)
 
         def row_fn(row):
             out = {"prompt": to_messages(get_column(row, prompt_column), system_text)}
@@ -351,23 +378,30 @@ def _rl_features(ds, answer_col: str | None, keep: Sequence[str]):
     return Features(feats)
 
 
-def load_rl_dataset(script_args, split: str | None = None):
+def load_rl_dataset(script_args, split: str | None = None, tokenizer=None,
+                    max_prompt_tokens: tuple[int, str] | None = None):  # fmt: skip
     """RL training rows from `script_args` (an `APPOScriptArguments`): the function `appo train` calls.
 
     Reads `dataset_name` (source or mixture), `dataset_config`, `dataset_train_split` (or `split`),
-    `prompt_column`, `answer_column`, `system_prompt`. Returns a `datasets.Dataset` with `prompt`
-    (messages), `answer` and, when present, `ability` / `data_source`.
+    `prompt_column`, `answer_column`, `system_prompt`, `skip_bad_rows`. Returns a `datasets.Dataset` with
+    `prompt` (messages), `answer` and, when present, `ability` / `data_source`. With `tokenizer` and
+    `max_prompt_tokens = (limit, what sets it)`, prompts of `limit` tokens or more are bad rows too.
     """
+    skip = bool(getattr(script_args, "skip_bad_rows", False))
     convert = rl_converter(
         prompt_column=script_args.prompt_column,
         answer_column=script_args.answer_column,
         system_prompt=getattr(script_args, "system_prompt", None),
+        tokenizer=tokenizer,
+        max_prompt_tokens=max_prompt_tokens,
+        skip_bad_rows=skip,
     )
     return load_mixture(
         parse_sources(script_args.dataset_name),
         split=split or script_args.dataset_train_split,
         config_name=getattr(script_args, "dataset_config", None),
         convert=convert,
+        skip_bad_rows=skip,
     )
 
 

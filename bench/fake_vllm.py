@@ -19,10 +19,13 @@ one sequence), `max_num_seqs` (at most K sequences decoding at once, the rest qu
 on a busy GPU; None = unlimited), `extra_delay_s` (slow server), `fail_next` (answer the next N completion
 requests with HTTP 500), `abort_next` (answer the next N with `finish_reason: "abort"` and half the tokens, as
 a real server does on `POST /pause` or shutdown), `reject_next` (answer the next N with HTTP 400 and a vLLM
-error body), `fail_rpc_next` (answer the next N `POST /collective_rpc` with HTTP 500), `stop()` (server down) and
-`kill()` (a crash: every open connection is cut, in-flight requests get no answer). `sessions` records each
-completion request's `X-Session-ID` header (None without one); `start()` reuses `port` when it is set (a
-replica restarting at its URL).
+error body), `fail_rpc_next` (answer the next N `POST /collective_rpc` with HTTP 500), `stop()` (server down),
+`kill()` (a crash: every open connection is cut, in-flight requests get no answer), `restart(down_s)` (down for
+`down_s` seconds, then up again on the same port: a new "process", events get a `"restart"` marker) and
+`restart_at` (the completion request with this 0-based index answers HTTP 503 and triggers
+`restart(restart_down_s)` in the background, as a server dying mid-round). `sessions` records each completion
+request's `X-Session-ID` header (None without one); `start()` reuses `port` when it is set (a replica
+restarting at its URL).
 """
 
 from __future__ import annotations
@@ -110,15 +113,20 @@ class FakeVLLMServer:
         reject_next: the next N completion requests answer HTTP 400 with `reject_message`.
         max_model_len: reported by `/v1/models`.
         device: reported by `/server_info` as `device_config.device`.
+        restart_at: index of the completion request that makes the server restart (None: never).
+        restart_down_s: how long that restart keeps the port closed.
     """
 
     def __init__(self, policy, tokenizer=None, *, model_name: str = "fake-model", decode_step_s: float = 0.0,
                  max_num_seqs: int | None = None, extra_delay_s: float = 0.0, fail_next: int = 0,
                  abort_next: int = 0, reject_next: int = 0, reject_message: str = "injected rejection",
-                 max_model_len: int = 32768, device: str = "cpu"):  # fmt: skip
+                 max_model_len: int = 32768, device: str = "cpu", restart_at: int | None = None,
+                 restart_down_s: float = 1.0):  # fmt: skip
         self.policy, self.tokenizer, self.model_name = policy, tokenizer, model_name
         self.abort_next, self.reject_next, self.reject_message = abort_next, reject_next, reject_message
         self.max_model_len, self.device = max_model_len, device
+        self.restart_at, self.restart_down_s = restart_at, restart_down_s
+        self.restarter: threading.Thread | None = None
         self.rpc_calls: list[dict[str, Any]] = []
         self.sessions: list[str | None] = []
         self.fail_rpc_next = 0
@@ -177,6 +185,13 @@ class FakeVLLMServer:
         @app.post("/v1/completions")
         async def completions(request: Request):
             body = await request.json()
+            if self.restart_at is not None and len(self.bodies) == self.restart_at:
+                self.restart_at = None
+                self.bodies.append(body)
+                self.events.append("dying")
+                self.restarter = threading.Thread(target=self.restart, args=(self.restart_down_s,), daemon=True)
+                self.restarter.start()
+                return JSONResponse({"error": {"message": "server shutting down", "code": 503}}, status_code=503)
             self.bodies.append(body)
             self.sessions.append(request.headers.get("x-session-id"))
             self.events.append("completion")
@@ -282,8 +297,8 @@ class FakeVLLMServer:
         }  # fmt: skip
 
     def start(self) -> FakeVLLMServer:
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port or 0, log_level="error",
-                                access_log=False, lifespan="off", timeout_keep_alive=30)  # fmt: skip
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port or 0, log_level="error", access_log=False,
+                                lifespan="off", timeout_keep_alive=30)  # fmt: skip
         self._server = uvicorn.Server(config)
         self._loop = asyncio.new_event_loop()
 
@@ -323,6 +338,14 @@ class FakeVLLMServer:
         self._loop.call_soon_threadsafe(abort)
         self._thread.join(timeout=10)
         self._server = None
+
+    def restart(self, down_s: float = 1.0) -> None:
+        """Stop (connections refused), wait `down_s`, start again on the same port; blocking."""
+        self.stop()
+        self._sem = None  # asyncio objects of the old server's loop
+        self.events.append("restart")
+        time.sleep(down_s)
+        self.start()
 
     def __enter__(self) -> FakeVLLMServer:
         return self.start()

@@ -254,7 +254,7 @@ def test_config_error_with_launch_flags_is_reported_before_relaunching(workdir, 
     def no_launch(*args, **kwargs):
         raise AssertionError("relaunched a recipe that does not parse")
 
-    monkeypatch.setattr(appo_trl.configs.recipes.subprocess, "call", no_launch)
+    monkeypatch.setattr(appo_trl.configs.recipes, "run_launcher", no_launch)
     monkeypatch.delenv("APPO_LAUNCHED", raising=False)
     assert appo(["train", "--config", recipe(workdir, rollout_strategy="apo"), "--num_processes", "2"]) == 2
     assert "rollout_strategy='apo'" in one_error_line(capfd)

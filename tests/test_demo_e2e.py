@@ -64,3 +64,7 @@ def test_short_demo_end_to_end(tmp_path):
     # progress display: one short line per step, no metric dictionaries
     assert sum("[RL] step" in line for line in lines) == 4 and not any("{'" in line for line in lines)
     assert report["heldout_accuracy_rl"] >= report["heldout_accuracy_sft"] - TOLERANCE
+    # every stage longer than a few seconds shows progress: the SFT cold start and each evaluation end with a
+    # "done" line (the SFT stage used to be silent for minutes); RL prints one line per step (above)
+    assert any("[SFT] 120/120 steps" in x and "done in" in x for x in lines), lines
+    assert sum("[eval] 48/48 samples" in x for x in lines) == 3, lines

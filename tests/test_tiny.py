@@ -87,3 +87,19 @@ def test_defaults_serve_on_vllm_cpu_and_args_are_honoured(tiny_model_path, tmp_p
     assert tiny_model.main([str(tmp_path / "t"), "--head_dim", "64", "--tie_word_embeddings", "true"]) == 0
     cfg = json.loads((tmp_path / "t" / "config.json").read_text())
     assert cfg["head_dim"] == 64 and cfg["tie_word_embeddings"] is True
+
+
+def test_openmp_threads_sleep_when_idle_unless_the_user_says_otherwise():
+    """`import appo_trl` before torch sets OMP_WAIT_POLICY=PASSIVE (bench/threads.py: spinning threads made a
+    step 10x slower on a loaded machine); a value the user set is kept."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, appo_trl, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "PASSIVE"
+    env["OMP_WAIT_POLICY"] = "ACTIVE"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "ACTIVE"

@@ -53,8 +53,11 @@ def add_task_arguments(p: argparse.ArgumentParser) -> None:
 def task_files(work: Path, seed: int, a: argparse.Namespace) -> dict[str, str]:
     """`write_task` into `<work>/data` with the options of `add_task_arguments`."""
     from appo_trl.synthetic import write_task
+    from appo_trl.synthetic.task import FAMILIES
 
-    return write_task(work / "data", seed, num_sft=a.num_sft, num_heldout=a.num_heldout, guess_share=a.guess_share)
+    families = tuple(getattr(a, "families", None) or FAMILIES)
+    return write_task(work / "data", seed, num_sft=a.num_sft, num_heldout=a.num_heldout, guess_share=a.guess_share,
+                      families=families)  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -120,7 +123,8 @@ def run(a, printer=_say) -> dict:
         printer(f"        reusing the SFT checkpoint in {work / 'sft'} (--reuse_sft)")
     else:
         P.build_model(str(work / "model"), a.seed)
-        P.run_sft(str(work / "model"), paths["sft"], str(work / "sft"), steps=a.sft_steps, seed=a.seed)
+        P.run_sft(str(work / "model"), paths["sft"], str(work / "sft"), steps=a.sft_steps, seed=a.seed,
+                  printer=printer)  # fmt: skip
     stage("sft", s)
     every = max(1, a.rl_steps // (a.checkpoints + 1))
     save_steps = [every * (i + 1) for i in range(a.checkpoints) if every * (i + 1) < a.rl_steps]
@@ -133,7 +137,7 @@ def run(a, printer=_say) -> dict:
         def evaluate(step: int, model: str) -> dict:
             s = time.monotonic()
             r = P.evaluate_heldout(model, paths["registry"], srv["url"], str(work / "eval" / f"step{step}"),
-                                   num_samples=a.eval_samples, seed=a.seed)  # fmt: skip
+                                   num_samples=a.eval_samples, seed=a.seed, printer=printer)  # fmt: skip
             times[f"eval_step{step}"] = round(time.monotonic() - s, 1)
             printer(f"        held-out @ step {step:>3}: pass@1 {100 * r['pass@1']:.1f} %  pass@{r['k']} "
                     f"{100 * r['pass@k']:.1f} %  tool calls/sample {r['calls_per_sample']:.2f}")  # fmt: skip

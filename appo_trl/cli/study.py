@@ -1,14 +1,25 @@
-"""`appo study`: GRPO, ARPO, AEPO and APPO on the demo's synthetic task, from one SFT checkpoint, at equal budget.
+"""`appo study`: GRPO, ARPO, AEPO and APPO on the demo's synthetic task, from one SFT checkpoint, at equal steps
+and at equal compute.
 
 One task, model and SFT cold start (seed `--task_seed`, the demo's stages), then for every RL seed and every
-strategy: `--rl_steps` steps of `recipes/demo/<strategy>.yaml` (same n, prompts per step, learning rate, tools,
-reward; only the strategy block differs) and `appo eval` of the result on the same held-out questions. The
-search server runs once for the whole study.
+variant: `--rl_steps` steps of `recipes/demo/<strategy>.yaml` (same n, prompts per step, learning rate, tools,
+reward; only the strategy block differs), with `appo eval` of the held-out questions at `--checkpoints`
+intermediate checkpoints and at the end. The search server runs once for the whole study.
 
-Writes `<workdir>/study.json` (everything), `<workdir>/study.md` (the table) and `<workdir>/study.png` (reward
-curves, held-out accuracy, per-step sampled tokens, tool calls, rows reaching the loss, step time). Per
-strategy: held-out pass@1 after K steps as mean ± sample standard deviation over seeds (and min..max), and the
-per-step means. It does not tune anything per strategy and does not pick seeds. Results: docs/study.md.
+Per step every run records the budgets of `appo_trl.synthetic.compute`: policy-sampled tokens, tool calls, rows
+reaching the loss, trainer CPU-seconds and wall seconds. The report has three tables: held-out pass@1 after K
+steps (mean ± sample sd over seeds, min..max), pass@1 at matched budgets (each strategy's accuracy at the budget
+where the cheapest strategy finished K steps, linearly interpolated between its evaluated checkpoints; see
+`compute.matched_budget`), and pass@1 per question family.
+
+- quick (the default, `make study`): n = 4 with 2 initial rollouts, the demo's three families.
+- `--full`: the papers' shape, n = 16 with 8 initial rollouts (GRPO at n = 16), the chain family added (3-5
+  dependent calls; tool-call limit 5, completions up to 256 tokens), and each `reference:` preset beside our
+  defaults (`arpo+ref`, `aepo+ref`, `appo+ref`). Far longer; it resumes from `study.json`, so it can run in parts.
+
+Writes `<workdir>/study.json` (everything), `<workdir>/study.md` (the tables), `<workdir>/study.png` (curves
+over steps) and `<workdir>/study_compute.png` (held-out pass@1 against each budget). It does not tune
+anything per variant and does not pick seeds: one learning rate for all, the recipes'. Results: docs/study.md.
 """
 
 from __future__ import annotations
@@ -21,19 +32,71 @@ import time
 from pathlib import Path
 
 from appo_trl.cli.demo import add_task_arguments, task_files
+from appo_trl.synthetic.task import ALL_FAMILIES, FAMILIES
 
 STRATEGIES = ("grpo", "arpo", "aepo", "appo")
+REFERENCES = ("arpo+ref", "aepo+ref", "appo+ref")  # `reference: <algo>` on the same recipe
+# --full: the papers' group shape and the long chains
+FULL = {"num_generations": 16, "initial_rollouts": 8, "tool_call_limit": 5, "max_completion_length": 256}
+
+
+def variant_overrides(variant: str, a) -> list[str]:
+    """Command-line overrides of `recipes/demo/<strategy>.yaml` for one variant of the study."""
+    out = []
+    strategy, _, ref = variant.partition("+")
+    if ref:
+        out += ["--reference", strategy]
+    if a.num_generations:
+        out += ["--num_generations", str(a.num_generations), "--per_device_train_batch_size",
+                str(a.num_generations * a.prompts_per_step)]  # fmt: skip
+        if strategy != "grpo":
+            out += ["--initial_rollouts", str(a.initial_rollouts)]
+    if a.tool_call_limit:
+        out += ["--tool_call_limit", str(a.tool_call_limit)]
+    if a.max_completion_length:
+        out += ["--max_completion_length", str(a.max_completion_length)]
+    return out
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="appo study", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--workdir", default="outputs/study", help="where everything goes (default: %(default)s)")
-    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    p.add_argument(
+        "--strategies",
+        nargs="+",
+        default=None,
+        choices=STRATEGIES + REFERENCES,
+        help="variants to run (default: the four strategies; with --full also the reference presets)",
+    )
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="RL seeds (default: %(default)s)")
     p.add_argument("--task_seed", type=int, default=0, help="task, model and SFT seed (default: %(default)s)")
     add_task_arguments(p)
     p.add_argument("--rl_steps", type=int, default=120, help="K, RL steps per run (default: %(default)s)")
+    p.add_argument("--checkpoints", type=int, default=2, help="held-out evaluations during each run, besides the "
+                   "one at the end (default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--families",
+        nargs="+",
+        default=None,
+        choices=ALL_FAMILIES,
+        help=f"question families (default: {' '.join(FAMILIES)}; with --full also chain)",
+    )
+    p.add_argument("--full", action="store_true", help="the papers' shape: " + ", ".join(f"{k} {v}" for k, v in
+                   FULL.items()) + ", the chain family and the reference presets")  # fmt: skip
+    for key in FULL:
+        p.add_argument(f"--{key}", type=int, default=None, help=f"override (--full: {FULL[key]})")
+    p.add_argument("--prompts_per_step", type=int, default=4, help="prompts per RL step (default: %(default)s)")
     return p
+
+
+def resolve(a):
+    """Fill the defaults that depend on --full."""
+    for key, value in FULL.items():
+        if getattr(a, key) is None and a.full:
+            setattr(a, key, value)
+    a.strategies = a.strategies or list(STRATEGIES + (REFERENCES if a.full else ()))
+    a.families = a.families or list(FAMILIES + (("chain",) if a.full else ()))
+    return a
 
 
 def _say(msg: str) -> None:
@@ -41,9 +104,11 @@ def _say(msg: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    a = parser().parse_args(argv)
-    if a.rl_steps < 1 or a.sft_steps < 1 or not a.seeds:
-        parser().error("--rl_steps and --sft_steps must be >= 1 and --seeds non-empty")
+    a = resolve(parser().parse_args(argv))
+    if a.rl_steps < 1 or a.sft_steps < 1 or not a.seeds or a.checkpoints < 0:
+        parser().error("--rl_steps and --sft_steps must be >= 1, --checkpoints >= 0 and --seeds non-empty")
+    if a.num_generations and a.initial_rollouts and not 0 < a.initial_rollouts <= a.num_generations:
+        parser().error("--initial_rollouts must be in 1..--num_generations")
     run(a)
     return 0
 
@@ -52,6 +117,7 @@ def run(a, printer=_say) -> dict:
     from appo_trl.cli.demo import _silence_progress_bars
     from appo_trl.synthetic import pipeline as P
 
+    a = resolve(a)
     _silence_progress_bars()
     P.stop_on_sigterm()
     work = Path(a.workdir)
@@ -59,46 +125,74 @@ def run(a, printer=_say) -> dict:
     out_json = work / "study.json"
     done = json.loads(out_json.read_text()) if out_json.is_file() else {}
     results: dict = done.get("runs", {})
-    printer(f"[study] task, model and SFT (seed {a.task_seed}, {a.sft_steps} steps) -> {work}")
+    printer(f"[study] task, model and SFT (seed {a.task_seed}, {a.sft_steps} steps, families {a.families}) -> {work}")
     paths = task_files(work, a.task_seed, a)
     sft = work / "sft"
     if not (sft / "config.json").is_file():
         P.build_model(str(work / "model"), a.task_seed)
-        P.run_sft(str(work / "model"), paths["sft"], str(sft), steps=a.sft_steps, seed=a.task_seed)
+        P.run_sft(str(work / "model"), paths["sft"], str(sft), steps=a.sft_steps, seed=a.task_seed, printer=printer)
+    eval_kw = {
+        "num_samples": a.eval_samples,
+        "seed": a.task_seed,
+        "printer": printer,
+        "call_limit": a.tool_call_limit or 3,
+        "max_completion_length": a.max_completion_length or 128,
+    }
+    every = max(1, a.rl_steps // (a.checkpoints + 1))
+    save_steps = [every * (i + 1) for i in range(a.checkpoints) if every * (i + 1) < a.rl_steps]
     with P.search_server(paths["corpus"], str(work / "search_server.log")) as srv:
         if "sft" not in done:
             shutil.rmtree(work / "eval" / "sft", ignore_errors=True)  # a half-finished eval of an older server
             done["sft"] = P.evaluate_heldout(str(sft), paths["registry"], srv["url"], str(work / "eval" / "sft"),
-                                             num_samples=a.eval_samples, seed=a.task_seed)  # fmt: skip
+                                             **eval_kw)  # fmt: skip
         printer(f"[study] SFT held-out pass@1 {100 * done['sft']['pass@1']:.1f} %")
         for seed in a.seeds:
-            for strategy in a.strategies:
-                key = f"{strategy}/seed{seed}"
+            for variant in a.strategies:
+                key = f"{variant}/seed{seed}"
                 if key in results:  # resumed study: finished runs are kept
                     continue
-                printer(f"[study] {key}: {a.rl_steps} RL steps")
-                run_dir = work / "rl" / strategy / f"seed{seed}"
-                args = P.rl_arguments(f"recipes/demo/{strategy}.yaml", str(sft), paths["rl"], str(run_dir),
-                                      srv["url"], steps=a.rl_steps, seed=seed)  # fmt: skip
+                printer(f"[study] {key}: {a.rl_steps} RL steps, held-out evaluations at {[*save_steps, a.rl_steps]}")
+                run_dir = work / "rl" / variant / f"seed{seed}"
+                args = P.rl_arguments(f"recipes/demo/{variant.partition('+')[0]}.yaml", str(sft), paths["rl"],
+                                      str(run_dir), srv["url"], steps=a.rl_steps, seed=seed,
+                                      overrides=variant_overrides(variant, a))  # fmt: skip
                 start = time.monotonic()
-                _, history = P.run_rl(args, printer=lambda m: None)
+                _, history = P.run_rl(args, save_steps=save_steps, printer=printer, label=f"RL {key}", every_s=20.0)
                 rl_s = time.monotonic() - start
-                shutil.rmtree(work / "eval" / strategy / f"seed{seed}", ignore_errors=True)
-                ev = P.evaluate_heldout(str(run_dir), paths["registry"], srv["url"],
-                                        str(work / "eval" / strategy / f"seed{seed}"),
-                                        num_samples=a.eval_samples, seed=a.task_seed)  # fmt: skip
-                results[key] = {"strategy": strategy, "seed": seed, "eval": ev, "history": history, "rl_wall_s": rl_s}
+                evals = {}
+                for step in [*save_steps, a.rl_steps]:
+                    model = run_dir / f"checkpoint-{step}" if step < a.rl_steps else run_dir
+                    out = work / "eval" / variant / f"seed{seed}" / f"step{step}"
+                    shutil.rmtree(out, ignore_errors=True)
+                    evals[str(step)] = P.evaluate_heldout(str(model), paths["registry"], srv["url"], str(out),
+                                                          **eval_kw)  # fmt: skip
+                ev = evals[str(a.rl_steps)]
+                results[key] = {"strategy": variant, "seed": seed, "eval": ev, "evals": evals, "history": history,
+                                "rl_wall_s": rl_s}  # fmt: skip
                 printer(f"        held-out pass@1 {100 * ev['pass@1']:.1f} %, mean reward "
                         f"{statistics.fmean(h['reward'] for h in history):+.3f}, {rl_s:.0f} s")  # fmt: skip
                 done.update(runs=results, config=vars(a))
                 out_json.write_text(json.dumps(done, indent=1), encoding="utf-8")
+    done["config"] = vars(a)
     summary = summarize(done, a.strategies)
     done["summary"] = summary
+    done["matched"] = matched(done, a.strategies)
     out_json.write_text(json.dumps(done, indent=1), encoding="utf-8")
     (work / "study.md").write_text(render(done), encoding="utf-8")
     plot(done, work / "study.png")
+    plot_compute(done, work / "study_compute.png")
     printer(render(done))
     return done
+
+
+def matched(done: dict, strategies) -> dict:
+    """`compute.matched_budget` for every budget, over the runs of `strategies` that have checkpoint evaluations."""
+    from appo_trl.synthetic.compute import BUDGETS, matched_budget
+
+    runs = [r for r in done["runs"].values() if r["strategy"] in strategies and r.get("evals")]
+    if not runs:
+        return {}
+    return {key: matched_budget(runs, key, done["sft"]["pass@1"]) for key in BUDGETS}
 
 
 def _mean_sd(xs: list[float]) -> tuple[float, float]:
@@ -130,6 +224,10 @@ def summarize(done: dict, strategies) -> dict:
             "loss_rows_frac": per_step("loss_rows_frac"),
             "step_time_s": per_step("step_time"),
             "cpu_s_per_step": per_step("cpu_s"),
+            "by_family": {
+                f: statistics.fmean(r["eval"]["by_family"][f] for r in runs)
+                for f in runs[0]["eval"].get("by_family", {})
+            },  # fmt: skip
         }
     return out
 
@@ -153,7 +251,69 @@ def render(done: dict) -> str:
             f" | {v['tool_calls_per_sample']:.2f} | {100 * v['loss_rows_frac']:.0f} % | {v['step_time_s']:.2f}"
             f" | {v.get('cpu_s_per_step', float('nan')):.2f} |"
         )
+    lines += _render_matched(done) + _render_families(done)
     return "\n".join(lines) + "\n"
+
+
+def _render_matched(done: dict) -> list[str]:
+    from appo_trl.synthetic.compute import BUDGETS
+
+    m = done.get("matched") or {}
+    if not m:
+        return []
+    names = list(done["summary"])
+    lines = ["", "Held-out pass@1 at matched compute: each variant at the budget where the cheapest finished K steps "
+             "(the smallest final budget of any run), interpolated linearly between its evaluated checkpoints "
+             "(step 0 = the SFT model), mean ± sd over seeds.", "",
+             "| budget | matched at | cheapest | " + " | ".join(names) + " |",
+             "|---|---|---|" + "---|" * len(names)]  # fmt: skip
+    for key, label in BUDGETS.items():
+        row = m[key]
+        cells = []
+        for s in names:
+            v = row["strategies"].get(s)
+            cells.append("-" if v is None or v["mean"] is None else f"{100 * v['mean']:.1f} ± {100 * v['sd']:.1f} %")
+        lines.append(f"| {label} | {row['budget']:.4g} | {row['cheapest']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _render_families(done: dict) -> list[str]:
+    names = [s for s, v in done["summary"].items() if v.get("by_family")]
+    if not names:
+        return []
+    families = list(done["summary"][names[0]]["by_family"])
+    sft = done["sft"].get("by_family", {})
+    lines = ["", "Held-out pass@1 per question family after K steps (mean over seeds).", "",
+             "| family | SFT | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]  # fmt: skip
+    for f in families:
+        cells = [f"{100 * done['summary'][s]['by_family'].get(f, float('nan')):.1f} %" for s in names]
+        lines.append(f"| {f} | {100 * sft.get(f, float('nan')):.1f} % | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot_compute(done: dict, path) -> None:
+    """Held-out pass@1 against each budget: one line per run (colour per variant), from the SFT start."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from appo_trl.synthetic.compute import BUDGETS, curve
+
+    fig, axes = plt.subplots(1, len(BUDGETS), figsize=(4 * len(BUDGETS), 3.6))
+    for i, s in enumerate(done["summary"]):
+        runs = [r for r in done["runs"].values() if r["strategy"] == s and r.get("evals")]
+        for j, r in enumerate(runs):
+            for ax, key in zip(axes, BUDGETS):
+                xs, ys = zip(*curve(r, key, done["sft"]["pass@1"]))
+                ax.plot(xs, [100 * y for y in ys], color=f"C{i}", marker="o", ms=3, alpha=0.8,
+                        label=s if j == 0 else None)  # fmt: skip
+    for ax, label in zip(axes, BUDGETS.values()):
+        ax.set(xlabel=f"cumulative {label}", ylabel="held-out pass@1 (%)", title=label)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def plot(done: dict, path) -> None:

@@ -12,8 +12,15 @@
 3. `check_reward_columns`: a built-in reward that scores against gold answers needs an answer column.
 4. `check_tools`: tool names and parameters (`build_tools`), then each tool's own `check()` (the search
    tool asks its server's `/health` whether it is appo-trl's search server and which corpus it serves).
-5. `check_hub`: with `push_to_hub`, the token works, may write, and its owner may write to the repo's
+5. `prompt_token_limit`: the most prompt tokens the sampler takes (`vllm_max_model_length`, else the model
+   config's `max_position_embeddings`), which `appo_trl.data` checks every prompt against (`configs.rows`).
+6. `check_hub`: with `push_to_hub`, the token works, may write, and its owner may write to the repo's
    namespace; the push itself still happens once, at the end (`appo_trl.reporting.hub`).
+
+`configs.recipes` also calls three launch checks, in every launched rank and (the first two) before
+`appo train` / `appo sft` relaunch themselves: `check_launch_precision` (a DeepSpeed launch's mixed precision
+must be the recipe's), `check_launch_engine` (FSDP on CPU would silently be DDP), and
+`skip_deepspeed_cpu_comm_build` (no JIT build of DeepSpeed's CPU shm comm op, which training never uses).
 
 What this does not do: load weights, or check the vLLM server (TRL's client waits for it at start-up).
 """
@@ -166,6 +173,28 @@ def check_tools(training_args) -> None:
                 asyncio.run(aclose())
 
 
+def prompt_token_limit(training_args, model_args) -> tuple[int, str] | None:
+    """`(limit, what sets it)`: a prompt of `limit` tokens or more leaves the sampler no room to generate.
+
+    `vllm_max_model_length` when set, else the model config's `max_position_embeddings` (config.json only, no
+    weights), as the rollout engine takes it; None when neither is known.
+    """
+    if getattr(training_args, "vllm_max_model_length", None):
+        return int(training_args.vllm_max_model_length), "vllm_max_model_length"
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(
+            model_args.model_name_or_path,
+            revision=getattr(model_args, "model_revision", None),
+            trust_remote_code=getattr(training_args, "trust_remote_code", False),
+        )
+    except (OSError, ValueError):
+        return None  # check_model_source has vouched for the model; a config we cannot read here is not fatal
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return (int(limit), "the model's max_position_embeddings") if limit else None
+
+
 def hub_repo_id(training_args) -> str:
     """The repo a push goes to: `hub_model_id`, else the output folder's name (as `appo_trl.reporting.hub` pushes)."""
     return training_args.hub_model_id or os.path.basename(os.path.normpath(training_args.output_dir))
@@ -216,3 +245,75 @@ def default_search_cache(training_args) -> dict[str, Any] | None:
         search["cache_path"] = os.path.join(training_args.output_dir, "search_cache.sqlite")
     config["search"] = search
     return config
+
+
+def recipe_mixed_precision(parsed) -> str:
+    """`bf16`, `fp16` or `no`: the mixed precision the parsed training arguments train in."""
+    for obj in parsed:
+        if hasattr(obj, "bf16") and hasattr(obj, "fp16"):
+            return "bf16" if obj.bf16 else "fp16" if obj.fp16 else "no"
+    return "no"
+
+
+def check_launch_precision(
+    parsed, launched: str | None = None, where: str = "accelerate launch (its config or --mixed_precision)"
+) -> None:
+    """Under DeepSpeed the launch's mixed precision (accelerate config or `--mixed_precision`) must be the recipe's.
+
+    DeepSpeed's config takes `bf16.enabled` from the launch and transformers refuses a run whose `bf16` differs
+    (`ds bf16.enabled=True vs hf bf16=False`), but only after the model has loaded. `launched` defaults to what
+    `accelerate launch` exported (`ACCELERATE_MIXED_PRECISION`, checked only when it launched DeepSpeed).
+    """
+    if launched is None:
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() not in ("1", "true"):
+            return
+        launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    wanted = recipe_mixed_precision(parsed)
+    if launched is not None and launched != wanted:
+        alternative = f", or set `{launched}: true` in the recipe" if launched != "no" else ""
+        raise PreflightError(
+            f"{where} sets mixed_precision={launched} but the recipe trains in {wanted} (its bf16/fp16 keys); "
+            f"both must agree: pass --mixed_precision {wanted}{alternative}."
+        )
+
+
+def check_launch_engine(parsed, distributed_type: str | None = None) -> None:
+    """FSDP needs GPUs: on CPU accelerate keeps no FSDP plugin and trains plain DDP, silently. Say so instead.
+
+    `distributed_type`: the accelerate config's (before the launch); default: what `accelerate launch` exported.
+    """
+    fsdp = distributed_type == "FSDP" if distributed_type is not None else (
+        os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"))  # fmt: skip
+    if not fsdp:
+        return
+    import torch
+
+    use_cpu = any(getattr(obj, "use_cpu", False) for obj in parsed)
+    if use_cpu or not torch.cuda.is_available():
+        raise PreflightError(
+            "accelerate runs FSDP only on GPUs; on CPU it would train plain DDP instead"
+            + (" (the recipe sets use_cpu: true)" if use_cpu else "")
+            + ": use --accelerate_config zero2 or zero3 (sharded, CPU-capable) or ddp."
+        )
+
+
+def skip_deepspeed_cpu_comm_build() -> bool:
+    """Under DeepSpeed on CPU, skip the JIT build of DeepSpeed's shared-memory comm op (`deepspeed_shm_comm`).
+
+    `deepspeed.init_distributed` builds that C++ op on CPU at the first start (measured: docs/benchmarks.md, up to
+    minutes on a loaded machine, silently). It serves only `inference_all_reduce` (DeepSpeed's tensor-parallel
+    inference); training's collectives go through gloo either way. Marking it incompatible, as DeepSpeed itself
+    does on platforms without it, makes `init_distributed` fall back to gloo at once. Must run before the
+    training arguments are built (they start the distributed state). Returns whether it skipped.
+    """
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() not in ("1", "true"):
+        return False
+    if importlib.util.find_spec("deepspeed") is None:
+        return False
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return False
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # read by deepspeed.comm.torch.build_shm_op
+    return True

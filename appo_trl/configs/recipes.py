@@ -141,8 +141,11 @@ def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> tuple:
     parser.error = _raise_recipe_error  # argparse would print the whole usage (hundreds of flags) and exit
     config = coerce_recipe_values(parser, config)
     parser.set_defaults_with_config(**config)
+    from appo_trl.configs.preflight import check_launch_engine, check_launch_precision, skip_deepspeed_cpu_comm_build
+
+    skip_deepspeed_cpu_comm_build()  # before the training arguments start DeepSpeed's distributed state
     try:
-        return tuple(parser.parse_args_into_dataclasses(args=argv))
+        parsed = tuple(parser.parse_args_into_dataclasses(args=argv))
     except RecipeError:
         raise
     except (ValueError, TypeError) as exc:  # a config's __post_init__ rejected the combination
@@ -153,6 +156,9 @@ def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> tuple:
                 "choose them so that it is a multiple of num_generations)"
             )
         raise RecipeError(message) from exc
+    check_launch_precision(parsed)  # under `accelerate launch` with DeepSpeed: one line before the model loads
+    check_launch_engine(parsed)  # FSDP on CPU would silently be DDP
+    return parsed
 
 
 def _raise_recipe_error(message: str):
@@ -221,8 +227,17 @@ def resolve_accelerate_config(name_or_path: str) -> Path:
     raise RecipeError(f"Unknown accelerate config {name_or_path!r}: not a file, and not one of {names}.")
 
 
-def launch_command(launch: dict[str, str], entry_script: str | os.PathLike, script_argv: Sequence[str]) -> list[str]:
-    """The `accelerate launch ...` command line that runs `entry_script` with `script_argv`."""
+def launch_command(
+    launch: dict[str, str],
+    entry_script: str | os.PathLike,
+    script_argv: Sequence[str],
+    mixed_precision: str | None = None,
+) -> list[str]:
+    """The `accelerate launch ...` command line that runs `entry_script` with `script_argv`.
+
+    `mixed_precision`: the recipe's (`check_before_relaunch`); without `--mixed_precision` it overrides the
+    accelerate config's `mixed_precision`, so that the launch trains as the recipe says.
+    """
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     num_processes = launch.get("--num_processes")
     if "--accelerate_config" in launch:
@@ -236,28 +251,90 @@ def launch_command(launch: dict[str, str], entry_script: str | os.PathLike, scri
         cmd += ["--mixed_precision", launch["--mixed_precision"]]
     elif "--accelerate_config" not in launch:
         cmd += ["--mixed_precision", "no"]
+    elif mixed_precision is not None:
+        cmd += ["--mixed_precision", mixed_precision]
     for flag in ("--main_process_port", "--num_machines", "--machine_rank", "--main_process_ip"):
         if flag in launch:
             cmd += [flag, launch[flag]]
     return [*cmd, str(entry_script), *script_argv]
 
 
-def check_before_relaunch(dataclass_types: Sequence[type], argv: Sequence[str]) -> None:
+def check_before_relaunch(dataclass_types: Sequence[type], argv: Sequence[str]) -> str | None:
     """When `argv` will be relaunched through `accelerate launch`, parse it here first: a configuration error
-    is then one `RecipeError` in this process instead of a failure report from every launched rank."""
+    is then one `RecipeError` in this process instead of a failure report from every launched rank.
+
+    Returns the recipe's mixed precision (`bf16`, `fp16`, `no`) for `maybe_relaunch`, None when nothing is
+    relaunched; a `--mixed_precision` flag that contradicts the recipe is an error here.
+    """
+    from appo_trl.configs.preflight import check_launch_engine, check_launch_precision, recipe_mixed_precision
+
     launch, rest = split_launch_args(argv)
-    if launch and os.environ.get("APPO_LAUNCHED") != "1":
-        parse_recipe(dataclass_types, rest)
+    if not launch or os.environ.get("APPO_LAUNCHED") == "1":
+        return None
+    parsed = parse_recipe(dataclass_types, rest)
+    check_launch_precision(parsed, launch.get("--mixed_precision"), where="--mixed_precision")
+    if "--accelerate_config" in launch:
+        config = yaml.safe_load(resolve_accelerate_config(launch["--accelerate_config"]).read_text()) or {}
+        check_launch_engine(parsed, str(config.get("distributed_type", "")))
+    return recipe_mixed_precision(parsed)
 
 
-def maybe_relaunch(argv: Sequence[str], entry_script: str | os.PathLike) -> int | None:
+def maybe_relaunch(
+    argv: Sequence[str], entry_script: str | os.PathLike, mixed_precision: str | None = None
+) -> int | None:
     """Re-run `entry_script` under `accelerate launch` when launch flags are present.
 
-    Returns the child's exit code, or None when the stage should run in this process.
+    `mixed_precision`: the recipe's, from `check_before_relaunch`. Returns the child's exit code, or None when
+    the stage should run in this process.
     """
     launch, rest = split_launch_args(argv)
     if not launch or os.environ.get("APPO_LAUNCHED") == "1":
         return None
-    cmd = launch_command(launch, entry_script, rest)
+    cmd = launch_command(launch, entry_script, rest, mixed_precision)
     print("appo: launching " + " ".join(cmd), file=sys.stderr, flush=True)
-    return subprocess.call(cmd, env={**os.environ, "APPO_LAUNCHED": "1"})
+    return run_launcher(cmd, {**os.environ, "APPO_LAUNCHED": "1"})
+
+
+def run_launcher(cmd: Sequence[str], env: dict, grace: float = 25.0) -> int:
+    """Run `cmd` (`accelerate launch ...`) in its own process group and return its exit code.
+
+    SIGTERM (Slurm, Kubernetes) and Ctrl-C sent to this process are forwarded to the whole group, so the launcher
+    and every rank get them, and this process waits until every process of the group has exited (SIGKILL to the
+    group after `grace` seconds): stopping `appo train` leaves no rank behind. Then it returns 128 + the signal.
+    (`accelerate launch` with one process dies on SIGTERM without passing it on; its rank handles it.)
+    """
+    import signal
+    import threading
+    import time
+
+    proc = subprocess.Popen(list(cmd), env=env, start_new_session=True)
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        code = proc.wait()
+        if received:
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(proc.pid, 0)  # a rank of the group is still shutting down
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
+            else:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 128 + received[0] if received else code

@@ -144,9 +144,16 @@ def build_requests(config: EvalConfig, bench: Benchmark, examples: Iterable[Exam
 
 
 async def generate_missing(
-    requests: list[Request], generate: GenerateFn, samples_path: Path, concurrency: int, show_progress: bool = True
+    requests: list[Request],
+    generate: GenerateFn,
+    samples_path: Path,
+    concurrency: int,
+    show_progress: bool = True,
+    progress=None,
 ) -> int:
     """Generate the requests whose key is not in `samples_path` yet; append each result as it finishes.
+
+    `progress(done, total)`, when given, is called after each finished sample (the demo's progress line).
 
     A `generate` with an async `aclose()` (e.g. `RolloutGenerator`) is closed when the batch ends.
     """
@@ -161,6 +168,7 @@ async def generate_missing(
     samples_path.parent.mkdir(parents=True, exist_ok=True)
     with open_append(samples_path) as out:
         failed = asyncio.Event()
+        finished: list = []
 
         async def one(req: Request) -> None:
             async with sem:
@@ -176,6 +184,9 @@ async def generate_missing(
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
             out.flush()
             bar.update(1)
+            finished.append(req.key)
+            if progress is not None:
+                progress(len(finished), len(todo))
 
         tasks = [asyncio.ensure_future(one(r)) for r in todo]
         try:
@@ -252,7 +263,8 @@ def check_output_dir(config: EvalConfig) -> None:
     check_tools(SimpleNamespace(tools=names, tool_config=config.tool_params(names)))
 
 
-def evaluate(config: EvalConfig, generate: GenerateFn, *, judge=None, show_progress: bool = True) -> dict[str, Any]:
+def evaluate(config: EvalConfig, generate: GenerateFn, *, judge=None, show_progress: bool = True,
+             progress=None) -> dict[str, Any]:  # fmt: skip
     """Run (or resume) the whole evaluation and write the reports; returns the report dict.
 
     Args:
@@ -260,6 +272,7 @@ def evaluate(config: EvalConfig, generate: GenerateFn, *, judge=None, show_progr
         generate: async `Request -> Generation` (see `appo_trl.evaluation.inference.RolloutGenerator`).
         judge: an object with `judge(items, progress)` (tests); None builds `LLMJudge` when configured.
         show_progress: tqdm progress bars.
+        progress: `progress(done, total)` after each generated sample (a line printer), or None.
     """
     from appo_trl.evaluation import metrics
     from appo_trl.evaluation.report import build_report, write_reports
@@ -270,7 +283,7 @@ def evaluate(config: EvalConfig, generate: GenerateFn, *, judge=None, show_progr
     examples = {b.name: load_examples(b, config.data_root, config.limit) for b in benches}
     check_resume(config, examples, out_dir)  # the stored samples are this model's, settings' and questions'
     requests = [r for b in benches for r in build_requests(config, b, examples[b.name])]
-    asyncio.run(generate_missing(requests, generate, samples_path, config.concurrency, show_progress))
+    asyncio.run(generate_missing(requests, generate, samples_path, config.concurrency, show_progress, progress))
 
     wanted = {r.key for r in requests}
     records = {}

@@ -10,6 +10,10 @@ With `dump_rollouts: K` the trainer writes the first K groups of every training 
                "num_calls", "tool_calls": [{"tag", "query", "ok", "result"}], "finish_reason", "length",
                "completion", "continuation" (a branch's text after its fork, else null)}]}
 
+A step's file holds that step's rounds of the current run only: the first round a process dumps for a step
+replaces the file (a step re-run after a resume, or after a kill, does not keep the killed run's records);
+later rounds of the same step (`steps_per_generation` > gradient accumulation) are appended to it.
+
 `appo rollouts OUTPUT_DIR` (appo_trl/cli/rollouts.py) renders them. Texts are cut to `MAX_CHARS`; the dump is
 for reading, not for replay (token ids are not stored).
 
@@ -78,7 +82,8 @@ def group_records(batch, inputs: list[dict], rewards, advantages, completion_mas
 
 
 def dump_round(trainer, inputs, batch, rewards, out: dict) -> Path | None:
-    """Append this round's first `args.dump_rollouts` groups to `output_dir/rollouts/step_<N>.jsonl` (main process)."""
+    """Write this round's first `args.dump_rollouts` groups to `output_dir/rollouts/step_<N>.jsonl` (main process):
+    the step's first round in this process replaces the file, later rounds of the step are appended."""
     args = trainer.args
     if not args.dump_rollouts or not trainer.accelerator.is_main_process:
         return None
@@ -89,7 +94,10 @@ def dump_round(trainer, inputs, batch, rewards, out: dict) -> Path | None:
     )  # fmt: skip
     path = Path(args.output_dir) / "rollouts" / f"step_{step:06d}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
+    written = trainer.__dict__.setdefault("_rollout_dump_steps", set())  # steps this process has written
+    mode = "a" if step in written else "w"
+    written.add(step)
+    with open(path, mode, encoding="utf-8") as f:
         for record in records:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     return path

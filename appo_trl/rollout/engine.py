@@ -15,10 +15,12 @@ Token rules (the reason this module exists):
   result that does not fit is cut and the trajectory ends with `"length"`.
 
 Two tool formats share this loop (`tool_format`): ARPO's tags (`<python>...</python>`, the result spliced in
-the `result_template`) and the model's chat template (`chat=ChatToolFormat(...)`: stop on its tool-call close
-marker, parse the JSON call, splice the template's tool turn and next assistant header; a malformed call or an
-unknown tool name is answered with an error result, not raised). Masks, NaN logprobs, the call limit, budgets,
-forking and branching are the same code in both.
+the `result_template`) and the model's chat template (`chat=ChatToolFormat(...)`: as in TRL's tool loop, sample
+to the end of the assistant turn, parse every JSON call in it, run them concurrently, splice the template's tool
+turn with one result per call in call order and the next assistant header; a malformed call or an unknown tool
+name is answered with an error result, not raised). Every call counts against `call_limit`; a chat turn whose
+calls would pass it runs none of them and ends the trajectory (its own sampled end of turn closes the row).
+Masks, NaN logprobs, budgets, forking and branching are the same code in both.
 
 What it does not do: decide *whether* to branch (the algorithms layer passes a hook or positions in), score
 rewards, or sync weights.
@@ -60,6 +62,7 @@ from appo_trl.tools.callables import trl_error_text
 from appo_trl.tools.executor import ToolExecutor
 
 T = TypeVar("T")
+_CHAT_TURN = "<chat turn>"  # chat format: the pending "tag" of a closed assistant turn holding calls
 Hook = Callable[[BranchContext], "int | Awaitable[int]"]
 
 
@@ -331,12 +334,8 @@ class RolloutEngine:
             return math.nan
         return window_entropy(ents, self.config.entropy_window, self.config.entropy_reduce, self._entropy_norm)
 
-    def _result_ids(self, text: str, name: str | None = None) -> list[int]:
-        """Token ids of the result block: no BOS, and special-token strings in `text` stay plain text.
-
-        Chat format: the template's end of turn, tool turn around `text` and next assistant header."""
-        if self.chat is not None:
-            return self.chat.result_ids(name, text, self.config.max_result_tokens)
+    def _result_ids(self, text: str) -> list[int]:
+        """Token ids of the result block (tag format): no BOS, special-token strings in `text` stay plain text."""
 
         def enc(s: str) -> list[int]:
             return self.tokenizer(s, add_special_tokens=False, split_special_tokens=True)["input_ids"] if s else []
@@ -357,29 +356,36 @@ class RolloutEngine:
         return self.tokenizer.decode(traj.completion_ids[start:], skip_special_tokens=False)
 
     async def _call_tool(self, traj: Trajectory, tag: str) -> bool:
-        """Handle a tool stop tag at the end of `traj`; False when the trajectory has finished."""
+        """Handle a tool stop tag (chat: a closed turn with calls) at the end of `traj`; False when it finished."""
+        if self.chat is not None:
+            return await self._chat_turn(traj)
         if traj.num_calls >= self.config.call_limit:
             traj.append([self.eos_id], 0)
             traj.finish_reason = "call_limit"
             self._m["call_limit_hits"] += 1
             return False
-        if self.chat is not None:
-            tag, query, result = await self._chat_call(traj)
-        else:
-            query = extract_call(self._turn_text(traj), tag)
-            if not query:
-                traj.finish_reason = "empty_call"
-                self._m["empty_calls"] += 1
-                return False
-            result = await self.executor.execute(tag, query)
+        query = extract_call(self._turn_text(traj), tag)
+        if not query:
+            traj.finish_reason = "empty_call"
+            self._m["empty_calls"] += 1
+            return False
+        result = await self.executor.execute(tag, query)
         result.text = neutralise_result(result.text, getattr(self.executor, "tools", ()), self.tokenizer)
-        ids = self._result_ids(result.text, tag)
+        ids = self._result_ids(result.text)
         room = self._budget(traj)
         start = len(traj.completion_ids)
         traj.append(ids[: max(room, 0)], 0)
         traj.num_calls += 1
         traj.tool_calls.append(ToolCallRecord(tag, query, result.text, bool(result.ok), float(result.latency_s),
                                               start, len(traj.completion_ids)))  # fmt: skip
+        self._count_call(tag, result)
+        if len(ids) >= room:
+            traj.finish_reason = "length"
+            self._m["length_hits"] += 1
+            return False
+        return True
+
+    def _count_call(self, tag: str, result: ToolResult) -> None:
         stats = self._tool_m[tag]
         stats["calls"] += 1
         stats["failures"] += not result.ok
@@ -387,23 +393,52 @@ class RolloutEngine:
         self._m["tool_calls"] += 1
         self._m["tool_failures"] += not result.ok
         self._m["tool_time_s"] += result.latency_s
+
+    async def _chat_turn(self, traj: Trajectory) -> bool:
+        """Run every call of the closed assistant turn ending `traj` and append its tool turn; False when finished.
+
+        The calls run concurrently and their results are appended in call order. Each record spans its own
+        template part and result; the calls of one turn share `end`, the end of the tool turn (sampling resumes
+        there). A turn that would take the calls past `call_limit` runs none: the trajectory ends `call_limit`.
+        """
+        turn = self._turn_text(traj)
+        calls = self.chat.parse_calls(turn)
+        if traj.num_calls + len(calls) > self.config.call_limit:
+            traj.finish_reason = "call_limit"
+            self._m["call_limit_hits"] += 1
+            return False
+        results = await asyncio.gather(*(self._chat_call(c) for c in calls))
+        tools = getattr(self.executor, "tools", ())
+        for r in results:
+            r.text = neutralise_result(r.text, tools, self.tokenizer)
+        closed = turn.rstrip().endswith(self.chat.turn_end)  # else another EOS ended it: the template's end is added
+        pieces = self.chat.tool_turn_ids([c.name for c in calls], [r.text for r in results],
+                                         self.config.max_result_tokens, closed)  # fmt: skip
+        ids = [i for piece in pieces for i in piece]
+        room = self._budget(traj)
+        start = len(traj.completion_ids)
+        traj.append(ids[: max(room, 0)], 0)
+        end = len(traj.completion_ids)
+        for call, result, piece in zip(calls, results, pieces):
+            query = call.arguments if call.error is None and result.error != "bad_call" else call.raw
+            traj.tool_calls.append(ToolCallRecord(call.name, query, result.text, bool(result.ok),
+                                                  float(result.latency_s), min(start, end), end))  # fmt: skip
+            start += len(piece)
+            self._count_call(call.name, result)
+        traj.num_calls += len(calls)
         if len(ids) >= room:
             traj.finish_reason = "length"
             self._m["length_hits"] += 1
             return False
         return True
 
-    async def _chat_call(self, traj: Trajectory) -> tuple[str, str, ToolResult]:
-        """Parse the chat-format call ending `traj` and run it; a bad call becomes TRL's error text."""
-        turn = self._turn_text(traj)
-        call = self.chat.parse(turn)
+    async def _chat_call(self, call) -> ToolResult:
+        """Run one parsed chat-format call; a bad call or an unknown tool becomes TRL's error text."""
         if call.error is None and call.name not in self.executor.tools:
             call.error = f"Tool {call.name} not found."  # TRL's message
         if call.error is not None:
-            start = turn.rfind(self.chat.open)
-            raw = turn[start + len(self.chat.open) : turn.rfind(self.chat.close)].strip() if start >= 0 else turn
-            return call.name, raw, ToolResult(trl_error_text(call.error), ok=False, error="bad_call")
-        return call.name, call.arguments, await self.executor.execute(call.name, call.arguments)
+            return ToolResult(trl_error_text(call.error), ok=False, error="bad_call")
+        return await self.executor.execute(call.name, call.arguments)
 
     async def _fork_point(self, run: _Run, group: _Group, traj: Trajectory, hook: Hook,
                           segment_entropy: float) -> Segment | None:  # fmt: skip
@@ -447,11 +482,14 @@ class RolloutEngine:
                     seg, next_seg = next_seg, None
                     segment_entropy = self._window(self._append_segment(traj, seg))
                     if seg.finish_reason == "eos":
-                        traj.finish_reason = "eos"
-                        break
-                    if seg.finish_reason == "length" or seg.stop_str not in self.stop_strings:
+                        if self.chat is None or not self.chat.has_calls(self._turn_text(traj)):
+                            traj.finish_reason = "eos"
+                            break
+                        tag = _CHAT_TURN  # chat: the turn ended with calls in it
+                    elif seg.finish_reason == "length" or seg.stop_str not in self.stop_strings:
                         continue  # the budget check at the top ends it when nothing is left
-                    tag = self._stop_tag(seg.stop_str)
+                    else:
+                        tag = self._stop_tag(seg.stop_str)
                 else:
                     tag, pending_tag = pending_tag, None
                 if not await self._call_tool(traj, tag):
@@ -463,14 +501,20 @@ class RolloutEngine:
                 group.active -= 1
         traj.check()
 
-    def _stop_tag(self, stop: str) -> str:
-        """The tool tag of a tag-format stop string; chat format parses the name later (the marker is kept)."""
-        return stop if self.chat is not None else stop[2:-1]
+    @staticmethod
+    def _stop_tag(stop: str) -> str:
+        """The tool tag of a tag-format stop string (`</python>` -> `python`); chat format has no stop strings."""
+        return stop[2:-1]
 
     def _pending_tag(self, traj: Trajectory) -> str | None:
-        """The tool tag whose stop string the prefix's last sampled token completes, if any."""
+        """The tool tag whose stop string the prefix's last sampled token completes, if any (chat: the prefix
+        ends with a sampled end of turn and the turn holds calls)."""
         if not traj.completion_ids or traj.loss_mask[-1] != 1:
             return None
+        if self.chat is not None:
+            last = traj.completion_ids[-1]
+            ended = last == self.eos_id or [last] == self.chat.turn_end_ids
+            return _CHAT_TURN if ended and self.chat.has_calls(self._turn_text(traj)) else None
         matcher, longest = StopMatcher(self.stop_strings), max(map(len, self.stop_strings), default=0)
         stop = None
         for tok in traj.completion_ids[-(longest + 1) :]:
@@ -489,11 +533,12 @@ class RolloutEngine:
         child.meta.update(origin="branch", seed=mix_seed(seed, p, len(parent.completion_ids)))
         self._m["branches"] += 1
         self._m["prefix_tokens_reused"] += p
-        if p and child.completion_ids[-1] == self.eos_id:
+        pending = self._pending_tag(child)
+        if pending is None and p and child.completion_ids[-1] == self.eos_id:
             child.finish_reason = "eos" if child.loss_mask[-1] else parent.finish_reason
             self._m["trajectories"] += 1
             return child
         run = _Run()
-        task = self._register(run, None, child, None, pending_tag=self._pending_tag(child))
+        task = self._register(run, None, child, None, pending_tag=pending)
         await task
         return child

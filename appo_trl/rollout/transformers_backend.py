@@ -1,20 +1,24 @@
 """`TransformersBackend`: in-process sampling with the policy model itself (CPU, tests, small runs).
 
 Concurrent `generate` calls are queued and served in batches: a worker takes up to `max_batch_size` waiting
-requests, left-pads them, and runs one token-by-token decode loop with a KV cache in a worker thread (so the
-event loop, and with it the tools, keeps running). Each row has its own seeded `torch.Generator`, its own
+requests, left-pads them, and runs one token-by-token decode loop with a KV cache in the backend's own decode
+thread (so the event loop, and with it the tools, keeps running; not the loop's default executor, which a tool
+may fill: a tool that never returns cannot stop sampling). Each row has its own seeded `torch.Generator`, its own
 `max_tokens` and stop strings, and stops at the model's EOS ids. Logprobs are "processed" like vLLM's
 (`--logprobs-mode processed_logprobs`): the log-softmax after temperature, top-k and top-p, read at the
 sampled id; top logprobs come from the same distribution.
 
-With an `accelerator`, the model is unwrapped for generation with TRL's `unwrap_model_for_generation`
-(gathers ZeRO-3 shards once per batch; under multi-process ZeRO-3 wrap the whole `engine.run` in
-`backend.unwrapped_for_rollout()` on every rank instead, since ranks run different numbers of batches). This backend is not meant to be fast; use `VLLMServerBackend` at scale.
+With an `accelerator`, the model is unwrapped for generation with TRL's `unwrap_model_for_generation` once
+per batch. Under multi-process ZeRO-3 or FSDP2 every forward is a collective and ranks run different numbers
+of batches, so a trainer gathers the full weights once per round on every rank and hands the gathered module
+to `backend.unwrapped_for_rollout(model)` around the whole `engine.run` (`APPOTrainer` does, through
+`appo_trl.trainer.sharded`). This backend is not meant to be fast; use `VLLMServerBackend` at scale.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import math
 import time
@@ -75,7 +79,14 @@ class TransformersBackend:
         self.decoder = PieceDecoder(tokenizer)
         self._queues: dict[int, asyncio.Queue] = {}
         self._workers: dict[int, asyncio.Task] = {}
+        self._decoder_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.num_batches = 0
+
+    def _decode_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The backend's own decode thread (one batch decodes at a time; created again after `aclose`)."""
+        if self._decoder_thread is None:
+            self._decoder_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="appo-sampler")
+        return self._decoder_thread
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Segment:
         loop = asyncio.get_running_loop()
@@ -102,6 +113,9 @@ class TransformersBackend:
             req = queue.get_nowait()
             if not req.future.done():
                 req.future.cancel()
+        if not self._workers and self._decoder_thread is not None:  # no loop uses it any more
+            self._decoder_thread.shutdown(wait=False)
+            self._decoder_thread = None
 
     async def _worker(self, queue: asyncio.Queue) -> None:
         while True:
@@ -110,7 +124,8 @@ class TransformersBackend:
             while len(batch) < self.max_batch_size and not queue.empty():
                 batch.append(queue.get_nowait())
             try:
-                segments = await asyncio.to_thread(self._decode_batch, batch)
+                loop = asyncio.get_running_loop()
+                segments = await loop.run_in_executor(self._decode_executor(), self._decode_batch, batch)
             except Exception as exc:  # noqa: BLE001 - hand the error to every waiting caller
                 for req in batch:
                     if not req.future.done():
@@ -121,13 +136,14 @@ class TransformersBackend:
                     req.future.set_result(seg)
 
     @contextlib.contextmanager
-    def unwrapped_for_rollout(self):
-        """Unwrap (gather ZeRO-3 parameters) once for a whole rollout instead of once per batch.
+    def unwrapped_for_rollout(self, model=None):
+        """Sample with one unwrapped model for a whole rollout instead of unwrapping once per batch.
 
-        Use it around `engine.run(...)` on every rank under ZeRO-3 with several processes: the per-batch
-        unwrap is a collective, and ranks run different numbers of batches.
+        `model`: a module whose full weights the caller already gathered (on every rank, at the same point);
+        without it, `self.model` is unwrapped once here. Under ZeRO-3 / FSDP2 with several processes the
+        per-batch unwrap is a collective and ranks run different numbers of batches: hold the gathered model.
         """
-        with self._unwrapped() as model:
+        with contextlib.nullcontext(model) if model is not None else self._unwrapped() as model:
             self._held = model
             try:
                 yield model

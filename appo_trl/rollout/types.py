@@ -99,7 +99,9 @@ class ToolCallRecord:
         result: the tool's output text as injected (before the result template).
         ok: False when the tool reported a failure.
         latency_s: wall time of the call.
-        start, end: span of the injected result tokens in `completion_ids` (`completion_ids[start:end]`).
+        start, end: span of the injected result tokens in `completion_ids` (`completion_ids[start:end]`). Chat
+            format with several calls in one assistant turn: `start` is where this call's template part and
+            result begin, and the turn's calls share `end`, the end of their tool turn (where sampling resumes).
     """
 
     tag: str
@@ -129,7 +131,7 @@ class Trajectory:
         tool_calls: the calls made, in order.
         num_calls: calls counted against `RolloutConfig.call_limit` (a branch starts from its prefix's count).
         finish_reason: `"eos"`, `"length"` (completion budget or model length), `"call_limit"` (a call over
-            the limit: a forced EOS was appended), `"empty_call"` (a tool tag with nothing inside) or
+            the limit: tags append a forced EOS; chat ends on the turn's own sampled end), `"empty_call"` (a tool tag with nothing inside) or
             `"running"` while unfinished.
         group: index of the prompt in the `rollout` call (branches keep their parent's).
         uid: unique id of this trajectory.
@@ -198,7 +200,8 @@ class RolloutConfig:
         max_completion_length: most completion tokens per trajectory, tool results included.
         max_model_len: most prompt + completion tokens (the sampler's context length).
         call_limit: tool calls per trajectory over all tools (3 for reasoning, 6 for deep search). A call
-            beyond it is not executed: a forced EOS (mask 0) ends the trajectory, as ARPO does.
+            beyond it is not executed: a forced EOS (mask 0) ends the trajectory, as ARPO does. Chat format: each
+            call of a multi-call turn counts; a turn that would pass the limit runs none of its calls.
         temperature, top_p, top_k: sampling defaults.
         tool_tags: tags that trigger tools; `</tag>` is a stop string for each.
         result_template: the text injected after a call (ARPO's training format); `{result}` is the output.

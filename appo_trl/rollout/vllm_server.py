@@ -11,6 +11,11 @@ The server's failure modes, as a real vLLM 0.31 shows them:
 
 - connection errors, timeouts, 408/429 and 5xx are retried with backoff; when the retries are spent a
   `VLLMServerError` names the URL and the last error;
+- a server that refused connections (it stopped or restarts) is waited for when `server_wait_s > 0`: `GET
+  /health` is polled until it answers 200, for up to `server_wait_s` seconds. A server that comes back (or
+  answers a retry after refusing a connection) is a new process with the weights it loaded at start, so
+  `VLLMServerRestarted` is raised instead of sampling from it: the trainer syncs the weights again and re-runs
+  the round (`appo_trl.trainer.weight_sync.generate_round`);
 - every other 4xx (prompt + max_tokens over `--max-model-len`, logprobs over `--max-logprobs`, an unknown
   model name) raises `VLLMRequestError` at once, with the server's own message;
 - a request the server aborts (`POST /pause`, shutdown, preemption) answers HTTP 200 with
@@ -53,6 +58,10 @@ class VLLMRequestError(VLLMServerError):
     def __init__(self, text: str, status: int, message: str):
         super().__init__(text)
         self.status, self.message = status, message
+
+
+class VLLMServerRestarted(VLLMServerError):
+    """The server refused connections and is back: a new process, whose weights must be synced before sampling."""
 
 
 class VLLMAbortedError(VLLMServerError):
@@ -125,6 +134,8 @@ class VLLMServerBackend:
         extra_body: extra request fields (e.g. `{"repetition_penalty": 1.05}`); they override the defaults.
         connections_per_client: keep-alive connections per underlying `httpx.AsyncClient` (requests are spread
             over `ceil(max_concurrency / connections_per_client)` clients).
+        server_wait_s: how long a server that refuses connections is waited for (`GET /health`) before failing;
+            0 (default) fails when the retries are spent. When it comes back, `VLLMServerRestarted` is raised.
     """
 
     def __init__(
@@ -139,6 +150,7 @@ class VLLMServerBackend:
         backoff_s: float = 0.5,
         extra_body: dict[str, Any] | None = None,
         connections_per_client: int = 32,
+        server_wait_s: float = 0.0,
     ):
         self.base_url = base_url.rstrip("/")
         self.model = model
@@ -148,6 +160,7 @@ class VLLMServerBackend:
         self.backoff_s = backoff_s
         self.extra_body = dict(extra_body or {})
         self.connections_per_client = connections_per_client
+        self.server_wait_s = server_wait_s
         self._clients: dict[int, tuple[list[httpx.AsyncClient], asyncio.Semaphore]] = {}
         self._next = 0
         self._ssl: ssl.SSLContext | None = None
@@ -178,6 +191,7 @@ class VLLMServerBackend:
     async def _request(self, method: str, path: str, json: dict | None = None, headers: dict | None = None) -> dict:
         client, sem = self._client()
         last: str = ""
+        refused = False  # a connection was refused: the server stopped, maybe restarted
         for attempt in range(self.max_retries + 1):
             if attempt:
                 self.num_retries += 1
@@ -190,7 +204,10 @@ class VLLMServerBackend:
                 continue
             except httpx.TransportError as exc:
                 last = f"unreachable ({type(exc).__name__}: {exc})"
+                refused = refused or isinstance(exc, httpx.ConnectError)
                 continue
+            if refused and self.server_wait_s > 0:  # answered by a new server process: not with our weights
+                raise VLLMServerRestarted(f"vLLM server {self.base_url} refused connections ({last}) and is back")
             if resp.status_code in RETRY_STATUS:
                 last = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 continue
@@ -202,9 +219,29 @@ class VLLMServerBackend:
                     message,
                 )
             return resp.json()
+        if refused and self.server_wait_s > 0:
+            await self._wait_for_restart(client, path, last)
         raise VLLMServerError(
             f"vLLM server at {self.base_url}{path} failed after {self.max_retries + 1} attempts: {last}. "
             "Is `vllm serve` running there (see the README for the command)?"
+        )
+
+    async def _wait_for_restart(self, client: httpx.AsyncClient, path: str, last: str) -> None:
+        """Poll `GET /health` for up to `server_wait_s`; raise `VLLMServerRestarted` when it answers 200."""
+        start = time.monotonic()
+        while time.monotonic() - start < self.server_wait_s:
+            try:
+                if (await client.get("/health")).status_code == 200:
+                    raise VLLMServerRestarted(
+                        f"vLLM server {self.base_url} refused connections ({last}) and is back after "
+                        f"{time.monotonic() - start:.1f} s"
+                    )
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(min(1.0, self.server_wait_s / 10))
+        raise VLLMServerError(
+            f"vLLM server at {self.base_url}{path} is unreachable ({last}) and did not come back within "
+            f"vllm_server_wait_s={self.server_wait_s:g} s (GET /health). Is `vllm serve` running there?"
         )
 
     async def model_id(self) -> str:

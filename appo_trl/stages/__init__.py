@@ -2,7 +2,8 @@
 study call.
 
 - `train`: `appo train`: recipe -> preflight -> `APPOTrainer` -> train -> save -> push;
-- `sft`: `appo sft`: recipe -> `APPOSFTConfig` -> TRL's `SFTTrainer` -> save -> push.
+- `sft`: `appo sft`: recipe -> `APPOSFTConfig` -> TRL's `SFTTrainer` -> save -> push;
+- `interrupts`: Ctrl-C and SIGTERM stop either stage the same way: cleanup, one line, exit code 130 / 143.
 
 Imports every floor below (`trainer`, `reporting`, `configs`, `data`, ...); never `synthetic` or `cli`.
 """

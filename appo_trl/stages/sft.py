@@ -27,6 +27,7 @@ What this module does not do: generate SFT data, or train on anything but chat c
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -212,13 +213,29 @@ def tokenize_sft_dataset(dataset, tokenizer, training_args, messages_column: str
     )
 
 
-def main(script_args, training_args, model_args, recipe=None):
+@functools.cache
+def sft_trainer_class() -> type:
+    """TRL's `SFTTrainer` with atomic checkpoint saves (`appo_trl.trainer.checkpoints.AtomicCheckpointMixin`);
+    built on first use so that `appo sft --help` does not import the trainer."""
+    from trl import SFTTrainer
+
+    from appo_trl.trainer.checkpoints import AtomicCheckpointMixin
+
+    class APPOSFTTrainer(AtomicCheckpointMixin, SFTTrainer):
+        """TRL's `SFTTrainer`; a checkpoint is written to a staging folder, then renamed into place."""
+
+    return APPOSFTTrainer
+
+
+def main(script_args, training_args, model_args, recipe=None, callbacks=None):
     """Run SFT with parsed arguments and return the trainer; saves to `output_dir`, pushes when asked.
+
+    `callbacks` go to TRL's `SFTTrainer` as they are (the demo's progress line).
 
     `recipe` is what the model card prints (default: every setting that differs from its default).
     """
     from transformers import AutoTokenizer, set_seed
-    from trl import SFTTrainer, get_peft_config
+    from trl import get_peft_config
 
     from appo_trl.data import load_sft_dataset
     from appo_trl.reporting.hub import defer_push, push_model
@@ -254,12 +271,13 @@ def main(script_args, training_args, model_args, recipe=None):
     settings = (script_args, training_args, model_args)
     push = defer_push(training_args)
     assistant_only_loss, training_args.assistant_only_loss = training_args.assistant_only_loss, False
-    trainer = SFTTrainer(
+    trainer = sft_trainer_class()(
         model=model_args.model_name_or_path,
         args=training_args,
         train_dataset=train_dataset,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
+        callbacks=callbacks,
     )
     state = trainer.accelerator.state
     logger.info("process %d of world_size=%d (%s)", state.process_index, state.num_processes, state.distributed_type)
@@ -278,10 +296,16 @@ def main(script_args, training_args, model_args, recipe=None):
 
 def cli(argv: Sequence[str] | None = None, entry_script: str | None = None) -> int:
     """`appo sft` / `sft/train.py`: parse the recipe (relaunching under accelerate when asked) and train."""
-    from appo_trl.configs.recipes import RecipeError, maybe_relaunch, parse_recipe
+    from appo_trl.configs.errors import ConfigError
+    from appo_trl.configs.recipes import RecipeError, check_before_relaunch, maybe_relaunch, parse_recipe
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    code = maybe_relaunch(argv, entry_script or __file__)
+    try:
+        precision = check_before_relaunch(dataclass_types(), argv)  # the launch trains in the recipe's precision
+    except ConfigError as exc:
+        print(f"appo sft: {exc}", file=sys.stderr)
+        return 2
+    code = maybe_relaunch(argv, entry_script or __file__, precision)
     if code is not None:
         return code
     try:
@@ -290,9 +314,10 @@ def cli(argv: Sequence[str] | None = None, entry_script: str | None = None) -> i
         print(f"appo sft: {exc}", file=sys.stderr)
         return 2
     from appo_trl.reporting.hub import recipe_from_argv
+    from appo_trl.stages.interrupts import run_interruptible
 
-    main(*args, recipe=recipe_from_argv(argv))
-    return 0
+    # Ctrl-C and SIGTERM: one line naming the checkpoint kept, exit code 130 / 143
+    return run_interruptible("appo sft", args[1].output_dir, lambda: main(*args, recipe=recipe_from_argv(argv)))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,14 @@ def _check_model_path(name_or_path: str | None) -> None:
     check_model_source(name_or_path)
 
 
+def load_tokenizer(model_args):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        model_args.model_name_or_path, revision=model_args.model_revision, padding_side="left"
+    )
+
+
 def main(script_args, training_args, model_args, recipe=None) -> APPOTrainer:  # noqa: F821
     """Train with already-parsed arguments and return the trainer (its state holds the log history).
 
@@ -34,10 +42,11 @@ def main(script_args, training_args, model_args, recipe=None) -> APPOTrainer:  #
     fills in run-specific values (`appo_trl.reporting.hub.recipe_dict`), so the card's recipe re-runs.
 
     Everything that can be checked without the weights is checked first (`appo_trl.configs.preflight`): the model
-    source, 4-bit loading, the data and the columns the rewards need, the tools and the search server, Hub
-    access when pushing. A failure there raises a `ConfigError` before the model loads.
+    source, 4-bit loading, the data (bad rows, prompts too long for the model) and the columns the rewards need,
+    the tools and the search server, Hub access when pushing. A failure there raises a `ConfigError` before the
+    model loads.
     """
-    from transformers import AutoTokenizer, set_seed
+    from transformers import set_seed
     from trl import get_peft_config
 
     from appo_trl.configs import preflight
@@ -66,19 +75,20 @@ def main(script_args, training_args, model_args, recipe=None) -> APPOTrainer:  #
         reward_funcs = [get_reward_func(name) for name in script_args.reward_funcs]
     except ValueError as exc:
         raise preflight.PreflightError(str(exc)) from exc
-    train_dataset = load_rl_dataset(script_args)
+    limit = preflight.prompt_token_limit(training_args, model_args)  # bad rows: one line naming file and row
+    tokenizer = None if limit is None else load_tokenizer(model_args)  # prompts too long: tokenizer only, no model
+    train_dataset = load_rl_dataset(script_args, tokenizer=tokenizer, max_prompt_tokens=limit)
     eval_dataset = None
     if training_args.eval_strategy != "no":
-        eval_dataset = load_rl_dataset(script_args, split=script_args.dataset_test_split)
+        eval_dataset = load_rl_dataset(
+            script_args, split=script_args.dataset_test_split, tokenizer=tokenizer, max_prompt_tokens=limit
+        )
     preflight.check_reward_columns(script_args.reward_funcs, train_dataset, script_args.answer_column)
     training_args.tool_config = preflight.default_search_cache(training_args)
     preflight.check_tools(training_args)
     preflight.check_hub(training_args)
     set_seed(training_args.seed)
-
-    tokenizer = AutoTokenizer.from_pretrained(
-        model_args.model_name_or_path, revision=model_args.model_revision, padding_side="left"
-    )
+    tokenizer = load_tokenizer(model_args) if tokenizer is None else tokenizer
     push = defer_push(training_args)  # one push of the final model at the end, not from Trainer.__init__
 
     trainer = APPOTrainer(
@@ -118,13 +128,17 @@ def cli(argv: list[str] | None = None) -> int:
     from appo_trl.configs.recipes import check_before_relaunch, maybe_relaunch, parse_recipe
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    check_before_relaunch(dataclass_types(), argv)  # one line here, not one torchrun failure report per rank
-    code = maybe_relaunch(argv, __file__)
+    precision = check_before_relaunch(dataclass_types(), argv)  # one line here, not one report per rank
+    code = maybe_relaunch(argv, __file__, precision)
     if code is not None:
         return code
     script_args, training_args, model_args = parse_recipe(dataclass_types(), argv)
-    main(script_args, training_args, model_args)
-    return 0
+    from appo_trl.stages.interrupts import run_interruptible
+
+    # Ctrl-C and SIGTERM: one line naming the checkpoint kept, exit code 130 / 143
+    return run_interruptible(
+        "appo train", training_args.output_dir, lambda: main(script_args, training_args, model_args)
+    )
 
 
 if __name__ == "__main__":

@@ -125,35 +125,63 @@ def build_model(out_dir: str, seed: int) -> str:
     return out_dir
 
 
-def run_sft(model: str, data: str, out_dir: str, *, steps: int, seed: int, lr: float = 3e-3, batch: int = 8) -> str:
+def run_sft(model: str, data: str, out_dir: str, *, steps: int, seed: int, lr: float = 3e-3, batch: int = 8,
+            printer=None) -> str:  # fmt: skip
+    """The SFT cold start; with `printer`, a progress line (steps/s, ETA, loss) at most every 20 s."""
     from appo_trl.configs.recipes import REPO_ROOT, parse_recipe
+    from appo_trl.reporting.console import ProgressLineCallback
     from appo_trl.stages import sft
 
     args = parse_recipe(sft.dataclass_types(), [
         "--config", str(REPO_ROOT / "recipes" / "demo" / "sft.yaml"), "--model_name_or_path", model,
         "--dataset_name", data, "--output_dir", out_dir, "--max_steps", str(steps), "--seed", str(seed),
         "--learning_rate", str(lr), "--per_device_train_batch_size", str(batch),
+        "--logging_steps", str(max(1, min(50, steps // 10))),  # the loss on the progress line
     ])  # fmt: skip
+    callbacks = [ProgressLineCallback("SFT", _through_stdout(printer))] if printer else None
     with _quiet():
-        sft.main(*args)
+        sft.main(*args, callbacks=callbacks)
     return out_dir
 
 
+def _through_stdout(printer):
+    """`printer`, writing to the stdout of now even while `_quiet` sends the libraries' prints to /dev/null."""
+    stream = sys.stdout
+
+    def say(msg: str) -> None:
+        with contextlib.redirect_stdout(stream):
+            printer(msg)
+
+    return say
+
+
 def evaluate_heldout(model: str, registry: str, url: str, out_dir: str, *, num_samples: int, seed: int,
-                     max_completion_length: int = 128, temperature: float = 1.0) -> dict:  # fmt: skip
-    """`appo eval` of `model` on the held-out split; returns the headline numbers (and writes report.json)."""
+                     max_completion_length: int = 128, temperature: float = 1.0, call_limit: int = 3,
+                     printer=None) -> dict:  # fmt: skip
+    """`appo eval` of `model` on the held-out split; returns the headline numbers (and writes report.json).
+
+    With `printer`, a progress line (samples/s, ETA) at most every 20 s.
+    """
     from appo_trl.evaluation import evaluate
     from appo_trl.evaluation.config import EvalConfig
     from appo_trl.evaluation.inference import build_generator
+    from appo_trl.reporting.console import ProgressLine
 
     config = EvalConfig(
         benchmarks=["synthetic"], registry=registry, output_dir=out_dir, model=model, backend="transformers",
         num_samples=num_samples, seed=seed, temperature=temperature, top_p=1.0, top_k=-1,
-        max_completion_length=max_completion_length, max_model_len=1024, call_limit=3,
+        max_completion_length=max_completion_length, max_model_len=1024, call_limit=call_limit,
         tool_config={"search": {**SEARCH_TOOL, "url": url}}, concurrency=16,
     )  # fmt: skip
+    lines: list[ProgressLine] = []
+
+    def progress(done: int, total: int) -> None:
+        if not lines:
+            lines.append(ProgressLine("eval", total, unit="samples", printer=_through_stdout(printer)))
+        lines[0].update(done)
+
     with _quiet():
-        report = evaluate(config, build_generator(config), show_progress=False)
+        report = evaluate(config, build_generator(config), show_progress=False, progress=progress if printer else None)
     r = report["benchmarks"]["synthetic"]
     ks = sorted(int(k) for k in r["pass@k"])
     stats = r["tools_stats"]
@@ -222,17 +250,24 @@ def rl_arguments(recipe: str, model: str, data: str, out_dir: str, url: str, *, 
 class StepLine:
     """A `TrainerCallback` printing one short line per RL step and keeping the per-step numbers.
 
-    `history` holds, per step: reward, held-out-free training metrics (tool calls per sample, sampled tokens,
-    rows reaching the loss) and the step's wall time. Checkpoints are saved (model only) at `save_steps`.
+    `history` holds, per step: reward, held-out-free training metrics (tool calls per sample and in all, sampled
+    tokens, rows reaching the loss of the `rows_per_step` sampled) and the step's wall and CPU seconds: the
+    budgets of `appo_trl.synthetic.compute`. Checkpoints are saved (model only) at `save_steps`.
     """
 
     KEYS = {"reward": "reward", "tools/call_frequency": "calls", "rollout/sampled_tokens": "sampled_tokens",
             "branch/loss_rows_frac": "loss_rows_frac", "step_time": "step_time", "entropy": "entropy",
             "tools/python/calls": "python_calls", "tools/search/calls": "search_calls",
-            "tools/failure_frequency": "tool_failures"}  # fmt: skip
+            "tools/failure_frequency": "tool_failures", "tools/calls": "tool_calls"}  # fmt: skip
 
-    def __init__(self, total: int, save_steps: list[int] | None = None, printer=print, label: str = "RL"):
+    def __init__(self, total: int, save_steps: list[int] | None = None, printer=print, label: str = "RL",
+                 every_s: float | None = None, rows_per_step: int | None = None):  # fmt: skip
+        """`every_s`: instead of a line per step, a `ProgressLine` at most every `every_s` seconds (the study)."""
+        from appo_trl.reporting.console import ProgressLine
+
         self.total, self.save_steps, self.printer, self.label = total, set(save_steps or []), printer, label
+        self.rows_per_step = rows_per_step
+        self.progress = ProgressLine(label, total, printer=printer, every_s=every_s) if every_s else None
         self.history: list[dict] = []
         self._t, self._cpu = time.monotonic(), time.process_time()
 
@@ -244,8 +279,13 @@ class StepLine:
         now = time.monotonic()
         row = {"step": state.global_step, **{v: float(logs[k]) for k, v in self.KEYS.items() if k in logs}}
         row["wall_s"], row["cpu_s"] = now - self._t, time.process_time() - self._cpu
+        if self.rows_per_step:  # grpo logs no loss_rows_frac: every row reaches the loss
+            row["loss_rows"] = self.rows_per_step * row.get("loss_rows_frac", 1.0)
         self._t, self._cpu = now, time.process_time()
         self.history.append(row)
+        if self.progress is not None:
+            self.progress.update(state.global_step, f"reward {row['reward']:+.2f}")
+            return
         self.printer(f"  [{self.label}] step {state.global_step:>3}/{self.total}  reward {row['reward']:+.2f}  "
                      f"tool calls/sample {row.get('calls', 0):.2f}  {row['wall_s']:.1f} s")  # fmt: skip
 
@@ -261,7 +301,9 @@ def _callback_class():
     return type("StepLineCallback", (StepLine, TrainerCallback), {})
 
 
-def run_rl(args, *, save_steps: list[int] | None = None, printer=print, label: str = "RL"):
+def run_rl(
+    args, *, save_steps: list[int] | None = None, printer=print, label: str = "RL", every_s: float | None = None
+):
     """Train like `appo_trl.stages.train.main` (same trainer, data and rewards) with `StepLine` progress instead of
     TRL's metric dictionaries; returns (trainer, per-step history). Checkpoints: `<output_dir>/checkpoint-<s>`."""
     from transformers import AutoTokenizer, PrinterCallback, ProgressCallback, set_seed
@@ -277,7 +319,10 @@ def run_rl(args, *, save_steps: list[int] | None = None, printer=print, label: s
     training_args.disable_tqdm = True
     set_seed(training_args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, padding_side="left")
-    callback = _callback_class()(training_args.max_steps, save_steps, printer, label)
+    # rows sampled per optimizer step (one generation round feeds steps_per_generation micro-steps)
+    rows = training_args.generation_batch_size * training_args.gradient_accumulation_steps
+    rows //= training_args.steps_per_generation
+    callback = _callback_class()(training_args.max_steps, save_steps, printer, label, every_s, rows)
     with _quiet():
         trainer = APPOTrainer(
             model=model_args.model_name_or_path,

@@ -8,6 +8,9 @@ its head, and the facts are invented, so no pretraining could know them):
   encyclopedia (one document per fact: "The capital of Velmora is Tarsk.") and boxes the value it reads.
 - `both`: "What is the population of Velmora times 7?"; search the population, then `print(4521 * 7)`.
 
+A fourth family, `chain` (`appo_trl.synthetic.chains`), needs 3 to 5 dependent calls; it is opt-in
+(`families=`), so the demo's task and corpus stay as they were.
+
 `build_task(seed)` returns the encyclopedia and three disjoint splits: SFT traces (the `<think>`, `<python>` /
 `<search>`, `<result>`, `<answer>\\boxed{}` format of the tiny recipes), RL prompts and held-out questions. The
 entities are partitioned between splits, so no held-out search question is about an entity seen in SFT or RL,
@@ -28,6 +31,8 @@ import json
 import random
 from pathlib import Path
 
+from appo_trl.synthetic import chains
+
 SYSTEM_PROMPT = "Use <python> code </python> or <search> query </search>, then <answer> \\boxed{...} </answer>."
 RESULT = " <result>\n{}\n</result>"  # appo_trl.rollout.types.RolloutConfig.result_template
 # Names are two syllables, "Zor" + "vex" -> "Zorvex"; the demo tokenizer has each syllable as one token
@@ -42,6 +47,9 @@ OPS = ["+", "-", "*"]
 # share of SFT traces that are a weak teacher's guesses (`guess_trace`); measured, 3 seeds: docs/benchmarks.md
 GUESS_SHARE = 1 / 3
 FAMILIES = ("python", "search", "both")
+ALL_FAMILIES = (*FAMILIES, chains.FAMILY)
+# share of the SFT chain traces that lose track after the first result (`chains.chain_question(wrong=True)`)
+CHAIN_WRONG_SHARE = 0.3
 
 
 @dataclasses.dataclass
@@ -49,6 +57,7 @@ class Entity:
     name: str
     capital: str
     population: int
+    neighbour: str | None = None  # the chain family's link (another entity of the same split)
 
 
 @dataclasses.dataclass
@@ -86,6 +95,8 @@ def corpus(entities: list[Entity]) -> list[dict]:
     for e in entities:
         docs.append({"id": f"{e.name}-capital", "contents": f"The capital of {e.name} is {e.capital}."})
         docs.append({"id": f"{e.name}-population", "contents": f"The population of {e.name} is {e.population}."})
+        if e.neighbour is not None:
+            docs.append(chains.neighbour_doc(e))
     return docs
 
 
@@ -137,20 +148,31 @@ class SyntheticTask:
         return corpus(self.entities)
 
 
-def _split(rng: random.Random, entities: list[Entity], count: int, seen: set[str]) -> list[Question]:
-    """`count` questions, families in turn (python, search, both), search ones about `entities` only."""
+def _split(rng: random.Random, entities: list[Entity], count: int, seen: set[str],
+           families: tuple[str, ...] = FAMILIES, wrong_chains: random.Random | None = None,
+           wrong_share: float = 0.0) -> list[Question]:  # fmt: skip
+    """`count` questions, families in turn (python, search, both[, chain]), search ones about `entities` only.
+
+    `wrong_chains` (SFT only) draws which chain traces lose track (`wrong_share` of them).
+    """
     out: list[Question] = []
-    per_family = -(-count // len(FAMILIES))
+    per_family = -(-count // len(families))
     if per_family > 2 * len(entities):  # 2 search questions and 8 multiplier questions per entity
         raise ValueError(f"{count} questions need more than {len(entities)} entities for this split")
+    by_name = {e.name: e for e in entities}
     while len(out) < count:
-        family = FAMILIES[len(out) % len(FAMILIES)]
+        family = families[len(out) % len(families)]
         if family == "python":
             q = python_question(rng)
         elif family == "search":
             q = search_question(rng, rng.choice(entities))
-        else:
+        elif family == "both":
             q = both_question(rng, rng.choice(entities))
+        else:
+            wrong = wrong_chains is not None and wrong_chains.random() < wrong_share
+            text, answer, trace, _ = chains.chain_question(rng, rng.choice(entities), by_name, RESULT.format,
+                                                           wrong=wrong)  # fmt: skip
+            q = Question(chains.FAMILY, text, answer, trace)
         if q.question not in seen:
             seen.add(q.question)
             out.append(q)
@@ -169,7 +191,8 @@ def guess_trace(rng: random.Random, q: Question, names: list[str]) -> str:
 
 
 def build_task(seed: int = 0, *, num_sft: int = 96, num_rl: int = 256, num_heldout: int = 96,
-               guess_share: float = GUESS_SHARE) -> SyntheticTask:  # fmt: skip
+               guess_share: float = GUESS_SHARE, families: tuple[str, ...] = FAMILIES,
+               chain_wrong_share: float = CHAIN_WRONG_SHARE) -> SyntheticTask:  # fmt: skip
     """The encyclopedia and the three disjoint splits, all determined by `seed`.
 
     Each split gets its own entities (enough for its search questions: a third of the split, at most two per
@@ -177,19 +200,35 @@ def build_task(seed: int = 0, *, num_sft: int = 96, num_rl: int = 256, num_heldo
     the SFT traces, drawn at random, are a weak teacher's guesses (`guess_trace`), so that the cold-started model
     answers some questions without its tools, as a model distilled from imperfect traces does, whatever its seed;
     RL has to learn that the tools pay. The RL and held-out splits are not affected.
+
+    `families` picks the question families (in turn); with `chain`, each split's entities are linked into a
+    neighbour cycle of their own (its own random stream, so the default families' task is unchanged) and a share
+    `chain_wrong_share` of the SFT chain traces follow a wrong chain.
     """
+    unknown = sorted(set(families) - set(ALL_FAMILIES))
+    if unknown or not families:
+        raise ValueError(f"unknown question families {unknown}; choose from {list(ALL_FAMILIES)}")
     if min(num_sft, num_rl, num_heldout) < 0:
         raise ValueError("split sizes must be >= 0")
     if not 0.0 <= guess_share < 1.0:
         raise ValueError(f"guess_share must be in [0, 1), got {guess_share}")
     rng = random.Random(seed)
-    need = [max(2, -(-n // 6) + 1) for n in (num_sft, num_rl, num_heldout)]
+    least = 3 if chains.FAMILY in families else 2  # a neighbour cycle needs 3 entities
+    # at most 2 questions per entity and family (ceil(ceil(n / 3) / 2) = ceil(n / 6) for the default families)
+    per_family = [-(-n // len(families)) for n in (num_sft, num_rl, num_heldout)]
+    need = [max(least, -(-k // 2) + 1) for k in per_family]
     entities = make_entities(rng, sum(need))
     a, b = need[0], need[0] + need[1]
     seen: set[str] = set()
-    sft = _split(rng, entities[:a], num_sft, seen)
-    rl = _split(rng, entities[a:b], num_rl, seen)
-    heldout = _split(rng, entities[b:], num_heldout, seen)
+    wrong = None
+    if chains.FAMILY in families:
+        links = random.Random(seed + 104729)  # its own stream: the other families' questions do not change
+        for part in (entities[:a], entities[a:b], entities[b:]):
+            chains.link_neighbours(links, part)
+        wrong = random.Random(seed + 15485863)
+    sft = _split(rng, entities[:a], num_sft, seen, families, wrong, chain_wrong_share)
+    rl = _split(rng, entities[a:b], num_rl, seen, families)
+    heldout = _split(rng, entities[b:], num_heldout, seen, families)
     guesses = random.Random(seed + 7919)  # its own stream: the splits do not depend on guess_share
     capitals = [e.capital for e in entities]
     for q in sft:

@@ -3,10 +3,11 @@
 A tool is a plain function (sync or async) with type hints and a Google-style docstring; its JSON schema comes
 from `transformers.utils.get_json_schema`, exactly what `apply_chat_template(tools=[func])` renders for the
 model. `FunctionTool` wraps one such function into this package's `Tool` protocol: `call(text)` takes the
-*JSON arguments* of a chat-format tool call, runs the function (sync ones in a worker thread, so a slow tool
-does not stall the rollout loop) and returns its result as text, `str(result)` as TRL does. A function that
-raises, or arguments that do not fit its signature, give `ok=False` with TRL's error text
-`str({"error": str(exc)})`: the model reads it, the run goes on.
+*JSON arguments* of a chat-format tool call, runs the function (sync ones in the tools' own daemon-thread
+pool, `appo_trl.tools.pool`, never the event loop's default executor that the in-process sampler needs, so a
+slow or stuck tool stalls neither the rollout loop nor sampling) and returns its result as text, `str(result)`
+as TRL does. A function that raises, or arguments that do not fit its signature, give `ok=False` with TRL's
+error text `str({"error": str(exc)})`: the model reads it, the run goes on.
 
 `resolve_tools(specs)` turns a `tools=` list into `FunctionTool`s and checks each one *at construction*: an
 entry may be a callable, a built-in name (`python`, `search`, wrapped with a one-argument schema around the
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -83,10 +85,15 @@ class FunctionTool:
     Args:
         func: the function (sync or async) the model calls; its `__name__` is the tool name.
         max_chars: results longer than this are cut (the engine also caps result tokens).
+        call_timeout_s: deadline of one call, seconds (`tool_config: {name: {timeout: s}}`); the `ToolExecutor`
+            enforces it. None: the executor's default.
+        pool: the `ToolThreadPool` running a sync `func` (the executor binds its own); None: a process-wide one.
     """
 
-    def __init__(self, func: Callable, max_chars: int = 20_000):
+    def __init__(self, func: Callable, max_chars: int = 20_000, call_timeout_s: float | None = None, pool=None):
         self.func = func
+        self.call_timeout_s = call_timeout_s
+        self.pool = pool
         self.schema = tool_schema(func)
         self.name = self.tag = self.schema["function"]["name"]
         self.is_async = inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
@@ -108,7 +115,7 @@ class FunctionTool:
             if self.is_async:
                 result = await self.func(**arguments)
             else:
-                result = await asyncio.to_thread(self.func, **arguments)
+                result = await self._run_sync(arguments)
             text = result.text if isinstance(result, ToolResult) else str(result)
         except Exception as exc:  # noqa: BLE001 - a failing tool is the model's feedback, as in TRL
             return ToolResult(trl_error_text(str(exc)), ok=False, error=type(exc).__name__)
@@ -116,6 +123,18 @@ class FunctionTool:
         text = sanitize_text(text)
         truncated = len(text) > self.max_chars
         return ToolResult(text[: self.max_chars], ok=ok, truncated=truncated)
+
+    async def _run_sync(self, arguments: dict) -> Any:
+        """Run the sync function in the tool pool; when the caller gives up (deadline), abandon the call."""
+        from appo_trl.tools.pool import default_pool
+
+        pool = self.pool or default_pool()
+        future = pool.submit(functools.partial(self.func, **arguments))
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            pool.abandon(future)  # a running call keeps its (daemon) thread; the pool replaces it
+            raise
 
     async def aclose(self) -> None:
         closer = getattr(self.func, "aclose", None)

@@ -3,8 +3,14 @@
 `await executor.execute(tag, text)` runs the tool registered under `tag` and always returns a `ToolResult`
 (an unknown tag, a tool exception and a missed deadline become `ok=False` results), so one bad call never
 breaks a rollout. At most `max_workers` calls run at once (others wait their turn without blocking the event
-loop); every call is cancelled at `timeout_s`. Unlike ARPO there is no per-round barrier: each trajectory
-awaits only its own calls.
+loop); every call is cancelled at its deadline: the tool's own `call_timeout_s` (`tool_config: {name:
+{timeout: s}}` for a Python function tool) or else `timeout_s`. Unlike ARPO there is no per-round barrier: each
+trajectory awaits only its own calls.
+
+Synchronous function tools run in the executor's own `ToolThreadPool` (`tool_threads` daemon threads), apart
+from the event loop's default executor that the in-process sampler uses: a tool that never returns cannot
+starve sampling, its call is abandoned at the deadline (a warning names the tool and the call, the model reads
+a timeout error) and its thread never blocks interpreter exit.
 
 `metrics()` returns means since the last `reset_metrics()`, ready for `trainer.log`: per tag
 `tools/<tag>/calls`, `failures`, `timeouts`, `truncated`, `latency_mean_s`, `latency_max_s`, plus totals
@@ -19,6 +25,7 @@ import time
 from collections import defaultdict
 
 from appo_trl.tools.base import Tool, ToolResult
+from appo_trl.tools.pool import ToolThreadPool
 
 logger = logging.getLogger(__name__)
 
@@ -29,15 +36,22 @@ class ToolExecutor:
     Args:
         tools: tools keyed by trigger tag (what `build_tools` returns).
         max_workers: calls in flight at once, over all tools.
-        timeout_s: deadline of one call, queueing excluded (None: only the tools' own limits).
+        timeout_s: default deadline of one call, queueing excluded (None: only the tools' own limits); a tool's
+            `call_timeout_s` attribute overrides it.
+        tool_threads: threads of the pool running synchronous function tools (None: `min(max_workers, 16)`).
     """
 
-    def __init__(self, tools: dict[str, Tool], max_workers: int = 64, timeout_s: float | None = 120.0):
+    def __init__(self, tools: dict[str, Tool], max_workers: int = 64, timeout_s: float | None = 120.0,
+                 tool_threads: int | None = None):  # fmt: skip
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self.tools = dict(tools)
         self.max_workers = max_workers
         self.timeout_s = timeout_s
+        self.pool = ToolThreadPool(tool_threads or min(max_workers, 16), name="appo-tool")
+        for tool in self.tools.values():
+            if hasattr(tool, "pool") and getattr(tool, "pool", None) is None:
+                tool.pool = self.pool
         self._semaphores: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Semaphore]] = {}
         self.reset_metrics()
 
@@ -56,13 +70,15 @@ class ToolExecutor:
             result = ToolResult(f"Error: unknown tool <{tag}>.", ok=False, error="unknown_tool")
             self._record(tag, result)
             return result
+        timeout = getattr(tool, "call_timeout_s", None) or self.timeout_s
         async with self._semaphore():
             start = time.perf_counter()
             try:
-                result = await asyncio.wait_for(tool.call(text), self.timeout_s)
+                result = await asyncio.wait_for(tool.call(text), timeout)
             except asyncio.TimeoutError:
+                self._warn_timeout(tag, text, timeout)
                 result = ToolResult(
-                    f"Error: Tool({tag}) timed out after {self.timeout_s:g} seconds.", ok=False, error="timeout"
+                    f"Error: Tool({tag}) timed out after {timeout:g} seconds.", ok=False, error="timeout"
                 )
             except Exception as exc:  # noqa: BLE001 - a tool bug must not kill the rollout
                 logger.exception("tool %s raised", tag)
@@ -70,6 +86,13 @@ class ToolExecutor:
             result.latency_s = result.latency_s or time.perf_counter() - start
         self._record(tag, result)
         return result
+
+    def _warn_timeout(self, tag: str, text: str, timeout: float) -> None:
+        call = text if len(text) <= 200 else text[:200] + "..."
+        stuck = f"; {self.pool.stuck} call(s) of synchronous tools still hold a thread" if self.pool.stuck else ""
+        exhausted = " (the tool pool is exhausted: new calls wait and time out)" if self.pool.exhausted else ""
+        logger.warning("tool %r timed out after %gs and was abandoned, call: %r%s%s", tag, timeout, call, stuck,
+                       exhausted)  # fmt: skip
 
     def _record(self, tag: str, result: ToolResult) -> None:
         s = self._stats[tag]
@@ -105,3 +128,4 @@ class ToolExecutor:
     async def aclose(self) -> None:
         for tool in self.tools.values():
             await tool.aclose()
+        self.pool.shutdown()  # idle threads end; stuck ones are daemons and never block exit

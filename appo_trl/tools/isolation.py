@@ -53,7 +53,8 @@ What this does NOT protect against (see also `python_sandbox.py`):
   `max_processes * memory_mb`; as a normal user the calls share that user's uid on the host.
 - Concurrent calls share the zygote's network namespace (loopback down, no other interface): two calls *in
   flight at the same time* can meet through abstract unix sockets, if both code snippets try. Nothing persists.
-- If the trainer is SIGKILLed, its empty per-sandbox cgroup directories (`appo-sandbox-<pid>-<hex>`) remain;
+- If the trainer is SIGKILLed, its empty per-sandbox cgroup directories (`appo-sandbox-<pid>-<hex>`) remain
+  until the next sandbox starts on this machine and removes those whose owner is dead (`remove_stale_cgroups`);
   every process of the sandbox exits (its stdin closes).
 - `isolation: none` runs the code as the trainer's user with none of the above.
 """
@@ -63,6 +64,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import secrets
 import shutil
 import site
@@ -82,6 +84,8 @@ HINT = (
 )
 ID_BASE, ID_COUNT = 1000, 60000
 CALL_TMPFS = ("/tmp", "/dev/shm")  # each call gets a fresh tmpfs on these (`_jail.enter`)
+CGROUP_ROOT = "/sys/fs/cgroup"
+_SANDBOX_CGROUP = re.compile(r"^appo-sandbox-(\d+)-[0-9a-f]+$")
 
 
 class IsolationError(RuntimeError, ValueError):
@@ -220,8 +224,9 @@ def make_cgroups(memory_mb: int, max_processes: int, cpus: float | None) -> tupl
     except OSError:
         return [], [], []
     v2_path = next((p for c, p in lines if c == ""), None)
-    v2_root = "/sys/fs/cgroup" if os.path.exists("/sys/fs/cgroup/cgroup.controllers") else "/sys/fs/cgroup/unified"
+    v2_root = CGROUP_ROOT if os.path.exists(f"{CGROUP_ROOT}/cgroup.controllers") else f"{CGROUP_ROOT}/unified"
     if v2_path is not None and os.path.exists(f"{v2_root}/cgroup.controllers"):
+        remove_stale_cgroups(f"{v2_root}{v2_path.rstrip('/')}")
         try:
             with open(f"{v2_root}{v2_path}/cgroup.controllers") as fh:
                 available = fh.read().split()
@@ -248,9 +253,10 @@ def make_cgroups(memory_mb: int, max_processes: int, cpus: float | None) -> tupl
                 made = []
     for controller, (files, oom) in _v1_settings(memory_mb, max_processes, cpus).items():
         path = next((p for c, p in lines if controller in c.split(",")), None)
-        root = f"/sys/fs/cgroup/{controller}"
+        root = f"{CGROUP_ROOT}/{controller}"
         if path is None or not os.path.exists(f"{root}/cgroup.procs"):
             continue
+        remove_stale_cgroups(f"{root}{path.rstrip('/')}")
         base = f"{root}{path.rstrip('/')}/{name}"
         try:
             os.mkdir(base)
@@ -261,6 +267,54 @@ def make_cgroups(memory_mb: int, max_processes: int, cpus: float | None) -> tupl
         binds += ["--bind", base, f"/cg/{controller}"]
         specs.append({"dir": f"/cg/{controller}", "files": files, "oom": oom})
     return binds, specs, made
+
+
+def _started_after(pid: int, when: float) -> bool:
+    """Whether process `pid` started after time `when` (seconds since the epoch): then it reuses a dead pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks since boot
+        with open("/proc/stat") as fh:
+            boot = next(int(line.split()[1]) for line in fh if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return False
+    return boot + ticks / os.sysconf("SC_CLK_TCK") > when + 1.0
+
+
+def remove_stale_cgroups(parent: str) -> list[str]:
+    """Remove the `appo-sandbox-<pid>-<hex>` cgroups under `parent` that a killed trainer left behind.
+
+    One is stale when process `pid` is gone, or when the process now holding that pid started after the
+    directory was last changed (the pid was reused). A cgroup that still holds a process cannot be removed
+    (the kernel refuses) and is left. Returns the removed directories (each logged)."""
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        match = _SANDBOX_CGROUP.match(name)
+        if not match or int(match.group(1)) == os.getpid():
+            continue
+        pid, base = int(match.group(1)), os.path.join(parent, name)
+        try:
+            changed = os.stat(base).st_mtime
+        except OSError:
+            continue
+        if os.path.exists(f"/proc/{pid}") and not _started_after(pid, changed):
+            continue
+        try:
+            for child in os.listdir(base):
+                if child.isdigit() and os.path.isdir(os.path.join(base, child)):
+                    os.rmdir(os.path.join(base, child))
+            os.rmdir(base)
+        except OSError as exc:
+            logger.debug("python sandbox: stale cgroup %s not removed (%s)", base, exc)
+            continue
+        removed.append(base)
+    if removed:
+        logger.info("python sandbox: removed %d cgroup(s) left by killed runs: %s", len(removed), ", ".join(removed))
+    return removed
 
 
 def _rmdir(path: str) -> None:

@@ -7,7 +7,9 @@ that failed to construct and trained on without them; here a configured tool eit
 
 `tool_format="tags"` (ARPO) keys the built-in tools by their trigger tag; `tool_format="chat"` also takes Python
 callables and dotted import paths (`appo_trl.tools.callables`) and wraps every tool, built-ins included, as a
-`FunctionTool` keyed by its function name, with the JSON schema the chat template renders.
+`FunctionTool` keyed by its function name, with the JSON schema the chat template renders. A function tool's
+`tool_config` block takes one key, `timeout` (seconds per call, enforced by the `ToolExecutor`):
+`tool_config: {lookup: {timeout: 5}}`.
 """
 
 from __future__ import annotations
@@ -83,22 +85,46 @@ def build_tools(names: list, config: dict[str, dict[str, Any]] | None = None, to
                 f"{', '.join(custom)} need tool_format=chat (the model's chat template)"
             )
     builtin = [s for s in specs if isinstance(s, str)]
-    tools = _build_builtin(builtin, config)
+    config = dict(config or {})
+    functions = [FunctionTool(s) for s in specs if not isinstance(s, str)]  # chat format only (checked above)
+    timeouts = {t.name: _function_timeout(t.name, config.pop(t.name)) for t in functions if t.name in config}
+    tools = _build_builtin(builtin, config, extra_names=[t.name for t in functions])
     if tool_format == "tags":
         return tools
     out: dict[str, Tool] = {}
     by_name = {t.name: t for t in tools.values()}
+    custom = iter(functions)
     for spec in specs:
-        tool = FunctionTool(builtin_function(spec, by_name[spec]) if isinstance(spec, str) else spec)
+        tool = FunctionTool(builtin_function(spec, by_name[spec])) if isinstance(spec, str) else next(custom)
+        tool.call_timeout_s = timeouts.get(tool.name)
         out[tool.name] = tool
     return out
 
 
-def _build_builtin(names: list[str], config: dict[str, dict[str, Any]] | None = None) -> dict[str, Tool]:
+FUNCTION_TOOL_KEYS = ("timeout",)
+
+
+def _function_timeout(name: str, params: Any) -> float | None:
+    """The `timeout` of a function tool's `tool_config` block (its only key), checked."""
+    if not isinstance(params, dict):
+        raise ValueError(f"tool_config[{name!r}] must be a mapping such as {{timeout: 30}}, got {params!r}")
+    for key in params:
+        if key not in FUNCTION_TOOL_KEYS:
+            raise _unknown(f"parameter for function tool {name!r}:", key, FUNCTION_TOOL_KEYS)
+    timeout = params.get("timeout")
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"tool_config[{name!r}].timeout must be a number of seconds > 0, got {timeout!r}")
+    return float(timeout)
+
+
+def _build_builtin(names: list[str], config: dict[str, dict[str, Any]] | None = None,
+                   extra_names=()) -> dict[str, Tool]:  # fmt: skip
     config = dict(config or {})
     for name in config:
         if name not in TOOL_REGISTRY:
-            raise _unknown("tool in tool_config", name, TOOL_REGISTRY)
+            raise _unknown("tool in tool_config", name, [*TOOL_REGISTRY, *extra_names])
         if name not in names:
             raise ValueError(f"tool_config has parameters for {name!r}, which is not in tools: {list(names)}")
     tools: dict[str, Tool] = {}

@@ -27,6 +27,8 @@ class APPOScriptArguments(ScriptArguments):
         answer_column: column holding the gold answer(s), passed to reward functions as `answer`.
         reward_funcs: reward function names from `appo_trl.rewards` or dotted import paths.
         system_prompt: system message prepended to string prompts (a name from the prompt registry or text).
+        skip_bad_rows: drop bad rows (malformed or non-UTF-8 JSON lines, null or empty prompts, prompts too long
+            for the model), counted and logged per file, instead of stopping at the first one.
     """
 
     dataset_name: str | None = field(
@@ -40,6 +42,13 @@ class APPOScriptArguments(ScriptArguments):
     )
     system_prompt: str | None = field(
         default=None, metadata={"help": "System prompt name (prompt registry) or literal text."}
+    )
+    skip_bad_rows: bool = field(
+        default=False,
+        metadata={
+            "help": "Drop bad rows (malformed or non-UTF-8 JSON lines, null or empty prompts, prompts too long for "
+            "the model), counted and logged per file; false (default): stop at the first one, naming file and row."
+        },
     )
 
 
@@ -102,7 +111,9 @@ class APPOConfig(GRPOConfig):
         default=3,
         metadata=_h(
             "Tool calls allowed per trajectory across all tools (a branch inherits its parent's count). "
-            "At the limit the trajectory ends. Released values: 3 reasoning, 6 deep search."
+            "At the limit the trajectory ends. Each call of a multi-call chat turn counts, and a turn that would "
+            "pass the limit runs none of its calls (TRL's `max_tool_calling_iterations`, which sets this field, "
+            "counts turns). Released values: 3 reasoning, 6 deep search."
         ),
     )
     dump_rollouts: int = field(
@@ -110,6 +121,13 @@ class APPOConfig(GRPOConfig):
         metadata=_h(
             "Groups per training step written to `output_dir/rollouts/step_<N>.jsonl` (main process; 0 = off). "
             "`appo rollouts OUTPUT_DIR` shows them as branch trees: fork points, rewards, tool calls."
+        ),
+    )
+    max_nan_reward_steps: int = field(
+        default=3,
+        metadata=_h(
+            "Training rounds in a row in which every reward function returns None/NaN for every completion before "
+            "the run stops with an error naming the functions (such rounds train nothing); 0 = never stop."
         ),
     )
     rollout_concurrency: int = field(
@@ -123,6 +141,14 @@ class APPOConfig(GRPOConfig):
             "`disk` (safetensors + POST /collective_rpc reload_weights + /reset_prefix_cache; the server needs "
             "VLLM_SERVER_DEV_MODE=1 and must read the folder), or `auto` (disk when the trainer or the server "
             "runs on CPU, else nccl). See appo_trl.trainer.weight_sync."
+        ),
+    )
+    vllm_server_wait_s: float = field(
+        default=300.0,
+        metadata=_h(
+            "Server mode: seconds to wait for a vLLM server that stopped answering (connection refused) to come back "
+            "(GET /health) before the run fails. When it is back, the weights are synced again and the round is "
+            "re-run (disk sync; with nccl a restart is an error). 0 = fail when the request retries are spent."
         ),
     )
     vllm_weight_sync_dir: str | None = field(
@@ -460,6 +486,10 @@ class APPOConfig(GRPOConfig):
                 self._fail(f"{name}={getattr(self, name)!r}; choose one of {allowed}.")
         if self.beam_size < 1:
             self._fail(f"beam_size={self.beam_size} must be >= 1.")
+        if self.vllm_server_wait_s < 0:
+            self._fail(f"vllm_server_wait_s={self.vllm_server_wait_s} must be >= 0 (0 = do not wait).")
+        if self.max_nan_reward_steps < 0:
+            self._fail(f"max_nan_reward_steps={self.max_nan_reward_steps} must be >= 0 (0 = never stop).")
         if self.dump_rollouts < 0:
             self._fail(f"dump_rollouts={self.dump_rollouts} must be >= 0 (groups written per step).")
         for name in ("branch_probability", "reward_scale_discount", "future_kl_clip_ratio"):

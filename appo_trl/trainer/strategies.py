@@ -228,7 +228,7 @@ class AEPOStrategy(ARPOStrategy):
         counts, kept = [], []
         for (probe,) in probes:
             ents = probe.entropies or []
-            starts = [0] + [c.end for c in probe.tool_calls]
+            starts = [0] + sorted({c.end for c in probe.tool_calls})  # the calls of one chat turn share `end`
             seg = [
                 window_entropy(ents[s:], cfg.entropy_window, cfg.entropy_reduce, norm) for s in starts if s < len(ents)
             ]

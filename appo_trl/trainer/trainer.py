@@ -2,15 +2,19 @@
 
 Override points of TRL's `GRPOTrainer`; everything else is TRL's:
 
-- `__init__(..., tools=...)`: TRL's `tools=` (functions, built-in names, dotted paths), resolved and checked
-  before the model loads; `tool_format: chat` renders their schemas into prompts through TRL's own
-  `_tokenize_prompts` (`self.tools`) and hands completions to rewards in TRL's tool-loop message shape.
+- `__init__`: TRL 1.16's signature and order; no `args` or a plain `GRPOConfig` become an `APPOConfig`, and a
+  `rollout_func` runs on TRL's own sampler for grpo (`trl_compat`). TRL's `tools=` (functions, built-in names,
+  dotted paths), resolved and checked before the model loads; `tool_format: chat` renders their schemas into
+  prompts through TRL's own `_tokenize_prompts` (`self.tools`) and hands completions to rewards in TRL's
+  tool-loop message shape.
 - `_generate(prompts)`: (for in-process `grpo` with no `tools`, TRL's own sampler runs unchanged) replaces TRL's sampler and tool loop with `appo_trl.rollout`'s engine, driven by the
   configured strategy (`appo_trl.trainer.strategies.STRATEGIES`: grpo, arpo, aepo, appo). Returns TRL's 8-tuple with
   the exact sampled ids, `tool_mask` = 1 on sampled tokens only, sampler logprobs (NaN on tool tokens), and
   re-emits TRL's generation metrics plus `branch/*` and `tools/*`. Weights are synced to the vLLM server once
   per round, on every rank, before the first request.
-- `_calculate_rewards`: unchanged, but the gathered rewards are kept for the strategy's advantages.
+- `_calculate_rewards`: TRL's, with every reward function's output checked (`reward_checks`: a string names the
+  function; `max_nan_reward_steps` rounds in a row without any reward stop the run); the gathered rewards are
+  kept for the strategy's advantages.
 - `_generate_and_score_completions`: calls TRL once, then lets the strategy replace the advantages (APPO's
   dual-group (B, T) advantages) and removes the rows that must not reach the loss (APPO's branch rows), with
   `num_items_in_batch` recomputed as the global mask sum of the remaining rows.
@@ -18,11 +22,14 @@ Override points of TRL's `GRPOTrainer`; everything else is TRL's:
   entropy_balanced (and for AEPO's entropy-aware advantage).
 
 Groups never cross ranks (`APPOConfig` validates the batch shape) and no collective runs inside a
-variable-length loop: every rank issues the same gathers per round and per micro-step.
+variable-length loop: every rank issues the same gathers per round and per micro-step. With the in-process
+sampler under ZeRO-3 / FSDP2 the full weights are gathered once per round (`appo_trl.trainer.sharded`), so the
+sampler's and APPO's selection forwards, whose number differs between ranks, run without collectives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -34,11 +41,13 @@ from trl.data_utils import is_conversational
 
 from appo_trl.reporting.console import canonical_metrics, install_step_line
 from appo_trl.reporting.rollout_dump import dump_round
+from appo_trl.trainer.checkpoints import AtomicCheckpointMixin, read_sampler_state, write_sampler_state
 from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.rows import pad_rows, select_rows
+from appo_trl.trainer.sharded import full_weights_for_round
 from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RoundBatch
-from appo_trl.trainer.weight_sync import prepare_vllm_server
+from appo_trl.trainer.weight_sync import generate_round, prepare_vllm_server
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +85,8 @@ def build_rollout_engine(trainer):
         from appo_trl.rollout.replicas import ReplicaBackend, replica_set_for
 
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        backend = VLLMServerBackend(base_url, max_concurrency=args.rollout_concurrency)
+        backend = VLLMServerBackend(base_url, max_concurrency=args.rollout_concurrency,
+                                    server_wait_s=args.vllm_server_wait_s)  # fmt: skip
         replicas = replica_set_for(base_url)  # several replicas behind a router (trainer/weight_sync.py)
         if replicas is not None:
             backend = ReplicaBackend(backend, replicas)
@@ -106,7 +116,7 @@ def build_rollout_engine(trainer):
     )  # fmt: skip
 
 
-class APPOTrainer(GRPOTrainer):
+class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     """GRPO, ARPO, AEPO and APPO for tool-using LLMs, as one `GRPOTrainer` subclass.
 
     Same constructor as `GRPOTrainer`, with TRL's `tools=`: a list of Python functions (sync or async, typed,
@@ -116,8 +126,12 @@ class APPOTrainer(GRPOTrainer):
     tool is checked here, before the model loads. Plus `rollout_engine`: an object with the
     `appo_trl.rollout.RolloutEngine` interface (`rollout`, `branch_many`, `run`), built from the config when
     omitted, and `tool_dirs`: folders searched first for dotted tool paths (default: the folder of the recipe
-    `appo train` parsed, then the working directory). TRL's `environment_factory` and `rollout_func` are not
-    supported.
+    `appo train` parsed, then the working directory). Without `args`, an `APPOConfig("<model>-APPO")` is built as
+    TRL builds its `GRPOConfig`; a plain `GRPOConfig` is converted to an `APPOConfig` (`rollout_strategy: grpo`).
+    TRL's `rollout_func` is served by TRL's own sampler for `rollout_strategy: grpo` without tools and refused
+    otherwise (`appo_trl.trainer.trl_compat`); `environment_factory` is not supported. Checkpoints are saved
+    atomically and hold the sampler's round counter (`trainer.checkpoints`), so a resumed run samples the
+    completions of the uninterrupted one.
     """
 
     _tag_names = ["trl", "grpo", "appo", "appo-trl"]
@@ -134,14 +148,22 @@ class APPOTrainer(GRPOTrainer):
         reward_processing_classes=None,
         callbacks=None,
         optimizers=(None, None),
+        quantization_config=None,
         peft_config=None,
         tools=None,
+        rollout_func=None,
+        environment_factory=None,
         rollout_engine=None,
         tool_dirs=(),
     ):
-        if not isinstance(args, APPOConfig):
-            raise TypeError("APPOTrainer needs an APPOConfig (it carries the strategy, tools and loss settings).")
+        from appo_trl.trainer.trl_compat import check_rollout_func, resolve_args
+
+        args = resolve_args(model, args)  # None -> APPOConfig("<model>-APPO"); a GRPOConfig -> rollout_strategy grpo
+        if environment_factory is not None:
+            raise ValueError("APPOTrainer: environment_factory is not supported yet; expose the environment's "
+                             "methods as tools=[...] instead.")  # fmt: skip
         self._resolve_tool_specs(args, tools, tool_dirs)  # fails here, before the model loads
+        check_rollout_func(args, rollout_func, bool(self.tool_specs), rollout_engine)
         from appo_trl.configs.preflight import check_reward_columns  # before the model loads
 
         check_reward_columns(reward_funcs if isinstance(reward_funcs, list) else [reward_funcs], train_dataset)
@@ -156,8 +178,11 @@ class APPOTrainer(GRPOTrainer):
                 reward_processing_classes=reward_processing_classes,
                 callbacks=callbacks,
                 optimizers=optimizers,
+                quantization_config=quantization_config,
                 peft_config=peft_config,
+                rollout_func=rollout_func,
             )
+        self._check_reward_outputs()
         if self._custom_loss and self._entropy_bonus_enabled:
             raise ValueError(f"loss_mode={args.loss_mode} does not add TRL's entropy bonus; set entropy_coef=0.")
         self._setup_chat_tools(train_dataset)
@@ -169,7 +194,8 @@ class APPOTrainer(GRPOTrainer):
         self.eval_strategy = GRPOStrategy(self)  # validation: no branching (as the released code: n = 1, no branching)
         self._rollout_engine = rollout_engine
         # in-process GRPO without tools and without an injected engine is exactly TRL's own sampler: keep it
-        self._trl_sampler = (
+        # (a rollout_func, checked above to be grpo without tools, is served by TRL's own `_generate` as well)
+        self._trl_sampler = rollout_func is not None or (
             args.rollout_strategy == "grpo" and not self.tool_specs and not args.use_vllm and rollout_engine is None
         )
         if args.dump_rollouts and self._trl_sampler:
@@ -183,6 +209,18 @@ class APPOTrainer(GRPOTrainer):
         self._round_rewards: torch.Tensor | None = None
         self._round_index = 0
         self._old_logps_cache: list[torch.Tensor] | None = None
+
+    def _check_reward_outputs(self) -> None:
+        """Wrap each reward function so a bad return value names it; count rounds without any reward."""
+        from torch import nn
+
+        from appo_trl.trainer.reward_checks import NaNRewardGuard, checked_reward_func
+
+        self._checked_reward_funcs = [  # used by _calculate_rewards only: `reward_funcs` stays the user's
+            f if isinstance(f, nn.Module) else checked_reward_func(f, name)
+            for f, name in zip(self.reward_funcs, self.reward_func_names)
+        ]
+        self._nan_reward_guard = NaNRewardGuard(self.args.max_nan_reward_steps)
 
     def _resolve_tool_specs(self, args, tools, tool_dirs) -> None:
         """Resolve and check every tool (names, dotted paths, schemas, parameters) and build them once."""
@@ -272,6 +310,28 @@ class APPOTrainer(GRPOTrainer):
             base = get_config_model_id(self.model.config)
             fix_local_base_model(os.path.join(self.args.output_dir, "README.md"), base)
 
+    # ---- checkpoints: the sampler's state (its seeds derive from the round counter) ------------------------------
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        if self.args.should_save:
+            write_sampler_state(
+                output_dir, {"round_index": self._round_index, "tool_idle_rounds": self._tool_idle_rounds}
+            )
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)  # called on every resume, before the first round
+        if checkpoint is None:
+            return
+        state = read_sampler_state(checkpoint)
+        if state is None:
+            logger.warning(
+                "%s has no sampler state (saved by an older version): completions after this resume differ from "
+                "the uninterrupted run's", checkpoint,
+            )  # fmt: skip
+            return
+        self._round_index = int(state["round_index"])
+        self._tool_idle_rounds = int(state.get("tool_idle_rounds", 0))
+
     # ---- generation ------------------------------------------------------------------------------------------
     def _round_seed(self) -> int:
         self._round_index += 1
@@ -285,11 +345,11 @@ class APPOTrainer(GRPOTrainer):
         n = self.num_generations if mode == "train" else self.num_generations_eval
         prompts = copy.deepcopy(prompts)
         prompt_ids, _, _ = self._tokenize_prompts(prompts)
-        if self.use_vllm and self.state.global_step != self._last_loaded_step:
-            self.vllm_generation.sync_weights()  # once per round, on every rank, before any request
-            self._last_loaded_step = self.state.global_step
         strategy = self.strategy if mode == "train" else self.eval_strategy
-        batch = strategy.generate(prompt_ids[::n], n, self._round_seed())
+        # in-process sampling under ZeRO-3 / FSDP2: weights gathered once on every rank, no collective inside;
+        # server mode: the weight sync once per round, and the round again after a server restart
+        with self._round_weights():
+            batch = generate_round(self, strategy, prompt_ids[::n], n, self._round_seed())
         rows = batch.rows
         if len(rows) != len(prompts) or any(len(g) != n for g in batch.groups):
             raise RuntimeError(f"strategy {strategy.name} returned {len(rows)} rows for {len(prompts)} prompts")
@@ -318,6 +378,19 @@ class APPOTrainer(GRPOTrainer):
             self._old_logps_cache = [c if c is not None else nan0[i] for i, c in enumerate(batch.info["old_logps"])]
         row_prompt_ids = [list(t.prompt_ids) for t in rows]
         return row_prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, None, []
+
+    @contextlib.contextmanager
+    def _round_weights(self):
+        """In-process sampling: the round's forwards (sampler, APPO's selection) run on weights gathered once.
+
+        See `appo_trl.trainer.sharded`; a vLLM server or an injected engine without such a backend needs nothing.
+        """
+        hold = getattr(getattr(self.rollout_engine, "backend", None), "unwrapped_for_rollout", None)
+        if hold is None:
+            yield
+            return
+        with full_weights_for_round(self) as model, hold(model):
+            yield
 
     def _log_round(self, mode, strategy, batch, prompt_ids, completion_ids, tool_mask):
         """TRL's generation metrics (counted on sampled tokens) plus `tools/*` and `branch/*`; fixed collectives."""
@@ -445,7 +518,13 @@ class APPOTrainer(GRPOTrainer):
 
     # ---- scoring ---------------------------------------------------------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        funcs, self.reward_funcs = self.reward_funcs, self._checked_reward_funcs
+        try:
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        finally:
+            self.reward_funcs = funcs
+        if self.model.training:
+            self._nan_reward_guard.update(rewards_per_func, self.reward_func_names, self.state.global_step)
         self._round_rewards = rewards_per_func  # gathered (N_global, F), for the strategy's advantages
         return rewards_per_func
 

@@ -14,6 +14,13 @@ that case a disk route, run once per generation round (`APPOTrainer._generate`, 
    This step is mandatory: cached prefixes were computed by the old weights;
 5. every rank waits at a barrier, so no rank samples from the server before it holds the new weights.
 
+A server restart (`vllm_server_wait_s`): a sync that finds the server unreachable waits up to that long for
+`GET /health` and then writes and reloads as usual; a round during which the sampler found the server gone and
+back (`VLLMServerRestarted`) is run again by `generate_round`, after a fresh sync, on every rank (one flag
+gathered per round decides, so every rank issues the same collectives), with the same seed. On TRL's NCCL
+route a restart is an error: its communicator cannot re-attach to a new server process (resume from the last
+checkpoint instead).
+
 `weight_sync_route` chooses the route from `vllm_weight_sync`: `disk`, `nccl` (TRL's `VLLMGeneration`,
 unchanged), or `auto` = disk when the trainer's device is CPU or the server reports `device_config.device ==
 "cpu"` (`GET /server_info`), else nccl. `prepare_vllm_server` (around `GRPOTrainer.__init__`) makes TRL
@@ -43,6 +50,7 @@ input/output embeddings to a CPU server: vLLM-CPU's `reload_weights` keeps a sta
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 import time
@@ -54,6 +62,8 @@ import trl.generation.vllm_generation as trl_vllm_generation
 from trl.generation.vllm_generation import VLLMGeneration
 
 ROUTES = ("auto", "nccl", "disk")
+MAX_ROUND_RESTARTS = 3  # server restarts survived within one round before the run stops
+logger = logging.getLogger(__name__)
 
 
 class WeightSyncError(RuntimeError):
@@ -82,6 +92,18 @@ class DevClient:
             raise WeightSyncError(f"vLLM server {url} answered HTTP {resp.status_code}: {resp.text[:500]}")
         return resp
 
+    def call_waiting(self, wait_s: float, method: str, path: str, **kwargs) -> httpx.Response:
+        """`_call`; a server that is unreachable is waited for (`GET /health`, up to `wait_s`), then called again."""
+        try:
+            return self._call(method, path, **kwargs)
+        except WeightSyncError as exc:
+            if wait_s <= 0 or not isinstance(exc.__cause__, httpx.TransportError):
+                raise
+            logger.warning("vLLM server %s unreachable during the weight sync; waiting up to %g s for it to come "
+                           "back (vllm_server_wait_s)", self.base_url, wait_s)  # fmt: skip
+            self.wait_healthy(wait_s, interval_s=min(2.0, wait_s / 10))
+            return self._call(method, path, **kwargs)
+
     def wait_healthy(self, timeout_s: float, interval_s: float = 2.0) -> None:
         """Poll `GET /health` until it answers 200, or raise after `timeout_s` seconds."""
         deadline = time.monotonic() + timeout_s
@@ -99,10 +121,9 @@ class DevClient:
         """The server's resolved `VllmConfig` as JSON (the shape TRL's `VLLMClient.get_server_info` returns)."""
         return self._call("GET", "/server_info", params={"config_format": "json"}).json()["vllm_config"]
 
-    def reload_weights(self, weights_path: str) -> None:
-        self._call(
-            "POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": weights_path}}
-        )
+    def reload_weights(self, weights_path: str, wait_s: float = 0.0) -> None:
+        body = {"method": "reload_weights", "kwargs": {"weights_path": weights_path}}
+        self.call_waiting(wait_s, "POST", "/collective_rpc", json=body)
 
     def reset_prefix_cache(self, attempts: int = 20, interval_s: float = 0.25) -> None:
         """`POST /reset_prefix_cache` until it reports success (it fails while blocks are still held)."""
@@ -151,9 +172,10 @@ class DiskWeightSync(VLLMGeneration):
         **kwargs: `VLLMGeneration`'s arguments (`mode` must be `"server"`).
     """
 
-    def __init__(self, *args, sync_dir: str | None = None, replicas=None, **kwargs):
+    def __init__(self, *args, sync_dir: str | None = None, replicas=None, server_wait_s: float = 0.0, **kwargs):
         self._sync_dir_arg = sync_dir
         self.replicas = replicas
+        self.server_wait_s = server_wait_s
         self.num_syncs = 0
         super().__init__(*args, **kwargs)
 
@@ -202,7 +224,7 @@ class DiskWeightSync(VLLMGeneration):
             save_file(tensors, tmp, metadata={"format": "pt"})
             os.replace(tmp, os.path.join(self.sync_dir, "model.safetensors"))
             if self.replicas is None:
-                self.vllm_client.reload_weights(self.sync_dir)
+                self.vllm_client.reload_weights(self.sync_dir, wait_s=self.server_wait_s)
                 self.vllm_client.reset_prefix_cache()
             else:
                 self._sync_replicas()
@@ -317,7 +339,9 @@ def prepare_vllm_server(args):
 
     def factory(**kwargs):
         if weight_sync_route(args, kwargs["accelerator"].device, probe_url=servers[0]) == "disk":
-            return DiskWeightSync(sync_dir=args.vllm_weight_sync_dir, replicas=replicas, **kwargs)
+            wait_s = getattr(args, "vllm_server_wait_s", 0.0)
+            return DiskWeightSync(sync_dir=args.vllm_weight_sync_dir, replicas=replicas, server_wait_s=wait_s,
+                                  **kwargs)  # fmt: skip
         if replicas is not None:
             return ReplicatedNCCLSync(replica_urls=replicas.urls, **kwargs)
         return original(**kwargs)
@@ -367,5 +391,39 @@ def prepare_replicas(args):
     return register(replicas).start_monitor()
 
 
-__all__ = ["DevClient", "DiskWeightSync", "ReplicatedNCCLSync", "WeightSyncError", "prepare_replicas",
-           "prepare_vllm_server", "server_device", "weight_sync_route"]  # fmt: skip
+def generate_round(trainer, strategy, prompt_ids: list, n: int, seed: int):
+    """`strategy.generate(prompt_ids, n, seed)`, after the once-per-round weight sync (server mode), surviving
+    server restarts: a round in which any rank's sampler raised `VLLMServerRestarted` is synced again and re-run
+    (same seed) on every rank, at most `MAX_ROUND_RESTARTS` times."""
+    if not trainer.use_vllm:
+        return strategy.generate(prompt_ids, n, seed)
+    import torch
+
+    from appo_trl.rollout.vllm_server import VLLMServerError, VLLMServerRestarted
+
+    resync = False
+    for _ in range(MAX_ROUND_RESTARTS + 1):
+        if resync or trainer.state.global_step != trainer._last_loaded_step:
+            trainer.vllm_generation.sync_weights()  # once per round, on every rank, before any request
+            trainer._last_loaded_step = trainer.state.global_step
+        batch, error = None, None
+        try:
+            batch = strategy.generate(prompt_ids, n, seed)
+        except VLLMServerRestarted as exc:
+            error = exc
+        flag = torch.tensor([float(error is not None)], device=trainer.accelerator.device)
+        if not trainer.accelerator.gather(flag).any():
+            return batch
+        if not isinstance(trainer.vllm_generation, DiskWeightSync):
+            raise VLLMServerError(
+                "the vLLM server restarted during a round, and TRL's NCCL weight sync cannot re-attach to a new "
+                "server process: restart the run (resume_from_checkpoint: true)"
+            ) from error
+        logger.warning("vLLM server restarted during the round at step %d (%s): syncing the weights again and "
+                       "re-running the round", trainer.state.global_step, error or "seen by another rank")  # fmt: skip
+        resync = True
+    raise VLLMServerError(f"the vLLM server restarted {MAX_ROUND_RESTARTS + 1} times during one round") from error
+
+
+__all__ = ["DevClient", "DiskWeightSync", "ReplicatedNCCLSync", "WeightSyncError", "generate_round",
+           "prepare_replicas", "prepare_vllm_server", "server_device", "weight_sync_route"]  # fmt: skip

@@ -99,16 +99,11 @@ class ScriptedChatBackend:
         text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
         self.prompts.append(text)
         if "</tool_response>" in text:
-            segment, stop = "The interpreter printed 2, so \\boxed{2}.", None
-        else:
-            segment, stop = (
-                '<tool_call>\n{"name": "python", "arguments": {"code": "print(1+1)"}}\n</tool_call>',
-                "</tool_call>",
-            )
-        ids = self.tokenizer.encode(segment, add_special_tokens=False) + (
-            [] if stop else [self.tokenizer.eos_token_id]
-        )
-        return Segment(ids, [-0.5] * len(ids), None, "stop" if stop else "eos", stop)
+            segment = "The interpreter printed 2, so \\boxed{2}."
+        else:  # the call, then the end of the assistant turn (the engine samples to EOS, as TRL's tool loop)
+            segment = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1+1)"}}\n</tool_call>'
+        ids = self.tokenizer.encode(segment, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return Segment(ids, [-0.5] * len(ids), None, "eos", None)
 
 
 def test_eval_with_chat_tool_format(eval_registry, tmp_path, tiny_chat_tokenizer):
@@ -120,7 +115,7 @@ def test_eval_with_chat_tool_format(eval_registry, tmp_path, tiny_chat_tokenizer
     report = evaluate(cfg, RolloutGenerator(cfg, backend, tiny_chat_tokenizer), show_progress=False)
     [record] = read_jsonl(tmp_path / "out" / "samples.jsonl")
     assert '"name": "python"' in backend.prompts[0] and "<tools>" in backend.prompts[0]  # schema in the prompt
-    assert all(p.stop == ["</tool_call>"] for p in backend.params)
+    assert all(p.stop == [] for p in backend.params)
     assert backend.prompts[1].endswith("<tool_response>\n2\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     assert [(c["tag"], c["ok"], c["query"]) for c in record["tool_calls"]] == [
         ("python", True, '{"code": "print(1+1)"}')

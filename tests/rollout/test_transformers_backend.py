@@ -126,3 +126,29 @@ def test_unwrapped_for_rollout_holds_one_unwrap(model, tiny_tokenizer, enc, monk
         _run(backend, requests)
         _run(backend, requests)
     assert len(unwraps) == 3  # once for the whole held rollout
+
+
+def test_unwrapped_for_rollout_holds_a_gathered_model(model, tiny_tokenizer, enc, monkeypatch):
+    """A trainer that gathered the weights itself (ZeRO-3 / FSDP2, once per round on every rank) hands the module
+    in: no unwrap (no collective) runs in the backend, and every batch decodes with that module."""
+    import contextlib
+
+    import trl.models.utils
+
+    unwraps, used = [], []
+
+    @contextlib.contextmanager
+    def counting_unwrap(m, accelerator, **kwargs):
+        unwraps.append(accelerator)
+        yield m
+
+    monkeypatch.setattr(trl.models.utils, "unwrap_model_for_generation", counting_unwrap)
+    backend = TransformersBackend(object(), tiny_tokenizer, accelerator="acc", eos_token_ids=[2])
+    original = backend._decode
+    backend._decode = lambda m, batch: used.append(m) or original(m, batch)
+    requests = [(enc("q"), SamplingParams(max_tokens=3, seed=1))]
+    with backend.unwrapped_for_rollout(model) as held:
+        assert held is model
+        _run(backend, requests)
+        _run(backend, requests)
+    assert unwraps == [] and used == [model, model]

@@ -82,3 +82,62 @@ def test_max_model_len_read_from_the_server_and_checked(tiny_tokenizer, answer):
             VLLMServerBackend(server.url).resolve_max_model_len(4096)
         with pytest.raises(VLLMServerError, match="does not serve model 'other'"):
             VLLMServerBackend(server.url, model="other").resolve_max_model_len(None)
+
+
+# ---- a server that restarts ------------------------------------------------------------------------------------
+def _restart_in_background(server, down_s):
+    import threading
+
+    thread = threading.Thread(target=server.restart, args=(down_s,), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_restarting_server_is_waited_for_and_reported_as_restarted(tiny_tokenizer, answer):
+    import time
+
+    from appo_trl.rollout.vllm_server import VLLMServerRestarted
+
+    policy = ScriptedPolicy(tiny_tokenizer, lambda ctx, rng: answer)
+    with FakeVLLMServer(policy, tiny_tokenizer) as server:
+        backend = VLLMServerBackend(server.url, model="fake-model", max_retries=1, backoff_s=0.01, server_wait_s=30)
+        thread = _restart_in_background(server, down_s=2.0)
+        time.sleep(0.3)  # the port is closed now
+        start = time.monotonic()
+        with pytest.raises(VLLMServerRestarted, match=r"refused connections .* and is back after"):
+            _gen(backend, [5, 6, 7], SamplingParams(max_tokens=50, seed=3))
+        assert time.monotonic() - start > 1.0  # it waited for /health instead of giving up after the retries
+        thread.join()
+        seg = _gen(backend, [5, 6, 7], SamplingParams(max_tokens=50, seed=3))  # the caller resynced: sample again
+        assert seg.token_ids == answer
+        assert server.events == ["restart", "completion"]
+
+
+def test_without_a_wait_a_stopped_server_fails_after_the_retries(tiny_tokenizer, answer):
+    policy = ScriptedPolicy(tiny_tokenizer, lambda ctx, rng: answer)
+    with FakeVLLMServer(policy, tiny_tokenizer) as server:
+        url = server.url
+    backend = VLLMServerBackend(url, model="fake-model", max_retries=1, backoff_s=0.01)  # server_wait_s=0
+    with pytest.raises(VLLMServerError, match="failed after 2 attempts: unreachable"):
+        _gen(backend, [5], SamplingParams(max_tokens=5))
+    backend = VLLMServerBackend(url, model="fake-model", max_retries=1, backoff_s=0.01, server_wait_s=0.5)
+    with pytest.raises(VLLMServerError, match=r"did not come back within vllm_server_wait_s=0.5 s \(GET /health\)"):
+        _gen(backend, [5], SamplingParams(max_tokens=5))
+
+
+def test_a_retry_answered_by_a_new_server_process_is_not_used(tiny_tokenizer, answer):
+    """The connection was refused, then a retry got through: that answer came from a server with its start-up
+    weights, so it is dropped and the restart reported."""
+    from appo_trl.rollout.vllm_server import VLLMServerRestarted
+
+    policy = ScriptedPolicy(tiny_tokenizer, lambda ctx, rng: answer)
+    with FakeVLLMServer(policy, tiny_tokenizer) as server:
+        backend = VLLMServerBackend(server.url, model="fake-model", max_retries=6, backoff_s=0.2, server_wait_s=30)
+        thread = _restart_in_background(server, down_s=0.5)
+        import time
+
+        time.sleep(0.2)
+        with pytest.raises(VLLMServerRestarted, match="and is back$"):
+            _gen(backend, [5, 6, 7], SamplingParams(max_tokens=50, seed=3))
+        thread.join()
+    assert "completion" in server.events  # the retry was answered, and its answer dropped

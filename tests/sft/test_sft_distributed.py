@@ -1,6 +1,6 @@
 """SFT under DeepSpeed on CPU, 2 processes: ZeRO-2 through `appo sft`, ZeRO-3 through `accelerate launch sft/train.py`.
 
-Slow (two process launches; the first DeepSpeed run on a machine JIT-builds an op for ~45 s). Both runs see
+Slow (two process launches). Both runs see
 the same data and settings, so ZeRO-2 and ZeRO-3 must end with the same weights.
 """
 

@@ -22,6 +22,7 @@ from appo_trl.trainer.trainer import APPOTrainer
 from tests.trainer.test_trainer import CPU, spy_loss
 
 CALLS: list[tuple[int, int]] = []
+MULTI = [(6, 7), (2, 3), (1, 5)]  # the arguments of the 1st, 2nd, 3rd call of a turn
 
 
 def multiply(a: int, b: int) -> int:
@@ -36,10 +37,11 @@ def multiply(a: int, b: int) -> int:
 
 
 class ScriptedBackend:
-    """One tool call, then the answer; each token logprob -0.5 with a two-entry top-k (entropies for branching)."""
+    """`calls` tool calls in one turn (chat; tags: one), then the answer; each token logprob -0.5 with a
+    two-entry top-k (entropies for branching). Chat turns end with the sampled `<|im_end|>`, as a Qwen model's."""
 
-    def __init__(self, tokenizer, fmt: str):
-        self.tok, self.fmt = tokenizer, fmt
+    def __init__(self, tokenizer, fmt: str, calls: int = 1):
+        self.tok, self.fmt, self.calls = tokenizer, fmt, calls
         marker = "</tool_response>" if fmt == "chat" else "<result>"
         self.after = tokenizer.convert_tokens_to_ids(marker)
 
@@ -48,8 +50,15 @@ class ScriptedBackend:
         if self.after in prompt_ids:
             ids, reason, stop = enc(" <answer> 42 </answer>") + [self.tok.eos_token_id], "eos", None
         elif self.fmt == "chat":
-            call = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
-            ids, reason, stop = enc("<think> six times seven </think>\n" + call), "stop", "</tool_call>"
+            calls = "\n".join(
+                f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+                for a, b in MULTI[: self.calls]
+            )
+            ids, reason, stop = (
+                enc("<think> six times seven </think>\n" + calls) + [self.tok.eos_token_id],
+                "eos",
+                None,
+            )
         else:
             ids, reason, stop = (
                 enc("<think> six times seven </think> <python> print(6*7) </python>"),
@@ -135,6 +144,9 @@ def test_each_strategy_on_both_formats(tmp_path, fmt, strategy, tiny_tokenizer, 
         for row in range(inputs["completion_ids"].size(0)):
             ids = inputs["completion_ids"][row]
             end = (ids == close).nonzero()[0, 0]  # the sampled call ends here; the template/result follows
+            if fmt == "chat":  # the turn's own end (<|im_end|>) is sampled, then the tool turn is inserted
+                assert ids[end + 1] == tok.eos_token_id and inputs["tool_mask"][row, end + 1] == 1
+                end += 1
             assert inputs["tool_mask"][row, end] == 1 and inputs["tool_mask"][row, end + 1] == 0
     logged = {k: v for e in trainer.state.log_history for k, v in e.items()}
     if strategy in ("arpo", "aepo"):
@@ -207,3 +219,39 @@ def test_config_tool_fields(tmp_path):
     assert APPOConfig(**base, tools=[multiply]).to_dict()["tools"] == [f"{multiply.__module__}.multiply"]
     with pytest.raises(ValueError, match="tool_format='json'"):
         APPOConfig(**base, tool_format="json")
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("strategy", ["grpo", "arpo", "aepo", "appo"])
+def test_several_calls_per_turn_on_each_strategy(tmp_path, strategy, k, tiny_chat_tokenizer, tiny_chat_model_path):
+    """A policy emitting k calls in one turn: every call runs and counts, the rewards see TRL's message shape
+    (one assistant message with k tool_calls, k tool messages in call order), and only sampled tokens train."""
+    from appo_trl.rollout.chat_format import ChatToolFormat
+
+    tok = tiny_chat_tokenizer
+    args = APPOConfig(output_dir=str(tmp_path), **CPU, rollout_strategy=strategy, num_generations=4,
+                      per_device_train_batch_size=4, max_steps=1, max_completion_length=200, tool_call_limit=k,
+                      **STRATEGY[strategy])  # fmt: skip
+    reward = Reward()
+    trainer = APPOTrainer(model=tiny_chat_model_path, reward_funcs=[reward], args=args, train_dataset=prompts(),
+                          processing_class=tok, tools=[multiply])  # fmt: skip
+    trainer.rollout_engine.backend = ScriptedBackend(tok, "chat", calls=k)
+    seen = spy_loss(trainer)
+    CALLS.clear()
+    trainer.train()
+    assert set(CALLS) == set(MULTI[:k]) and len(CALLS) % k == 0
+    [completions] = reward.seen
+    results = [str(a * b) for a, b in MULTI[:k]]
+    for c in completions:
+        assert [m["role"] for m in c] == ["assistant"] + ["tool"] * k + ["assistant"]
+        assert [t["function"]["arguments"] for t in c[0]["tool_calls"]] == [{"a": a, "b": b} for a, b in MULTI[:k]]
+        assert [m["content"] for m in c[1:-1]] == results
+    inserted = sum(map(len, ChatToolFormat(tok).tool_turn_ids(["multiply"] * k, results, 10_000)))
+    for inputs in seen:
+        for row in range(inputs["completion_ids"].size(0)):
+            n = int(inputs["completion_mask"][row].sum())
+            zeros = int((inputs["completion_mask"][row] * (1 - inputs["tool_mask"][row])).sum())
+            assert zeros == inserted  # exactly the tool turn is masked, nothing sampled
+            assert n > inserted
+    logged = {k: v for e in trainer.state.log_history for k, v in e.items()}
+    assert logged["tools/call_frequency"] == k

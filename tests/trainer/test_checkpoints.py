@@ -36,12 +36,22 @@ def _assert_same_checkpoint(a, b):
         torch.testing.assert_close(model_a[k], model_b[k], rtol=1e-4, atol=1e-6)
 
 
+def _complete(folder, step=1):
+    """A minimal complete checkpoint folder (what `checkpoint_problem` accepts)."""
+    import json
+
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    (folder / "optimizer.pt").write_bytes(b"x" * 10)
+    return folder
+
+
 def test_resolve_resume_checkpoint(tmp_path):
     assert resolve_resume_checkpoint(None, str(tmp_path)) is None
     assert resolve_resume_checkpoint("false", str(tmp_path)) is None
     assert resolve_resume_checkpoint(True, str(tmp_path / "missing")) is None  # nothing yet: start fresh
-    (tmp_path / "checkpoint-2").mkdir()
-    (tmp_path / "checkpoint-10").mkdir()
+    _complete(tmp_path / "checkpoint-2")
+    _complete(tmp_path / "checkpoint-10")
     assert resolve_resume_checkpoint("true", str(tmp_path)) == str(tmp_path / "checkpoint-10")
     assert resolve_resume_checkpoint(str(tmp_path / "checkpoint-2"), "x") == str(tmp_path / "checkpoint-2")
     with pytest.raises(FileNotFoundError):

@@ -1,0 +1,104 @@
+"""Checks on what reward functions return, so a broken reward stops the run with one line naming it.
+
+- `checked_reward_func(func, name)` wraps a reward function (sync or async, as TRL calls it): its output must be
+  a list of numbers or None, one per completion. A string, a list or any other value raises `RewardFunctionError`
+  naming the function, the completion and the value (TRL would fail later with `too many dimensions 'str'`,
+  naming nothing).
+- `NaNRewardGuard` counts training rounds in a row in which every reward function gave None/NaN for every
+  completion (TRL then warns and trains on nothing, and the run exits 0). After `max_steps` such rounds it raises
+  `RewardFunctionError` naming the functions. Rewards are checked after TRL's gather, so every rank counts alike
+  and stops at the same round.
+
+What this does not do: judge whether rewards are sensible (a constant reward trains nothing too, by design of
+group advantages), or check reward models (`nn.Module`s return logits, never strings).
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from trl.trainer.utils import is_async_callable
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function returned something that is not a reward (or nothing, round after round)."""
+
+
+def _is_reward(value: Any) -> bool:
+    """None, a number (numpy's scalars included) or a 0-d array / tensor."""
+    return value is None or isinstance(value, numbers.Number) or getattr(value, "ndim", None) == 0
+
+
+def check_rewards(name: str, output: Any) -> None:
+    """Raise `RewardFunctionError` naming `name` unless `output` is a list of numbers / None."""
+    if isinstance(output, (str, bytes)) or not isinstance(output, Sequence) and not hasattr(output, "tolist"):
+        raise RewardFunctionError(
+            f"reward function {name!r} returned {type(output).__name__} {_short(output)}; it must return a list "
+            "with one float (or None) per completion"
+        )
+    for i, value in enumerate(output):
+        if not _is_reward(value):
+            raise RewardFunctionError(
+                f"reward function {name!r} returned {type(value).__name__} {_short(value)} for completion {i}; "
+                "a reward must be a number (or None to skip it)"
+            )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def checked_reward_func(func: Callable, name: str) -> Callable:
+    """`func` with its output checked by `check_rewards` (async stays async; TRL's name is kept)."""
+    if is_async_callable(func):
+
+        @functools.wraps(func)
+        async def checked_async(*args, **kwargs):
+            output = await func(*args, **kwargs)
+            check_rewards(name, output)
+            return output
+
+        return checked_async
+
+    @functools.wraps(func)
+    def checked(*args, **kwargs):
+        output = func(*args, **kwargs)
+        check_rewards(name, output)
+        return output
+
+    return checked
+
+
+class NaNRewardGuard:
+    """Stop after `max_steps` training rounds in a row without a single reward (see the module docstring).
+
+    Args:
+        max_steps: rounds in a row allowed to have no reward; 0 disables the check.
+    """
+
+    def __init__(self, max_steps: int):
+        self.max_steps = max_steps
+        self.streak = 0
+
+    def update(self, rewards_per_func, names: Sequence[str], step: int) -> None:
+        """`rewards_per_func`: the gathered (N, F) tensor of one training round."""
+        import torch
+
+        if self.max_steps <= 0:
+            return
+        if rewards_per_func.numel() and not torch.isnan(rewards_per_func).all():
+            self.streak = 0
+            return
+        self.streak += 1
+        if self.streak >= self.max_steps:
+            funcs = ", ".join(repr(n) for n in names)
+            raise RewardFunctionError(
+                f"reward function(s) {funcs} returned None/NaN for every completion in {self.streak} training "
+                f"rounds in a row (up to step {step}): nothing can be learned. Check that the reward functions "
+                "get the columns they need (e.g. the gold answers) and return floats; set max_nan_reward_steps=0 "
+                "to allow such rounds."
+            )

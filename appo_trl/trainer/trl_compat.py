@@ -1,0 +1,80 @@
+"""TRL constructor parity for `APPOTrainer`: the default config, a plain `GRPOConfig`, and `rollout_func`.
+
+- `resolve_args(model, args)`: no `args` builds `APPOConfig(f"{model_name}-APPO")`, the way `GRPOTrainer` builds
+  `GRPOConfig(f"{model_name}-GRPO")`; a plain `GRPOConfig` is converted field by field into an `APPOConfig`
+  (every `GRPOConfig` field keeps its value, the APPO fields take their defaults, so `rollout_strategy: grpo`),
+  with one log line saying so. Anything else is a `TypeError`.
+- `check_rollout_func(...)`: TRL's `rollout_func` (prompts and the trainer in; `prompt_ids`, `completion_ids`,
+  `logprobs` and extra reward fields out) replaces the whole sampler, so it runs only where nothing of
+  appo-trl's engine is needed: `rollout_strategy: grpo` without tools and without a `rollout_engine`. TRL's own
+  `_generate` then serves it unchanged. Elsewhere it is refused, before the model loads, in one line naming the
+  alternative (a branching strategy resumes rollouts from token prefixes, which a `rollout_func` cannot do).
+
+What this does not do: build the model, or check anything else of the config (`APPOConfig.__post_init__` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from trl import GRPOConfig
+
+from appo_trl.trainer.config import APPOConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _model_name(model) -> str:
+    from trl.trainer.utils import get_config_model_id
+
+    name = model if isinstance(model, str) else get_config_model_id(model.config)
+    return name.split("/")[-1]
+
+
+def grpo_to_appo(args: GRPOConfig) -> APPOConfig:
+    """An `APPOConfig` holding every init field of `args` (a `GRPOConfig`); the APPO fields keep their defaults.
+
+    `GRPOConfig.__post_init__` fills both `generation_batch_size` and `steps_per_generation` from whichever was
+    set; passing both back is refused by TRL, so only `steps_per_generation` (which implies the other) is passed.
+    """
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig) if f.init}
+    if values.get("steps_per_generation") is not None:
+        values.pop("generation_batch_size", None)
+    return APPOConfig(**values)
+
+
+def resolve_args(model, args) -> APPOConfig:
+    """The `APPOConfig` for `APPOTrainer(model, args=args)`: `args` itself, a default one, or a converted one."""
+    if args is None:
+        return APPOConfig(f"{_model_name(model)}-APPO")
+    if isinstance(args, APPOConfig):
+        return args
+    if isinstance(args, GRPOConfig):
+        logger.info(
+            "APPOTrainer: converting the GRPOConfig field by field into an APPOConfig; that means "
+            "rollout_strategy: grpo (use an APPOConfig for arpo, aepo or appo)."
+        )
+        return grpo_to_appo(args)
+    raise TypeError(f"APPOTrainer: args must be an APPOConfig or a GRPOConfig, got {type(args).__name__}.")
+
+
+def check_rollout_func(args: APPOConfig, rollout_func, has_tools: bool, rollout_engine) -> None:
+    """Refuse a `rollout_func` that cannot be honoured (before the model loads); None passes."""
+    if rollout_func is None:
+        return
+    if not callable(rollout_func):
+        raise TypeError(f"APPOTrainer: rollout_func must be callable, got {type(rollout_func).__name__}.")
+    if args.rollout_strategy != "grpo":
+        raise ValueError(
+            f"APPOTrainer: rollout_func is supported for rollout_strategy=grpo only ({args.rollout_strategy} "
+            "branches from token prefixes of appo-trl's rollout engine); pass rollout_engine= (an object with "
+            "RolloutEngine's rollout/branch_many/run) for a custom sampler, or use rollout_strategy=grpo."
+        )
+    if has_tools:
+        raise ValueError(
+            "APPOTrainer: rollout_func replaces the sampler and the tool loop; drop the tools (run them inside "
+            "the rollout_func) or drop rollout_func and let appo-trl's engine run the tools."
+        )
+    if rollout_engine is not None:
+        raise ValueError("APPOTrainer: pass rollout_func or rollout_engine, not both (each replaces the sampler).")

@@ -1,0 +1,88 @@
+"""`appo study`: the variants' overrides, the compute-matched tables, and a tiny study end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from appo_trl.cli.study import parser, render, resolve, variant_overrides
+from appo_trl.synthetic.compute import BUDGETS
+
+
+def args(*argv):
+    return resolve(parser().parse_args(list(argv)))
+
+
+def test_quick_is_the_demo_shape_and_full_is_the_papers():
+    quick = args()
+    assert quick.strategies == ["grpo", "arpo", "aepo", "appo"] and quick.families == ["python", "search", "both"]
+    assert variant_overrides("appo", quick) == []  # the recipes as they are: n = 4, 2 initial rollouts
+    full = args("--full")
+    assert full.strategies[-3:] == ["arpo+ref", "aepo+ref", "appo+ref"] and "chain" in full.families
+    assert variant_overrides("grpo", full) == [
+        "--num_generations",
+        "16",
+        "--per_device_train_batch_size",
+        "64",
+        "--tool_call_limit",
+        "5",
+        "--max_completion_length",
+        "256",
+    ]
+    assert variant_overrides("aepo+ref", full) == [
+        "--reference", "aepo", "--num_generations", "16", "--per_device_train_batch_size", "64",
+        "--initial_rollouts", "8", "--tool_call_limit", "5", "--max_completion_length", "256"]  # fmt: skip
+
+
+def test_render_has_the_three_tables():
+    run = lambda s, seed, tok, a2, a4: {  # noqa: E731
+        "strategy": s, "seed": seed, "rl_wall_s": 1.0,
+        "history": [{"step": i, "reward": 0.1, "sampled_tokens": tok, "calls": 1.0, "tool_calls": 4,
+                     "loss_rows": 8, "loss_rows_frac": 0.5, "step_time": 1.0, "cpu_s": 1.0, "wall_s": 1.0}
+                    for i in (1, 2, 3, 4)],
+        "evals": {"2": {"pass@1": a2}, "4": {"pass@1": a4, "pass@k": a4, "calls_per_sample": 1.0,
+                                               "by_family": {"python": a4, "chain": a4 / 2}}},
+    }  # fmt: skip
+    from appo_trl.cli.study import matched, summarize
+
+    runs = {"grpo/seed0": run("grpo", 0, 100, 0.6, 0.8), "appo/seed0": run("appo", 0, 50, 0.55, 0.7)}
+    for r in runs.values():
+        r["eval"] = r["evals"]["4"]
+    done = {"sft": {"pass@1": 0.5, "pass@k": 0.6, "k": 4, "questions": 8, "by_family": {"python": 0.5, "chain": 0.2}},
+            "runs": runs, "config": {"rl_steps": 4}}  # fmt: skip
+    done["summary"] = summarize(done, ["grpo", "appo"])
+    done["matched"] = matched(done, ["grpo", "appo"])
+    assert set(done["matched"]) == set(BUDGETS)
+    text = render(done)
+    # tokens: appo spent 200 in K steps, grpo 400; at 200 tokens grpo had its step-2 accuracy, 60 %
+    assert "| policy-sampled tokens | 200 | appo | 60.0 ± 0.0 % | 70.0 ± 0.0 % |" in text
+    assert "| tool calls | 16 | grpo | 80.0 ± 0.0 % | 70.0 ± 0.0 % |" in text  # equal calls: compared at the end
+    assert "| chain | 20.0 % | 40.0 % | 35.0 % |" in text
+
+
+@pytest.mark.slow
+def test_tiny_study_end_to_end_and_resume(tmp_path):
+    from appo_trl.cli.study import run
+
+    argv = ["--workdir", str(tmp_path), "--sft_steps", "30", "--num_sft", "90", "--num_heldout", "8",
+            "--eval_samples", "1", "--rl_steps", "2", "--checkpoints", "1", "--seeds", "0",
+            "--strategies", "grpo", "appo", "--families", "python", "chain", "--tool_call_limit", "5"]  # fmt: skip
+    lines: list[str] = []
+    done = run(args(*argv), printer=lines.append)
+    saved = json.loads((tmp_path / "study.json").read_text())
+    for key in ("grpo/seed0", "appo/seed0"):
+        r = saved["runs"][key]
+        assert sorted(r["evals"], key=int) == ["1", "2"]  # the checkpoint at step 1 and the end
+        assert [h["step"] for h in r["history"]] == [1, 2]
+        assert all(h["loss_rows"] > 0 and "tool_calls" in h and h["cpu_s"] > 0 for h in r["history"])
+        assert set(r["eval"]["by_family"]) == {"python", "chain"}
+    assert set(done["matched"]) == set(BUDGETS)
+    text = (tmp_path / "study.md").read_text()
+    assert "at matched compute" in text and "| chain |" in text
+    assert (tmp_path / "study_compute.png").stat().st_size > 10_000
+    assert any("[SFT]" in x for x in lines) and any("[eval]" in x for x in lines)
+    lines.clear()
+    run(args(*argv), printer=lines.append)  # resumed: nothing is trained or evaluated again
+    assert not any(x.startswith(("[study] grpo/seed0", "[study] appo/seed0")) for x in lines), lines
+    assert not any("[RL" in x or "[eval]" in x for x in lines), lines

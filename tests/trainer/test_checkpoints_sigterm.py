@@ -1,0 +1,168 @@
+"""SIGTERM (Slurm, Kubernetes) stops `appo train` like Ctrl-C: cleanup, one line, exit code 143 (issue 21).
+
+A real `appo train` subprocess (the tiny APPO recipe with the python sandbox) gets SIGTERM once its first
+checkpoint exists: it must exit 143 within seconds with one message naming the checkpoint kept, no traceback,
+no process of its tree left (sandbox zygote, bwrap) and no sandbox cgroup left; then a resume continues.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from appo_trl.configs.recipes import REPO_ROOT
+from appo_trl.trainer.checkpoints import last_complete_checkpoint
+
+
+def _cgroup_dirs_of(pid: int) -> list[str]:
+    """Sandbox cgroup directories named after `pid`, under this process's cgroups (v1 and v2)."""
+    found = []
+    with open("/proc/self/cgroup") as fh:
+        for line in fh:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for name in controllers.split(",") if controllers else ["unified", ""]:
+                folder = os.path.join("/sys/fs/cgroup", name, path.lstrip("/"))
+                if os.path.isdir(folder):
+                    found += [
+                        os.path.join(folder, n) for n in os.listdir(folder) if n.startswith(f"appo-sandbox-{pid}-")
+                    ]
+    return found
+
+
+# `appo train`, with the python sandbox started when the tool is built (a real run starts it at the first call,
+# which the random tiny model never makes): the sandbox's bwrap and zygote are then running when SIGTERM comes
+APPO_TRAIN_EAGER_SANDBOX = """
+import sys
+from appo_trl.tools import python_sandbox as ps
+build = ps.PythonTool.__init__
+def eager(self, *a, **k):
+    build(self, *a, **k)
+    self.start()
+ps.PythonTool.__init__ = eager
+from appo_trl.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _train(out, model, *extra):
+    cmd = [sys.executable, "-c", APPO_TRAIN_EAGER_SANDBOX, "train", "--config", str(REPO_ROOT / "recipes/tiny/appo.yaml"),
+           "--model_name_or_path", model, "--output_dir", str(out), "--save_steps", "1",
+           "--max_completion_length", "24", *extra]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _sandboxed(tree) -> bool:
+    try:
+        return any("bwrap" in " ".join(p.cmdline()) for p in tree)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_sigterm_stops_like_ctrl_c(tiny_model_path, tmp_path):
+    out = tmp_path / "run"
+    proc = _train(out, tiny_model_path, "--max_steps", "500")
+    try:
+        deadline, tree = time.monotonic() + 240, []
+        while last_complete_checkpoint(str(out), log=False) is None or not _sandboxed(tree):
+            if proc.poll() is not None:
+                pytest.fail(f"appo train ended early ({proc.returncode}): {proc.stderr.read()[-3000:]}")
+            assert time.monotonic() < deadline, "no checkpoint and sandbox after 240 s"
+            time.sleep(0.2)
+            tree = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    stops = [line for line in err.splitlines() if "stopped by SIGTERM" in line]
+    assert len(stops) == 1 and stops[0].startswith("appo train: stopped by SIGTERM; kept "), err[-3000:]
+    kept = stops[0].split("kept ", 1)[1].split(" ", 1)[0]
+    assert kept == last_complete_checkpoint(str(out), log=False)
+    time.sleep(0.5)
+    left = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [p.cmdline() for p in left]
+    assert not _cgroup_dirs_of(proc.pid)
+    assert not [n for n in os.listdir(out) if n.startswith("_tmp-checkpoint-")]  # a save cut short is removed
+    step = int(kept.rsplit("-", 1)[1])
+    resumed = _train(out, tiny_model_path, "--max_steps", str(step + 1), "--resume_from_checkpoint", "true")
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"Resuming from {kept}" in err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_run_interruptible_one_line_and_exit_code(tmp_path, capsys, signum):
+    """In-process: SIGTERM and Ctrl-C (SIGINT) take one path: `finally` blocks run, one line, 128 + signal."""
+    from appo_trl.stages.interrupts import run_interruptible
+
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    cleaned = []
+    before = signal.getsignal(signal.SIGTERM)
+
+    def work():
+        try:
+            os.kill(os.getpid(), signum)
+            time.sleep(30)
+        finally:
+            cleaned.append(True)
+
+    assert run_interruptible("appo sft", str(tmp_path), work) == 128 + signum
+    assert cleaned == [True] and signal.getsignal(signal.SIGTERM) is before
+    err = capsys.readouterr().err
+    name = signal.Signals(signum).name
+    assert err == f"appo sft: stopped by {name}; kept {tmp_path / 'checkpoint-3'} (continue with " \
+        "--resume_from_checkpoint true); the steps after it are lost.\n"  # fmt: skip
+
+
+FAKE_LAUNCHER = """
+import subprocess, sys
+# like `accelerate launch` with one process: start the rank, die on SIGTERM without passing it on
+subprocess.Popen([sys.executable, "-c", sys.argv[1]]).wait()
+"""
+FAKE_RANK = """
+import os, signal, sys, time
+def stop(signum, frame):
+    time.sleep(1.0)  # a graceful shutdown that takes a while (sandbox, engine threads)
+    open(os.environ["DONE"], "w").write(str(os.getpid()))
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+open(os.environ["READY"], "w").write(str(os.getpid()))
+time.sleep(60)
+"""
+
+
+def test_relaunched_run_passes_sigterm_to_its_ranks_and_waits(tmp_path):
+    """`appo train --num_processes N` runs `accelerate launch` as a child: a SIGTERM to `appo train` reaches every
+    rank, and `appo train` exits (143) only after they have, so none is left behind."""
+    ready, done = tmp_path / "ready", tmp_path / "done"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "READY": str(ready), "DONE": str(done)}
+    parent = (
+        "import sys; from appo_trl.configs.recipes import run_launcher; "
+        f"sys.exit(run_launcher([sys.executable, '-c', {FAKE_LAUNCHER!r}, {FAKE_RANK!r}], dict(__import__('os').environ)))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.2)
+        rank = int(ready.read_text())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert done.exists() and int(done.read_text()) == rank  # the rank shut down gracefully, before the parent left
+    assert not psutil.pid_exists(rank) or psutil.Process(rank).status() == psutil.STATUS_ZOMBIE

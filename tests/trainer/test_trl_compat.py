@@ -1,0 +1,130 @@
+"""TRL's constructor on `APPOTrainer`: the signature, no `args`, a plain `GRPOConfig`, and `rollout_func`."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import os
+
+import pytest
+import trl
+from trl import GRPOConfig
+
+from appo_trl.trainer.config import APPOConfig
+from appo_trl.trainer.trainer import APPOTrainer
+from tests.trainer.test_trainer import CPU, RewardSpy, dataset
+
+MISSING = "/nonexistent/model-that-must-not-load"  # a refusal must come before the model loads
+
+
+def length_reward(completions, **kw):
+    return [float(len(c[0]["content"]) % 3) for c in completions]
+
+
+def test_signature_matches_trl_grpo_trainer():
+    """TRL's parameters, in TRL's order and with TRL's defaults, then appo-trl's own (keyword-only use)."""
+    trl_params = list(inspect.signature(trl.GRPOTrainer.__init__).parameters.values())
+    ours = list(inspect.signature(APPOTrainer.__init__).parameters.values())
+    assert [p.name for p in ours[: len(trl_params)]] == [p.name for p in trl_params]
+    for p, q in zip(trl_params, ours):
+        assert (q.kind, q.default) == (p.kind, p.default), p.name
+    assert [p.name for p in ours[len(trl_params) :]] == ["rollout_engine", "tool_dirs"]
+
+
+def test_no_args_builds_a_default_appo_config(tmp_path, tiny_model_path, tiny_tokenizer, monkeypatch):
+    """`APPOTrainer(model, reward_funcs=..., train_dataset=...)` as TRL's `GRPOConfig(f"{name}-GRPO")`."""
+    import transformers.training_args as ta
+
+    monkeypatch.chdir(tmp_path)
+    # the default config is TRL's (bf16=True), which transformers refuses on a CPU-only machine; pretend bf16 works
+    monkeypatch.setattr(ta, "is_torch_bf16_gpu_available", lambda: True)
+    trainer = APPOTrainer(tiny_model_path, reward_funcs=RewardSpy(), train_dataset=dataset(),
+                          processing_class=tiny_tokenizer)  # fmt: skip
+    assert type(trainer.args) is APPOConfig
+    assert trainer.args.output_dir == f"{os.path.basename(tiny_model_path.rstrip('/'))}-APPO"
+    assert trainer.args.rollout_strategy == "grpo"
+    default = APPOConfig(trainer.args.output_dir)
+    assert (trainer.args.num_generations, trainer.args.learning_rate) == (
+        default.num_generations,
+        default.learning_rate,
+    )
+
+
+def test_grpo_config_is_converted_field_by_field(tmp_path, tiny_model_path, tiny_tokenizer, caplog):
+    kw = {k: v for k, v in CPU.items()}
+    grpo = GRPOConfig(str(tmp_path), **kw, num_generations=4, per_device_train_batch_size=4,
+                      max_completion_length=24, temperature=0.7, scale_rewards="batch", max_steps=1)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="appo_trl.trainer.trl_compat"):
+        trainer = APPOTrainer(tiny_model_path, reward_funcs=length_reward, args=grpo, train_dataset=dataset(),
+                              processing_class=tiny_tokenizer)  # fmt: skip
+    args = trainer.args
+    assert isinstance(args, APPOConfig) and args.rollout_strategy == "grpo"
+    for f in dataclasses.fields(GRPOConfig):
+        if f.init:
+            assert getattr(args, f.name) == getattr(grpo, f.name), f.name
+    lines = [r.getMessage() for r in caplog.records if "GRPOConfig" in r.getMessage()]
+    assert len(lines) == 1 and "rollout_strategy: grpo" in lines[0]
+    assert trainer._trl_sampler  # grpo without tools: TRL's own sampler
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_other_args_types_are_refused():
+    with pytest.raises(TypeError, match="APPOConfig or a GRPOConfig"):
+        APPOTrainer(MISSING, reward_funcs=RewardSpy(), args={"output_dir": "x"})
+
+
+def test_rollout_func_runs_for_grpo_with_trl_contract(tmp_path, tiny_model_path, tiny_tokenizer):
+    """TRL's contract: prompts + trainer in; prompt_ids, completion_ids, logprobs (+ extra reward fields) out."""
+    seen = {}
+
+    def rollout_func(prompts, trainer):
+        seen["n"], seen["trainer"] = len(prompts), trainer
+        tok = trainer.processing_class
+        texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+        prompt_ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+        completion = tok.encode(" <answer> 1 </answer>", add_special_tokens=False) + [tok.eos_token_id]
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": [list(completion) for _ in prompts],
+            "logprobs": [[-0.5] * len(completion) for _ in prompts],
+            "source": ["scripted"] * len(prompts),
+        }
+
+    rewarded = []
+
+    def reward(completions, source, **kw):
+        rewarded.append(list(source))
+        return [float(i % 2) for i in range(len(completions))]
+
+    args = APPOConfig(str(tmp_path), **CPU, num_generations=4, per_device_train_batch_size=4, max_steps=1,
+                      max_completion_length=24)  # fmt: skip
+    trainer = APPOTrainer(tiny_model_path, reward_funcs=reward, args=args, train_dataset=dataset(),
+                          processing_class=tiny_tokenizer, rollout_func=rollout_func)  # fmt: skip
+    assert trainer.rollout_func is rollout_func
+    trainer.train()
+    assert seen["n"] == 4 and seen["trainer"] is trainer
+    assert rewarded == [["scripted"] * 4]
+    assert trainer.state.global_step == 1
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"rollout_strategy": "arpo", "num_generations": 4, "per_device_train_batch_size": 4}, "grpo only"),
+        ({"tools": ["python"]}, "drop the tools"),
+    ],
+)
+def test_rollout_func_is_refused_before_the_model_loads(tmp_path, kw, match):
+    args = APPOConfig(str(tmp_path), **CPU, **kw)
+    with pytest.raises(ValueError, match=match):
+        APPOTrainer(MISSING, reward_funcs=RewardSpy(), args=args, rollout_func=lambda prompts, trainer: {})
+
+
+def test_rollout_func_with_rollout_engine_is_refused(tmp_path):
+    args = APPOConfig(str(tmp_path), **CPU)
+    with pytest.raises(ValueError, match="not both"):
+        APPOTrainer(
+            MISSING, reward_funcs=RewardSpy(), args=args, rollout_func=lambda p, t: {}, rollout_engine=object()
+        )
