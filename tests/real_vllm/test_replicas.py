@@ -180,7 +180,8 @@ def test_a_replica_killed_mid_round_and_the_round_completes(pair, tiny_tokenizer
     assert killed.is_set()
     rows = [t for g in groups for t in g]
     assert [len(g) for g in groups] == [4] * 8 and len({t.uid for t in rows}) == 32
-    assert all(t.finish_reason in ("eos", "length") and len(t.completion_ids) == len(t.logprobs) for t in rows)
+    for t in rows:  # every row whole (the random tiny model may also end on a tool-call limit)
+        assert t.finish_reason != "running" and t.check() is None
     deadline = time.monotonic() + 10
     while victim.url not in replicas.down() and time.monotonic() < deadline:
         replicas.check()
