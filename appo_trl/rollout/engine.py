@@ -246,6 +246,9 @@ class RolloutEngine:
             for key, val in s.items():
                 out[f"rollout/tool/{tag}/{key}"] = float(val)
         out.update(self.executor.metrics())
+        backend_metrics = getattr(self.backend, "metrics", None)  # replicas/* behind a router
+        if callable(backend_metrics):
+            out.update(backend_metrics())
         return out
 
     def reset_metrics(self) -> None:
@@ -282,7 +285,8 @@ class RolloutEngine:
     def _start_root(self, run: _Run, group: _Group, hook: Hook | None, origin: str) -> None:
         traj = Trajectory(prompt_ids=list(group.prompt_ids), group=group.index,
                           entropies=[] if (hook is not None or self.config.record_entropies) else None)  # fmt: skip
-        traj.meta.update(origin=origin, seed=mix_seed(group.seed, group.created))
+        # the tree id (routing key): one per prompt group of one round, kept by forks, refills and branches
+        traj.meta.update(origin=origin, seed=mix_seed(group.seed, group.created), tree=f"{group.seed:016x}")
         self._register(run, group, traj, hook)
 
     def _register(self, run: _Run, group: _Group | None, traj: Trajectory, hook: Hook | None,
@@ -303,7 +307,8 @@ class RolloutEngine:
         traj.meta["requests"].append(seed)
         params = SamplingParams(max_tokens=max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                 seed=seed, stop=self.stop_strings,
-                                logprobs=cfg.entropy_topk if traj.entropies is not None else 0)  # fmt: skip
+                                logprobs=cfg.entropy_topk if traj.entropies is not None else 0,
+                                session_id=traj.meta.get("tree"))  # fmt: skip
         async with self._semaphore():
             start = time.perf_counter()
             seg = await self.backend.generate(traj.prompt_ids + traj.completion_ids, params)

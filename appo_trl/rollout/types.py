@@ -32,6 +32,9 @@ class SamplingParams:
         seed: per-request seed; the engine gives every request a distinct one.
         stop: stop strings; the segment ends with the token that completes one (that token is kept whole).
         logprobs: top logprobs wanted per token besides the sampled one (0 = only the sampled token's).
+        session_id: routing key, not a sampling setting: every request of one tree (a prompt's group, its
+            branches and tool rounds) carries the same one, so a router in front of several vLLM replicas sends
+            them all to the replica that holds their prefix in its cache (`X-Session-ID`). None: no key.
     """
 
     max_tokens: int
@@ -41,6 +44,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = dataclasses.field(default_factory=list)
     logprobs: int = 0
+    session_id: str | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -182,7 +186,7 @@ class Trajectory:
             group=self.group,
             parent=self.uid,
             branch_pos=position,
-            meta={k: v for k, v in self.meta.items() if k == "root_entropy"},
+            meta={k: v for k, v in self.meta.items() if k in ("root_entropy", "tree")},
         )
         fields.update(overrides)
         return Trajectory(**fields)

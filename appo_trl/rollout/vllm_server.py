@@ -2,7 +2,9 @@
 
 Each `generate` call is one request with a single token-id prompt (`"prompt": [ids]`), `n=1`, its own seed,
 `return_token_ids` for the exact sampled ids, `logprobs` for the sampled token's logprob (plus top-k when
-asked), and the tool stop strings with `include_stop_str_in_output`. Many requests are in flight at once over
+asked), and the tool stop strings with `include_stop_str_in_output`. A request with `SamplingParams.session_id`
+carries it as the `X-Session-ID` header: behind vLLM's router (`appo_trl.rollout.router`) every request of
+one tree then lands on one replica. Many requests are in flight at once over
 one `httpx.AsyncClient` (vLLM batches them continuously).
 
 The server's failure modes, as a real vLLM 0.31 shows them:
@@ -43,6 +45,7 @@ import httpx
 from appo_trl.rollout.types import SamplingParams, Segment
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+SESSION_HEADER = "X-Session-ID"  # vllm-router's consistent_hash reads it first (then x-user-id, ...)
 
 
 class VLLMServerError(RuntimeError):
@@ -185,7 +188,7 @@ class VLLMServerBackend:
         self._next = (self._next + 1) % len(clients)
         return clients[self._next], sem
 
-    async def _request(self, method: str, path: str, json: dict | None = None) -> dict:
+    async def _request(self, method: str, path: str, json: dict | None = None, headers: dict | None = None) -> dict:
         client, sem = self._client()
         last: str = ""
         refused = False  # a connection was refused: the server stopped, maybe restarted
@@ -195,7 +198,7 @@ class VLLMServerBackend:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
                 async with sem:
-                    resp = await client.request(method, path, json=json)
+                    resp = await client.request(method, path, json=json, headers=headers)
             except httpx.TimeoutException as exc:
                 last = f"timed out ({type(exc).__name__})"
                 continue
@@ -317,12 +320,13 @@ class VLLMServerBackend:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Segment:
         start = time.perf_counter()
         body = self.request_body(prompt_ids, params, await self.model_id())
+        headers = {SESSION_HEADER: params.session_id} if params.session_id else None
         for attempt in range(self.max_retries + 1):
             if attempt:
                 self.num_retries += 1
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             self.num_requests += 1
-            data = await self._request("POST", "/v1/completions", body)
+            data = await self._request("POST", "/v1/completions", body, headers)
             choices = data.get("choices") or []
             if len(choices) != 1:
                 raise VLLMServerError(f"expected 1 choice from {self.base_url}, got {len(choices)}")

@@ -181,6 +181,19 @@ class APPOConfig(GRPOConfig):
             "measures the one step of lag; `sampler`: the in-process sampler copy, FutureValue as synchronously."
         ),
     )
+    # --- several vLLM replicas (vllm_server_base_url lists them) ---------------------------------------------
+    vllm_router_policy: str = field(
+        default="consistent_hash",
+        metadata=_h(
+            "When `vllm_server_base_url` lists several replicas, appo starts vLLM's router (`appo-trl[router]`) "
+            "in front of them with this `--policy`. `consistent_hash` keeps every request of one tree (sent with "
+            "its `X-Session-ID`) on one replica, where its prefix is cached; `round_robin` is the cache-blind "
+            "baseline. See appo_trl.rollout.router."
+        ),
+    )
+    vllm_router_port: int | None = field(
+        default=None, metadata=_h("Port of the router appo starts (default: a free port on 127.0.0.1).")
+    )
     # --- strategy -------------------------------------------------------------------------------------------
     rollout_strategy: str = field(
         default="grpo", metadata=_h("Rollout strategy: `grpo` (no branching), `arpo`, `aepo` or `appo`.")
@@ -573,6 +586,7 @@ class APPOConfig(GRPOConfig):
             self.tool_call_limit = self.max_tool_calling_iterations
         if self.vllm_weight_sync not in ("auto", "nccl", "disk"):
             self._fail(f"vllm_weight_sync must be auto, nccl or disk (got {self.vllm_weight_sync!r}).")
+        self._validate_replicas()
         if self.use_vllm and self.vllm_mode != "server":
             self._fail(
                 "the tool loop samples through vLLM's HTTP server only: set vllm_mode=server "
@@ -608,6 +622,25 @@ class APPOConfig(GRPOConfig):
                 "max_staleness >= 1 trains on rows sampled by older weights: it needs the behaviour-policy "
                 "correction, vllm_importance_sampling_correction=True (TRL's default)."
             )
+
+    def _validate_replicas(self):
+        """`vllm_server_base_url`: one URL or several (a list, or one string split at commas); the router policy."""
+        from appo_trl.rollout.replicas import parse_server_urls
+        from appo_trl.rollout.router import POLICIES, RouterError, router_executable
+
+        try:
+            urls = parse_server_urls(self.vllm_server_base_url)
+        except ValueError as exc:
+            self._fail(str(exc))
+        if urls:
+            self.vllm_server_base_url = ",".join(urls)  # TRL's field is a str: a list is kept comma-joined
+        if self.vllm_router_policy not in POLICIES:
+            self._fail(f"vllm_router_policy={self.vllm_router_policy!r}; choose one of {POLICIES}.")
+        if self.use_vllm and len(urls) > 1:
+            try:
+                router_executable()
+            except RouterError as exc:
+                self._fail(str(exc))
 
     def _resolve_branch_cap(self):
         """`auto` → ⌈(n − N)/N⌉ + 1; null / "none" → no cap (None); an integer (or its string) → that cap (≥ 1)."""

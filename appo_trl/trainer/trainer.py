@@ -87,9 +87,14 @@ def build_rollout_engine(trainer):
         tools = build_tools(trainer.tool_specs, tool_config or {}, trainer.tool_format, trainer._tool_dirs)
     trainer._appo_tools = None  # built once; a second engine (after close) builds fresh tools
     if args.use_vllm:
+        from appo_trl.rollout.replicas import ReplicaBackend, replica_set_for
+
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         backend = VLLMServerBackend(base_url, max_concurrency=args.rollout_concurrency,
                                     server_wait_s=args.vllm_server_wait_s)  # fmt: skip
+        replicas = replica_set_for(base_url)  # several replicas behind a router (trainer/weight_sync.py)
+        if replicas is not None:
+            backend = ReplicaBackend(backend, replicas)
     elif getattr(trainer, "_sampler", None) is not None:  # max_staleness >= 1: the sampler copy decodes
         backend = TransformersBackend(trainer._sampler.model, trainer._tokenizer)
     else:

