@@ -37,6 +37,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from appo_trl.rollout.environments import RoundEnvironments
 from appo_trl.rollout.text import (
     PieceDecoder,
     StopMatcher,
@@ -107,6 +108,8 @@ class RolloutEngine:
         self.chat = chat
         self.stop_strings = list(chat.stop_strings) if chat is not None else self.config.stop_strings
         self.executor = tools if isinstance(tools, ToolExecutor) else ToolExecutor(dict(tools or {}))
+        # TRL's `environment_factory`: one instance per trajectory, set for a round by the trainer
+        self.environments: RoundEnvironments | None = None
         self.decoder = PieceDecoder(tokenizer)
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos_token_id")
@@ -280,6 +283,8 @@ class RolloutEngine:
         traj = Trajectory(prompt_ids=list(group.prompt_ids), group=group.index,
                           entropies=[] if (hook is not None or self.config.record_entropies) else None)  # fmt: skip
         traj.meta.update(origin=origin, seed=mix_seed(group.seed, group.created))
+        if self.environments is not None:
+            self.environments.start(traj)
         self._register(run, group, traj, hook)
 
     def _register(self, run: _Run, group: _Group | None, traj: Trajectory, hook: Hook | None,
@@ -375,6 +380,8 @@ class RolloutEngine:
         traj.num_calls += 1
         traj.tool_calls.append(ToolCallRecord(tag, query, result.text, bool(result.ok), float(result.latency_s),
                                               start, len(traj.completion_ids)))  # fmt: skip
+        if self.environments is not None:
+            self.environments.after_call(traj)
         stats = self._tool_m[tag]
         stats["calls"] += 1
         stats["failures"] += not result.ok
@@ -392,13 +399,17 @@ class RolloutEngine:
         """Parse the chat-format call ending `traj` and run it; a bad call becomes TRL's error text."""
         turn = self._turn_text(traj)
         call = self.chat.parse(turn)
-        if call.error is None and call.name not in self.executor.tools:
+        env_tool = self.environments.tool(traj, call.name) if self.environments is not None else None
+        if call.error is None and env_tool is None and call.name not in self.executor.tools:
             call.error = f"Tool {call.name} not found."  # TRL's message
         if call.error is not None:
             start = turn.rfind(self.chat.open)
             raw = turn[start + len(self.chat.open) : turn.rfind(self.chat.close)].strip() if start >= 0 else turn
             return call.name, raw, ToolResult(trl_error_text(call.error), ok=False, error="bad_call")
-        return call.name, call.arguments, await self.executor.execute(call.name, call.arguments)
+        result = await self.executor.execute(call.name, call.arguments, tool=env_tool)
+        if env_tool is not None:  # an environment method: remembered for `replay` branches
+            self.environments.record(traj, call.name, call.arguments, result.text)
+        return call.name, call.arguments, result
 
     async def _fork_point(self, run: _Run, group: _Group, traj: Trajectory, hook: Hook,
                           segment_entropy: float) -> Segment | None:  # fmt: skip
@@ -420,6 +431,8 @@ class RolloutEngine:
         for _ in range(copies):
             child = traj.prefix_copy(position)
             child.meta.update(origin="fork", seed=mix_seed(group.seed, group.created))
+            if self.environments is not None:
+                await self.environments.fork(child, traj)
             self._m["forks"] += 1
             self._m["prefix_tokens_reused"] += position
             self._register(run, group, child, hook)
@@ -482,6 +495,8 @@ class RolloutEngine:
                                  f"(tokens {call.start}..{call.end})")  # fmt: skip
         child = parent.prefix_copy(p)
         child.meta.update(origin="branch", seed=mix_seed(seed, p, len(parent.completion_ids)))
+        if self.environments is not None:
+            await self.environments.fork(child, parent)
         self._m["branches"] += 1
         self._m["prefix_tokens_reused"] += p
         if p and child.completion_ids[-1] == self.eos_id:

@@ -35,6 +35,7 @@ from trl.data_utils import is_conversational
 from appo_trl.reporting.console import canonical_metrics, install_step_line
 from appo_trl.reporting.rollout_dump import dump_round
 from appo_trl.trainer.config import APPOConfig
+from appo_trl.trainer.environments import check_environments, generate_with_environments
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.rows import pad_rows, select_rows
 from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RoundBatch
@@ -111,7 +112,8 @@ class APPOTrainer(GRPOTrainer):
     tool is checked here, before the model loads. Plus `rollout_engine`: an object with the
     `appo_trl.rollout.RolloutEngine` interface (`rollout`, `branch_many`, `run`), built from the config when
     omitted, and `tool_dirs`: folders searched first for dotted tool paths (default: the folder of the recipe
-    `appo train` parsed, then the working directory). TRL's `environment_factory` and `rollout_func` are not
+    `appo train` parsed, then the working directory). TRL's `environment_factory` works with every strategy
+    (`appo_trl.trainer.environments`: one instance per trajectory, branches included); `rollout_func` is not
     supported.
     """
 
@@ -133,10 +135,16 @@ class APPOTrainer(GRPOTrainer):
         tools=None,
         rollout_engine=None,
         tool_dirs=(),
+        environment_factory=None,
     ):
         if not isinstance(args, APPOConfig):
             raise TypeError("APPOTrainer needs an APPOConfig (it carries the strategy, tools and loss settings).")
         self._resolve_tool_specs(args, tools, tool_dirs)  # fails here, before the model loads
+        if environment_factory is not None:  # environment methods are chat-template tools, as in TRL
+            if args.tool_format == "tags":
+                raise ValueError("environment_factory: environment methods are chat-template tools (as in TRL); "
+                                 "set tool_format: chat (tags is ARPO's tag format for built-in tools)")  # fmt: skip
+            self.tool_format = "chat"
         from appo_trl.configs.preflight import check_reward_columns  # before the model loads
 
         check_reward_columns(reward_funcs if isinstance(reward_funcs, list) else [reward_funcs], train_dataset)
@@ -152,10 +160,13 @@ class APPOTrainer(GRPOTrainer):
                 callbacks=callbacks,
                 optimizers=optimizers,
                 peft_config=peft_config,
+                environment_factory=environment_factory,
             )
         if self._custom_loss and self._entropy_bonus_enabled:
             raise ValueError(f"loss_mode={args.loss_mode} does not add TRL's entropy bonus; set entropy_coef=0.")
         self._setup_chat_tools(train_dataset)
+        check_environments(self)
+        self._env_inputs = None
         from appo_trl.reporting.hub import strategy_card
 
         self._name, self._paper = strategy_card(args.rollout_strategy)  # model card: this strategy's paper
@@ -165,7 +176,11 @@ class APPOTrainer(GRPOTrainer):
         self._rollout_engine = rollout_engine
         # in-process GRPO without tools and without an injected engine is exactly TRL's own sampler: keep it
         self._trl_sampler = (
-            args.rollout_strategy == "grpo" and not self.tool_specs and not args.use_vllm and rollout_engine is None
+            args.rollout_strategy == "grpo"
+            and not self.tool_specs
+            and not args.use_vllm
+            and rollout_engine is None
+            and self.environment_factories is None
         )
         if args.dump_rollouts and self._trl_sampler:
             raise ValueError(
@@ -208,7 +223,7 @@ class APPOTrainer(GRPOTrainer):
     def _setup_chat_tools(self, train_dataset) -> None:
         """Chat format: check the template can call tools, learn its markers, and let TRL render the schemas."""
         self.chat_tool_format = None
-        if self.tool_format != "chat" or not self.tool_specs:
+        if self.tool_format != "chat" or not (self.tool_specs or self.environment_factories):
             return
         from trl.chat_template_utils import supports_tool_calling
 
@@ -220,8 +235,13 @@ class APPOTrainer(GRPOTrainer):
                 "(user -> assistant with tool_calls -> tool); use a tool-capable template or tool_format=tags."
             )
         self.chat_tool_format = ChatToolFormat(self._tokenizer, self.chat_template, self.chat_template_kwargs)
-        # TRL's `_tokenize_prompts` renders `self.tools` into every prompt (schemas from get_json_schema)
-        self.tools = self._standalone_tools = [t.func for t in self._appo_tools.values()]
+        # TRL's `_tokenize_prompts` renders `self.tools` into every prompt (schemas from get_json_schema); with
+        # environments, each row's `_env_tools[name]`: the standalone tools, then its environment's methods (TRL's)
+        standalone = [t.func for t in self._appo_tools.values()] if self._appo_tools else []
+        env_methods = list(self.tools) if self.environment_factories is not None else []
+        self.tools, self._standalone_tools = standalone + env_methods, standalone
+        for name in getattr(self, "_env_tools", None) or {}:
+            self._env_tools[name] = standalone + self._env_tools[name]
         if train_dataset is not None and "prompt" in getattr(train_dataset, "column_names", []) and len(train_dataset):
             if not is_conversational({"prompt": train_dataset[0]["prompt"]}):
                 raise ValueError(
@@ -284,7 +304,10 @@ class APPOTrainer(GRPOTrainer):
             self.vllm_generation.sync_weights()  # once per round, on every rank, before any request
             self._last_loaded_step = self.state.global_step
         strategy = self.strategy if mode == "train" else self.eval_strategy
-        batch = strategy.generate(prompt_ids[::n], n, self._round_seed())
+        if self.environment_factories is not None:  # TRL's environment_factory: one instance per trajectory
+            batch = generate_with_environments(self, strategy, prompt_ids, n, self._round_seed())
+        else:
+            batch = strategy.generate(prompt_ids[::n], n, self._round_seed())
         rows = batch.rows
         if len(rows) != len(prompts) or any(len(g) != n for g in batch.groups):
             raise RuntimeError(f"strategy {strategy.name} returned {len(rows)} rows for {len(prompts)} prompts")
@@ -445,6 +468,7 @@ class APPOTrainer(GRPOTrainer):
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
+        self._env_inputs = inputs  # the rows TRL resets the environments with (fresh instances reuse them)
         out = super()._generate_and_score_completions(inputs)
         batch, rewards_per_func = self._round, self._round_rewards
         self._round = self._round_rewards = self._old_logps_cache = None
