@@ -12,11 +12,13 @@ and the reward is recomputed from the row's call records.
 from __future__ import annotations
 
 import json
+import random
 import re
 import threading
 from pathlib import Path
 
 import pytest
+import torch
 import trl
 from datasets import Dataset
 from transformers import AutoTokenizer
@@ -195,3 +197,164 @@ def test_every_row_has_its_own_environment_in_the_right_state(tmp_path, strategy
                 assert [c.query for c in inherited] == [c.query for c in parent.tool_calls[: len(inherited)]]
     logged = {k: v for e in trainer.state.log_history for k, v in e.items()}
     assert "rewards/Counter/mean" in logged
+
+
+def test_plain_training_with_a_factory_updates_the_model(tmp_path, tiny_chat_model_path, tok):
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, "grpo")
+    trainer.rollout_engine.backend = CounterPolicy(tok)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
+
+
+@pytest.mark.parametrize("strategy", ["arpo", "appo"])
+def test_replay_environments_branch_from_a_fresh_instance(tmp_path, strategy, tiny_chat_model_path, tok):
+    """`branch_mode = "replay"`: no deep copy is ever made; the child's instance is reset and re-fed the calls."""
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, strategy, factory=ReplayCounter)
+    trainer.rollout_engine.backend = CounterPolicy(tok)
+    seen = capture_rows(trainer)
+    RESETS.clear()
+    trainer.train()
+    [(rows, envs)] = seen
+    for traj, env in zip(rows, envs):
+        check_row(traj, env, start=10 if traj.group == 0 else 20)
+    children = [t for t in rows if t.parent is not None]
+    assert children and len(RESETS) >= 4 + len(children)
+
+
+class Drifting(Counter):
+    """Deterministic in name only: every call adds a process-wide call number to its result."""
+
+    branch_mode = "replay"
+    calls = 0
+
+    def add(self, k: int) -> str:
+        """Add k to the counter and return the new total.
+
+        Args:
+            k: how much to add.
+        """
+        Drifting.calls += 1
+        self.history.append(int(k))
+        return f"{self.total} (call {Drifting.calls})"
+
+
+def test_replay_that_diverges_fails_with_its_cause(tmp_path, tiny_chat_model_path, tok):
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, "arpo", factory=Drifting)
+    trainer.rollout_engine.backend = CounterPolicy(tok)
+    with pytest.raises(RuntimeError, match="Drifting .*replaying call 1 add.*not deterministic"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("strategy", ["grpo", "arpo", "aepo", "appo"])
+def test_an_environment_that_can_neither_copy_nor_replay_fails_at_start_up(tmp_path, strategy, tiny_chat_model_path,
+                                                                           tok):  # fmt: skip
+    if strategy == "grpo":  # no branches: nothing to copy
+        make_trainer(tmp_path, tiny_chat_model_path, tok, strategy, factory=Uncopyable)
+        return
+    with pytest.raises(ValueError, match=f"Uncopyable cannot be deep-copied .*rollout_strategy={strategy} "):
+        make_trainer(tmp_path, tiny_chat_model_path, tok, strategy, factory=Uncopyable)
+
+
+class RandomStart(Counter):
+    def reset(self, **kwargs) -> str:
+        self.start, self.history = random.randint(0, 10**6), []
+        return f" The counter starts at {self.start}."
+
+
+def test_random_observations_per_rollout(tmp_path, tiny_chat_model_path, tok):
+    """grpo samples each row on its own reset observation, as TRL; a branching strategy cannot (shared prompt)."""
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, "grpo", factory=RandomStart)
+    trainer.rollout_engine.backend = CounterPolicy(tok)
+    seen = capture_rows(trainer)
+    trainer.train()
+    [(rows, envs)] = seen
+    for traj, env in zip(rows, envs):
+        assert f"The counter starts at {env.start}." in tok.decode(traj.prompt_ids)
+        check_row(traj, env, start=env.start)
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, "appo", factory=RandomStart)
+    trainer.rollout_engine.backend = CounterPolicy(tok)
+    with pytest.raises(
+        ValueError, match="reset\\(\\) returned a different observation for row 1 .*rollout_strategy: grpo"
+    ):
+        trainer.train()
+
+
+def test_tags_format_is_refused_before_the_model_loads(tmp_path, tok):
+    with pytest.raises(ValueError, match="environment methods are chat-template tools"):
+        make_trainer(tmp_path, "/nonexistent-model", tok, "grpo", tool_format="tags")
+
+
+# ---- TRL's own behaviours (GRPOTrainer's ValueErrors and reward columns), on APPOTrainer -------------------------
+
+
+def answer_len(completions, **kwargs):
+    return [float(len(json.dumps(c))) / 1000 for c in completions]
+
+
+class PlainCounter(Counter):
+    get_reward = None  # no reward of its own (TRL looks for a function named get_reward)
+
+
+def routed(names):
+    return Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": f"count ({i})."}] for i in range(len(names))],
+        "start": [10 * (i + 1) for i in range(len(names))],
+        "environment": names,
+    })  # fmt: skip
+
+
+def test_unknown_environment_name_in_the_data(tmp_path, tiny_chat_model_path, tok):
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, "grpo", factory={"counter": Counter},
+                           data=routed(["abacus", "abacus"]))  # fmt: skip
+    trainer.rollout_engine.backend = CounterPolicy(tok)
+    with pytest.raises(ValueError, match="environment='abacus'.* not among the environments"):
+        trainer.train()
+
+
+def test_environment_reward_beside_reward_functions(tmp_path, tiny_chat_model_path, tok):
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, "appo", reward_funcs=[answer_len])
+    assert trainer.reward_func_names == ["answer_len", "Counter"]
+    trainer.rollout_engine.backend = CounterPolicy(tok)
+    trainer.train()
+    logged = {k: v for e in trainer.state.log_history for k, v in e.items()}
+    assert "rewards/answer_len/mean" in logged and "rewards/Counter/mean" in logged
+
+
+def test_mixed_environments_score_only_their_own_rows(tmp_path, tiny_chat_model_path, tok):
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, "arpo", reward_funcs=[answer_len],
+                           factory={"counter": Counter, "plain": PlainCounter},
+                           data=routed(["counter", "plain"]), per_device_train_batch_size=8)  # fmt: skip
+    assert trainer.reward_func_names == ["answer_len", "Counter"]
+    trainer.rollout_engine.backend = CounterPolicy(tok)
+    rewards = []
+    orig = trainer._calculate_rewards
+    trainer._calculate_rewards = lambda *a: rewards.append(orig(*a)) or rewards[-1]
+    seen = capture_rows(trainer)
+    trainer.train()
+    [(rows, envs)] = seen
+    [r] = rewards
+    assert len(envs) == 8 and {type(e) for e in envs} == {Counter, PlainCounter}
+    for i, env in enumerate(envs):
+        # TRL: None (NaN) for rows of an environment without get_reward
+        assert torch.isnan(r[i, 1]) == (type(env) is PlainCounter)
+    schema = tok.decode(rows[0].prompt_ids)
+    assert '"name": "add"' in schema
+
+
+def test_environment_owned_data_needs_max_steps(tmp_path, tiny_chat_model_path, tok):
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, "aepo", data=None, max_steps=1)
+    trainer.rollout_engine.backend = CounterPolicy(tok)
+    seen = capture_rows(trainer)
+    trainer.train()
+    [(rows, envs)] = seen
+    for traj, env in zip(rows, envs):
+        check_row(traj, env, start=0)  # reset() got TRL's placeholder row (no `start`)
+    with pytest.raises(ValueError, match="`max_steps` must be set"):
+        make_trainer(tmp_path, tiny_chat_model_path, tok, "grpo", data=None, max_steps=-1)
+
+
+def test_several_environments_need_a_dataset(tmp_path, tiny_chat_model_path, tok):
+    with pytest.raises(ValueError, match="requires a `train_dataset` with an `environment` column"):
+        make_trainer(tmp_path, tiny_chat_model_path, tok, "grpo", data=None, max_steps=1,
+                     factory={"a": Counter, "b": Counter})  # fmt: skip
