@@ -23,6 +23,7 @@ variable-length loop: every rank issues the same gathers per round and per micro
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -61,8 +62,9 @@ def resolve_reward_funcs(reward_funcs):
 def build_rollout_engine(trainer):
     """The rollout engine the config asks for: tools from `tools`/`tool_config`, backend from `use_vllm`.
 
-    `use_vllm=True` (server mode; colocate is rejected by `APPOConfig`) samples through vLLM's HTTP server at
-    `vllm_server_base_url` (or host:port); otherwise the policy samples in-process (`TransformersBackend`).
+    `use_vllm=True` samples through vLLM's HTTP server at `vllm_server_base_url` (or host:port) in server mode,
+    or through TRL's in-process engine (`trainer.vllm_generation.llm`) in colocate mode; otherwise the policy
+    samples in-process (`TransformersBackend`).
     """
     from appo_trl.rollout import RolloutConfig, RolloutEngine, TransformersBackend, VLLMServerBackend
     from appo_trl.tools import ToolExecutor, build_tools
@@ -73,14 +75,22 @@ def build_rollout_engine(trainer):
         tool_config = json.loads(args.tool_config) if isinstance(args.tool_config, str) else args.tool_config
         tools = build_tools(trainer.tool_specs, tool_config or {}, trainer.tool_format, trainer._tool_dirs)
     trainer._appo_tools = None  # built once; a second engine (after close) builds fresh tools
-    if args.use_vllm:
+    if args.use_vllm and args.vllm_mode == "colocate":
+        from appo_trl.rollout.vllm_colocate import VLLMColocateBackend
+
+        llm = trainer.vllm_generation.llm
+        backend = VLLMColocateBackend(llm, sleep_mode=args.vllm_enable_sleep_mode)
+        max_model_len = llm.llm_engine.model_config.max_model_len
+    elif args.use_vllm:
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         backend = VLLMServerBackend(base_url, max_concurrency=args.rollout_concurrency)
     else:
         backend = TransformersBackend(trainer.model, trainer._tokenizer, accelerator=trainer.accelerator)
-    # prompt + completion must fit the sampler: vLLM's --max-model-len when given, else the model's positions
-    max_model_len = args.vllm_max_model_length or getattr(
-        trainer.model.config, "max_position_embeddings", None) or 32768  # fmt: skip
+    # prompt + completion must fit the sampler: the colocated engine's length, vLLM's --max-model-len when given,
+    # else the model's positions
+    if not (args.use_vllm and args.vllm_mode == "colocate"):
+        max_model_len = args.vllm_max_model_length or getattr(
+            trainer.model.config, "max_position_embeddings", None) or 32768  # fmt: skip
     config = RolloutConfig(
         max_completion_length=args.max_completion_length,
         max_model_len=max_model_len,
@@ -300,14 +310,20 @@ class APPOTrainer(GRPOTrainer):
         n = self.num_generations if mode == "train" else self.num_generations_eval
         prompts = copy.deepcopy(prompts)
         prompt_ids, _, _ = self._tokenize_prompts(prompts)
-        if self.use_vllm and self.state.global_step != self._last_loaded_step:
+        # sleep mode (colocate) level 2 dropped the weights after the last round: TRL's generate re-pushes them too
+        asleep = getattr(self.vllm_generation, "_llm_weights_sleeping", False) if self.use_vllm else False
+        if self.use_vllm and (self.state.global_step != self._last_loaded_step or asleep):
             self.vllm_generation.sync_weights()  # once per round, on every rank, before any request
             self._last_loaded_step = self.state.global_step
         strategy = self.strategy if mode == "train" else self.eval_strategy
-        if self.environment_factories is not None:  # TRL's environment_factory: one instance per trajectory
-            batch = generate_with_environments(self, strategy, prompt_ids, n, self._round_seed())
-        else:
-            batch = strategy.generate(prompt_ids[::n], n, self._round_seed())
+        backend = getattr(self.rollout_engine, "backend", None)
+        with getattr(backend, "awake", contextlib.nullcontext)():  # colocate sleep mode: the KV cache is awake
+            if self.environment_factories is not None:  # TRL's environment_factory: one instance per trajectory
+                batch = generate_with_environments(self, strategy, prompt_ids, n, self._round_seed())
+            else:
+                batch = strategy.generate(prompt_ids[::n], n, self._round_seed())
+        if getattr(backend, "sleep_mode", False):  # `awake` slept at level 2: TRL's own flag, set as its generate does
+            self.vllm_generation._llm_weights_sleeping = True
         rows = batch.rows
         if len(rows) != len(prompts) or any(len(g) != n for g in batch.groups):
             raise RuntimeError(f"strategy {strategy.name} returned {len(rows)} rows for {len(prompts)} prompts")

@@ -29,6 +29,7 @@ input/output embeddings to a CPU server: vLLM-CPU's `reload_weights` keeps a sta
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 import time
@@ -183,6 +184,55 @@ class DiskWeightSync(VLLMGeneration):
         self.num_syncs += 1
 
 
+class ColocateWeightSync(VLLMGeneration):
+    """TRL's `VLLMGeneration` for colocate mode: TRL's own sync, except on a vLLM-CPU engine.
+
+    TRL writes each parameter in place (`model.load_weights`), which vLLM-CPU cannot take (its linear layers are
+    repacked after loading and lose their `weight_loader`). On CPU the same parameters, from TRL's own iterator
+    (`_iter_named_params`), go through vLLM's `reload_weights(weights_iterator=...)`, in process (no disk), then
+    the prefix cache is reset. A tied `lm_head` is refused on CPU, as for the disk route.
+
+    Args:
+        llm_kwargs: extra `vllm.LLM` arguments over TRL's (`vllm_dtype`: e.g. `{"dtype": "float32"}`; TRL passes
+            none, and vLLM then runs a float32 checkpoint in bfloat16).
+        **kwargs: `VLLMGeneration`'s arguments (`mode` must be `"colocate"`).
+    """
+
+    def __init__(self, *args, llm_kwargs: dict | None = None, **kwargs):
+        self._llm_kwargs = dict(llm_kwargs or {})
+        super().__init__(*args, **kwargs)
+
+    def _init_vllm(self):
+        import trl.generation.vllm_generation as vllm_generation
+
+        if self.mode != "colocate":
+            raise ValueError("ColocateWeightSync is for vllm_mode=colocate")
+        original = vllm_generation.LLM
+        vllm_generation.LLM = functools.partial(original, **self._llm_kwargs)  # TRL's call, plus llm_kwargs
+        try:
+            super()._init_vllm()
+        finally:
+            vllm_generation.LLM = original
+        self.num_syncs = 0
+        self.on_cpu = self.llm.llm_engine.vllm_config.device_config.device_type == "cpu"
+        config = self.model.config.get_text_config() if hasattr(self.model, "config") else None
+        if self.on_cpu and getattr(config, "tie_word_embeddings", False):
+            raise ValueError(
+                "the model ties lm_head to the input embeddings, and vLLM-CPU's reload_weights keeps a stale "
+                "copy of a tied lm_head (the engine would silently sample from old weights). Use an untied "
+                "model (e.g. `appo tiny-model --tie_word_embeddings false`) or a GPU."
+            )
+
+    def sync_weights(self):
+        if not self.on_cpu:
+            super().sync_weights()
+        else:
+            weights = [(name, p.detach().to("cpu", copy=True).contiguous()) for name, p in self._iter_named_params()]
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+            self.llm.reset_prefix_cache()
+        self.num_syncs += 1
+
+
 @contextlib.contextmanager
 def prepare_vllm_server(args):
     """Wrap `GRPOTrainer.__init__`: check the server, then build the weight sync `args` asks for.
@@ -191,12 +241,23 @@ def prepare_vllm_server(args):
     `max_model_len` from `GET /v1/models` into `args.vllm_max_model_length` when unset, or fails with both
     numbers when they differ. While active, TRL's `VLLMGeneration` (built by name inside
     `GRPOTrainer.__init__`) is swapped for a factory that picks the route from the accelerator's device
-    (`weight_sync_route`); the name is restored on exit. Without `use_vllm` server mode this does nothing.
+    (`weight_sync_route`); the name is restored on exit. In colocate mode TRL builds `ColocateWeightSync`
+    instead (TRL's own sync, in-process `reload_weights` on vLLM-CPU). Without `use_vllm` this does nothing.
     """
+    import trl.trainer.grpo_trainer as grpo_trainer
+
+    if args.use_vllm and args.vllm_mode == "colocate":
+        original = grpo_trainer.VLLMGeneration
+        llm_kwargs = {} if args.vllm_dtype == "auto" else {"dtype": args.vllm_dtype}
+        grpo_trainer.VLLMGeneration = functools.partial(ColocateWeightSync, llm_kwargs=llm_kwargs)
+        try:
+            yield
+        finally:
+            grpo_trainer.VLLMGeneration = original
+        return
     if not (args.use_vllm and args.vllm_mode == "server"):
         yield
         return
-    import trl.trainer.grpo_trainer as grpo_trainer
 
     from appo_trl.rollout.vllm_server import VLLMServerBackend
 
@@ -218,5 +279,5 @@ def prepare_vllm_server(args):
         grpo_trainer.VLLMGeneration = original
 
 
-__all__ = ["DevClient", "DiskWeightSync", "WeightSyncError", "prepare_vllm_server", "server_device",
+__all__ = ["ColocateWeightSync", "DevClient", "DiskWeightSync", "WeightSyncError", "prepare_vllm_server", "server_device",
            "weight_sync_route"]  # fmt: skip
