@@ -209,4 +209,4 @@ def test_appo_train_two_steps_colocated(tiny_sft_model_path, tmp_path):
     # the engine's logprobs are the trainer's own: step 2 samples from the weights step 1 trained (TRL's sync)
     assert all(e["sampling/sampling_logp_difference/max"] < TOL for e in logs), logs
     assert sum(e["tools/calls"] for e in logs) > 0, "the cold-started model never called python"
-    assert any(e["loss"] != 0 for e in state["log_history"] if "loss" in e)
+    assert sum(e["branch/points_per_prompt"] for e in logs) > 0  # APPO branched (prefix-cached requests)
