@@ -20,6 +20,10 @@ marker, parse the JSON call, splice the template's tool turn and next assistant 
 unknown tool name is answered with an error result, not raised). Masks, NaN logprobs, the call limit, budgets,
 forking and branching are the same code in both.
 
+With `environments` set (TRL's `environment_factory`, `appo_trl.rollout.environments`), every trajectory owns an
+environment instance: its chat-format calls to the instance's methods run on that instance, and a fork or a
+branch gets an instance in its parent's state at the fork.
+
 What it does not do: decide *whether* to branch (the algorithms layer passes a hook or positions in), score
 rewards, or sync weights.
 """
