@@ -358,3 +358,12 @@ def test_several_environments_need_a_dataset(tmp_path, tiny_chat_model_path, tok
     with pytest.raises(ValueError, match="requires a `train_dataset` with an `environment` column"):
         make_trainer(tmp_path, tiny_chat_model_path, tok, "grpo", data=None, max_steps=1,
                      factory={"a": Counter, "b": Counter})  # fmt: skip
+
+
+def test_an_undocumented_environment_method_fails_naming_it(tmp_path, tiny_chat_model_path, tok):
+    class Bad(Counter):
+        def poke(self, x: int) -> int:
+            return x
+
+    with pytest.raises(ValueError, match="environment_factory: tool 'Bad.poke' has no docstring"):
+        make_trainer(tmp_path, tiny_chat_model_path, tok, "grpo", factory=Bad)
