@@ -367,3 +367,23 @@ def test_an_undocumented_environment_method_fails_naming_it(tmp_path, tiny_chat_
 
     with pytest.raises(ValueError, match="environment_factory: tool 'Bad.poke' has no docstring"):
         make_trainer(tmp_path, tiny_chat_model_path, tok, "grpo", factory=Bad)
+
+
+def double(x: int) -> int:
+    """Double a number.
+
+    Args:
+        x: the number.
+    """
+    return 2 * x
+
+
+def test_standalone_tools_beside_an_environment(tmp_path, tiny_chat_model_path, tok):
+    """TRL's order: the standalone tools, then the environment's methods (rendered per row, callable per row)."""
+    args = APPOConfig(output_dir=str(tmp_path), **CPU, num_generations=4, per_device_train_batch_size=4,
+                      max_steps=1, max_completion_length=200)  # fmt: skip
+    trainer = APPOTrainer(model=tiny_chat_model_path, args=args, train_dataset=dataset(), processing_class=tok,
+                          tools=[double], environment_factory=Counter)  # fmt: skip
+    assert [f.__name__ for f in trainer._env_tools[None]] == ["double", "add"]
+    assert [f.__name__ for f in trainer.tools] == ["double", "add"] and trainer._standalone_tools == [double]
+    assert list(trainer.rollout_engine.executor.tools) == ["double"]  # `add` runs on each row's own instance
