@@ -436,12 +436,12 @@ class TwoCallPolicy(CounterPolicy):
         return Segment(ids, [-0.5] * len(ids), tops, reason, None)
 
 
-@pytest.mark.parametrize("strategy", ["grpo", "appo"])
+@pytest.mark.parametrize("strategy", ["grpo", "arpo", "aepo", "appo"])
 def test_two_calls_per_turn_run_in_call_order_and_branches_fork_the_right_state(tmp_path, strategy,
                                                                                tiny_chat_model_path, tok):  # fmt: skip
     """Two `add` calls per turn on one instance: its history is the calls in order (results are running totals),
-    and each APPO branch's instance, captured the moment it is made, is the parent's after the calls before the
-    fork; some branches start inside a two-call turn (the child re-runs both calls)."""
+    and each fork's or branch's instance, captured the moment it is made, is the parent's after the calls before
+    the fork (ARPO/AEPO: right after a two-call turn; APPO: wherever its branch points fall)."""
     from appo_trl.rollout.environments import RoundEnvironments
 
     trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, strategy, factory=SlowCounter, tool_call_limit=6,
@@ -466,7 +466,8 @@ def test_two_calls_per_turn_run_in_call_order_and_branches_fork_the_right_state(
         ks = env.history
         assert ks[0] > ks[1] and ks[2] > ks[3]  # each turn's calls in call order (run together: reversed)
     children = [t for t in rows if t.parent is not None]
-    assert len(children) == (2 if strategy == "appo" else 0) and len(at_fork) == len(children)
+    assert len(at_fork) == len(children) and (strategy != "grpo") == bool(children)
+    assert strategy != "appo" or len(children) == 2
     for child in children:
         [parent] = [p for p in rows if p.uid == child.parent]
         state, parent_now, k = at_fork[child.uid]
