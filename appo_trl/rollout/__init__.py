@@ -17,7 +17,10 @@ Public API::
     engine.metrics(); engine.close()
 
 - `Backend.generate(prompt_ids, SamplingParams) -> Segment`: `VLLMServerBackend` (HTTP `/v1/completions`
-  of `vllm serve`, token ids in and out) and `TransformersBackend` (in-process, batches concurrent requests).
+  of `vllm serve`, token ids in and out), `vllm_colocate.VLLMColocateBackend` (TRL's in-process `vllm.LLM`,
+  imported from its module: it needs vLLM) and `TransformersBackend` (in-process, batches concurrent requests).
+- `engine.environments = environments.RoundEnvironments(...)`: TRL's `environment_factory`, one instance per
+  trajectory, forks and branches in their parent's state at the fork (set per round by the trainer).
 - `RolloutEngine.rollout(prompts, n, *, seed, hook=None, group_size=None)`: every trajectory is its own task
   (no per-round barrier). `hook(ctx: BranchContext) -> int` (sync or async) runs after each tool result and
   returns how many copies to fork there; groups are capped at `group_size` (default `n`) and refilled from

@@ -22,6 +22,10 @@ name is answered with an error result, not raised). Every call counts against `c
 calls would pass it runs none of them and ends the trajectory (its own sampled end of turn closes the row).
 Masks, NaN logprobs, budgets, forking and branching are the same code in both.
 
+With `environments` set (TRL's `environment_factory`, `appo_trl.rollout.environments`), every trajectory owns an
+environment instance: its chat-format calls to the instance's methods run on that instance, and a fork or a
+branch gets an instance in its parent's state at the fork.
+
 What it does not do: decide *whether* to branch (the algorithms layer passes a hook or positions in), score
 rewards, or sync weights.
 """
@@ -39,6 +43,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from appo_trl.rollout.environments import RoundEnvironments
 from appo_trl.rollout.text import (
     PieceDecoder,
     StopMatcher,
@@ -110,6 +115,8 @@ class RolloutEngine:
         self.chat = chat
         self.stop_strings = list(chat.stop_strings) if chat is not None else self.config.stop_strings
         self.executor = tools if isinstance(tools, ToolExecutor) else ToolExecutor(dict(tools or {}))
+        # TRL's `environment_factory`: one instance per trajectory, set for a round by the trainer
+        self.environments: RoundEnvironments | None = None
         self.decoder = PieceDecoder(tokenizer)
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos_token_id")
@@ -287,6 +294,8 @@ class RolloutEngine:
                           entropies=[] if (hook is not None or self.config.record_entropies) else None)  # fmt: skip
         # the tree id (routing key): one per prompt group of one round, kept by forks, refills and branches
         traj.meta.update(origin=origin, seed=mix_seed(group.seed, group.created), tree=f"{group.seed:016x}")
+        if self.environments is not None:
+            self.environments.start(traj)
         self._register(run, group, traj, hook)
 
     def _register(self, run: _Run, group: _Group | None, traj: Trajectory, hook: Hook | None,
@@ -397,7 +406,8 @@ class RolloutEngine:
     async def _chat_turn(self, traj: Trajectory) -> bool:
         """Run every call of the closed assistant turn ending `traj` and append its tool turn; False when finished.
 
-        The calls run concurrently and their results are appended in call order. Each record spans its own
+        The calls run concurrently (those to the trajectory's environment one at a time, in call order:
+        `_run_calls`) and their results are appended in call order. Each record spans its own
         template part and result; the calls of one turn share `end`, the end of the tool turn (sampling resumes
         there). A turn that would take the calls past `call_limit` runs none: the trajectory ends `call_limit`.
         """
@@ -407,7 +417,7 @@ class RolloutEngine:
             traj.finish_reason = "call_limit"
             self._m["call_limit_hits"] += 1
             return False
-        results = await asyncio.gather(*(self._chat_call(c) for c in calls))
+        results = await self._run_calls(traj, calls)
         tools = getattr(self.executor, "tools", ())
         for r in results:
             r.text = neutralise_result(r.text, tools, self.tokenizer)
@@ -432,8 +442,35 @@ class RolloutEngine:
             return False
         return True
 
+    async def _run_calls(self, traj: Trajectory, calls: list) -> list[ToolResult]:
+        """Run the parsed calls of one turn; results in call order.
+
+        Standalone tools run concurrently (as TRL's async tools). Calls to the trajectory's environment run one at
+        a time in call order, since they may mutate its state (TRL runs sync tools that way), and each is noted
+        with its record index (`len(traj.tool_calls)` + its position in the turn: the records are appended after
+        all calls ran), which also snapshots the instance after that call for branches.
+        """
+        results: list[ToolResult | None] = [None] * len(calls)
+        env = self.environments
+        env_tools = [env.tool(traj, c.name) if env is not None and c.error is None else None for c in calls]
+        base = len(traj.tool_calls)
+
+        async def environment_calls() -> None:
+            for i, (call, tool) in enumerate(zip(calls, env_tools)):
+                if tool is not None:
+                    results[i] = await self.executor.execute(call.name, call.arguments, tool=tool)
+                    env.record(traj, base + i, call.name, call.arguments, results[i].text)
+
+        async def standalone(i: int, call) -> None:
+            results[i] = await self._chat_call(call)
+
+        await asyncio.gather(
+            environment_calls(), *(standalone(i, c) for i, c in enumerate(calls) if env_tools[i] is None)
+        )
+        return results
+
     async def _chat_call(self, call) -> ToolResult:
-        """Run one parsed chat-format call; a bad call or an unknown tool becomes TRL's error text."""
+        """Run one parsed chat-format call to a standalone tool; a bad call or an unknown tool becomes TRL's error text."""
         if call.error is None and call.name not in self.executor.tools:
             call.error = f"Tool {call.name} not found."  # TRL's message
         if call.error is not None:
@@ -460,6 +497,8 @@ class RolloutEngine:
         for _ in range(copies):
             child = traj.prefix_copy(position)
             child.meta.update(origin="fork", seed=mix_seed(group.seed, group.created))
+            if self.environments is not None:
+                await self.environments.fork(child, traj)
             self._m["forks"] += 1
             self._m["prefix_tokens_reused"] += position
             self._register(run, group, child, hook)
@@ -531,6 +570,8 @@ class RolloutEngine:
                                  f"(tokens {call.start}..{call.end})")  # fmt: skip
         child = parent.prefix_copy(p)
         child.meta.update(origin="branch", seed=mix_seed(seed, p, len(parent.completion_ids)))
+        if self.environments is not None:
+            await self.environments.fork(child, parent)
         self._m["branches"] += 1
         self._m["prefix_tokens_reused"] += p
         pending = self._pending_tag(child)

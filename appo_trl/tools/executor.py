@@ -64,8 +64,10 @@ class ToolExecutor:
             entry = self._semaphores[id(loop)] = (loop, asyncio.Semaphore(self.max_workers))
         return entry[1]
 
-    async def execute(self, tag: str, text: str) -> ToolResult:
-        tool = self.tools.get(tag)
+    async def execute(self, tag: str, text: str, tool: Tool | None = None) -> ToolResult:
+        """Run `tool` (default: the tool registered under `tag`) on `text`, with this executor's bound,
+        deadline and metrics (under `tag`)."""
+        tool = tool if tool is not None else self.tools.get(tag)
         if tool is None:
             result = ToolResult(f"Error: unknown tool <{tag}>.", ok=False, error="unknown_tool")
             self._record(tag, result)

@@ -194,6 +194,14 @@ class APPOConfig(GRPOConfig):
     vllm_router_port: int | None = field(
         default=None, metadata=_h("Port of the router appo starts (default: a free port on 127.0.0.1).")
     )
+    vllm_dtype: str = field(
+        default="auto",
+        metadata=_h(
+            "colocate mode: dtype of the in-process vLLM engine. `auto` is TRL's (vLLM's choice: a float32 "
+            "checkpoint runs in bfloat16); `float32`, `bfloat16` or `float16` force it (float32 makes the "
+            "sampler's logprobs match a float32 trainer's)."
+        ),
+    )
     # --- strategy -------------------------------------------------------------------------------------------
     rollout_strategy: str = field(
         default="grpo", metadata=_h("Rollout strategy: `grpo` (no branching), `arpo`, `aepo` or `appo`.")
@@ -587,11 +595,12 @@ class APPOConfig(GRPOConfig):
         if self.vllm_weight_sync not in ("auto", "nccl", "disk"):
             self._fail(f"vllm_weight_sync must be auto, nccl or disk (got {self.vllm_weight_sync!r}).")
         self._validate_replicas()
-        if self.use_vllm and self.vllm_mode != "server":
-            self._fail(
-                "the tool loop samples through vLLM's HTTP server only: set vllm_mode=server "
-                "(colocate mode is not supported by appo-trl's rollout engine)."
-            )
+        if self.vllm_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            self._fail(f"vllm_dtype={self.vllm_dtype!r}; choose auto, float32, bfloat16 or float16.")
+        if self.vllm_dtype != "auto" and not (self.use_vllm and self.vllm_mode == "colocate"):
+            self._fail("vllm_dtype applies to vllm_mode=colocate only (a server takes --dtype at launch).")
+        if self.use_vllm and self.vllm_mode not in ("server", "colocate"):
+            self._fail(f"vllm_mode={self.vllm_mode!r}; choose server (vllm serve) or colocate (in-process vLLM).")
         self._validate_batching()
         self._validate_async()
 

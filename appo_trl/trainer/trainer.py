@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
 import math
 
@@ -48,79 +47,15 @@ from appo_trl.reporting.rollout_dump import dump_round
 from appo_trl.trainer.async_rounds import behaviour_correction, build_async_rounds, round_job_factory
 from appo_trl.trainer.checkpoints import AtomicCheckpointMixin, read_sampler_state, write_sampler_state
 from appo_trl.trainer.config import APPOConfig
+from appo_trl.trainer.environments import check_environments, generate_with_environments
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.rows import group_permutation, pad_rows, permute_rows, select_rows
+from appo_trl.trainer.setup import build_rollout_engine, resolve_reward_funcs, resolve_tool_specs, setup_chat_tools
 from appo_trl.trainer.sharded import full_weights_for_round
 from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RoundBatch
 from appo_trl.trainer.weight_sync import generate_round, prepare_vllm_server
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_reward_funcs(reward_funcs):
-    """Map reward names of `appo_trl.rewards.REWARD_FUNCS` to callables; other entries go to TRL unchanged."""
-    if reward_funcs is None:
-        return None
-    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-    names = [f for f in funcs if isinstance(f, str)]
-    if not names:
-        return reward_funcs
-    from appo_trl import rewards
-
-    registry = getattr(rewards, "REWARD_FUNCS", {})
-    return [rewards.get_reward_func(f) if isinstance(f, str) and f in registry else f for f in funcs]
-
-
-def build_rollout_engine(trainer):
-    """The rollout engine the config asks for: tools from `tools`/`tool_config`, backend from `use_vllm`.
-
-    `use_vllm=True` (server mode; colocate is rejected by `APPOConfig`) samples through vLLM's HTTP server at
-    `vllm_server_base_url` (or host:port); otherwise the policy samples in-process (`TransformersBackend`).
-    """
-    from appo_trl.rollout import RolloutConfig, RolloutEngine, TransformersBackend, VLLMServerBackend
-    from appo_trl.tools import ToolExecutor, build_tools
-
-    args = trainer.args
-    tools = trainer._appo_tools
-    if tools is None:
-        tool_config = json.loads(args.tool_config) if isinstance(args.tool_config, str) else args.tool_config
-        tools = build_tools(trainer.tool_specs, tool_config or {}, trainer.tool_format, trainer._tool_dirs)
-    trainer._appo_tools = None  # built once; a second engine (after close) builds fresh tools
-    if args.use_vllm:
-        from appo_trl.rollout.replicas import ReplicaBackend, replica_set_for
-
-        base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        backend = VLLMServerBackend(base_url, max_concurrency=args.rollout_concurrency,
-                                    server_wait_s=args.vllm_server_wait_s)  # fmt: skip
-        replicas = replica_set_for(base_url)  # several replicas behind a router (trainer/weight_sync.py)
-        if replicas is not None:
-            backend = ReplicaBackend(backend, replicas)
-    elif getattr(trainer, "_sampler", None) is not None:  # max_staleness >= 1: the sampler copy decodes
-        backend = TransformersBackend(trainer._sampler.model, trainer._tokenizer)
-    else:
-        backend = TransformersBackend(trainer.model, trainer._tokenizer, accelerator=trainer.accelerator)
-    # prompt + completion must fit the sampler: vLLM's --max-model-len when given, else the model's positions
-    max_model_len = args.vllm_max_model_length or getattr(
-        trainer.model.config, "max_position_embeddings", None) or 32768  # fmt: skip
-    config = RolloutConfig(
-        max_completion_length=args.max_completion_length,
-        max_model_len=max_model_len,
-        call_limit=args.tool_call_limit,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k if args.top_k else -1,
-        tool_tags=(list(tools) if trainer.tool_format == "tags" else None) or ["python", "search"],
-        entropy_topk=args.entropy_topk,
-        entropy_window=args.entropy_tokens,
-        record_entropies=(args.rollout_strategy == "appo" and args.branch_entropy_source == "sampler_topk")
-        or (args.rollout_strategy == "aepo" and args.dynamic_rollouts),
-        hook_mode=args.arpo_entropy_timing,
-        concurrency=args.rollout_concurrency,
-    )
-    return RolloutEngine(
-        backend, trainer._tokenizer, config, ToolExecutor(tools, max_workers=args.rollout_concurrency),
-        chat=trainer.chat_tool_format,
-    )  # fmt: skip
 
 
 class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
@@ -136,7 +71,8 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     `appo train` parsed, then the working directory). Without `args`, an `APPOConfig("<model>-APPO")` is built as
     TRL builds its `GRPOConfig`; a plain `GRPOConfig` is converted to an `APPOConfig` (`rollout_strategy: grpo`).
     TRL's `rollout_func` is served by TRL's own sampler for `rollout_strategy: grpo` without tools and refused
-    otherwise (`appo_trl.trainer.trl_compat`); `environment_factory` is not supported. Checkpoints are saved
+    otherwise (`appo_trl.trainer.trl_compat`). TRL's `environment_factory` works with every strategy
+    (`appo_trl.trainer.environments`: one instance per trajectory, branches included). Checkpoints are saved
     atomically and hold the sampler's round counter (`trainer.checkpoints`), so a resumed run samples the
     completions of the uninterrupted one.
     """
@@ -166,14 +102,20 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         from appo_trl.trainer.trl_compat import check_rollout_func, resolve_args
 
         args = resolve_args(model, args)  # None -> APPOConfig("<model>-APPO"); a GRPOConfig -> rollout_strategy grpo
-        if environment_factory is not None:
-            raise ValueError("APPOTrainer: environment_factory is not supported yet; expose the environment's "
-                             "methods as tools=[...] instead.")  # fmt: skip
-        self._resolve_tool_specs(args, tools, tool_dirs)  # fails here, before the model loads
-        check_rollout_func(args, rollout_func, bool(self.tool_specs), rollout_engine)
+        resolve_tool_specs(self, args, tools, tool_dirs)  # fails here, before the model loads
+        check_rollout_func(args, rollout_func, bool(self.tool_specs), rollout_engine, environment_factory)
         if rollout_func is not None and args.max_staleness:
             raise ValueError("APPOTrainer: max_staleness >= 1 runs rounds on appo-trl's rollout engine in the "
                              "background; a rollout_func runs on TRL's own sampler. Set max_staleness: 0.")  # fmt: skip
+        if environment_factory is not None:  # environment methods are chat-template tools, as in TRL
+            if args.tool_format == "tags":
+                raise ValueError("environment_factory: environment methods are chat-template tools (as in TRL); "
+                                 "set tool_format: chat (tags is ARPO's tag format for built-in tools)")  # fmt: skip
+            if args.max_staleness:
+                raise ValueError("environment_factory with max_staleness >= 1 is not supported: a background round "
+                                 "would reset environments TRL hands to the current round's rewards. Set "
+                                 "max_staleness: 0.")  # fmt: skip
+            self.tool_format = "chat"
         from appo_trl.configs.preflight import check_reward_columns  # before the model loads
 
         check_reward_columns(reward_funcs if isinstance(reward_funcs, list) else [reward_funcs], train_dataset)
@@ -191,11 +133,14 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 quantization_config=quantization_config,
                 peft_config=peft_config,
                 rollout_func=rollout_func,
+                environment_factory=environment_factory,
             )
         self._check_reward_outputs()
         if self._custom_loss and self._entropy_bonus_enabled:
             raise ValueError(f"loss_mode={args.loss_mode} does not add TRL's entropy bonus; set entropy_coef=0.")
-        self._setup_chat_tools(train_dataset)
+        setup_chat_tools(self, train_dataset)
+        check_environments(self)
+        self._env_inputs = None
         from appo_trl.reporting.hub import strategy_card
 
         self._name, self._paper = strategy_card(args.rollout_strategy)  # model card: this strategy's paper
@@ -206,9 +151,13 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         # in-process GRPO without tools and without an injected engine is exactly TRL's own sampler: keep it
         # (a rollout_func, checked above to be grpo without tools, is served by TRL's own `_generate` as well)
         self._trl_sampler = rollout_func is not None or (
-            args.rollout_strategy == "grpo" and not self.tool_specs and not args.use_vllm and rollout_engine is None
+            args.rollout_strategy == "grpo"
+            and not self.tool_specs
+            and not args.use_vllm
+            and rollout_engine is None
+            and self.environment_factories is None
             and args.max_staleness == 0
-        )  # fmt: skip
+        )
         if args.dump_rollouts and self._trl_sampler:
             raise ValueError(
                 "dump_rollouts needs appo-trl's rollout engine, but grpo without tools runs TRL's own sampler: "
@@ -250,56 +199,6 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             for f, name in zip(self.reward_funcs, self.reward_func_names)
         ]
         self._nan_reward_guard = NaNRewardGuard(self.args.max_nan_reward_steps)
-
-    def _resolve_tool_specs(self, args, tools, tool_dirs) -> None:
-        """Resolve and check every tool (names, dotted paths, schemas, parameters) and build them once."""
-        from appo_trl.tools.callables import resolve_callables
-        from appo_trl.tools.registry import build_tools, default_tool_format
-
-        if tools is not None and not isinstance(tools, (list, tuple)):
-            tools = [tools]
-        if tools and args.tools:
-            raise ValueError(
-                "APPOTrainer: pass tools either as APPOTrainer(tools=...) or APPOConfig(tools=...), not both."
-            )
-        specs = list(tools or args.tools or [])
-        if not tool_dirs:  # `appo train --config R`: the recipe's folder, then the working directory
-            from appo_trl.configs import recipes
-
-            tool_dirs = [recipes.LAST_RECIPE_DIR] if recipes.LAST_RECIPE_DIR else []
-        self._tool_dirs = tuple(tool_dirs)
-        self.tool_format = args.tool_format or default_tool_format(specs)
-        self.tool_specs = resolve_callables(specs, self._tool_dirs)
-        self._appo_tools = None
-        if self.tool_specs:
-            tool_config = json.loads(args.tool_config) if isinstance(args.tool_config, str) else args.tool_config
-            self._appo_tools = build_tools(self.tool_specs, tool_config or {}, self.tool_format, self._tool_dirs)
-        elif args.tool_config:
-            raise ValueError(f"APPOConfig: tool_config is set ({args.tool_config}) but no tools are configured.")
-
-    def _setup_chat_tools(self, train_dataset) -> None:
-        """Chat format: check the template can call tools, learn its markers, and let TRL render the schemas."""
-        self.chat_tool_format = None
-        if self.tool_format != "chat" or not self.tool_specs:
-            return
-        from trl.chat_template_utils import supports_tool_calling
-
-        from appo_trl.rollout.chat_format import ChatToolFormat
-
-        if not supports_tool_calling(self.processing_class):
-            raise ValueError(
-                "tool_format=chat: the model's chat template cannot render a tool-calling conversation "
-                "(user -> assistant with tool_calls -> tool); use a tool-capable template or tool_format=tags."
-            )
-        self.chat_tool_format = ChatToolFormat(self._tokenizer, self.chat_template, self.chat_template_kwargs)
-        # TRL's `_tokenize_prompts` renders `self.tools` into every prompt (schemas from get_json_schema)
-        self.tools = self._standalone_tools = [t.func for t in self._appo_tools.values()]
-        if train_dataset is not None and "prompt" in getattr(train_dataset, "column_names", []) and len(train_dataset):
-            if not is_conversational({"prompt": train_dataset[0]["prompt"]}):
-                raise ValueError(
-                    "tool_format=chat needs conversational prompts (lists of messages), so that the chat template "
-                    "can render the tool schemas; set a system_prompt or give `prompt` as messages."
-                )
 
     @property
     def _custom_loss(self) -> bool:
@@ -388,17 +287,25 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         prompts = copy.deepcopy(prompts)
         prompt_ids, _, _ = self._tokenize_prompts(prompts)
         strategy = self.strategy if mode == "train" else self.eval_strategy
+
+        def sample(seed: int):
+            if self.environment_factories is not None:  # TRL's environment_factory: one instance per trajectory
+                return generate_with_environments(self, strategy, prompt_ids, n, seed)
+            return strategy.generate(prompt_ids[::n], n, seed)
+
         if self._async is not None and mode == "train":  # max_staleness >= 1: the round may come from the background
-            job = lambda: strategy.generate(prompt_ids[::n], n, self._round_seed())  # noqa: E731
+            job = lambda: sample(self._round_seed())  # noqa: E731
             batch = self._async.next_round(self._round_inputs, self.state.global_step, job, round_job_factory(self))
         elif self._async is not None:  # evaluation: the background round finishes and the sampler syncs first
             self._async.before_foreground_round(self.state.global_step)
-            batch = strategy.generate(prompt_ids[::n], n, self._round_seed())
+            batch = sample(self._round_seed())
         else:
             # in-process sampling under ZeRO-3 / FSDP2: weights gathered once on every rank, no collective inside;
-            # server mode: the weight sync once per round, and the round again after a server restart
+            # vLLM: the weight sync once per round (server: the round again, same seed, after a server restart;
+            # colocate: the KV cache awake for the round)
+            seed = self._round_seed()
             with self._round_weights():
-                batch = generate_round(self, strategy, prompt_ids[::n], n, self._round_seed())
+                batch = generate_round(self, lambda: sample(seed))
         rows = batch.rows
         if len(rows) != len(prompts) or any(len(g) != n for g in batch.groups):
             raise RuntimeError(f"strategy {strategy.name} returned {len(rows)} rows for {len(prompts)} prompts")
@@ -611,6 +518,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         self._round_inputs = inputs
+        self._env_inputs = inputs  # the rows TRL resets the environments with (fresh instances reuse them)
         with behaviour_correction(self):  # background rounds in-process: TRL's proximal + importance weight
             out = super()._generate_and_score_completions(inputs)
         batch, rewards_per_func = self._round, self._round_rewards

@@ -59,7 +59,8 @@ def resolve_args(model, args) -> APPOConfig:
     raise TypeError(f"APPOTrainer: args must be an APPOConfig or a GRPOConfig, got {type(args).__name__}.")
 
 
-def check_rollout_func(args: APPOConfig, rollout_func, has_tools: bool, rollout_engine) -> None:
+def check_rollout_func(args: APPOConfig, rollout_func, has_tools: bool, rollout_engine,
+                       environment_factory=None) -> None:  # fmt: skip
     """Refuse a `rollout_func` that cannot be honoured (before the model loads); None passes."""
     if rollout_func is None:
         return
@@ -75,6 +76,11 @@ def check_rollout_func(args: APPOConfig, rollout_func, has_tools: bool, rollout_
         raise ValueError(
             "APPOTrainer: rollout_func replaces the sampler and the tool loop; drop the tools (run them inside "
             "the rollout_func) or drop rollout_func and let appo-trl's engine run the tools."
+        )
+    if environment_factory is not None:
+        raise ValueError(
+            "APPOTrainer: rollout_func replaces the sampler and the tool loop that calls the environments' methods; "
+            "drop rollout_func (appo-trl's engine runs environment_factory) or drop environment_factory."
         )
     if rollout_engine is not None:
         raise ValueError("APPOTrainer: pass rollout_func or rollout_engine, not both (each replaces the sampler).")

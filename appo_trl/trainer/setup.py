@@ -1,0 +1,148 @@
+"""Setting up an `APPOTrainer`: reward names, tools, the chat tool format and the rollout engine.
+
+Functions of the trainer (they read and set its attributes), kept out of `trainer.py` so that it reads in one
+sitting: `resolve_reward_funcs` (reward names of `appo_trl.rewards`), `resolve_tool_specs` (every tool resolved,
+checked and built before the model loads), `setup_chat_tools` (the chat template's tool markers and TRL's schema
+rendering, environments' methods included) and `build_rollout_engine` (the backend and `RolloutEngine` the
+config asks for). What it does not do: sample, score or train.
+"""
+
+from __future__ import annotations
+
+import json
+
+from trl.data_utils import is_conversational
+
+
+def resolve_reward_funcs(reward_funcs):
+    """Map reward names of `appo_trl.rewards.REWARD_FUNCS` to callables; other entries go to TRL unchanged."""
+    if reward_funcs is None:
+        return None
+    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+    names = [f for f in funcs if isinstance(f, str)]
+    if not names:
+        return reward_funcs
+    from appo_trl import rewards
+
+    registry = getattr(rewards, "REWARD_FUNCS", {})
+    return [rewards.get_reward_func(f) if isinstance(f, str) and f in registry else f for f in funcs]
+
+
+def build_rollout_engine(trainer):
+    """The rollout engine the config asks for: tools from `tools`/`tool_config`, backend from `use_vllm`.
+
+    `use_vllm=True` samples through vLLM's HTTP server at `vllm_server_base_url` (or host:port) in server mode,
+    or through TRL's in-process engine (`trainer.vllm_generation.llm`) in colocate mode; otherwise the policy
+    samples in-process (`TransformersBackend`).
+    """
+    from appo_trl.rollout import RolloutConfig, RolloutEngine, TransformersBackend, VLLMServerBackend
+    from appo_trl.tools import ToolExecutor, build_tools
+
+    args = trainer.args
+    tools = trainer._appo_tools
+    if tools is None:
+        tool_config = json.loads(args.tool_config) if isinstance(args.tool_config, str) else args.tool_config
+        tools = build_tools(trainer.tool_specs, tool_config or {}, trainer.tool_format, trainer._tool_dirs)
+    trainer._appo_tools = None  # built once; a second engine (after close) builds fresh tools
+    if args.use_vllm and args.vllm_mode == "colocate":
+        from appo_trl.rollout.vllm_colocate import VLLMColocateBackend
+
+        llm = trainer.vllm_generation.llm
+        backend = VLLMColocateBackend(llm, sleep_mode=args.vllm_enable_sleep_mode)
+        max_model_len = llm.llm_engine.model_config.max_model_len
+    elif args.use_vllm:
+        from appo_trl.rollout.replicas import ReplicaBackend, replica_set_for
+
+        base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        backend = VLLMServerBackend(base_url, max_concurrency=args.rollout_concurrency,
+                                    server_wait_s=args.vllm_server_wait_s)  # fmt: skip
+        replicas = replica_set_for(base_url)  # several replicas behind a router (trainer/weight_sync.py)
+        if replicas is not None:
+            backend = ReplicaBackend(backend, replicas)
+    elif getattr(trainer, "_sampler", None) is not None:  # max_staleness >= 1: the sampler copy decodes
+        backend = TransformersBackend(trainer._sampler.model, trainer._tokenizer)
+    else:
+        backend = TransformersBackend(trainer.model, trainer._tokenizer, accelerator=trainer.accelerator)
+    # prompt + completion must fit the sampler: the colocated engine's length, vLLM's --max-model-len when given,
+    # else the model's positions
+    if not (args.use_vllm and args.vllm_mode == "colocate"):
+        max_model_len = args.vllm_max_model_length or getattr(
+            trainer.model.config, "max_position_embeddings", None) or 32768  # fmt: skip
+    config = RolloutConfig(
+        max_completion_length=args.max_completion_length,
+        max_model_len=max_model_len,
+        call_limit=args.tool_call_limit,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k if args.top_k else -1,
+        tool_tags=(list(tools) if trainer.tool_format == "tags" else None) or ["python", "search"],
+        entropy_topk=args.entropy_topk,
+        entropy_window=args.entropy_tokens,
+        record_entropies=(args.rollout_strategy == "appo" and args.branch_entropy_source == "sampler_topk")
+        or (args.rollout_strategy == "aepo" and args.dynamic_rollouts),
+        hook_mode=args.arpo_entropy_timing,
+        concurrency=args.rollout_concurrency,
+    )
+    return RolloutEngine(
+        backend, trainer._tokenizer, config, ToolExecutor(tools, max_workers=args.rollout_concurrency),
+        chat=trainer.chat_tool_format,
+    )  # fmt: skip
+
+
+def resolve_tool_specs(trainer, args, tools, tool_dirs) -> None:
+    """Resolve and check every tool (names, dotted paths, schemas, parameters) and build them once."""
+    from appo_trl.tools.callables import resolve_callables
+    from appo_trl.tools.registry import build_tools, default_tool_format
+
+    if tools is not None and not isinstance(tools, (list, tuple)):
+        tools = [tools]
+    if tools and args.tools:
+        raise ValueError(
+            "APPOTrainer: pass tools either as APPOTrainer(tools=...) or APPOConfig(tools=...), not both."
+        )
+    specs = list(tools or args.tools or [])
+    if not tool_dirs:  # `appo train --config R`: the recipe's folder, then the working directory
+        from appo_trl.configs import recipes
+
+        tool_dirs = [recipes.LAST_RECIPE_DIR] if recipes.LAST_RECIPE_DIR else []
+    trainer._tool_dirs = tuple(tool_dirs)
+    trainer.tool_format = args.tool_format or default_tool_format(specs)
+    trainer.tool_specs = resolve_callables(specs, trainer._tool_dirs)
+    trainer._appo_tools = None
+    if trainer.tool_specs:
+        tool_config = json.loads(args.tool_config) if isinstance(args.tool_config, str) else args.tool_config
+        trainer._appo_tools = build_tools(
+            trainer.tool_specs, tool_config or {}, trainer.tool_format, trainer._tool_dirs
+        )
+    elif args.tool_config:
+        raise ValueError(f"APPOConfig: tool_config is set ({args.tool_config}) but no tools are configured.")
+
+
+def setup_chat_tools(trainer, train_dataset) -> None:
+    """Chat format: check the template can call tools, learn its markers, and let TRL render the schemas."""
+    trainer.chat_tool_format = None
+    if trainer.tool_format != "chat" or not (trainer.tool_specs or trainer.environment_factories):
+        return
+    from trl.chat_template_utils import supports_tool_calling
+
+    from appo_trl.rollout.chat_format import ChatToolFormat
+
+    if not supports_tool_calling(trainer.processing_class):
+        raise ValueError(
+            "tool_format=chat: the model's chat template cannot render a tool-calling conversation "
+            "(user -> assistant with tool_calls -> tool); use a tool-capable template or tool_format=tags."
+        )
+    trainer.chat_tool_format = ChatToolFormat(trainer._tokenizer, trainer.chat_template, trainer.chat_template_kwargs)
+    # TRL's `_tokenize_prompts` renders `trainer.tools` into every prompt (schemas from get_json_schema); with
+    # environments, each row's `_env_tools[name]`: the standalone tools, then its environment's methods (TRL's)
+    standalone = [t.func for t in trainer._appo_tools.values()] if trainer._appo_tools else []
+    env_methods = list(trainer.tools) if trainer.environment_factories is not None else []
+    trainer.tools, trainer._standalone_tools = standalone + env_methods, standalone
+    for name in getattr(trainer, "_env_tools", None) or {}:
+        trainer._env_tools[name] = standalone + trainer._env_tools[name]
+    if train_dataset is not None and "prompt" in getattr(train_dataset, "column_names", []) and len(train_dataset):
+        if not is_conversational({"prompt": train_dataset[0]["prompt"]}):
+            raise ValueError(
+                "tool_format=chat needs conversational prompts (lists of messages), so that the chat template "
+                "can render the tool schemas; set a system_prompt or give `prompt` as messages."
+            )
