@@ -81,6 +81,18 @@ class Segment:
         if self.top_logprobs is not None and len(self.top_logprobs) != len(self.token_ids):
             raise ValueError(f"{len(self.token_ids)} token ids but {len(self.top_logprobs)} top_logprobs entries")
 
+    @classmethod
+    def from_vllm(cls, ids, logprobs, top, reason, stop_reason) -> Segment | None:
+        """From vLLM's `finish_reason` / `stop_reason` (server and in-process alike); None for any other reason
+        (e.g. `abort`), which each backend turns into its own error."""
+        if reason == "length":
+            return cls(ids, logprobs, top, "length", None)
+        if reason == "stop" and isinstance(stop_reason, str):
+            return cls(ids, logprobs, top, "stop", stop_reason)
+        if reason == "stop":  # EOS (stop_reason None) or a stop token id
+            return cls(ids, logprobs, top, "eos", None)
+        return None
+
 
 @runtime_checkable
 class Backend(Protocol):

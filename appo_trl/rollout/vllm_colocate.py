@@ -56,13 +56,10 @@ def parse_output(output: Any, want_top: bool) -> Segment:
         logprobs.append(math.nan if value is None else float(value))
         if want_top:
             top.append({int(k): float(v.logprob) for k, v in entry.items()})
-    reason, stop_reason = choice.finish_reason, choice.stop_reason
-    if reason == "length":
-        return Segment(ids, logprobs, top, "length", None)
-    if reason == "stop" and isinstance(stop_reason, str):
-        return Segment(ids, logprobs, top, "stop", stop_reason)
-    if reason == "stop":  # EOS (stop_reason None) or a stop token id
-        return Segment(ids, logprobs, top, "eos", None)
+    segment = Segment.from_vllm(ids, logprobs, top, choice.finish_reason, choice.stop_reason)
+    if segment is not None:
+        return segment
+    reason = choice.finish_reason
     raise VLLMColocateError(f"vLLM ended a request with finish_reason {reason!r} after {len(ids)} tokens")
 
 

@@ -107,13 +107,10 @@ def parse_choice(choice: dict[str, Any], want_top: bool) -> Segment:
             d = {_token_id(k): (math.nan if v is None else float(v)) for k, v in (entry or {}).items()}
             d.setdefault(ids[i], logprobs[i])
             top.append(d)
-    reason, stop_reason = choice.get("finish_reason"), choice.get("stop_reason")
-    if reason == "length":
-        return Segment(ids, logprobs, top, "length", None)
-    if reason == "stop" and isinstance(stop_reason, str):
-        return Segment(ids, logprobs, top, "stop", stop_reason)
-    if reason == "stop":  # EOS (stop_reason None) or a stop token id
-        return Segment(ids, logprobs, top, "eos", None)
+    reason = choice.get("finish_reason")
+    segment = Segment.from_vllm(ids, logprobs, top, reason, choice.get("stop_reason"))
+    if segment is not None:
+        return segment
     if reason == "abort":  # a truncated completion, never a finished one
         raise VLLMAbortedError(f"the server aborted the request after {len(ids)} tokens (finish_reason 'abort')")
     raise VLLMServerError(f"unexpected finish_reason {reason!r} (a finished completion has 'stop' or 'length')")
