@@ -194,6 +194,8 @@ def fsdp2_round(model_path, out):
     if rank == 0:
         with open(os.path.join(out, "fsdp2.json"), "w") as f:
             json.dump(results, f)
+    faulthandler.cancel_dump_traceback_later()
+    dist.barrier()  # no rank tears gloo down while its peer still has work in flight (that aborted a rank, 1 in 6)
     dist.destroy_process_group()
 
 
