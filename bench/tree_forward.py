@@ -9,7 +9,10 @@ random Qwen3 model. For each workload and strategy shape the two forwards run in
 - `step_s`: TRL's no-grad old-logp pass + the loss step + an AdamW step (median);
 - `saved_mb`: bytes of the tensors autograd saves for the backward (distinct storages) during the loss forward,
   the activation memory that sets a training step's peak on top of weights and optimizer state. It is measured
-  in-process and is deterministic, unlike RSS on a shared machine.
+  in-process and is deterministic, unlike RSS on a shared machine;
+- `peak_rss_mb` (`--peak`): the process peak, the other reading of the same memory. Each path's loss step runs in
+  a fresh spawned process after the model and rows are built; the figure is that process's peak resident set
+  (`ru_maxrss`) during the step minus its peak before it, so weights, rows and the interpreter cancel out.
 
 Workloads (rows are synthetic token ids; the forward cost does not depend on their values):
 - (a) paper-shaped: prompt 1,536 tokens, n = 16, completions of about 512 tokens holding two tool results of 64
@@ -156,6 +159,40 @@ def measure(model, rows, repeats: int) -> dict:
     return out
 
 
+def _peak_child(workload: str, strategy: str, tree: bool, queue) -> None:
+    """In a fresh process: build the model and rows, then one loss step; put the step's added peak RSS (MiB)."""
+    import resource
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    prompt, n, comp, tool, hidden, layers, vocab = WORKLOADS[workload]
+    model = build_model(hidden, layers, vocab, prompt + comp + 8)
+    ids, mask, c = trl_layout(group_rows(strategy, prompt, n, comp, tool, vocab, seed=1))
+    mask_c, adv = mask[:, -c:].float(), torch.randn(ids.shape[0], 1)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    logps, ent = forward(model, ids, mask, c, tree, entropy=True)
+    (-((logps * adv + 1e-3 * ent) * mask_c).sum() / mask_c.sum()).backward()
+    queue.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+
+
+def peak_rss_mb(workload: str, strategy: str) -> dict:
+    """`peak_rss_mb_{row,tree}` and their ratio: each loss step in its own spawned process (see the docstring)."""
+    import multiprocessing as mp
+
+    ctx, out = mp.get_context("spawn"), {}
+    for tree in (False, True):
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_peak_child, args=(workload, strategy, tree, queue))
+        proc.start()
+        proc.join()
+        if proc.exitcode != 0:
+            raise RuntimeError(f"peak-memory child ({workload}, {strategy}, tree={tree}) exited {proc.exitcode}")
+        out[f"peak_rss_mb_{'tree' if tree else 'row'}"] = queue.get()
+    # at toy sizes the step fits in memory the build already touched: no added peak, no ratio
+    row = out["peak_rss_mb_row"]
+    out["peak_rss_mb_ratio"] = out["peak_rss_mb_tree"] / row if row > 0 else None
+    return out
+
+
 WORKLOADS = {  # prompt, n, completion, tool result, hidden, layers, vocab
     "a": (1536, 16, 512, 64, 512, 4, 8192),
     "a_quick": (192, 8, 64, 8, 64, 2, 512),
@@ -163,15 +200,17 @@ WORKLOADS = {  # prompt, n, completion, tool result, hidden, layers, vocab
 }
 
 
-def tree_figures(quick: bool) -> dict:
+def tree_figures(quick: bool, workloads=None, strategies=("grpo", "arpo"), peak: bool = False) -> dict:
     """`{workload}_{strategy}_{figure}` for workloads (a) (scaled down with `quick`) and (b), GRPO and ARPO."""
     figures = {}
-    for workload in ("a_quick" if quick else "a", "b"):
+    for workload in workloads or ("a_quick" if quick else "a", "b"):
         prompt, n, comp, tool, hidden, layers, vocab = WORKLOADS[workload]
         model = build_model(hidden, layers, vocab, prompt + comp + 8)
-        for strategy in ("grpo", "arpo"):
+        for strategy in strategies:
             rows = group_rows(strategy, prompt, n, comp, tool, vocab, seed=1)
             result = measure(model, rows, repeats=1 if quick or workload == "a" else 3)
+            if peak:
+                result.update(peak_rss_mb(workload, strategy))
             figures.update({f"tree_{workload}_{strategy}_{k}": v for k, v in result.items()})
     return figures
 
@@ -180,8 +219,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="workload (a) scaled down (prompt 192, completion 64)")
     ap.add_argument("--json", action="store_true", help="print one JSON object of the figures as the last line")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), action="append", help="only these (repeatable)")
+    ap.add_argument("--strategy", choices=("grpo", "arpo"), action="append", help="only these (repeatable)")
+    ap.add_argument("--peak", action="store_true", help="also the process peak RSS of each loss step (spawns)")
     opts = ap.parse_args(argv)
-    figures = tree_figures(opts.quick)
+    figures = tree_figures(opts.quick, opts.workload, tuple(opts.strategy or ("grpo", "arpo")), opts.peak)
     for k, v in figures.items():
         print(f"{k:44s} {v:.4f}" if isinstance(v, float) else f"{k:44s} {v}")
     if opts.json:

@@ -47,14 +47,13 @@ def test_bench_accepts_quick_and_json(path):
     assert '"--quick"' in text and '"--json"' in text
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("path", _benchmarks(), ids=lambda p: p.stem)
-def test_bench_quick_json_runs(path, tmp_path):
+def _run_json(path: Path, tmp_path, *extra: str) -> dict:
+    """Run one benchmark with `--quick --json` (and `extra`) from another directory; its last line's JSON object."""
     # this tree's package (not another install), run from another directory
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(BENCH.parent)}  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, str(path), "--quick", "--json"],
+        [sys.executable, str(path), "--quick", "--json", *extra],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -65,3 +64,17 @@ def test_bench_quick_json_runs(path, tmp_path):
     last = [line for line in proc.stdout.splitlines() if line.strip()][-1]
     figures = json.loads(last)
     assert isinstance(figures, dict) and figures
+    return figures
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", _benchmarks(), ids=lambda p: p.stem)
+def test_bench_quick_json_runs(path, tmp_path):
+    _run_json(path, tmp_path)
+
+
+@pytest.mark.slow
+def test_tree_forward_peak_memory_runs(tmp_path):
+    """`bench/tree_forward.py --peak` (spawned children, one per path) is not part of `--quick`: run it once."""
+    figures = _run_json(BENCH / "tree_forward.py", tmp_path, "--workload", "a_quick", "--strategy", "grpo", "--peak")
+    assert {"tree_a_quick_grpo_peak_rss_mb_row", "tree_a_quick_grpo_peak_rss_mb_tree"} <= set(figures)
