@@ -205,12 +205,12 @@ def tree_figures(quick: bool, workloads=None, strategies=("grpo", "arpo"), peak:
     figures = {}
     for workload in workloads or ("a_quick" if quick else "a", "b"):
         prompt, n, comp, tool, hidden, layers, vocab = WORKLOADS[workload]
+        peaks = {s: peak_rss_mb(workload, s) for s in strategies} if peak else {}  # before this process grows
         model = build_model(hidden, layers, vocab, prompt + comp + 8)
         for strategy in strategies:
             rows = group_rows(strategy, prompt, n, comp, tool, vocab, seed=1)
             result = measure(model, rows, repeats=1 if quick or workload == "a" else 3)
-            if peak:
-                result.update(peak_rss_mb(workload, strategy))
+            result.update(peaks.get(strategy, {}))
             figures.update({f"tree_{workload}_{strategy}_{k}": v for k, v in result.items()})
     return figures
 
