@@ -58,7 +58,12 @@ def test_render_has_the_three_tables():
     # tokens: appo spent 200 in K steps, grpo 400; at 200 tokens grpo had its step-2 accuracy, 60 %
     assert "| policy-sampled tokens | 200 | appo | 60.0 ± 0.0 % | 70.0 ± 0.0 % |" in text
     assert "| tool calls | 16 | grpo | 80.0 ± 0.0 % | 70.0 ± 0.0 % |" in text  # equal calls: compared at the end
-    assert "| chain | 20.0 % | 40.0 % | 35.0 % |" in text
+    assert "| chain | 20.0 % | 40.0 ± 0.0 % | 35.0 ± 0.0 % |" in text
+    # two seeds: chain 40 % and 20 % -> mean 30 %, sample sd sqrt(2 * 10^2 / 1) = 14.1 points
+    runs["grpo/seed1"] = run("grpo", 1, 100, 0.6, 0.4)
+    runs["grpo/seed1"]["eval"] = runs["grpo/seed1"]["evals"]["4"]
+    done["summary"] = summarize(done, ["grpo", "appo"])
+    assert "| chain | 20.0 % | 30.0 ± 14.1 % | 35.0 ± 0.0 % |" in render(done)
 
 
 @pytest.mark.slow

@@ -228,6 +228,9 @@ def summarize(done: dict, strategies) -> dict:
                 f: statistics.fmean(r["eval"]["by_family"][f] for r in runs)
                 for f in runs[0]["eval"].get("by_family", {})
             },  # fmt: skip
+            "by_family_sd": {
+                f: _mean_sd([r["eval"]["by_family"][f] for r in runs])[1] for f in runs[0]["eval"].get("by_family", {})
+            },  # fmt: skip
         }
     return out
 
@@ -283,10 +286,14 @@ def _render_families(done: dict) -> list[str]:
         return []
     families = list(done["summary"][names[0]]["by_family"])
     sft = done["sft"].get("by_family", {})
-    lines = ["", "Held-out pass@1 per question family after K steps (mean over seeds).", "",
+    lines = ["", "Held-out pass@1 per question family after K steps (mean ± sd over seeds).", "",
              "| family | SFT | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]  # fmt: skip
     for f in families:
-        cells = [f"{100 * done['summary'][s]['by_family'].get(f, float('nan')):.1f} %" for s in names]
+        cells = []
+        for s in names:
+            v = done["summary"][s]
+            sd = v.get("by_family_sd", {}).get(f, float("nan"))
+            cells.append(f"{100 * v['by_family'].get(f, float('nan')):.1f} ± {100 * sd:.1f} %")
         lines.append(f"| {f} | {100 * sft.get(f, float('nan')):.1f} % | " + " | ".join(cells) + " |")
     return lines
 
