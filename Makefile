@@ -66,7 +66,8 @@ test-fast: install
 demo: install
 	$(VENV)/bin/appo demo
 
-# GRPO vs ARPO vs AEPO vs APPO from one SFT checkpoint, 3 seeds (docs/study.md); about 35 minutes on 2 cores
+# GRPO vs ARPO vs AEPO vs APPO from one SFT checkpoint, 3 seeds, at equal steps and matched compute (docs/study.md);
+# 35 to 56 minutes on 2 cores
 study: install
 	$(VENV)/bin/appo study
 
