@@ -4,6 +4,10 @@
   `GRPOConfig(f"{model_name}-GRPO")`; a plain `GRPOConfig` is converted field by field into an `APPOConfig`
   (every `GRPOConfig` field keeps its value, the APPO fields take their defaults, so `rollout_strategy: grpo`),
   with one log line saying so. Anything else is a `TypeError`.
+- `row_forward_for_moe(args, aux_loss_enabled)`: where appo-trl built the config (no `args`, or a `GRPOConfig`),
+  the user never chose `tree_forward`; a MoE policy whose load-balancing loss is on (TRL's default, which the
+  tree forward cannot compute) then trains with TRL's row-wise forward instead, with one log line, so TRL's script
+  runs unchanged. An `APPOConfig` the user wrote keeps its `tree_forward`, and the trainer refuses the pair.
 - `check_rollout_func(...)`: TRL's `rollout_func` (prompts and the trainer in; `prompt_ids`, `completion_ids`,
   `logprobs` and extra reward fields out) replaces the whole sampler, so it runs only where nothing of
   appo-trl's engine is needed: `rollout_strategy: grpo` without tools and without a `rollout_engine`. TRL's own
@@ -44,19 +48,37 @@ def grpo_to_appo(args: GRPOConfig) -> APPOConfig:
     return APPOConfig(**values)
 
 
+_BUILT = "_appo_built_from"  # set on the configs that resolve_args builds: "default" or "GRPOConfig"
+
+
 def resolve_args(model, args) -> APPOConfig:
     """The `APPOConfig` for `APPOTrainer(model, args=args)`: `args` itself, a default one, or a converted one."""
-    if args is None:
-        return APPOConfig(f"{_model_name(model)}-APPO")
     if isinstance(args, APPOConfig):
         return args
-    if isinstance(args, GRPOConfig):
+    if args is None:
+        built, origin = APPOConfig(f"{_model_name(model)}-APPO"), "default"
+    elif isinstance(args, GRPOConfig):
         logger.info(
             "APPOTrainer: converting the GRPOConfig field by field into an APPOConfig; that means "
             "rollout_strategy: grpo (use an APPOConfig for arpo, aepo or appo)."
         )
-        return grpo_to_appo(args)
-    raise TypeError(f"APPOTrainer: args must be an APPOConfig or a GRPOConfig, got {type(args).__name__}.")
+        built, origin = grpo_to_appo(args), "GRPOConfig"
+    else:
+        raise TypeError(f"APPOTrainer: args must be an APPOConfig or a GRPOConfig, got {type(args).__name__}.")
+    setattr(built, _BUILT, origin)
+    return built
+
+
+def row_forward_for_moe(args: APPOConfig, aux_loss_enabled: bool) -> None:
+    """Turn `tree_forward` off for a MoE load-balancing loss, only on a config appo-trl built (see module doc)."""
+    origin = getattr(args, _BUILT, None)
+    if args.tree_forward and aux_loss_enabled and origin is not None:
+        logger.info(
+            "APPOTrainer: the model's MoE load-balancing loss needs TRL's row-wise forward, so tree_forward is off "
+            "(the %s config did not choose it; an APPOConfig with tree_forward=True refuses this model).",
+            origin,
+        )
+        args.tree_forward = False
 
 
 def check_rollout_func(args: APPOConfig, rollout_func, has_tools: bool, rollout_engine,
