@@ -4,15 +4,11 @@
   `GRPOConfig(f"{model_name}-GRPO")`; a plain `GRPOConfig` is converted field by field into an `APPOConfig`
   (every `GRPOConfig` field keeps its value, the APPO fields take their defaults, so `rollout_strategy: grpo`),
   with one log line saying so. Anything else is a `TypeError`.
-- `row_forward_for_moe(args, aux_loss_enabled)`: where appo-trl built the config (no `args`, or a `GRPOConfig`),
-  the user never chose `tree_forward`; a MoE policy whose load-balancing loss is on (TRL's default, which the
-  tree forward cannot compute) then trains with TRL's row-wise forward instead, with one log line, so TRL's script
-  runs unchanged. An `APPOConfig` the user wrote keeps its `tree_forward`, and the trainer refuses the pair.
-- `check_rollout_func(...)`: TRL's `rollout_func` (prompts and the trainer in; `prompt_ids`, `completion_ids`,
-  `logprobs` and extra reward fields out) replaces the whole sampler, so it runs only where nothing of
-  appo-trl's engine is needed: `rollout_strategy: grpo` without tools and without a `rollout_engine`. TRL's own
-  `_generate` then serves it unchanged. Elsewhere it is refused, before the model loads, in one line naming the
-  alternative (a branching strategy resumes rollouts from token prefixes, which a `rollout_func` cannot do).
+- `row_forward_where_tree_cannot(args, model, aux_loss_enabled)`: where appo-trl built the config (no `args`, or a
+  `GRPOConfig`), the user never chose `tree_forward`. A model the tree forward cannot serve (a MoE load-balancing
+  loss, which TRL turns on by default; sliding-window attention or attention soft-capping, e.g. Gemma 2, Cohere 2)
+  then trains with TRL's row-wise forward instead, with one log line naming why, so TRL's script runs unchanged.
+  An `APPOConfig` the user wrote keeps its `tree_forward`, and such a model is refused as before.
 
 What this does not do: build the model, or check anything else of the config (`APPOConfig.__post_init__` does).
 """
@@ -69,13 +65,28 @@ def resolve_args(model, args) -> APPOConfig:
     return built
 
 
-def row_forward_for_moe(args: APPOConfig, aux_loss_enabled: bool) -> None:
-    """Turn `tree_forward` off for a MoE load-balancing loss, only on a config appo-trl built (see module doc)."""
+def tree_forward_obstacles(model, aux_loss_enabled: bool) -> list[str]:
+    """What of `model` the tree forward cannot compute (`appo_trl.trainer.tree_attention` refuses each)."""
+    found = ["the MoE load-balancing loss"] if aux_loss_enabled else []
+    modules = list(model.modules())
+    if any(getattr(m, "sliding_window", None) for m in modules):
+        found.append("sliding-window attention")
+    if any(getattr(m, "attn_logit_softcapping", None) for m in modules):
+        found.append("attention soft-capping")
+    return found
+
+
+def row_forward_where_tree_cannot(args: APPOConfig, model, aux_loss_enabled: bool) -> None:
+    """Turn `tree_forward` off for a model it cannot serve, only on a config appo-trl built (see module doc)."""
     origin = getattr(args, _BUILT, None)
-    if args.tree_forward and aux_loss_enabled and origin is not None:
+    if not (args.tree_forward and origin is not None):
+        return
+    obstacles = tree_forward_obstacles(model, aux_loss_enabled)
+    if obstacles:
         logger.info(
-            "APPOTrainer: the model's MoE load-balancing loss needs TRL's row-wise forward, so tree_forward is off "
-            "(the %s config did not choose it; an APPOConfig with tree_forward=True refuses this model).",
+            "APPOTrainer: %s need(s) TRL's row-wise forward, so tree_forward is off (the %s config did not choose "
+            "it; an APPOConfig with tree_forward=True refuses this model).",
+            " and ".join(obstacles),
             origin,
         )
         args.tree_forward = False

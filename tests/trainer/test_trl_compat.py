@@ -183,3 +183,28 @@ def test_appo_config_tree_forward_with_a_moe_policy_is_refused(tmp_path, tiny_mo
     assert args.tree_forward
     with pytest.raises(ValueError, match="MoE load-balancing loss"):
         APPOTrainer(tiny_moe_path, reward_funcs=length_reward, args=args, train_dataset=dataset(2))
+
+
+def test_grpo_config_with_a_sliding_window_policy_trains_row_wise(tmp_path, tiny_model_path, caplog):
+    """Sliding-window attention (Gemma 2, Cohere 2, Qwen with use_sliding_window) cannot run a tree forward; with a
+    converted GRPOConfig it trains with TRL's row-wise forward (it used to stop at the first forward)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, use_sliding_window=True,
+                         sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    path = str(tmp_path / "sliding")
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    grpo = GRPOConfig(str(tmp_path / "out"), **CPU, num_generations=2, per_device_train_batch_size=2,
+                      max_completion_length=4, max_steps=1)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="appo_trl.trainer.trl_compat"):
+        trainer = APPOTrainer(path, reward_funcs=length_reward, args=grpo, train_dataset=dataset(2))
+    assert trainer.args.tree_forward is False
+    assert any("sliding-window attention" in r.getMessage() for r in caplog.records)
+    trainer.train()
+    assert trainer.state.global_step == 1
