@@ -79,6 +79,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "appo", "appo-trl"]
     _name = "APPO"
+    _trl_sampler = True  # TRL's `_generate` unless __init__ picks appo-trl's engine (also for object.__new__ fakes)
 
     def __init__(
         self,

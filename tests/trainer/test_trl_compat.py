@@ -208,3 +208,11 @@ def test_grpo_config_with_a_sliding_window_policy_trains_row_wise(tmp_path, tiny
     assert any("sliding-window attention" in r.getMessage() for r in caplog.records)
     trainer.train()
     assert trainer.state.global_step == 1
+
+
+def test_a_trainer_made_without_init_generates_with_trls_sampler(monkeypatch):
+    """TRL's own unit tests build `object.__new__(GRPOTrainer)` with fakes and call `_generate` (e.g. to check that
+    `rollout_func` is preferred); on `APPOTrainer` that reaches TRL's `_generate`, as it did before __init__ ran."""
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate", lambda self, prompts: ("trl", prompts))
+    trainer = object.__new__(APPOTrainer)
+    assert trainer._generate(["p"]) == ("trl", ["p"])
