@@ -59,6 +59,8 @@ def run_pytest(dest: Path, fixtures: Path, kexpr: str, timeout: int) -> dict[str
         cmd += [f"--timeout={timeout}"]
     with open(dest / "pytest.log", "w") as log:
         subprocess.run(cmd, cwd=dest, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
+    if not xml.is_file():
+        sys.exit(f"pytest wrote no results (collection failed?); see {dest / 'pytest.log'}")
     return outcomes(xml)
 
 
