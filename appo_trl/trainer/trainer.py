@@ -79,6 +79,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "appo", "appo-trl"]
     _name = "APPO"
+    _trl_sampler = True  # TRL's `_generate` unless __init__ picks appo-trl's engine (also for object.__new__ fakes)
 
     def __init__(
         self,
@@ -99,7 +100,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         rollout_engine=None,
         tool_dirs=(),
     ):
-        from appo_trl.trainer.trl_compat import check_rollout_func, resolve_args
+        from appo_trl.trainer.trl_compat import check_rollout_func, resolve_args, row_forward_where_tree_cannot
 
         args = resolve_args(model, args)  # None -> APPOConfig("<model>-APPO"); a GRPOConfig -> rollout_strategy grpo
         resolve_tool_specs(self, args, tools, tool_dirs)  # fails here, before the model loads
@@ -163,6 +164,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 "dump_rollouts needs appo-trl's rollout engine, but grpo without tools runs TRL's own sampler: "
                 "enable a tool (tools: [python]) or use TRL's log_completions instead."
             )
+        row_forward_where_tree_cannot(args, self.model, self.aux_loss_enabled)  # built config: TRL's forward
         if args.tree_forward:
             self._setup_tree_forward()
         install_step_line(self)  # one readable console line per step; the trackers still get every metric

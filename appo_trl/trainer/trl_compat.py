@@ -4,11 +4,11 @@
   `GRPOConfig(f"{model_name}-GRPO")`; a plain `GRPOConfig` is converted field by field into an `APPOConfig`
   (every `GRPOConfig` field keeps its value, the APPO fields take their defaults, so `rollout_strategy: grpo`),
   with one log line saying so. Anything else is a `TypeError`.
-- `check_rollout_func(...)`: TRL's `rollout_func` (prompts and the trainer in; `prompt_ids`, `completion_ids`,
-  `logprobs` and extra reward fields out) replaces the whole sampler, so it runs only where nothing of
-  appo-trl's engine is needed: `rollout_strategy: grpo` without tools and without a `rollout_engine`. TRL's own
-  `_generate` then serves it unchanged. Elsewhere it is refused, before the model loads, in one line naming the
-  alternative (a branching strategy resumes rollouts from token prefixes, which a `rollout_func` cannot do).
+- `row_forward_where_tree_cannot(args, model, aux_loss_enabled)`: where appo-trl built the config (no `args`, or a
+  `GRPOConfig`), the user never chose `tree_forward`. A model the tree forward cannot serve (a MoE load-balancing
+  loss, which TRL turns on by default; sliding-window attention or attention soft-capping, e.g. Gemma 2, Cohere 2)
+  then trains with TRL's row-wise forward instead, with one log line naming why, so TRL's script runs unchanged.
+  An `APPOConfig` the user wrote keeps its `tree_forward`, and such a model is refused as before.
 
 What this does not do: build the model, or check anything else of the config (`APPOConfig.__post_init__` does).
 """
@@ -44,19 +44,52 @@ def grpo_to_appo(args: GRPOConfig) -> APPOConfig:
     return APPOConfig(**values)
 
 
+_BUILT = "_appo_built_from"  # set on the configs that resolve_args builds: "default" or "GRPOConfig"
+
+
 def resolve_args(model, args) -> APPOConfig:
     """The `APPOConfig` for `APPOTrainer(model, args=args)`: `args` itself, a default one, or a converted one."""
-    if args is None:
-        return APPOConfig(f"{_model_name(model)}-APPO")
     if isinstance(args, APPOConfig):
         return args
-    if isinstance(args, GRPOConfig):
+    if args is None:
+        built, origin = APPOConfig(f"{_model_name(model)}-APPO"), "default"
+    elif isinstance(args, GRPOConfig):
         logger.info(
             "APPOTrainer: converting the GRPOConfig field by field into an APPOConfig; that means "
             "rollout_strategy: grpo (use an APPOConfig for arpo, aepo or appo)."
         )
-        return grpo_to_appo(args)
-    raise TypeError(f"APPOTrainer: args must be an APPOConfig or a GRPOConfig, got {type(args).__name__}.")
+        built, origin = grpo_to_appo(args), "GRPOConfig"
+    else:
+        raise TypeError(f"APPOTrainer: args must be an APPOConfig or a GRPOConfig, got {type(args).__name__}.")
+    setattr(built, _BUILT, origin)
+    return built
+
+
+def tree_forward_obstacles(model, aux_loss_enabled: bool) -> list[str]:
+    """What of `model` the tree forward cannot compute (`appo_trl.trainer.tree_attention` refuses each)."""
+    found = ["the MoE load-balancing loss"] if aux_loss_enabled else []
+    modules = list(model.modules())
+    if any(getattr(m, "sliding_window", None) for m in modules):
+        found.append("sliding-window attention")
+    if any(getattr(m, "attn_logit_softcapping", None) for m in modules):
+        found.append("attention soft-capping")
+    return found
+
+
+def row_forward_where_tree_cannot(args: APPOConfig, model, aux_loss_enabled: bool) -> None:
+    """Turn `tree_forward` off for a model it cannot serve, only on a config appo-trl built (see module doc)."""
+    origin = getattr(args, _BUILT, None)
+    if not (args.tree_forward and origin is not None):
+        return
+    obstacles = tree_forward_obstacles(model, aux_loss_enabled)
+    if obstacles:
+        logger.info(
+            "APPOTrainer: %s need(s) TRL's row-wise forward, so tree_forward is off (the %s config did not choose "
+            "it; an APPOConfig with tree_forward=True refuses this model).",
+            " and ".join(obstacles),
+            origin,
+        )
+        args.tree_forward = False
 
 
 def check_rollout_func(args: APPOConfig, rollout_func, has_tools: bool, rollout_engine,

@@ -142,3 +142,77 @@ def test_rollout_func_with_environment_factory_is_refused(tmp_path):
         APPOTrainer(
             MISSING, reward_funcs=RewardSpy(), args=args, rollout_func=lambda p, t: {}, environment_factory=Env
         )
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_path(tiny_model_path, tmp_path_factory):
+    """A tiny Qwen3-MoE policy (the tiny tokenizer): its load-balancing loss is on, as in TRL's tiny MoE fixture."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    config = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    out = str(tmp_path_factory.mktemp("tiny-moe"))
+    Qwen3MoeForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_grpo_config_with_a_moe_policy_trains_row_wise_with_the_aux_loss(tmp_path, tiny_moe_path, caplog):
+    """TRL's script with a MoE model runs unchanged: the converted config did not choose tree_forward, so the
+    load-balancing loss (which the tree forward cannot compute) gets TRL's row-wise forward, logged once."""
+    grpo = GRPOConfig(str(tmp_path), **CPU, num_generations=2, per_device_train_batch_size=2,
+                      max_completion_length=4, max_steps=1)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="appo_trl.trainer.trl_compat"):
+        trainer = APPOTrainer(tiny_moe_path, reward_funcs=length_reward, args=grpo, train_dataset=dataset(2))
+    assert trainer.aux_loss_enabled and trainer.args.tree_forward is False
+    assert sum("tree_forward is off" in r.getMessage() for r in caplog.records) == 1
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert any("aux_loss" in h for h in trainer.state.log_history)
+
+
+def test_appo_config_tree_forward_with_a_moe_policy_is_refused(tmp_path, tiny_moe_path):
+    """An APPOConfig's tree_forward is the user's: with a MoE aux loss it is refused, never switched off."""
+    args = APPOConfig(str(tmp_path), **CPU, num_generations=2, per_device_train_batch_size=2,
+                      max_completion_length=4, max_steps=1)  # fmt: skip
+    assert args.tree_forward
+    with pytest.raises(ValueError, match="MoE load-balancing loss"):
+        APPOTrainer(tiny_moe_path, reward_funcs=length_reward, args=args, train_dataset=dataset(2))
+
+
+def test_grpo_config_with_a_sliding_window_policy_trains_row_wise(tmp_path, tiny_model_path, caplog):
+    """Sliding-window attention (Gemma 2, Cohere 2, Qwen with use_sliding_window) cannot run a tree forward; with a
+    converted GRPOConfig it trains with TRL's row-wise forward (it used to stop at the first forward)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, use_sliding_window=True,
+                         sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    path = str(tmp_path / "sliding")
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    grpo = GRPOConfig(str(tmp_path / "out"), **CPU, num_generations=2, per_device_train_batch_size=2,
+                      max_completion_length=4, max_steps=1)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="appo_trl.trainer.trl_compat"):
+        trainer = APPOTrainer(path, reward_funcs=length_reward, args=grpo, train_dataset=dataset(2))
+    assert trainer.args.tree_forward is False
+    assert any("sliding-window attention" in r.getMessage() for r in caplog.records)
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_a_trainer_made_without_init_generates_with_trls_sampler(monkeypatch):
+    """TRL's own unit tests build `object.__new__(GRPOTrainer)` with fakes and call `_generate` (e.g. to check that
+    `rollout_func` is preferred); on `APPOTrainer` that reaches TRL's `_generate`, as it did before __init__ ran."""
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate", lambda self, prompts: ("trl", prompts))
+    trainer = object.__new__(APPOTrainer)
+    assert trainer._generate(["p"]) == ("trl", ["p"])
