@@ -52,8 +52,9 @@ round, so a round is never trained twice or half (TRL regenerates a partly train
 What this module does not do: run more than one round ahead (one round generates while one trains), sample
 (the strategies and the rollout engine do), compute losses, survive a vLLM server restart inside a background
 round (`weight_sync.generate_round` does that for synchronous rounds; here the restart surfaces as a
-`BackgroundRoundError`), or agree on a fault across ranks: with several processes a failed background round
-raises on its own rank, and the other ranks stop at their next collective (tested on one process only).
+`BackgroundRoundError`). With several processes the ranks agree on a fault at every hand-over
+(`agree_on_round_faults`, one small all-gather per round): a round that failed on any rank stops every rank
+there, each naming the failed rank and its cause, so no rank waits at a later collective for a peer that died.
 """
 
 from __future__ import annotations
@@ -78,6 +79,31 @@ logger = logging.getLogger(__name__)
 
 class BackgroundRoundError(RuntimeError):
     """A background generation round failed; the original exception is the `__cause__`."""
+
+
+def agree_on_round_faults(error: BaseException | None, launched_at: int) -> None:
+    """Raise `BackgroundRoundError` on every rank when a background round failed on any rank.
+
+    Called at every hand-over on every rank (the ranks hand over at the same steps), so with several processes
+    each rank learns of a peer's failed round at the same hand-over, with the peer's rank and cause, instead of
+    waiting at its next collective until the process group times out. One all-gather of a short string (or
+    None) per generation round; with one process, or no process group, nothing is exchanged.
+    """
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    failed = [(0, mine)] if mine is not None else []
+    dist = torch.distributed
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if several:
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        failed = [(rank, msg) for rank, msg in enumerate(every) if msg is not None]
+    if not failed:
+        return
+    causes = "; ".join(f"rank {rank}: {msg}" for rank, msg in failed) if several else failed[0][1]
+    message = f"the generation round launched in the background at step {launched_at} failed: {causes}"
+    if error is not None:
+        raise BackgroundRoundError(message) from error
+    raise BackgroundRoundError(message + " (this rank's own round was fine; every rank stops together)")
 
 
 class BatchLookahead:
@@ -226,18 +252,19 @@ class AsyncRounds:
         `make_job(next_inputs)` prepares (on this thread) the job that generates the next round.
         """
         pending, self.pending = self.pending, None
-        batch, version, dropped = None, None, 0
+        batch, version, dropped, error = None, None, 0, None
         if pending is not None and pending.inputs is inputs:
             t0 = time.perf_counter()
             try:
                 batch = pending.future.result()
-            except BaseException as exc:
-                raise BackgroundRoundError(
-                    f"the generation round launched in the background at step {pending.step} failed: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - the round thread's failure, raised below with its cause
+                error = exc
             finally:
                 self.wait_s += time.perf_counter() - t0
+        agree_on_round_faults(error, pending.step if pending is not None else step)
+        if batch is not None:
             version = pending.version
             if step - version + self.m - 1 > self.k:
                 dropped = len(batch.rows)

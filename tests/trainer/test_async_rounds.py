@@ -93,6 +93,46 @@ def test_a_background_exception_reaches_the_next_hand_over_with_its_cause():
     assert [h.step for h in rounds.history] == [0, 1]  # raised at the hand-over of step 2, the round's own step
 
 
+def _two_rank_fault(rank: int, store: str, out: str) -> None:
+    """One rank of `test_a_background_fault_on_one_rank_stops_every_rank`: rank 1's round for step 2 fails."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    result = {"rank": rank, "error": None}
+    try:
+        drive(AsyncRounds(1, 1, 1, 1, sync_fn=lambda: None), 5, fail_at=2 if rank == 1 else None)
+    except BackgroundRoundError as exc:
+        result["error"] = str(exc)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_background_fault_on_one_rank_stops_every_rank(tmp_path):
+    """2 gloo processes: rank 1's background round fails; both ranks raise at that hand-over, rank 0 naming rank
+    1 and its cause (without the agreement rank 0 trained on and met the dead peer only at a later collective)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_two_rank_fault, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                             join=False, start_method="spawn")  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the two ranks did not finish within 120 s")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["error"], "rank 0 did not stop with its peer's failed round"
+    assert "step 1 failed: rank 1: ConnectionError" in r0["error"] and "every rank stops together" in r0["error"]
+    assert r1["error"] and "rank 1: ConnectionError" in r1["error"] and "unreachable" in r1["error"]
+
+
 def test_a_round_launched_for_another_batch_is_discarded():
     rounds = AsyncRounds(1, 1, 1, 1, sync_fn=lambda: None)
     it = iter([["a"], ["b"], ["c"]])
