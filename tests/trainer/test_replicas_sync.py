@@ -147,6 +147,70 @@ def test_a_dead_replica_is_skipped_and_rejoins_after_a_sync(tmp_path, tiny_token
         back.stop()
 
 
+@needs_router
+def test_a_replica_killed_mid_round_inside_train(tmp_path, tiny_tokenizer, tiny_model_path):
+    """B dies under the first round's requests: the run finishes on A, `replicas/up == 1` is logged, the second
+    sync skips B, and every round has each row exactly once."""
+    import threading
+    import time
+
+    eos = tiny_tokenizer.eos_token_id
+    answer = tiny_tokenizer.encode("<answer> 4 </answer>", add_special_tokens=False) + [eos]
+    policy = fake_vllm.ScriptedPolicy(tiny_tokenizer, lambda ctx, rng: answer[:1] * rng.randint(0, 8) + answer,
+                                      delay=lambda ctx: 0.5)  # requests stay in flight long enough to be cut
+    a, b = servers = [fake_vllm.FakeVLLMServer(policy, tiny_tokenizer, max_model_len=1024).start() for _ in range(2)]
+    trainer = replicas = None
+    try:
+        trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), max_steps=2,
+                               vllm_server_base_url=[a.url, b.url], logging_steps=1,
+                               **{**KW, "per_device_train_batch_size": 16})  # fmt: skip
+        sync = trainer.vllm_generation
+        synced, rounds, killed = [], [], {}
+        orig_sync, orig_one, orig_generate = sync.sync_weights, sync._sync_one, trainer.strategy.generate
+
+        def sync_weights():
+            synced.append([])
+            orig_sync()
+
+        def sync_one(url):
+            orig_one(url)
+            synced[-1].append(url)
+
+        def generate(*args, **kwargs):
+            batch = orig_generate(*args, **kwargs)
+            rounds.append([t for g in batch.groups for t in g])
+            return batch
+
+        sync.sync_weights, sync._sync_one, trainer.strategy.generate = sync_weights, sync_one, generate
+
+        def kill_when_busy():
+            deadline = time.monotonic() + 60
+            while not b.bodies and time.monotonic() < deadline:
+                time.sleep(0.005)
+            killed["in_round"] = len(synced)  # the rounds whose sync has run: the kill lands in that round
+            killed["rounds_done"] = len(rounds)
+            b.kill()
+
+        killer = threading.Thread(target=kill_when_busy, daemon=True)
+        killer.start()
+        trainer.train()
+        killer.join(timeout=10)
+        replicas = _close(trainer)
+    finally:
+        if trainer is not None and replicas is None:
+            _close(trainer)
+        for s in servers:
+            s.stop()
+    assert killed == {"in_round": 1, "rounds_done": 0}  # B died under round 1's requests
+    assert synced == [[a.url, b.url], [a.url]]  # the second sync skipped B
+    assert replicas.down() == [b.url] and replicas.num_down_events == 1
+    ups = [e["replicas/up"] for e in trainer.state.log_history if "replicas/up" in e]
+    assert len(ups) == 2 and ups[-1] == 1, ups
+    assert [len(r) for r in rounds] == [16, 16]  # no row lost
+    for rows in rounds:  # nor doubled, and every row whole
+        assert len({t.uid for t in rows}) == 16 and all(t.finish_reason == "eos" for t in rows)
+
+
 LOG = []  # what the NCCL clients and the router stand-in did, in order
 
 
