@@ -288,3 +288,39 @@ def test_a_dead_replica_the_router_keeps_stops_the_run_with_its_url(monkeypatch)
         asyncio.run(backend.generate([1], SamplingParams(max_tokens=8, seed=1, session_id="t")))
     with pytest.raises(ReplicaRemovalError, match="http://b:2"):  # and every later sync
         replicas.rejoin_healthy()
+
+
+@needs_router
+def test_the_router_dies_with_a_sigkilled_parent(pair, tmp_path):
+    """SIGKILL runs no exit handler: the router must still go (PR_SET_PDEATHSIG), not outlive the trainer."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    servers, _ = pair
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from appo_trl.rollout.router import VLLMRouter; "
+         "r = VLLMRouter(sys.argv[1:], startup_timeout_s=30).start(); print(r.proc.pid, flush=True); time.sleep(600)",
+         *[s.url for s in servers]],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        router_pid = int(child.stdout.readline())
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while alive(router_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if alive(router_pid):
+        os.kill(router_pid, signal.SIGKILL)
+        pytest.fail(f"vllm-router (pid {router_pid}) outlived its SIGKILLed parent")
