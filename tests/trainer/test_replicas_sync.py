@@ -156,8 +156,9 @@ def test_a_replica_killed_mid_round_inside_train(tmp_path, tiny_tokenizer, tiny_
 
     eos = tiny_tokenizer.eos_token_id
     answer = tiny_tokenizer.encode("<answer> 4 </answer>", add_special_tokens=False) + [eos]
-    policy = fake_vllm.ScriptedPolicy(tiny_tokenizer, lambda ctx, rng: answer[:1] * rng.randint(0, 8) + answer,
-                                      delay=lambda ctx: 0.5)  # requests stay in flight long enough to be cut
+    policy = fake_vllm.ScriptedPolicy(
+        tiny_tokenizer, lambda ctx, rng: answer[:1] * rng.randint(0, 8) + answer, delay=lambda ctx: 0.5
+    )  # requests stay in flight long enough to be cut
     a, b = servers = [fake_vllm.FakeVLLMServer(policy, tiny_tokenizer, max_model_len=1024).start() for _ in range(2)]
     trainer = replicas = None
     try:
