@@ -4,20 +4,29 @@
 commas or spaces). `ReplicaSet` holds the replicas behind one `vllm-router` (`appo_trl.rollout.router`):
 
 - a monitor thread polls every replica's `GET /health` (`health_interval_s`); after `failures_to_down`
-  failures in a row the replica is *down*: it is removed from the router (`POST /remove_worker`), so no new
-  request goes there, a warning names it, and it is marked stale: the weights it will hold when it comes back
-  are not the trainer's;
+  failures in a row the replica is *down*: it is removed from the router (`POST /remove_worker`, checked with
+  `GET /list_workers`, retried), so no new request goes there, a warning names it, and it is marked stale: the
+  weights it will hold when it comes back are not the trainer's. When the router does not let it go, the set
+  *fails* (`ReplicaRemovalError`, naming the URL): the router would send the replica requests again as soon as
+  it restarts, with its old weights, so every later request and weight sync raises that error and the run stops;
 - it stays out until the weight sync (`appo_trl.trainer.weight_sync`) finds it healthy again, gives it the
   current weights and a fresh prefix cache, and calls `rejoin`: it is added back to the router, and the dead
   time is logged and counted (`metrics()`).
 
-`ReplicaBackend` wraps the `VLLMServerBackend` that talks to the router: a request that fails with a server
-error (connection reset, the router's 5xx) after the backend's own retries is checked against the replicas'
-health: when a replica was found down meanwhile (it died under the request), the request is sent again, whole
-(prompt and every earlier turn: the prefix is part of the request), until `timeout_s` after its first
-attempt; when every replica still answers, the error is the server's own and is raised. Each request yields
-exactly one segment, so no row is lost or doubled. When every replica is down it raises `ReplicasDownError`
-at once, naming each URL.
+Only one `ReplicaSet` per router changes the router's worker list: the *owner* (`owner=True`; in training the
+main process). A *follower* (`owner=False`: the other training processes, which share the main process's
+router) never calls the router's admin API and runs no monitor: a replica it finds down under a request is
+marked down in its own view only, and at every weight sync it takes the owner's view (`snapshot` on the owner,
+`adopt` on the follower), rejoins included.
+
+`ReplicaBackend` wraps the `VLLMServerBackend` that talks to the router. vLLM's router itself retries a request
+that a replica drops (connection reset, 5xx) on another worker, so most requests cut by a dying replica never
+reach appo as errors. A request that still fails with a server error after the router's and the backend's own
+retries is checked against the replicas' health: when a replica was found down meanwhile (it died under the
+request), appo sends the request again, whole (prompt and every earlier turn: the prefix is part of the
+request), until `timeout_s` after its first attempt (`replicas/resent` counts these); when every replica still
+answers, the error is the server's own and is raised. Each request yields exactly one segment, so no row is
+lost or doubled. When every replica is down it raises `ReplicasDownError` at once, naming each URL.
 
 What it does not do: route (the router does), start or restart vLLM servers, or sync weights.
 """
@@ -41,6 +50,10 @@ logger = logging.getLogger(__name__)
 
 class ReplicasDownError(VLLMServerError):
     """Every vLLM replica behind the router is down."""
+
+
+class ReplicaRemovalError(VLLMServerError):
+    """The router kept a dead replica in its worker list: it could serve stale weights when it restarts."""
 
 
 def parse_server_urls(value: Any) -> list[str]:
@@ -67,11 +80,14 @@ class ReplicaSet:
         failures_to_down: failed polls in a row that make a replica down.
         auto_rejoin: the monitor adds a replica back as soon as it is healthy, without a weight sync. Only
             right when the weights never change (evaluation, benchmarks); training leaves it False.
+        owner: this set changes the router's worker list (removes a dead replica, adds one back). False: a
+            follower that shares another process's router (see the module docstring).
     """
 
     def __init__(self, router_url: str, replica_urls: list[str], *, health_interval_s: float = 1.0,
-                 failures_to_down: int = 2, auto_rejoin: bool = False):  # fmt: skip
+                 failures_to_down: int = 2, auto_rejoin: bool = False, owner: bool = True):  # fmt: skip
         self.router_url = router_url.rstrip("/")
+        self.owner = owner
         self.urls = [u.rstrip("/") for u in replica_urls]
         self.router = RouterClient(self.router_url)
         self.health_interval_s, self.failures_to_down = health_interval_s, failures_to_down
@@ -85,6 +101,7 @@ class ReplicaSet:
         self.num_down_events = 0
         self.num_rejoins = 0
         self.num_resent = 0
+        self.failure: ReplicaRemovalError | None = None  # set once: every later request and sync raises it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.router_process = None  # the `VLLMRouter` appo started, stopped by `close`
@@ -127,15 +144,24 @@ class ReplicaSet:
                 self.mark_down(url, error)
 
     def mark_down(self, url: str, error: str) -> None:
-        """Take `url` out of the router; then it is down, until `rejoin` (after a weight sync)."""
+        """Take `url` out of the router; then it is down, until `rejoin` (after a weight sync).
+
+        The owner removes it from the router first; when the router keeps it, the replica is not marked down,
+        the set fails and `ReplicaRemovalError` (naming the URL) is raised, here and on every later request and
+        sync. A follower only marks it down in its own view."""
+        self.raise_if_failed()
         with self._lock:
             if url in self.down_since or url in self._leaving:
                 return
             self._leaving.add(url)
         found = time.monotonic()
-        self._remove_from_router(url)
+        try:
+            if self.owner:
+                self._remove_from_router(url)
+        finally:
+            with self._lock:
+                self._leaving.discard(url)
         with self._lock:
-            self._leaving.discard(url)
             self.down_since[url] = found
             self.last_error[url] = error
             self.num_down_events += 1
@@ -145,26 +171,40 @@ class ReplicaSet:
             "it is healthy and has the current weights.", url, error, left, len(self.urls),
         )  # fmt: skip
 
-    def _remove_from_router(self, url: str, attempts: int = 5) -> None:
-        for _ in range(attempts):  # checked: the router must stop sending it requests
+    def _remove_from_router(self, url: str, attempts: int = 6) -> None:
+        delay = 0.2
+        for attempt in range(attempts):  # checked: the router must stop sending it requests
             try:
                 self.router.remove_worker(url)
                 if url not in self.router.list_workers():
                     return
             except RouterError as exc:
-                last = exc
+                last = str(exc)
             else:
                 last = "it still lists it"
-            time.sleep(0.2)
-        # the router then only skips it while its own health check fails: a replica that restarts before the
-        # next weight sync could get requests with its old weights; say so
-        logger.warning(
-            "could not remove %s from the router %s (%s): if it restarts before the next weight sync, the "
-            "router may send it requests while it holds old weights", url, self.router_url, last,
-        )  # fmt: skip
+            if attempt < attempts - 1:
+                time.sleep(delay)
+                delay = min(2 * delay, 2.0)
+        # the router would skip it only while its own health check fails: a replica that restarts before the
+        # next weight sync would get requests with its old weights. Never let that happen: stop the run
+        self.failure = ReplicaRemovalError(
+            f"vLLM replica {url} is down, but the router {self.router_url} did not take it out after {attempts} "
+            f"tries ({last}); the run stops, as the router would send it requests with old weights once it "
+            "restarts."
+        )
+        logger.error("%s", self.failure)
+        raise self.failure
+
+    def raise_if_failed(self) -> None:
+        """Raise the set's `ReplicaRemovalError` when a dead replica could not be taken out of the router."""
+        if self.failure is not None:
+            raise self.failure
 
     def rejoin(self, url: str) -> float:
         """Add a replica that is healthy again *and holds the current weights* back to the router; its dead time."""
+        if not self.owner:
+            raise RuntimeError(f"a follower ReplicaSet does not change the router {self.router_url}: adopt() instead")
+        self.raise_if_failed()
         self.router.add_worker(url)
         with self._lock:
             since = self.down_since.pop(url, None)
@@ -177,6 +217,7 @@ class ReplicaSet:
 
     def rejoin_healthy(self, sync=None) -> list[str]:
         """Rejoin every down replica that answers `/health` again, after `sync(url)` when given; the rejoined."""
+        self.raise_if_failed()
         back = []
         for url in self.down():
             if self.probe(url) is None:
@@ -186,7 +227,34 @@ class ReplicaSet:
                 back.append(url)
         return back
 
+    # ---- the owner's view, shared with the followers
+    def snapshot(self) -> dict[str, Any]:
+        """The view a follower `adopt`s: who is down (for how long, why) and the counters (picklable)."""
+        now = time.monotonic()
+        with self._lock:
+            return {
+                "down": {u: (now - t, self.last_error.get(u, "?")) for u, t in self.down_since.items()},
+                "dead_time_s": dict(self.dead_time_s),
+                "down_events": self.num_down_events,
+                "rejoins": self.num_rejoins,
+                "failure": None if self.failure is None else str(self.failure),
+            }
+
+    def adopt(self, view: dict[str, Any]) -> None:
+        """Take the owner's `snapshot` as this follower's view: its downs, its rejoins, its counters."""
+        now = time.monotonic()
+        with self._lock:
+            self.down_since = {u: now - elapsed for u, (elapsed, _) in view["down"].items()}
+            self.last_error.update({u: error for u, (_, error) in view["down"].items()})
+            self.dead_time_s = dict(view["dead_time_s"])
+            self._failures = dict.fromkeys(self.urls, 0)
+            self.num_down_events, self.num_rejoins = view["down_events"], view["rejoins"]
+            if view["failure"] is not None and self.failure is None:
+                self.failure = ReplicaRemovalError(view["failure"])
+
     def start_monitor(self) -> ReplicaSet:
+        if not self.owner:
+            raise RuntimeError("a follower ReplicaSet runs no monitor: the owner's watches the replicas")
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="appo-replica-monitor", daemon=True)
             self._thread.start()
@@ -198,6 +266,8 @@ class ReplicaSet:
                 self.check()
                 if self.auto_rejoin:
                     self.rejoin_healthy()
+            except ReplicaRemovalError:
+                return  # logged; every later request and sync raises it
             except Exception as exc:  # never die silently: log and keep watching
                 logger.warning("replica health check failed: %s: %s", type(exc).__name__, exc)
 
@@ -263,6 +333,7 @@ class ReplicaBackend:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Segment:
         deadline = time.monotonic() + self.timeout_s
         while True:
+            self.replicas.raise_if_failed()
             if not self.replicas.up():
                 raise self._all_down()
             downs = self.replicas.num_down_events
@@ -294,4 +365,5 @@ class ReplicaBackend:
         return self.replicas.metrics()
 
 
-__all__ = ["ReplicaBackend", "ReplicaSet", "ReplicasDownError", "parse_server_urls", "register", "replica_set_for"]
+__all__ = ["ReplicaBackend", "ReplicaRemovalError", "ReplicaSet", "ReplicasDownError", "parse_server_urls",
+           "register", "replica_set_for"]  # fmt: skip

@@ -1,7 +1,9 @@
 """vLLM's router (`vllm-router`, the `appo-trl[router]` extra) in front of several vLLM replicas.
 
 `VLLMRouter` starts `vllm-router --worker-urls URL1 URL2 ... --policy consistent_hash` on a free local port,
-waits until it lists every replica, and stops it (`stop()`, or at exit). `RouterClient` is the part of the
+waits until it lists every replica, and stops it (`stop()`, or at exit). On Linux the router also dies with the
+thread that started it (`prctl(PR_SET_PDEATHSIG, SIGTERM)` in the child before `exec`), so a trainer killed
+with SIGKILL, which runs no exit handler, leaves no router behind. `RouterClient` is the part of the
 router's admin API appo uses: `GET /list_workers`, `POST /add_worker?url=`, `POST /remove_worker?url=`; it
 also tells a router from a plain vLLM server (`is_router`), so a router the user already runs can be given as
 the one `vllm_server_base_url`, and its replicas are read from it.
@@ -22,8 +24,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
+import functools
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -50,6 +55,15 @@ def router_executable() -> str:
             "and give its one URL)."
         )
     return path
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child, before `exec` (Linux): SIGTERM when the thread that started it exits, e.g. a SIGKILLed trainer."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGTERM, 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the parent died before prctl: no signal will come
+        os._exit(1)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -142,7 +156,9 @@ class VLLMRouter:
             fd, self.log_path = tempfile.mkstemp(prefix="appo-vllm-router-", suffix=".log")
             os.close(fd)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         preexec_fn=functools.partial(_die_with_parent, os.getpid())
+                                         if sys.platform.startswith("linux") else None)  # fmt: skip
         atexit.register(self.stop)
         client = RouterClient(self.url, timeout_s=2.0)
         deadline = time.monotonic() + self.startup_timeout_s + 30

@@ -29,17 +29,30 @@ build a `DiskWeightSync` instead of its `VLLMGeneration` on the disk route, and 
 
 Several replicas (`vllm_server_base_url` lists them, or names a running `vllm-router`): `prepare_vllm_server`
 starts vLLM's router in front of the list (`appo_trl.rollout.router`) and a `ReplicaSet` that watches them
-(`appo_trl.rollout.replicas`). The sync then fans out, once per round, before any request of the round:
+(`appo_trl.rollout.replicas`). With several training processes, only the main process (global rank 0) starts
+the router and the health monitor, and owns the router's worker list; it broadcasts the router's URL and the
+replica list to the other ranks, which use that router as one the user runs, read-only (`ReplicaSet(owner=
+False)`: no monitor, never `add_worker`/`remove_worker`). The main process syncs the replicas; at the end of
+each sync it broadcasts its view (who is down, who rejoined, its error if the sync failed) and every other rank
+adopts it, so every rank agrees on the replicas before any request of the round, and a failed sync stops every
+rank with the main process's message instead of leaving them waiting at a barrier. The sync fans out, once per
+round, before any request of the round:
 
 - disk route: the file is written once; every replica that is up gets `reload_weights` and a prefix-cache
   reset. A replica that answers with an error stops the run, its URL in the message (it is never left stale).
   A replica that no longer answers at all is taken out of the router instead, and the round runs on the others.
   A replica that is down and answers `/health` again gets the weights and the reset first, then rejoins the
   router (`ReplicaSet.rejoin`, its dead time logged);
-- NCCL route (`ReplicatedNCCLSync`): TRL's `VLLMClient` per replica, each with its own NCCL group
-  (`vllm_group_port + i`), the weights broadcast to each in turn, then its prefix-cache reset. A
-  replica that fails stops the run with its URL. A replica that died cannot rejoin on this route (its NCCL
-  group would have to be rebuilt): the run stops at the next sync, naming it.
+- NCCL route (`ReplicatedNCCLSync`): TRL's `VLLMClient` per replica, each with its own NCCL group (`vllm_group_port
+  + i`), the weights broadcast to each in turn, then its prefix-cache reset. The same rules: a replica that is
+  down (or no longer answers `/health` when its turn comes, or fails and is then found dead) is skipped, logged
+  and out of the router; a replica that answers but fails stops the run with its URL. A replica that comes back
+  (a new vLLM process) gets a new client and a new NCCL group on the same port (the old group's store and
+  socket are released first, as TRL's `close_communicator` does), then the weights and the reset, and only then
+  rejoins the router. Every rank walks the parameters once per replica synced (ZeRO-3 / FSDP gathers are
+  collectives), so the main process broadcasts the list of replicas to sync first. Not handled: a replica that
+  dies *during* its NCCL broadcast can hold the broadcast until NCCL's own timeout (the health check just
+  before each replica's turn makes this window short).
 
 What it does not do: move weights between machines (the server must see DIR, e.g. the same host or a
 shared file system), sample (the rollout engine does, over `/v1/completions`), or sync models with tied
@@ -69,6 +82,40 @@ logger = logging.getLogger(__name__)
 
 class WeightSyncError(RuntimeError):
     """The vLLM server did not take the new weights (unreachable, not in dev mode, or answering an error)."""
+
+
+def _several_processes() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _broadcast_from_main(obj):
+    """`obj` of the main process (global rank 0) on every rank (a collective; `obj` itself when one process)."""
+    if not _several_processes():
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def share_replica_view(replicas, is_main: bool, error: BaseException | None) -> None:
+    """After a sync, on every rank: the main process's view of the replicas (and its error) to the others.
+
+    A collective, so also the end-of-sync barrier. The main process raises its `error`; the others adopt its
+    view, then raise a `WeightSyncError` with its message."""
+    message, view = _broadcast_from_main(
+        (None if error is None else f"{type(error).__name__}: {error}", replicas.snapshot() if is_main else None)
+    )
+    if is_main:
+        if error is not None:
+            raise error
+        return
+    replicas.adopt(view)
+    if message is not None:
+        raise WeightSyncError(f"the weight sync of the vLLM replicas failed on the main process: {message}")
 
 
 class DevClient:
@@ -215,21 +262,32 @@ class DiskWeightSync(VLLMGeneration):
                 yield name, param.detach().to("cpu", copy=True).contiguous()
 
     def sync_weights(self):
-        """Write, reload, reset the prefix cache (main process), then a barrier on every rank."""
+        """Write, reload, reset the prefix cache (main process), then a barrier on every rank (with several
+        replicas and processes: the main process's view of the replicas, broadcast)."""
         from safetensors.torch import save_file
 
         acc = self.accelerator
+        share = self.replicas is not None and _several_processes()
         tensors = dict(self._named_cpu_tensors(acc.is_main_process))
+        error = None
         if acc.is_main_process:
-            tmp = os.path.join(self.sync_dir, "model.safetensors.partial")
-            save_file(tensors, tmp, metadata={"format": "pt"})
-            os.replace(tmp, os.path.join(self.sync_dir, "model.safetensors"))
-            if self.replicas is None:
-                self.vllm_client.reload_weights(self.sync_dir, wait_s=self.server_wait_s)
-                self.vllm_client.reset_prefix_cache()
-            else:
-                self._sync_replicas()
-        acc.wait_for_everyone()
+            try:
+                tmp = os.path.join(self.sync_dir, "model.safetensors.partial")
+                save_file(tensors, tmp, metadata={"format": "pt"})
+                os.replace(tmp, os.path.join(self.sync_dir, "model.safetensors"))
+                if self.replicas is None:
+                    self.vllm_client.reload_weights(self.sync_dir, wait_s=self.server_wait_s)
+                    self.vllm_client.reset_prefix_cache()
+                else:
+                    self._sync_replicas()
+            except Exception as exc:
+                if not share:
+                    raise
+                error = exc  # raised after the other ranks have it
+        if share:
+            share_replica_view(self.replicas, acc.is_main_process, error)
+        else:
+            acc.wait_for_everyone()
         self.num_syncs += 1
 
     def _sync_one(self, url: str) -> None:
@@ -246,6 +304,7 @@ class DiskWeightSync(VLLMGeneration):
         """Every replica that is up, then every replica that came back (before it rejoins the router)."""
         from appo_trl.rollout.replicas import ReplicaSet
 
+        self.replicas.raise_if_failed()
         for url in self.replicas.up():
             try:
                 self._sync_one(url)
@@ -265,14 +324,19 @@ class DiskWeightSync(VLLMGeneration):
 class ReplicatedNCCLSync(VLLMGeneration):
     """TRL's NCCL route to several replicas: one `VLLMClient` (and NCCL group) per replica, synced in turn.
 
+    Replicas that are down are skipped; one that comes back gets a new client and NCCL group, the weights and a
+    prefix-cache reset, then rejoins the router (see the module docstring).
+
     Args:
-        replica_urls: the vLLM servers (each started with TRL's NCCL weight-transfer flags).
+        replicas: the `ReplicaSet` behind the router (each replica started with TRL's NCCL weight-transfer flags).
         **kwargs: `VLLMGeneration`'s arguments; replica `i` uses group port `group_port + i`.
     """
 
-    def __init__(self, *args, replica_urls: list[str], **kwargs):
-        self.replica_urls = list(replica_urls)
+    def __init__(self, *args, replicas, **kwargs):
+        self.replicas = replicas
+        self.replica_urls = list(replicas.urls)
         self.vllm_clients: dict[str, Any] = {}
+        self.num_syncs = 0
         super().__init__(*args, **kwargs)
 
     def _init_vllm(self):
@@ -281,38 +345,100 @@ class ReplicatedNCCLSync(VLLMGeneration):
         if not trl_vllm_generation.is_vllm_available():
             raise ImportError("vLLM is not installed and `use_vllm` is set: `pip install trl[vllm]`.")
         if self.accelerator.is_main_process:
-            for i, url in enumerate(self.replica_urls):
-                try:
-                    client = trl_vllm_generation.VLLMClient(
-                        base_url=url, group_port=self.group_port + i, connection_timeout=self.server_timeout
-                    )
-                    client.init_communicator(device=self.accelerator.device)
-                except Exception as exc:
-                    raise WeightSyncError(f"vLLM replica {url}: NCCL weight transfer setup failed: {exc}") from exc
-                self.vllm_clients[url] = client
+            for url in self.replica_urls:
+                self._connect(url)
             self.vllm_client = self.vllm_clients[self.replica_urls[0]]
 
+    def _connect(self, url: str):
+        """A new `VLLMClient` and NCCL group for `url` (the old one's group released first: same port)."""
+        old = self.vllm_clients.pop(url, None)
+        if old is not None:
+            with contextlib.suppress(Exception):  # its server is gone: only our end of the group is released
+                old.close_communicator()
+        try:
+            port = self.group_port + self.replica_urls.index(url)
+            client = trl_vllm_generation.VLLMClient(base_url=url, group_port=port,
+                                                    connection_timeout=self.server_timeout)  # fmt: skip
+            client.init_communicator(device=self.accelerator.device)
+        except Exception as exc:
+            raise WeightSyncError(f"vLLM replica {url}: NCCL weight transfer setup failed: {exc}") from exc
+        self.vllm_clients[url] = client
+        return client
+
+    def _send(self, url: str, params, reconnect: bool) -> None:
+        client = self._connect(url) if reconnect else self.vllm_clients[url]
+        try:
+            client.update_named_params(self._weight_metadata, params)
+            client.reset_prefix_cache()
+        except Exception as exc:
+            raise WeightSyncError(
+                f"vLLM replica {url} did not take the new weights ({type(exc).__name__}: {exc}); the run "
+                "stops rather than sample from a replica with old weights."
+            ) from exc
+
+    def _sync_replica(self, url: str, params, back: bool) -> BaseException | None:
+        """One replica, on the main process: the error that stops the run, or None (synced, or dead and skipped)."""
+        from appo_trl.rollout.replicas import ReplicaSet
+        from appo_trl.rollout.router import RouterError
+        from appo_trl.rollout.vllm_server import VLLMServerError
+
+        reason = ReplicaSet.probe(url)  # dead before its turn: skipped without touching NCCL
+        if reason is None:
+            try:
+                self._send(url, params, reconnect=back)
+            except WeightSyncError as exc:
+                reason = ReplicaSet.probe(url)
+                if reason is None:  # alive but refusing the weights: never leave it stale
+                    return exc
+                reason = f"{reason}; at the weight sync: {exc.__cause__ or exc}"
+        try:
+            if reason is None and back:
+                self.replicas.rejoin(url)
+            elif reason is not None and back:
+                logger.warning("vLLM replica %s came back but failed again before it had the weights (%s); it stays "
+                               "out of the router", url, reason)  # fmt: skip
+            elif reason is not None:
+                self.replicas.mark_down(url, reason)
+        except (RouterError, VLLMServerError) as exc:  # the router refused: ReplicaRemovalError or an admin call
+            return exc
+        return None
+
     def sync_weights(self):
-        """Broadcast the weights to each replica in turn, then reset its prefix cache (main process)."""
+        """Broadcast the weights to each replica that is up or came back, in turn, then reset its prefix cache
+        (main process); a replica that came back rejoins the router after. Every rank walks the parameters once
+        per replica synced; the replicas' view is shared at the end (see the module docstring)."""
+        from appo_trl.rollout.replicas import ReplicaSet
+
+        main = self.accelerator.is_main_process
         if self._weight_metadata is None:
             self._weight_metadata = [
                 (name, str(param.dtype).removeprefix("torch."), list(param.shape))
                 for name, param in self._iter_named_params()
             ]
-        for url in self.replica_urls:
-            if not self.accelerator.is_main_process:
-                for _ in self._iter_named_params():  # take part in the gather collectives, once per replica
-                    pass
-                continue
-            client = self.vllm_clients[url]
+        error, plan = None, ([], [])
+        if main:
             try:
-                client.update_named_params(self._weight_metadata, self._iter_named_params())
-                client.reset_prefix_cache()
+                self.replicas.raise_if_failed()
+                plan = (self.replicas.up(), [u for u in self.replicas.down() if ReplicaSet.probe(u) is None])
             except Exception as exc:
-                raise WeightSyncError(
-                    f"vLLM replica {url} did not take the new weights ({type(exc).__name__}: {exc}); the run "
-                    "stops rather than sample from a replica with old weights."
-                ) from exc
+                error = exc
+        ups, backs = _broadcast_from_main(plan)
+        for url in ups + backs:
+            params = self._iter_named_params()
+            if main and error is None:
+                error = self._sync_replica(url, params, back=url in backs)
+            for _ in params:  # every rank walks the parameters whole, once per replica: the gathers are collectives
+                pass
+        if main and error is None and not self.replicas.up():
+            error = WeightSyncError(f"no vLLM replica took the new weights: all {len(self.replica_urls)} are down "
+                                    f"({self.replicas.describe_down()})")  # fmt: skip
+        if main and self.replicas.up():
+            self.vllm_client = self.vllm_clients[self.replicas.up()[0]]
+        if _several_processes():
+            share_replica_view(self.replicas, main, error)
+        elif error is not None:
+            raise error
+        self.num_syncs += 1
 
 
 class ColocateWeightSync(VLLMGeneration):
@@ -404,7 +530,7 @@ def prepare_vllm_server(args):
             return DiskWeightSync(sync_dir=args.vllm_weight_sync_dir, replicas=replicas, server_wait_s=wait_s,
                                   **kwargs)  # fmt: skip
         if replicas is not None:
-            return ReplicatedNCCLSync(replica_urls=replicas.urls, **kwargs)
+            return ReplicatedNCCLSync(replicas=replicas, **kwargs)
         return original(**kwargs)
 
     grpo_trainer.VLLMGeneration = factory
@@ -421,35 +547,72 @@ def resolve_served_len(url: str, configured: int | None) -> int:
     return VLLMServerBackend(url).resolve_max_model_len(configured)
 
 
+def _is_main_process(args) -> bool:
+    """Global rank 0, or the only process. Under a launcher (`WORLD_SIZE` > 1) the process group is set up first,
+    as `Trainer` would (`TrainingArguments.device`, accelerate's `PartialState`)."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not _several_processes():
+        return True
+    if not (dist.is_available() and dist.is_initialized()):
+        getattr(args, "device", None)  # TrainingArguments._setup_devices: init_process_group
+    if not _several_processes():
+        raise WeightSyncError(
+            f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} but no torch.distributed process group: several training "
+            "processes share the main process's vLLM router, and need the process group to learn its URL"
+        )
+    return dist.get_rank() == 0
+
+
 def prepare_replicas(args):
     """The `ReplicaSet` for several replicas (appo starts the router) or a router the user runs; else None.
 
-    With several URLs, waits for each replica's health, starts `vllm-router` in front of them and points
-    `args.vllm_server_base_url` at it (the rollout engine finds the set by that URL). With one URL that answers
-    the router's `GET /list_workers`, its workers are the replicas. The monitor thread starts here.
+    On the main process: with several URLs, waits for each replica's health, starts `vllm-router` in front of
+    them; with one URL that answers the router's `GET /list_workers`, its workers are the replicas. The set owns
+    the router's worker list and its monitor thread starts here. The other training processes receive the
+    router's URL and the replicas (a broadcast) and build a follower set on that router: no router, no monitor,
+    no change to the worker list (see the module docstring). On every rank `args.vllm_server_base_url` then names
+    the router (the rollout engine finds the set by that URL).
     """
     from appo_trl.rollout.replicas import ReplicaSet, parse_server_urls, register
     from appo_trl.rollout.router import RouterClient, VLLMRouter
 
-    urls = parse_server_urls(server_url(args))
-    if len(urls) > 1:
-        for url in urls:
-            DevClient(url).wait_healthy(args.vllm_server_timeout)
-        router = VLLMRouter(urls, policy=args.vllm_router_policy, port=args.vllm_router_port,
-                            request_timeout_s=max(args.vllm_server_timeout, 600.0),
-                            startup_timeout_s=args.vllm_server_timeout).start()  # fmt: skip
-        replicas = ReplicaSet(router.url, urls)
-        replicas.router_process = router  # stopped at exit (atexit) or with the set
-        args.vllm_server_base_url = router.url
-    else:
-        DevClient(urls[0]).wait_healthy(args.vllm_server_timeout)
-        if not RouterClient(urls[0]).is_router():
-            return None  # one vLLM server
-        workers = RouterClient(urls[0]).list_workers()
-        if not workers:
-            raise WeightSyncError(f"the vLLM router at {urls[0]} lists no worker (`vllm-router --worker-urls ...`)")
-        replicas = ReplicaSet(urls[0], workers)
-    return register(replicas).start_monitor()
+    main = _is_main_process(args)
+    found, error, router = None, None, None  # found: (router URL, replica URLs) or None (one vLLM server)
+    if main:
+        try:
+            urls = parse_server_urls(server_url(args))
+            for url in urls:
+                DevClient(url).wait_healthy(args.vllm_server_timeout)
+            if len(urls) > 1:
+                router = VLLMRouter(urls, policy=args.vllm_router_policy, port=args.vllm_router_port,
+                                    request_timeout_s=max(args.vllm_server_timeout, 600.0),
+                                    startup_timeout_s=args.vllm_server_timeout).start()  # fmt: skip
+                found = (router.url, urls)
+            elif RouterClient(urls[0]).is_router():
+                workers = RouterClient(urls[0]).list_workers()
+                if not workers:
+                    raise WeightSyncError(
+                        f"the vLLM router at {urls[0]} lists no worker (`vllm-router --worker-urls ...`)"
+                    )
+                found = (urls[0], workers)
+        except Exception as exc:
+            if not _several_processes():
+                raise
+            error = exc  # raised after the other ranks have it
+    message, found = _broadcast_from_main((None if error is None else f"{type(error).__name__}: {error}", found))
+    if error is not None:
+        raise error
+    if message is not None:
+        raise WeightSyncError(f"the main process could not set up the vLLM replicas: {message}")
+    if found is None:
+        return None  # one vLLM server
+    router_url, urls = found
+    replicas = ReplicaSet(router_url, urls, owner=main)
+    replicas.router_process = router  # appo's router (main process): stopped at exit, with the set or its parent
+    args.vllm_server_base_url = router_url
+    register(replicas)
+    return replicas.start_monitor() if main else replicas
 
 
 def generate_round(trainer, sample):

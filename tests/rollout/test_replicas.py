@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from appo_trl.rollout import RolloutConfig, RolloutEngine, SamplingParams
+from appo_trl.rollout import RolloutConfig, RolloutEngine, SamplingParams, Segment
 from appo_trl.rollout.replicas import ReplicaBackend, ReplicasDownError, ReplicaSet, parse_server_urls
 from appo_trl.rollout.router import RouterClient, RouterError, VLLMRouter, router_executable
 from appo_trl.rollout.vllm_server import VLLMServerBackend, VLLMServerError
@@ -209,3 +209,118 @@ def test_a_server_error_with_every_replica_up_is_raised_not_resent(pair, enc):
         generate_once(engine.backend, enc("question"), SamplingParams(max_tokens=8, seed=1, session_id="t"))
     assert not isinstance(err.value, ReplicasDownError) and replicas.down() == [] and replicas.num_resent == 0
     assert time.monotonic() - start < 15
+
+
+class _Router:
+    """Stands in for `RouterClient` (the worker list appo's `ReplicaSet` changes); `refuse`: removals fail."""
+
+    def __init__(self, urls, refuse=False):
+        self.workers, self.refuse = list(urls), refuse
+
+    def list_workers(self):
+        return list(self.workers)
+
+    def remove_worker(self, url):
+        if self.refuse:
+            raise RouterError(f"vLLM router http://router:30000/remove_worker answered HTTP 500: {url}")
+        self.workers.remove(url)
+
+    def add_worker(self, url):
+        self.workers.append(url)
+
+
+class _CutBackend:
+    """A router backend whose first request is cut by a replica dying under it (after the router's retries)."""
+
+    def __init__(self, alive, victim):
+        self.alive, self.victim, self.prompts = alive, victim, []
+
+    async def generate(self, prompt_ids, params):
+        self.prompts.append(list(prompt_ids))
+        if len(self.prompts) == 1:
+            self.alive.discard(self.victim)
+            raise VLLMServerError("vLLM server http://router:30000 failed after 3 attempts: RemoteProtocolError")
+        return Segment([7, 8], [-0.1, -0.2], None, "eos", None)
+
+
+def _replica_set(monkeypatch, urls, alive, refuse=False):
+    import appo_trl.rollout.replicas as replicas_mod
+
+    monkeypatch.setattr(ReplicaSet, "probe", staticmethod(lambda url, timeout_s=5.0: None if url in alive else
+                                                          "ConnectError: connection refused"))  # fmt: skip
+    monkeypatch.setattr(replicas_mod.time, "sleep", lambda s: None)  # the removal retries, without the wait
+    replicas = ReplicaSet("http://router:30000", urls, health_interval_s=0.01, failures_to_down=1)
+    replicas.router = _Router(urls, refuse)
+    return replicas
+
+
+def test_a_request_cut_by_a_dying_replica_is_resent_once_and_yields_one_segment(monkeypatch):
+    """appo's own resend (the router's retries exhausted): the request again, whole, one segment back."""
+    import asyncio
+
+    urls = ["http://a:1", "http://b:2"]
+    alive = set(urls)
+    replicas = _replica_set(monkeypatch, urls, alive)
+    inner = _CutBackend(alive, "http://b:2")
+    backend = ReplicaBackend(inner, replicas, timeout_s=10)
+    seg = asyncio.run(backend.generate([1, 2, 3, 4], SamplingParams(max_tokens=8, seed=1, session_id="t")))
+    assert isinstance(seg, Segment) and seg.token_ids == [7, 8]  # exactly one segment
+    assert inner.prompts == [[1, 2, 3, 4], [1, 2, 3, 4]]  # sent again, whole
+    assert replicas.num_resent == 1 and replicas.metrics()["replicas/resent"] == 1
+    assert replicas.down() == ["http://b:2"] and replicas.router.workers == ["http://a:1"]
+
+
+def test_a_dead_replica_the_router_keeps_stops_the_run_with_its_url(monkeypatch):
+    """When the router does not let a dead replica go, it would serve stale weights once it restarts: stop."""
+    import asyncio
+
+    from appo_trl.rollout.replicas import ReplicaRemovalError
+
+    urls = ["http://a:1", "http://b:2"]
+    alive = {"http://a:1"}
+    replicas = _replica_set(monkeypatch, urls, alive, refuse=True)
+    with pytest.raises(ReplicaRemovalError, match=r"vLLM replica http://b:2 is down, but the router .* did not "
+                                                  r"take it out after 6 tries"):  # fmt: skip
+        replicas.check()
+    assert replicas.down() == []  # not counted as out of the router: it is not
+    backend = ReplicaBackend(_CutBackend(set(), "x"), replicas, timeout_s=10)
+    with pytest.raises(ReplicaRemovalError, match="http://b:2"):  # every later request
+        asyncio.run(backend.generate([1], SamplingParams(max_tokens=8, seed=1, session_id="t")))
+    with pytest.raises(ReplicaRemovalError, match="http://b:2"):  # and every later sync
+        replicas.rejoin_healthy()
+
+
+@needs_router
+def test_the_router_dies_with_a_sigkilled_parent(pair, tmp_path):
+    """SIGKILL runs no exit handler: the router must still go (PR_SET_PDEATHSIG), not outlive the trainer."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    servers, _ = pair
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from appo_trl.rollout.router import VLLMRouter; "
+         "r = VLLMRouter(sys.argv[1:], startup_timeout_s=30).start(); print(r.proc.pid, flush=True); time.sleep(600)",
+         *[s.url for s in servers]],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        router_pid = int(child.stdout.readline())
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while alive(router_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if alive(router_pid):
+        os.kill(router_pid, signal.SIGKILL)
+        pytest.fail(f"vllm-router (pid {router_pid}) outlived its SIGKILLed parent")

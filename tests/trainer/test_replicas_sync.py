@@ -147,6 +147,74 @@ def test_a_dead_replica_is_skipped_and_rejoins_after_a_sync(tmp_path, tiny_token
         back.stop()
 
 
+@needs_router
+def test_a_replica_killed_mid_round_inside_train(tmp_path, tiny_tokenizer, tiny_model_path):
+    """B dies under the first round's requests: the run finishes on A, `replicas/up == 1` is logged, the second
+    sync skips B, and every round has each row exactly once."""
+    import threading
+    import time
+
+    eos = tiny_tokenizer.eos_token_id
+    answer = tiny_tokenizer.encode("<answer> 4 </answer>", add_special_tokens=False) + [eos]
+    policy = fake_vllm.ScriptedPolicy(
+        tiny_tokenizer, lambda ctx, rng: answer[:1] * rng.randint(0, 8) + answer, delay=lambda ctx: 0.5
+    )  # requests stay in flight long enough to be cut
+    a, b = servers = [fake_vllm.FakeVLLMServer(policy, tiny_tokenizer, max_model_len=1024).start() for _ in range(2)]
+    trainer = replicas = None
+    try:
+        trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), max_steps=2,
+                               vllm_server_base_url=[a.url, b.url], logging_steps=1,
+                               **{**KW, "per_device_train_batch_size": 16})  # fmt: skip
+        sync = trainer.vllm_generation
+        synced, rounds, killed = [], [], {}
+        orig_sync, orig_one, orig_generate = sync.sync_weights, sync._sync_one, trainer.strategy.generate
+
+        def sync_weights():
+            synced.append([])
+            orig_sync()
+
+        def sync_one(url):
+            orig_one(url)
+            synced[-1].append(url)
+
+        def generate(*args, **kwargs):
+            batch = orig_generate(*args, **kwargs)
+            rounds.append([t for g in batch.groups for t in g])
+            return batch
+
+        sync.sync_weights, sync._sync_one, trainer.strategy.generate = sync_weights, sync_one, generate
+
+        def kill_when_busy():
+            deadline = time.monotonic() + 60
+            while not b.bodies and time.monotonic() < deadline:
+                time.sleep(0.005)
+            killed["in_round"] = len(synced)  # the rounds whose sync has run: the kill lands in that round
+            killed["rounds_done"] = len(rounds)
+            b.kill()
+
+        killer = threading.Thread(target=kill_when_busy, daemon=True)
+        killer.start()
+        trainer.train()
+        killer.join(timeout=10)
+        replicas = _close(trainer)
+    finally:
+        if trainer is not None and replicas is None:
+            _close(trainer)
+        for s in servers:
+            s.stop()
+    assert killed == {"in_round": 1, "rounds_done": 0}  # B died under round 1's requests
+    assert synced == [[a.url, b.url], [a.url]]  # the second sync skipped B
+    assert replicas.down() == [b.url] and replicas.num_down_events == 1
+    ups = [e["replicas/up"] for e in trainer.state.log_history if "replicas/up" in e]
+    assert len(ups) == 2 and ups[-1] == 1, ups
+    assert [len(r) for r in rounds] == [16, 16]  # no row lost
+    for rows in rounds:  # nor doubled, and every row whole
+        assert len({t.uid for t in rows}) == 16 and all(t.finish_reason == "eos" for t in rows)
+
+
+LOG = []  # what the NCCL clients and the router stand-in did, in order
+
+
 class RecordingClient:
     """Stands in for TRL's `VLLMClient` (NCCL needs CUDA): records the weights each replica receives."""
 
@@ -158,39 +226,109 @@ class RecordingClient:
 
     def init_communicator(self, device):
         self.calls.append("init")
+        LOG.append(("init", self.base_url))
 
     def update_named_params(self, metadata, params):
         if "bad" in self.base_url:
             raise RuntimeError("NCCL timeout")
         self.calls.append(("update", [name for name, _ in params]))
+        LOG.append(("update", self.base_url))
 
     def reset_prefix_cache(self):
         self.calls.append("reset")
+        LOG.append(("reset", self.base_url))
+
+    def close_communicator(self):
+        self.calls.append("close")
 
 
-def test_nccl_route_syncs_every_replica_in_turn(tiny_model_path, tiny_tokenizer, monkeypatch):
+class RecordingRouter:
+    """Stands in for `RouterClient`: the worker list appo's `ReplicaSet` changes."""
+
+    def __init__(self, urls):
+        self.workers = list(urls)
+
+    def list_workers(self):
+        return list(self.workers)
+
+    def remove_worker(self, url):
+        self.workers.remove(url)
+        LOG.append(("remove", url))
+
+    def add_worker(self, url):
+        self.workers.append(url)
+        LOG.append(("add", url))
+
+
+def _nccl_sync(tiny_model_path, tiny_tokenizer, monkeypatch, urls, alive):
+    """A `ReplicatedNCCLSync` over `urls` with recording clients and router; `alive`: the URLs `/health` answers."""
     import trl.generation.vllm_generation as trl_vllm
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
+    from appo_trl.rollout.replicas import ReplicaSet
     from appo_trl.trainer.weight_sync import ReplicatedNCCLSync
 
     monkeypatch.setattr(trl_vllm, "VLLMClient", RecordingClient)
     monkeypatch.setattr(trl_vllm, "is_vllm_available", lambda: True)
+    monkeypatch.setattr(ReplicaSet, "probe", staticmethod(lambda url, timeout_s=5.0: None if url in alive else
+                                                          "ConnectError: connection refused"))  # fmt: skip
     RecordingClient.made = []
+    LOG.clear()
+    replicas = ReplicaSet("http://router:30000", urls)
+    replicas.router = RecordingRouter(urls)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    kw = dict(model=model, accelerator=Accelerator(cpu=True), processing_class=tiny_tokenizer, mode="server",
-              group_port=51216)  # fmt: skip
-    sync = ReplicatedNCCLSync(replica_urls=["http://r0:8000", "http://r1:8000"], **kw)
+    sync = ReplicatedNCCLSync(model=model, accelerator=Accelerator(cpu=True), processing_class=tiny_tokenizer,
+                              mode="server", group_port=51216, replicas=replicas)  # fmt: skip
+    return sync, [n for n, _ in model.named_parameters()]
+
+
+def test_nccl_route_syncs_every_replica_in_turn(tiny_model_path, tiny_tokenizer, monkeypatch):
+    urls = ["http://r0:8000", "http://r1:8000"]
+    sync, names = _nccl_sync(tiny_model_path, tiny_tokenizer, monkeypatch, urls, alive=set(urls))
     sync.sync_weights()
-    names = [n for n, _ in model.named_parameters()]
     assert [(c.base_url, c.group_port) for c in RecordingClient.made] == [("http://r0:8000", 51216),
                                                                           ("http://r1:8000", 51217)]  # fmt: skip
     for c in RecordingClient.made:
         assert c.calls[0] == "init" and c.calls[2] == "reset" and len(c.calls[1][1]) == len(names)
-    bad = ReplicatedNCCLSync(replica_urls=["http://r0:8000", "http://bad:8000"], **kw)
+    urls = ["http://r0:8000", "http://bad:8000"]
+    bad, _ = _nccl_sync(tiny_model_path, tiny_tokenizer, monkeypatch, urls, alive=set(urls))
     with pytest.raises(WeightSyncError, match="vLLM replica http://bad:8000 did not take the new weights"):
-        bad.sync_weights()
+        bad.sync_weights()  # alive, but refusing the weights: the run stops
+    assert bad.replicas.down() == []
+
+
+def test_nccl_route_skips_a_dead_replica_and_rebuilds_it_when_it_comes_back(
+    tiny_model_path, tiny_tokenizer, monkeypatch, caplog
+):
+    import logging
+
+    urls = ["http://r0:8000", "http://r1:8000"]
+    alive = set(urls)
+    sync, names = _nccl_sync(tiny_model_path, tiny_tokenizer, monkeypatch, urls, alive)
+    r0, r1 = RecordingClient.made
+    alive.discard("http://r1:8000")  # r1 dies
+    with caplog.at_level(logging.WARNING, logger="appo_trl.rollout.replicas"):
+        sync.sync_weights()  # skipped, out of the router, logged; r0 synced
+    assert sync.replicas.down() == ["http://r1:8000"] and sync.replicas.router.workers == ["http://r0:8000"]
+    assert any("vLLM replica http://r1:8000 is down" in r.getMessage() for r in caplog.records)
+    assert r0.calls == ["init", ("update", names), "reset"] and r1.calls == ["init"]
+    sync.sync_weights()  # still dead: skipped again
+    assert r1.calls == ["init"] and len(RecordingClient.made) == 2
+    alive.add("http://r1:8000")  # a new vLLM process at the same URL
+    LOG.clear()
+    sync.sync_weights()
+    new = RecordingClient.made[-1]
+    assert len(RecordingClient.made) == 3 and (new.base_url, new.group_port) == ("http://r1:8000", 51217)
+    assert r1.calls == ["init", "close"]  # the old group released before the new one is set up
+    # the weights and the cache reset on a new group, and only then back in the router
+    assert LOG == [("update", "http://r0:8000"), ("reset", "http://r0:8000"), ("init", "http://r1:8000"),
+                   ("update", "http://r1:8000"), ("reset", "http://r1:8000"), ("add", "http://r1:8000")]  # fmt: skip
+    assert new.calls == ["init", ("update", names), "reset"]
+    assert sync.replicas.down() == [] and sync.replicas.num_rejoins == 1
+    alive.clear()
+    with pytest.raises(WeightSyncError, match="all 2 are down"):
+        sync.sync_weights()
 
 
 @needs_router
