@@ -7,7 +7,7 @@ the CPU time goes to the trainer, which computes real logps, entropies and losse
 TRL's importance-sampling setting with vLLM (old logps computed). TRL's weight sync (`VLLMGeneration`) needs
 CUDA and is replaced by a no-op recorder.
 
-    python bench/trainer.py [--quick] [--json]
+    python bench/trainer.py [--quick] [--json] [--tree-repeats N]
 
 Figures: `step_time_ratio_appo_vs_grpo` (mean optimizer-step wall time after a warm-up step),
 `sampled_tokens_ratio` (policy-sampled tokens per step, branch prefixes not counted), `tool_calls_ratio`,
@@ -15,7 +15,8 @@ Figures: `step_time_ratio_appo_vs_grpo` (mean optimizer-step wall time after a w
 forward+backward on the same APPO batch, future_kl vs TRL's loss). The benchmark imports only the package and
 `bench/` (never `tests/`), so it runs from any checkout; `make test` runs it once with `--quick --json`.
 `tree_*` figures: the row-wise and the tree forward side by side (`bench/tree_forward.py`: workload (a) paper-shaped,
-scaled down under `--quick`, and (b) the demo's shape).
+scaled down under `--quick`, and (b) the demo's shape); `--tree-repeats N` times each path N times (medians; default
+1 for (a) and under `--quick`, else 3).
 """
 
 from __future__ import annotations
@@ -341,11 +342,11 @@ def overlap_figures(model_path, tok, quick: bool, tmp: str) -> dict:
     return out
 
 
-def tree_forward_figures(quick: bool) -> dict:
+def tree_forward_figures(quick: bool, repeats: int | None = None) -> dict:
     """Row-wise against tree forward (`bench/tree_forward.py`): tokens, loss-step and step time, saved activations."""
     from bench.tree_forward import tree_figures
 
-    return tree_figures(quick)
+    return tree_figures(quick, repeats=repeats)
 
 
 def main(argv: list[str] | None = None):
@@ -353,7 +354,10 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--quick", action="store_true", help="4 prompts per step, n = 8 (4 initial), 2 steps")
     ap.add_argument("--json", action="store_true", help="print one JSON object of the figures as the last line")
     ap.add_argument("--overlap-only", action="store_true", help="only the sync vs max_staleness comparison")
+    ap.add_argument("--tree-repeats", type=int, help="tree_* figures: timed runs per path (medians)")
     opts = ap.parse_args(argv)
+    if opts.tree_repeats is not None and opts.tree_repeats < 1:
+        ap.error(f"--tree-repeats {opts.tree_repeats} must be >= 1")
     prompts, n, initial, steps, budget = (4, 8, 4, 2, 256) if opts.quick else (16, 16, 8, 3, 320)
     torch.manual_seed(0)
     from appo_trl.tiny import build_tiny_model
@@ -388,7 +392,7 @@ def main(argv: list[str] | None = None):
     figures["loss_rows_ratio"] = a["loss_rows_per_step"] / g["loss_rows_per_step"]
     t_trl, t_fkl = loss_times(appo_trainer, appo_batch, 3 if opts.quick else 10)
     figures.update(loss_time_trl_s=t_trl, loss_time_future_kl_s=t_fkl, loss_time_ratio_future_kl_vs_trl=t_fkl / t_trl)
-    figures.update(tree_forward_figures(opts.quick))  # row-wise vs tree forward, workloads (a) and (b)
+    figures.update(tree_forward_figures(opts.quick, opts.tree_repeats))  # row-wise vs tree, workloads (a), (b)
     figures.update(overlap_figures(model_path, tok, opts.quick, tmp))
     _print(figures, opts)
 

@@ -21,6 +21,7 @@ Workloads (rows are synthetic token ids; the forward cost does not depend on the
 - (b) the demo's shape: prompt 200 tokens, n = 4, completions up to 96 tokens with two tool results of 12 tokens,
   GRPO and ARPO (2 roots + 2 branches); the demo's model (hidden 128, 2 layers, vocab 512).
 `--quick` shrinks (a) to prompt 192, completions 64, hidden 64, 2 layers, so `make test` stays fast.
+`--repeats N` times each path N times (interleaved, medians); the default is 1 for (a) and under `--quick`, else 3.
 """
 
 from __future__ import annotations
@@ -200,8 +201,11 @@ WORKLOADS = {  # prompt, n, completion, tool result, hidden, layers, vocab
 }
 
 
-def tree_figures(quick: bool, workloads=None, strategies=("grpo", "arpo"), peak: bool = False) -> dict:
-    """`{workload}_{strategy}_{figure}` for workloads (a) (scaled down with `quick`) and (b), GRPO and ARPO."""
+def tree_figures(
+    quick: bool, workloads=None, strategies=("grpo", "arpo"), peak: bool = False, repeats: int | None = None
+) -> dict:
+    """`{workload}_{strategy}_{figure}` for workloads (a) (scaled down with `quick`) and (b), GRPO and ARPO; each
+    time is the median of `repeats` runs per path (default: 1 for (a) and with `quick`, else 3)."""
     figures = {}
     for workload in workloads or ("a_quick" if quick else "a", "b"):
         prompt, n, comp, tool, hidden, layers, vocab = WORKLOADS[workload]
@@ -209,7 +213,7 @@ def tree_figures(quick: bool, workloads=None, strategies=("grpo", "arpo"), peak:
         model = build_model(hidden, layers, vocab, prompt + comp + 8)
         for strategy in strategies:
             rows = group_rows(strategy, prompt, n, comp, tool, vocab, seed=1)
-            result = measure(model, rows, repeats=1 if quick or workload == "a" else 3)
+            result = measure(model, rows, repeats or (1 if quick or workload == "a" else 3))
             result.update(peaks.get(strategy, {}))
             figures.update({f"tree_{workload}_{strategy}_{k}": v for k, v in result.items()})
     return figures
@@ -222,8 +226,13 @@ def main(argv=None):
     ap.add_argument("--workload", choices=sorted(WORKLOADS), action="append", help="only these (repeatable)")
     ap.add_argument("--strategy", choices=("grpo", "arpo"), action="append", help="only these (repeatable)")
     ap.add_argument("--peak", action="store_true", help="also the process peak RSS of each loss step (spawns)")
+    ap.add_argument("--repeats", type=int, help="timed runs per path (medians; default 1 for (a), --quick; else 3)")
     opts = ap.parse_args(argv)
-    figures = tree_figures(opts.quick, opts.workload, tuple(opts.strategy or ("grpo", "arpo")), opts.peak)
+    if opts.repeats is not None and opts.repeats < 1:
+        ap.error(f"--repeats {opts.repeats} must be >= 1")
+    figures = tree_figures(
+        opts.quick, opts.workload, tuple(opts.strategy or ("grpo", "arpo")), opts.peak, repeats=opts.repeats
+    )
     for k, v in figures.items():
         print(f"{k:44s} {v:.4f}" if isinstance(v, float) else f"{k:44s} {v}")
     if opts.json:

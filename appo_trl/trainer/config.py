@@ -435,14 +435,23 @@ class APPOConfig(GRPOConfig):
             "Train on the tree: every trainer forward (loss, TRL's old-logp pass, the reference pass, APPO's "
             "branch scoring) folds its rows into prefix tries and sends each shared token through the model once "
             "(TRL's `packing: tree` of AsyncGRPO, here for every strategy). Exact: same logps, entropies, loss and "
-            "gradients as the row-by-row forward (float32, 1e-5). Micro-batches then hold whole groups."
+            "gradients as the row-by-row forward (float32 on CPU, 1e-5). Micro-batches then hold whole groups. "
+            "On a GPU the attention uses flash_attn's varlen kernel, else FlexAttention, else the CPU path; these "
+            "GPU kernels and bf16 exactness have not been run on a GPU yet (no GPU has been lent to this project "
+            "so far): only the FlexAttention forward is tested, on CPU."
         ),
     )
     tree_token_budget: int = field(
         default=16384,
         metadata=_h(
             "tree_forward: most unique tokens in one trie (one forward); it bounds activation memory as "
-            "`per_device_train_batch_size` rows do row-wise. A row longer than the budget is forwarded alone."
+            "`per_device_train_batch_size` rows do row-wise. A row longer than the budget is forwarded alone. "
+            "Each trie forwards the shared prompt once, so a group split over several tries forwards it once per "
+            "trie: at the paper recipes' shapes (prompt 1,536 tokens, n = 16, completions up to 4,096) the default "
+            "holds only 3 full-length rows, so the prompt is forwarded about 6 times per group. To forward it once "
+            "per group, size the budget to prompt + n x (max_completion_length + 1) (67,087 there; fewer tokens "
+            "than the row-wise micro-batch of the same n rows, 90,112) if activation memory allows, with "
+            "`per_device_train_batch_size` a multiple of n."
         ),
     )
 

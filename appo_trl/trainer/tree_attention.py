@@ -6,8 +6,8 @@
 
 - a forward *without* the tree keyword arguments (generation in-process, evaluation, anything that is not the
   trainer's tree forward) is handed to the base implementation and its mask builder unchanged;
-- a forward *with* them (`tree_seg_id`, `tree_seg_start`, `tree_seg_len`, `tree_kv_index`, `tree_cu_seqlens_q`,
-  `tree_cu_seqlens_k`, `tree_max_seqlens`, laid out by `appo_trl.trainer.tree.pack_rows`) attends over the prefix
+- a forward *with* them (`tree_kv_index`, `tree_cu_seqlens_q`, `tree_cu_seqlens_k`, `tree_max_seqlens`,
+  `tree_seg_id`, `tree_seg_anc`, laid out by `appo_trl.trainer.tree.pack_rows`) attends over the prefix
   tree: the packed token at position `q` sees exactly the tokens on its root-to-`q` path, which are the tokens its
   own row saw before it, at the same positions (position ids are depths in the tree).
 
@@ -22,9 +22,15 @@ Kernels, chosen once per process:
   root-to-segment path gathered by `tree_kv_index` (TRL's `tree_kv_index` layout), with a bottom-right causal mask
   inside the segment. Memory is the sum over segments of segment x path, not (unique tokens)^2.
 - CUDA: FlashAttention's `flash_attn_varlen_func` when the `flash_attn` package is installed (bottom-right causal
-  over the same layout, as TRL's `tree_attention`); else PyTorch's FlexAttention with an ancestor block mask; else the
-  per-segment path, with one log line. Nothing is downloaded at run time (TRL's own `tree_attention` fetches a
-  FlashAttention-3 kernel from the Hub, which is why it is not reused here).
+  over the same layout, as TRL's `tree_attention`); else PyTorch's FlexAttention with an ancestor block mask
+  (`tree_seg_anc`: a token sees the tokens before it in its own segment and in the segments on its root path),
+  compiled at its first call, with one log line saying that flash_attn is missing; else the per-segment path, with
+  one log line. If FlexAttention raises (its compilation at the first call, or its kernel), the per-segment path
+  serves from then on, with one log line, never an error; an out-of-memory error is not a missing kernel and is
+  raised. Attention dropout (FlexAttention has none) also takes the per-segment path. Nothing is downloaded at run
+  time (TRL's own `tree_attention` fetches a FlashAttention-3 kernel from the Hub, which is why it is not reused
+  here). These CUDA paths have not run on a GPU yet: the FlexAttention forward is tested on CPU (FlexAttention has
+  no CPU backward) and the fallbacks with stand-ins (`tests/trainer/test_tree_forward.py`).
 
 Not supported (an error, not a silent difference): sliding-window attention, attention logit soft-capping and
 `output_attentions` inside a tree forward.
@@ -44,14 +50,6 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 logger = logging.getLogger(__name__)
 
 PREFIX = "appo_tree:"
-TREE_KEYS = (
-    "tree_seg_id",
-    "tree_seg_anc",
-    "tree_kv_index",
-    "tree_cu_seqlens_q",
-    "tree_cu_seqlens_k",
-    "tree_max_seqlens",
-)
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -120,11 +118,34 @@ def _flex():
 
 
 @functools.cache
-def _say_fallback(what: str) -> None:
-    logger.warning("tree attention: %s; using the per-segment SDPA path.", what)
+def _say_fallback(what: str, using: str = "the per-segment SDPA path") -> None:
+    logger.warning("tree attention: %s; using %s.", what, using)
+
+
+_FAILED: set[str] = set()  # GPU kernels that raised once in this process: not tried again
+
+
+def _on_gpu(query: torch.Tensor) -> bool:
+    """Whether the CUDA kernels are tried (the CPU tests drive the CUDA dispatch by patching this)."""
+    return query.is_cuda
+
+
+def _flex_attention(flex, module, query, key, value, tree, scaling):
+    create_block_mask, flex_attention = flex
+    seg_id, seg_anc = tree["tree_seg_id"], tree["tree_seg_anc"]
+
+    def ancestor(b, h, q, kv):  # kv precedes q in DFS pre-order and lies on q's root-to-segment path
+        return (kv <= q) & seg_anc[seg_id[q], seg_id[kv]]
+
+    n = query.size(2)
+    block = create_block_mask(ancestor, None, None, n, n, device=query.device)
+    n_rep = getattr(module, "num_key_value_groups", 1)
+    out = flex_attention(query, key, value, block_mask=block, scale=scaling, enable_gqa=n_rep > 1)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _cuda_attention(module, query, key, value, tree, scaling, dropout):
+    """FlashAttention varlen, else FlexAttention; `None` when neither serves (the caller runs the segment path)."""
     flash = _flash_varlen()
     if flash is not None:
         q, k, v = (x.transpose(1, 2)[0] for x in (query, key, value))
@@ -142,21 +163,26 @@ def _cuda_attention(module, query, key, value, tree, scaling, dropout):
             causal=True,
         )
         return out.unsqueeze(0), None
+    if "flex" in _FAILED:
+        return None
     flex = _flex()
-    if flex is not None:
-        create_block_mask, flex_attention = flex
-        seg_id, seg_anc = tree["tree_seg_id"], tree["tree_seg_anc"]
-
-        def ancestor(b, h, q, kv):  # kv precedes q in DFS pre-order and lies on q's root-to-segment path
-            return (kv <= q) & seg_anc[seg_id[q], seg_id[kv]]
-
-        n = query.size(2)
-        block = create_block_mask(ancestor, None, None, n, n, device=query.device)
-        n_rep = getattr(module, "num_key_value_groups", 1)
-        out = flex_attention(query, key, value, block_mask=block, scale=scaling, enable_gqa=n_rep > 1)
-        return out.transpose(1, 2).contiguous(), None
-    _say_fallback("neither flash_attn nor FlexAttention is available on this GPU")
-    return None
+    if flex is None:
+        _say_fallback("neither flash_attn nor FlexAttention is available on this GPU")
+        return None
+    if dropout:
+        _say_fallback("flash_attn is not installed and FlexAttention has no attention dropout")
+        return None
+    try:
+        out = _flex_attention(flex, module, query, key, value, tree, scaling)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # compilation (first call) or the kernel failed: the segment path serves from now on
+        _FAILED.add("flex")
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        _say_fallback(f"flash_attn is not installed and FlexAttention failed ({type(exc).__name__}: {first})")
+        return None
+    _say_fallback("flash_attn is not installed", "FlexAttention with an ancestor block mask")
+    return out
 
 
 def tree_attention(base: str):
@@ -173,7 +199,7 @@ def tree_attention(base: str):
         if kwargs.get("output_attentions"):
             raise ValueError("tree_forward: output_attentions is not supported in a tree forward.")
         dropout = dropout if module.training else 0.0
-        if query.is_cuda:
+        if _on_gpu(query):
             out = _cuda_attention(module, query, key, value, kwargs, scaling, dropout)
             if out is not None:
                 return out
@@ -239,8 +265,3 @@ def install_tree_attention(model) -> str:
     name = register(current)
     config._attn_implementation = name
     return name
-
-
-def base_implementation(model) -> str | None:
-    current = model.config._attn_implementation
-    return current[len(PREFIX) :] if current and current.startswith(PREFIX) else current

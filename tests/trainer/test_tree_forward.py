@@ -9,17 +9,38 @@ Cases (each is a batch in TRL's layout: left-padded prompts, right-padded comple
   point at a tool-result boundary);
 - `last`: rows that differ only in their last token (the leaf; AReaL #1308 scored an extra logprob there);
 - `identical`: identical rows; `disjoint`: rows that share nothing; `mixed`: all of them and two prompt lengths.
-Plus gradient checkpointing (reentrant and not: AReaL #889), LoRA, a token budget that splits the batch, and the
-packer's own bookkeeping (no label on a leaf, first completion token scored).
+Plus gradient checkpointing (reentrant and not: AReaL #889), LoRA, a token budget that splits the batch, the
+packer's own bookkeeping (no label on a leaf, first completion token scored, each score read where its token is
+the label), and the GPU kernels' dispatch driven on CPU: the FlexAttention forward, and the fallbacks to the
+per-segment path with one log line.
+
+The peer bugs of issue 22, each put into the code once and caught by (the tests that failed):
+- NeMo Automodel's trap, the first completion token after a stored-once prompt left unsupervised (the packer
+  trains from one token after the prompt): every `test_tree_forward_matches_rowwise[*-first]` case, which
+  diverges at that token, and `test_packer_scores_every_completion_token_and_no_leaf`; every other exactness
+  case fails too, since each has a first completion token;
+- AReaL #1308, an extra logprob at the last node of a trie (each row's last score read from the packed position
+  after its source, the leaf or the next row): the `[*-last]` exactness cases, whose rows differ only in their
+  last token (and every other exactness case), and `test_packer_scores_every_completion_token_and_no_leaf` (a
+  label that is not the scored token);
+- wrong entropies through a FlexAttention path (the ancestor block mask letting a segment see a sibling, i.e.
+  plain causal over the packed order): `test_flex_attention_forward_matches_rowwise` on every case with
+  siblings (all but `identical`); the per-segment path's tests cannot see it, and on CPU only this test runs
+  FlexAttention;
+- AReaL #889, block masks that break activation checkpointing (tree attention only inside the
+  `tree_forward_active` context, which the backward's recomputation runs outside of):
+  `test_gradient_checkpointing[False]` and `[True]`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import pytest
 import torch
 
+import appo_trl.trainer.tree_attention as ta
 from appo_trl.trainer.tree import pack_rows, tree_logps_and_entropies
 from appo_trl.trainer.tree_attention import install_tree_attention
 
@@ -168,6 +189,8 @@ def test_packer_scores_every_completion_token_and_no_leaf():
     assert pack.flat_index.tolist() == [0, 1, 2, 3, c + 0, c + 1, c + 2, 2 * c + 0, 2 * c + 1, 2 * c + 2, 2 * c + 3,
                                         2 * c + 4]  # fmt: skip
     labels = pack.inputs["shift_labels"][0]
+    targets = ids[:, -c:].flatten()[pack.flat_index]
+    assert labels[pack.source].tolist() == targets.tolist()  # each score is read where its own token is the label
     first_tokens = sorted(labels[pack.source[[0, 4, 7]]].tolist())
     assert first_tokens == [7, 11, 12]  # each first completion token is predicted by its own copy of the prompt end
     # 12 labelled positions of 20: the 8 without a label are the 5 shared prompt tokens that predict prompt tokens
@@ -184,3 +207,110 @@ def test_bad_input_fails_with_one_clear_line(tmp_path):
     with pytest.raises(ValueError, match="row 1's attention mask has a hole"):
         row_spans(torch.tensor([[0, 1, 1], [1, 0, 1]]))
     assert row_spans(torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]])) == [(1, 3), (0, 4)]
+
+
+@pytest.fixture
+def cuda_dispatch_on_cpu(monkeypatch):
+    """The CUDA kernel dispatch (`_cuda_attention`) on CPU: `_on_gpu` says yes, flash_attn is not installed, no
+    kernel has failed yet and no log line has been said yet in this process."""
+    monkeypatch.setattr(ta, "_on_gpu", lambda query: True)
+    monkeypatch.setattr(ta, "_flash_varlen", lambda: None)
+    monkeypatch.setattr(ta, "_FAILED", set())
+    ta._say_fallback.cache_clear()
+    yield
+    ta._say_fallback.cache_clear()
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == ta.__name__]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_flex_attention_forward_matches_rowwise(case, cuda_dispatch_on_cpu, monkeypatch, caplog):
+    """The GPU path without flash_attn: FlexAttention with the ancestor block mask, driven through the CUDA dispatch
+    on CPU (the real compiled `flex_attention`), gives the row-wise logps and entropies within 1e-5. Forward only,
+    under `torch.no_grad`: FlexAttention has no backward on CPU (NotImplementedError), so its gradients are not
+    tested here. The per-segment path is replaced by a failure, so a silent fallback cannot pass; one log line says
+    that flash_attn is missing and FlexAttention serves. This is the test for the peer bug "wrong entropies through
+    a FlexAttention path"."""
+    flex = ta._flex()
+    assert flex is not None, "this torch has no FlexAttention"
+    create_block_mask, flex_attention = flex
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return flex_attention(*args, **kwargs)
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("the per-segment path ran: FlexAttention did not serve")
+
+    monkeypatch.setattr(ta, "_flex", lambda: (create_block_mask, counted))
+    monkeypatch.setattr(ta, "_segment_attention", no_fallback)
+    model = tiny("qwen3")  # 4 query heads on 2 key/value heads: FlexAttention's GQA
+    ids, mask, c = batch(CASES[case])
+    mask_c = mask[:, -c:].float()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger=ta.__name__):
+        lr, er = rowwise(model, ids, mask, c)
+        lt, et = tree(model, ids, mask, c)
+    assert len(calls) == model.config.num_hidden_layers
+    torch.testing.assert_close(lt, lr * mask_c, atol=TOL, rtol=0)
+    torch.testing.assert_close(et, er * mask_c, atol=TOL, rtol=0)
+    assert _warnings(caplog) == [
+        "tree attention: flash_attn is not installed; using FlexAttention with an ancestor block mask."
+    ]
+
+
+@pytest.mark.parametrize("failure", ["raises", "missing"])
+def test_gpu_fallback_to_the_segment_path_with_one_log_line(failure, cuda_dispatch_on_cpu, monkeypatch, caplog):
+    """No flash_attn, and FlexAttention either raises at its first call (a compilation failure; a stand-in raises)
+    or is missing: no error, the per-segment path serves, exact in the forward and every gradient, one log line for
+    the whole process, and a FlexAttention that failed is not tried again (two models, several layers)."""
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("C++ compile error\n(the compiler's long output)")
+
+    monkeypatch.setattr(ta, "_flex", (lambda: (lambda *a, **k: None, broken)) if failure == "raises" else lambda: None)
+    with caplog.at_level(logging.WARNING, logger=ta.__name__):
+        assert_exact(tiny("qwen3"), CASES["mixed"])
+        assert_exact(tiny("llama"), CASES["tool"])
+    what = {
+        "raises": "flash_attn is not installed and FlexAttention failed (RuntimeError: C++ compile error)",
+        "missing": "neither flash_attn nor FlexAttention is available on this GPU",
+    }[failure]
+    assert _warnings(caplog) == [f"tree attention: {what}; using the per-segment SDPA path."]
+    assert len(calls) == (1 if failure == "raises" else 0)
+
+
+def test_gpu_out_of_memory_in_flex_attention_is_raised(cuda_dispatch_on_cpu, monkeypatch):
+    """Out of memory is not a missing kernel: it is raised, not hidden behind the fallback."""
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(ta, "_flex", lambda: (lambda *a, **k: None, oom))
+    ids, mask, c = batch(CASES["first"])
+    with pytest.raises(torch.OutOfMemoryError), torch.no_grad():
+        tree(tiny("qwen3"), ids, mask, c)
+    assert not ta._FAILED
+
+
+def test_gpu_attention_dropout_takes_the_segment_path(cuda_dispatch_on_cpu, monkeypatch, caplog):
+    """FlexAttention has no attention dropout: a training forward with dropout runs the per-segment path (which
+    applies it), with one log line, instead of dropping the dropout silently."""
+    calls = []
+    monkeypatch.setattr(ta, "_flex", lambda: (lambda *a, **k: None, lambda *a, **k: calls.append(1)))
+    model = tiny("qwen3")
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    model.train()
+    ids, mask, c = batch(CASES["first"])
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger=ta.__name__):
+        tree(model, ids, mask, c)
+    assert not calls
+    assert _warnings(caplog) == [
+        "tree attention: flash_attn is not installed and FlexAttention has no attention dropout; "
+        "using the per-segment SDPA path."
+    ]

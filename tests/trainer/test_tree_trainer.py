@@ -4,7 +4,9 @@ engine (tool-masked spans, branch rows that share their parent's prefix), for ev
 - the loss and every parameter's gradient of a real micro-batch agree within 1e-5 (float32, CPU);
 - `beta > 0`: the reference log-probs the run computed through the tree equal the row-wise reference pass;
 - APPO's `score_trajectories` (its branch-selection forward) gives the row-wise logps and entropies;
-- micro-batches hold whole groups (groups are shuffled, not rows) and `tree/tokens_ratio` is logged, below 1.
+- micro-batches hold whole groups (groups are shuffled, not rows) and `tree/tokens_ratio` is logged, below 1;
+- the chat tool format (the trainer's own engine, Qwen-style `<tool_call>` turns with `tool` messages, ARPO branches
+  after the tool result): the loss and every gradient agree within 1e-5 as well.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ def run_one_step(tmp_path, tokenizer, model_path, compare=False, **kw):
         per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=1, max_completion_length=96,
         min_remaining_tokens=4, **kw,
     )  # fmt: skip
+    seen, compared = train_recording(trainer, compare)
+    return trainer, engine, seen, compared
+
+
+def train_recording(trainer, compare):
+    """Train; record each micro-batch's inputs and, with `compare`, its loss and gradients row-wise and through the
+    tree, inside the step."""
     seen, compared = [], []
     orig = trainer._compute_loss
 
@@ -45,7 +54,7 @@ def run_one_step(tmp_path, tokenizer, model_path, compare=False, **kw):
 
     trainer._compute_loss = spy
     trainer.train()
-    return trainer, engine, seen, compared
+    return seen, compared
 
 
 def loss_and_grads(trainer, model, inputs, tree: bool):
@@ -57,11 +66,9 @@ def loss_and_grads(trainer, model, inputs, tree: bool):
     return loss.detach(), {n: g for (n, _), g in zip(params, grads) if g is not None}
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_loss_and_gradients_equal_rowwise(strategy, tiny_model_path, tiny_tokenizer, tmp_path):
-    trainer, engine, seen, compared = run_one_step(
-        tmp_path, tiny_tokenizer, tiny_model_path, compare=True, **STRATEGIES[strategy]
-    )
+def assert_step_exact(trainer, seen, compared):
+    """Whole groups per micro-batch, a logged tokens ratio below 1, and per micro-batch the tree's loss and every
+    gradient equal to the row-wise ones."""
     assert trainer.args.tree_forward  # the default
     prompts = [{tuple(r[m.bool()].tolist()) for r, m in zip(i["prompt_ids"], i["prompt_mask"])} for i in seen]
     assert all(len(p) == 1 for p in prompts), "a micro-batch holds one whole group"
@@ -74,6 +81,65 @@ def test_loss_and_gradients_equal_rowwise(strategy, tiny_model_path, tiny_tokeni
         assert set(g_tree) == set(g_row) and g_row
         for name in g_row:
             torch.testing.assert_close(g_tree[name], g_row[name], atol=TOL, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_loss_and_gradients_equal_rowwise(strategy, tiny_model_path, tiny_tokenizer, tmp_path):
+    trainer, engine, seen, compared = run_one_step(
+        tmp_path, tiny_tokenizer, tiny_model_path, compare=True, **STRATEGIES[strategy]
+    )
+    assert_step_exact(trainer, seen, compared)
+
+
+class VariedChat:
+    """Chat turns that differ from call to call: a thought (one of three, each with its own first token) and one
+    `multiply` call ending the turn, then, after the tool result, an answer (one of four). Rows of a group share the
+    prompt and diverge at the first completion token (or share it); an ARPO branch shares its parent's turn and tool
+    result and then diverges. Each token's logprob is -0.5, with a two-entry top-k."""
+
+    THOUGHTS = ("<think> six times seven </think>", "Six times seven:", "I call multiply.")
+
+    def __init__(self, tokenizer):
+        self.tok, self.count = tokenizer, 0
+        self.after = tokenizer.convert_tokens_to_ids("</tool_response>")
+
+    async def generate(self, prompt_ids, params):
+        from appo_trl.rollout import Segment
+
+        self.count += 1
+        enc = lambda s: self.tok.encode(s, add_special_tokens=False)  # noqa: E731
+        if self.after in prompt_ids:
+            text = f" <answer> {40 + self.count % 4} </answer>"
+        else:
+            call = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
+            text = f"{self.THOUGHTS[self.count % 3]}\n{call}"
+        ids = (enc(text) + [self.tok.eos_token_id])[: params.max_tokens]
+        tops = [{i: -0.5, (i + 1) % len(self.tok): -1.0} for i in ids] if params.logprobs else None
+        return Segment(ids, [-0.5] * len(ids), tops, "eos", None)
+
+
+def test_chat_tool_format_loss_and_gradients_equal_rowwise(tiny_chat_model_path, tiny_chat_tokenizer, tmp_path):
+    """`tool_format="chat"` with the trainer's own engine (`tools=[multiply]`), ARPO: two micro-batches of one
+    group each, whose rows share the prompt and, for the branches, the turn up to the tool result."""
+    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.trainer.trainer import APPOTrainer
+    from tests.trainer.test_chat_tools import Reward, multiply, prompts
+    from tests.trainer.test_trainer import CPU
+
+    args = APPOConfig(output_dir=str(tmp_path), **CPU, rollout_strategy="arpo", num_generations=4,
+                      per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=1,
+                      max_completion_length=120, tool_format="chat", initial_rollouts=2, branch_probability=1.0,
+                      beam_size=2)  # fmt: skip
+    trainer = APPOTrainer(model=tiny_chat_model_path, reward_funcs=[Reward()], args=args, train_dataset=prompts(),
+                          processing_class=tiny_chat_tokenizer, tools=[multiply])  # fmt: skip
+    trainer.rollout_engine.backend = VariedChat(tiny_chat_tokenizer)
+    seen, compared = train_recording(trainer, compare=True)
+    for inputs in seen:  # the case is not trivial: chat tool turns, rows that differ from the first token on
+        assert inputs["tool_mask"].eq(0).any(), "a tool result is masked out of the loss"
+        assert len(set(inputs["completion_ids"][:, 0].tolist())) > 1
+    logged = {k: v for e in trainer.state.log_history for k, v in e.items()}
+    assert logged["branch/points_per_prompt"] > 0
+    assert_step_exact(trainer, seen, compared)
 
 
 def test_reference_pass_with_beta(tiny_model_path, tiny_tokenizer, tmp_path):
