@@ -604,6 +604,12 @@ class APPOConfig(GRPOConfig):
             self._fail("vllm_dtype applies to vllm_mode=colocate only (a server takes --dtype at launch).")
         if self.use_vllm and self.vllm_mode not in ("server", "colocate"):
             self._fail(f"vllm_mode={self.vllm_mode!r}; choose server (vllm serve) or colocate (in-process vLLM).")
+        if self.use_vllm and self.vllm_mode == "colocate" and self.vllm_tensor_parallel_size > 1:
+            self._fail(
+                f"vllm_mode=colocate with vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} is not supported "
+                "(each rank's tool loop sends its own requests, a tensor-parallel group must send the same ones); "
+                f"use vllm_mode=server (`vllm serve MODEL --tensor-parallel-size {self.vllm_tensor_parallel_size}`)."
+            )
         self._validate_batching()
         self._validate_async()
 
