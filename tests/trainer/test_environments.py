@@ -209,7 +209,7 @@ def test_plain_training_with_a_factory_updates_the_model(tmp_path, tiny_chat_mod
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
 
 
-@pytest.mark.parametrize("strategy", ["arpo", "appo"])
+@pytest.mark.parametrize("strategy", ["arpo", "aepo", "appo"])
 def test_replay_environments_branch_from_a_fresh_instance(tmp_path, strategy, tiny_chat_model_path, tok):
     """`branch_mode = "replay"`: no deep copy is ever made; the child's instance is reset and re-fed the calls."""
     trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, strategy, factory=ReplayCounter)
@@ -246,6 +246,34 @@ def test_replay_that_diverges_fails_with_its_cause(tmp_path, tiny_chat_model_pat
     trainer.rollout_engine.backend = CounterPolicy(tok)
     with pytest.raises(RuntimeError, match="Drifting .*replaying call 1 add.*not deterministic"):
         trainer.train()
+
+
+class LateDrift(ReplayCounter):
+    """Its calls replay exactly, but reset() words its observation differently from the 5th reset on: TRL's
+    four instances of the batch see one observation, every new instance (a replayed branch's) another."""
+
+    resets = 0
+
+    def reset(self, start: int = 0, **kwargs) -> str:
+        LateDrift.resets += 1
+        observation = super().reset(start=start, **kwargs)
+        return observation if LateDrift.resets <= 4 else observation.replace("starts at", "begins at")
+
+
+@pytest.mark.parametrize("strategy", ["arpo", "appo"])
+def test_a_new_instance_whose_reset_observation_differs_fails_naming_it(tmp_path, strategy, tiny_chat_model_path,
+                                                                         tok):  # fmt: skip
+    """A replayed branch's instance is reset() with its group's row; its observation is checked against the prompt
+    the group was sampled on (as TRL's own instances are), instead of branching from a state the prompt never
+    showed."""
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, strategy, factory=LateDrift)
+    trainer.rollout_engine.backend = CounterPolicy(tok)
+    LateDrift.resets = 0
+    with pytest.raises(ValueError, match="a new LateDrift instance reset\\(\\) with row 0 returned ' The counter "
+                                         "begins at 10.', a different observation from the one its group was "
+                                         "sampled on; .*seed its randomness from the row"):  # fmt: skip
+        trainer.train()
+    assert LateDrift.resets > 4  # TRL's four, then the new ones (APPO makes its branches concurrently)
 
 
 @pytest.mark.parametrize("strategy", ["grpo", "arpo", "aepo", "appo"])
