@@ -377,6 +377,100 @@ def test_mixed_environments_score_only_their_own_rows(tmp_path, tiny_chat_model_
     assert '"name": "add"' in schema
 
 
+RESET_KEYS: list[tuple[str, ...]] = []
+
+
+class RoutedCounter(ReplayCounter):
+    """A counter (tool `add`) that notes the keyword arguments of every reset(), replayed branches' included."""
+
+    def reset(self, **kwargs) -> str:
+        with LOCK:
+            RESET_KEYS.append(tuple(sorted(kwargs)))
+        return super().reset(**kwargs)
+
+
+class Abacus:
+    """A second environment with another tool, `times`, and no reward of its own."""
+
+    branch_mode = "replay"
+
+    def __init__(self):
+        self.value, self.history = 1, []
+
+    def reset(self, **kwargs) -> str:
+        with LOCK:
+            RESET_KEYS.append(tuple(sorted(kwargs)))
+        self.value, self.history = int(kwargs.get("start", 1)), []
+        return f" The abacus shows {self.value}."
+
+    def times(self, k: int) -> str:
+        """Multiply the abacus by k and return the new value.
+
+        Args:
+            k: the factor.
+        """
+        self.history.append(int(k))
+        self.value *= int(k)
+        return str(self.value)
+
+
+class BothToolsPolicy(CounterPolicy):
+    """Scripted sampler: every turn calls `add(k)` then `times(k)` (one of them is not the row's environment's),
+    k from the request seed; after two such turns (4 results) an answer and EOS."""
+
+    async def generate(self, prompt_ids, params):
+        enc = lambda s: self.tok.encode(s, add_special_tokens=False)  # noqa: E731
+        h = len(self.header)
+        start = max(i + h for i in range(len(prompt_ids) - h + 1) if prompt_ids[i : i + h] == self.header)
+        tail = prompt_ids[start:]
+        if sum(1 for t in prompt_ids if t == self.result) >= 4:
+            ids = enc(" <answer> done </answer>") + [self.tok.eos_token_id]
+        else:
+            said = re.search(r"use (\d)", self.tok.decode(tail))
+            k = int(said.group(1)) if said else 2 + params.seed % 5
+            calls = "\n".join(
+                '<tool_call>\n{"name": "' + name + '", "arguments": {"k": ' + str(k) + "}}\n</tool_call>"
+                for name in ("add", "times")
+            )
+            ids = enc(f"<think> use {k} </think>\n" + calls) + [self.tok.eos_token_id]
+        assert ids[: len(tail)] == tail, "the scripted turn does not continue its own prefix"
+        ids = ids[len(tail) :]
+        reason = "eos"
+        if len(ids) > params.max_tokens:
+            ids, reason = ids[: params.max_tokens], "length"
+        tops = [{i: -0.5, (i + 1) % len(self.tok): -1.0} for i in ids] if params.logprobs else None
+        return Segment(ids, [-0.5] * len(ids), tops, reason, None)
+
+
+@pytest.mark.parametrize("strategy", ["grpo", "arpo"])
+def test_each_row_sees_and_calls_only_its_own_environments_tools(tmp_path, strategy, tiny_chat_model_path, tok):
+    """TRL's per-row routing with two environments with different tools: a row's prompt lists only its
+    environment's tools, its calls to the other's method get TRL's `Tool ... not found.` result and leave its
+    instance untouched, and reset() never gets the dataset's `environment` key (TRL drops it in multi-environment
+    mode), on TRL's instances and on the new instances of replayed branches alike."""
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, strategy, reward_funcs=[answer_len],
+                           factory={"counter": RoutedCounter, "abacus": Abacus}, data=routed(["counter", "abacus"]),
+                           per_device_train_batch_size=8)  # fmt: skip
+    trainer.rollout_engine.backend = BothToolsPolicy(tok)
+    seen = capture_rows(trainer)
+    RESET_KEYS.clear()
+    trainer.train()
+    [(rows, envs)] = seen
+    assert len(envs) == 8 and {type(e) for e in envs} == {RoutedCounter, Abacus}
+    for traj, env in zip(rows, envs):
+        own, other = ("add", "times") if type(env) is RoutedCounter else ("times", "add")
+        prompt = tok.decode(traj.prompt_ids)
+        assert f'"name": "{own}"' in prompt and f'"name": "{other}"' not in prompt  # its own tools only
+        assert [c.tag for c in traj.tool_calls] == ["add", "times"] * 2
+        for c in traj.tool_calls:
+            if c.tag == other:
+                assert c.result == str({"error": f"Tool {other} not found."}) and not c.ok
+        assert env.history == [json.loads(c.query)["k"] for c in traj.tool_calls if c.tag == own]
+    assert RESET_KEYS and set(RESET_KEYS) == {("prompt", "start")}  # no `environment` key
+    children = [t for t in rows if t.parent is not None]
+    assert (strategy == "arpo") == bool(children) and len(RESET_KEYS) == 8 + len(children)  # replays reset too
+
+
 def test_environment_owned_data_needs_max_steps(tmp_path, tiny_chat_model_path, tok):
     trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, "aepo", data=None, max_steps=1)
     trainer.rollout_engine.backend = CounterPolicy(tok)
