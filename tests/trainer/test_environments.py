@@ -536,6 +536,15 @@ class SlowCounter(Counter):
         return str(self.total)
 
 
+class ReplaySlowCounter(SlowCounter):
+    """`SlowCounter` whose branches replay the parent's calls into a new instance (it cannot be deep-copied)."""
+
+    branch_mode = "replay"
+
+    def __deepcopy__(self, memo):
+        raise TypeError("holds a live connection")
+
+
 class TwoCallPolicy(CounterPolicy):
     """Scripted sampler: each assistant turn holds two `add` calls, k1 = 3 + seed % 3 then k2 = 1 + seed % 2
     (k1 > k2), and ends with the sampled `<|im_end|>`; after two such turns (4 results) an answer and EOS. It
@@ -563,15 +572,20 @@ class TwoCallPolicy(CounterPolicy):
         return Segment(ids, [-0.5] * len(ids), tops, reason, None)
 
 
-@pytest.mark.parametrize("strategy", ["grpo", "arpo", "aepo", "appo"])
-def test_two_calls_per_turn_run_in_call_order_and_branches_fork_the_right_state(tmp_path, strategy,
+@pytest.mark.parametrize(
+    "strategy, factory",
+    [(s, SlowCounter) for s in ("grpo", "arpo", "aepo", "appo")]
+    + [("arpo", ReplaySlowCounter), ("appo", ReplaySlowCounter)],
+)
+def test_two_calls_per_turn_run_in_call_order_and_branches_fork_the_right_state(tmp_path, strategy, factory,
                                                                                tiny_chat_model_path, tok):  # fmt: skip
     """Two `add` calls per turn on one instance: its history is the calls in order (results are running totals),
     and each fork's or branch's instance, captured the moment it is made, is the parent's after the calls before
-    the fork (ARPO/AEPO: right after a two-call turn; APPO: wherever its branch points fall)."""
+    the fork (ARPO/AEPO: right after a two-call turn; APPO: wherever its branch points fall), whether it is a deep
+    copy or a new instance that replayed them."""
     from appo_trl.rollout.environments import RoundEnvironments
 
-    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, strategy, factory=SlowCounter, tool_call_limit=6,
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, strategy, factory=factory, tool_call_limit=6,
                            rollout_concurrency=4)  # fmt: skip
     trainer.rollout_engine.backend = TwoCallPolicy(tok)
     seen, at_fork = capture_rows(trainer), {}
