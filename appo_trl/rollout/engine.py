@@ -9,8 +9,9 @@ Token rules (the reason this module exists):
   string that ends inside a token keeps that whole token (its extra text included) and nothing is re-tokenised;
 - tool results are tokenised with `add_special_tokens=False` and `split_special_tokens=True`, after
   special-token strings in the output are broken up, so a result can neither insert a BOS nor end the row;
-- a call beyond `call_limit` is not executed: one EOS is appended with mask 0 (it was not sampled) and the
-  trajectory ends with `finish_reason="call_limit"`;
+- a call beyond `call_limit` (or a turn beyond `turn_limit`, TRL's `max_tool_calling_iterations`) is not
+  executed: one EOS is appended with mask 0 (it was not sampled) and the trajectory ends with
+  `finish_reason="call_limit"`;
 - `len(prompt) + len(completion) <= max_model_len` and `len(completion) <= max_completion_length` always; a
   result that does not fit is cut and the trajectory ends with `"length"`.
 
@@ -18,8 +19,9 @@ Two tool formats share this loop (`tool_format`): ARPO's tags (`<python>...</pyt
 the `result_template`) and the model's chat template (`chat=ChatToolFormat(...)`: as in TRL's tool loop, sample
 to the end of the assistant turn, parse every JSON call in it, run them concurrently, splice the template's tool
 turn with one result per call in call order and the next assistant header; a malformed call or an unknown tool
-name is answered with an error result, not raised). Every call counts against `call_limit`; a chat turn whose
-calls would pass it runs none of them and ends the trajectory (its own sampled end of turn closes the row).
+name is answered with an error result, not raised). Every call counts against `call_limit`, every turn against
+`turn_limit`; a chat turn whose calls would pass either runs none of them and ends the trajectory (its own sampled
+end of turn closes the row).
 Masks, NaN logprobs, budgets, forking and branching are the same code in both.
 
 With `environments` set (TRL's `environment_factory`, `appo_trl.rollout.environments`), every trajectory owns an
@@ -368,10 +370,8 @@ class RolloutEngine:
         """Handle a tool stop tag (chat: a closed turn with calls) at the end of `traj`; False when it finished."""
         if self.chat is not None:
             return await self._chat_turn(traj)
-        if traj.num_calls >= self.config.call_limit:
+        if self._over_limit(traj, 1):
             traj.append([self.eos_id], 0)
-            traj.finish_reason = "call_limit"
-            self._m["call_limit_hits"] += 1
             return False
         query = extract_call(self._turn_text(traj), tag)
         if not query:
@@ -394,6 +394,19 @@ class RolloutEngine:
             return False
         return True
 
+    def _over_limit(self, traj: Trajectory, calls: int) -> bool:
+        """True (and `traj` finished `call_limit`) when one more turn of `calls` calls would pass `call_limit` or
+        `turn_limit` (None: no limit). The turns done are the distinct ends of the records: a turn's calls share
+        one."""
+        limit, turns = self.config.call_limit, self.config.turn_limit
+        over = (limit is not None and traj.num_calls + calls > limit) or (
+            turns is not None and len({c.end for c in traj.tool_calls}) >= turns
+        )
+        if over:
+            traj.finish_reason = "call_limit"
+            self._m["call_limit_hits"] += 1
+        return over
+
     def _count_call(self, tag: str, result: ToolResult) -> None:
         stats = self._tool_m[tag]
         stats["calls"] += 1
@@ -409,13 +422,12 @@ class RolloutEngine:
         The calls run concurrently (those to the trajectory's environment one at a time, in call order:
         `_run_calls`) and their results are appended in call order. Each record spans its own
         template part and result; the calls of one turn share `end`, the end of the tool turn (sampling resumes
-        there). A turn that would take the calls past `call_limit` runs none: the trajectory ends `call_limit`.
+        there). A turn that would take the calls past `call_limit`, or the turns past `turn_limit`, runs none: the
+        trajectory ends `call_limit`.
         """
         turn = self._turn_text(traj)
         calls = self.chat.parse_calls(turn)
-        if traj.num_calls + len(calls) > self.config.call_limit:
-            traj.finish_reason = "call_limit"
-            self._m["call_limit_hits"] += 1
+        if self._over_limit(traj, len(calls)):
             return False
         results = await self._run_calls(traj, calls)
         tools = getattr(self.executor, "tools", ())

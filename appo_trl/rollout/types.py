@@ -143,7 +143,7 @@ class Trajectory:
         tool_calls: the calls made, in order.
         num_calls: calls counted against `RolloutConfig.call_limit` (a branch starts from its prefix's count).
         finish_reason: `"eos"`, `"length"` (completion budget or model length), `"call_limit"` (a call over
-            the limit: tags append a forced EOS; chat ends on the turn's own sampled end), `"empty_call"` (a tool tag with nothing inside) or
+            the call or turn limit: tags append a forced EOS; chat ends on the turn's own sampled end), `"empty_call"` (a tool tag with nothing inside) or
             `"running"` while unfinished.
         group: index of the prompt in the `rollout` call (branches keep their parent's).
         uid: unique id of this trajectory.
@@ -211,9 +211,12 @@ class RolloutConfig:
     Args:
         max_completion_length: most completion tokens per trajectory, tool results included.
         max_model_len: most prompt + completion tokens (the sampler's context length).
-        call_limit: tool calls per trajectory over all tools (3 for reasoning, 6 for deep search). A call
-            beyond it is not executed: a forced EOS (mask 0) ends the trajectory, as ARPO does. Chat format: each
-            call of a multi-call turn counts; a turn that would pass the limit runs none of its calls.
+        call_limit: tool calls per trajectory over all tools (3 for reasoning, 6 for deep search); None: no
+            limit. A call beyond it is not executed: a forced EOS (mask 0) ends the trajectory, as ARPO does. Chat
+            format: each call of a multi-call turn counts; a turn that would pass the limit runs none of its calls.
+        turn_limit: tool-calling turns per trajectory (TRL's `max_tool_calling_iterations`); None (default): no
+            limit. Checked alongside `call_limit`: a turn beyond it runs none of its calls and ends the trajectory
+            the same way. In the tag format every call is its own turn.
         temperature, top_p, top_k: sampling defaults.
         tool_tags: tags that trigger tools; `</tag>` is a stop string for each.
         result_template: the text injected after a call (ARPO's training format); `{result}` is the output.
@@ -231,7 +234,8 @@ class RolloutConfig:
 
     max_completion_length: int = 1024
     max_model_len: int = 32768
-    call_limit: int = 3
+    call_limit: int | None = 3
+    turn_limit: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -249,8 +253,9 @@ class RolloutConfig:
     def __post_init__(self):
         if self.max_completion_length < 1 or self.max_model_len < 2:
             raise ValueError("max_completion_length must be >= 1 and max_model_len >= 2")
-        if self.call_limit < 0:
-            raise ValueError(f"call_limit must be >= 0, got {self.call_limit}")
+        for name in ("call_limit", "turn_limit"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 or None (no limit), got {getattr(self, name)}")
         if self.entropy_reduce not in ("sum", "mean"):
             raise ValueError(f"entropy_reduce must be 'sum' or 'mean', got {self.entropy_reduce!r}")
         if self.hook_mode not in ("faithful", "lookahead"):

@@ -18,6 +18,11 @@ whole: `include_stop_str_in_output`), "stop" otherwise is an EOS or stop token, 
 aborted request is never returned as finished (it raises). A failure inside the engine fails every request in
 flight with that error as the cause and every later request at once; nothing waits forever.
 
+One engine per rank, without tensor parallelism: TRL's `vllm_tensor_parallel_size > 1` colocate engines run in
+lockstep (`distributed_executor_backend="external_launcher"`), so every rank of a TP group must add the same
+requests in the same order, while each rank's tool loop here adds its own as its trajectories reach them.
+`APPOConfig` refuses that combination and names server mode, which serves tensor parallelism.
+
 What this module does not do: build the `LLM` or sync weights (TRL's `VLLMGeneration` does), or sleep / wake
 it (`awake()` wraps a round when TRL's sleep mode is on). It must not be used while the trainer loads
 weights into the same engine: the trainer syncs between rounds, when no request is in flight.

@@ -107,13 +107,14 @@ class APPOConfig(GRPOConfig):
     tool_config: dict | str | None = field(
         default=None, metadata=_h("Per-tool parameters as a mapping (YAML) or JSON string, keyed by tool name.")
     )
-    tool_call_limit: int = field(
+    tool_call_limit: int | None = field(
         default=3,
         metadata=_h(
-            "Tool calls allowed per trajectory across all tools (a branch inherits its parent's count). "
-            "At the limit the trajectory ends. Each call of a multi-call chat turn counts, and a turn that would "
-            "pass the limit runs none of its calls (TRL's `max_tool_calling_iterations`, which sets this field, "
-            "counts turns). Released values: 3 reasoning, 6 deep search."
+            "Tool calls allowed per trajectory across all tools (a branch inherits its parent's count); null = no "
+            "limit. At the limit the trajectory ends. Each call of a multi-call chat turn counts, and a turn that "
+            "would pass the limit runs none of its calls. TRL's `max_tool_calling_iterations` counts turns, as in "
+            "TRL, and is checked too; a config appo-trl builds from a GRPOConfig (or for no `args`) has no call "
+            "limit, as TRL. Released values: 3 reasoning, 6 deep search."
         ),
     )
     dump_rollouts: int = field(
@@ -579,12 +580,16 @@ class APPOConfig(GRPOConfig):
         if self.future_kl_decay_rate <= 0:
             self._fail(f"future_kl_decay_rate={self.future_kl_decay_rate} must be > 0.")
         if (
-            self.tool_call_limit < 0
+            (self.tool_call_limit is not None and self.tool_call_limit < 0)
+            or (self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0)
             or self.entropy_tokens < 1
             or self.entropy_topk < 1
             or self.min_remaining_tokens < 0
         ):
-            self._fail("tool_call_limit, min_remaining_tokens must be >= 0 and entropy_tokens, entropy_topk >= 1.")
+            self._fail(
+                "tool_call_limit, max_tool_calling_iterations, min_remaining_tokens must be >= 0 (the limits: or "
+                "null) and entropy_tokens, entropy_topk >= 1."
+            )
         self._resolve_branch_cap()
         if self.loss_mode != "clip" or (self.kl_clamp is not None and self.beta != 0.0):
             if self.loss_type not in CUSTOM_LOSS_TYPES:
@@ -599,8 +604,6 @@ class APPOConfig(GRPOConfig):
             self._fail(f"tool_format={self.tool_format!r}; choose one of ('tags', 'chat').")
         if isinstance(self.tools, str) or callable(self.tools):  # `tools: python` in YAML, `tools=func` in Python
             self.tools = [self.tools]
-        if self.max_tool_calling_iterations is not None:  # TRL's name for the per-rollout tool-call budget
-            self.tool_call_limit = self.max_tool_calling_iterations
         if self.vllm_weight_sync not in ("auto", "nccl", "disk"):
             self._fail(f"vllm_weight_sync must be auto, nccl or disk (got {self.vllm_weight_sync!r}).")
         self._validate_replicas()
@@ -610,6 +613,12 @@ class APPOConfig(GRPOConfig):
             self._fail("vllm_dtype applies to vllm_mode=colocate only (a server takes --dtype at launch).")
         if self.use_vllm and self.vllm_mode not in ("server", "colocate"):
             self._fail(f"vllm_mode={self.vllm_mode!r}; choose server (vllm serve) or colocate (in-process vLLM).")
+        if self.use_vllm and self.vllm_mode == "colocate" and self.vllm_tensor_parallel_size > 1:
+            self._fail(
+                f"vllm_mode=colocate with vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} is not supported "
+                "(each rank's tool loop sends its own requests, a tensor-parallel group must send the same ones); "
+                f"use vllm_mode=server (`vllm serve MODEL --tensor-parallel-size {self.vllm_tensor_parallel_size}`)."
+            )
         self._validate_batching()
         self._validate_async()
 

@@ -13,8 +13,8 @@ What this module adds, so that the rollout engine can sample with environments a
   is a valid tool, and for arpo/aepo/appo each environment has a branch mode (`appo_trl.rollout.environments`:
   deep copy, or replay of the parent's calls; one clear error otherwise).
 - `round_environments` (every round): a `RoundEnvironments` over TRL's reset instances, so that roots use
-  them, extra roots and `replay` branches get fresh instances reset with the same row, and every row of the
-  batch ends with its own instance (`RoundEnvironments.rows`, which the trainer stores as `self.environments`
+  them, extra roots and `replay` branches get fresh instances reset with the same row (whose observation must
+  render the group's prompt: one clear error otherwise), and every row of the batch ends with its own instance (`RoundEnvironments.rows`, which the trainer stores as `self.environments`
   for TRL's reward step: `get_reward()` is called once per row, branches included).
 
 What it does not do: sample, call tools (the engine does), or score (TRL does).
@@ -42,10 +42,38 @@ def check_environments(trainer) -> None:
         trainer._env_branch_modes[name] = None if strategy == "grpo" else branch_mode(probe, strategy)
 
 
-def _fresh(trainer, row: dict, name):
-    """A new instance of environment `name`, `reset()` with `row` as TRL does (no `environment` key when several)."""
+def _observed_prompt_ids(trainer, row: dict, name, observation) -> list[int]:
+    """The prompt ids TRL samples `row` on when `reset()` returned `observation`: appended to the last message as
+    TRL's `_generate_and_score_completions` does, rendered with the environment's tools as its `_tokenize_prompts`."""
+    prompt = row.get("prompt", [{"role": "user", "content": ""}])  # TRL's default when the environment owns the data
+    if observation is not None:
+        content = prompt[-1]["content"]
+        if isinstance(observation, list) and isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        if isinstance(observation, str) and isinstance(content, list):
+            observation = [{"type": "text", "text": observation}]
+        prompt = prompt[:-1] + [{**prompt[-1], "content": content + observation}]
+    out = trainer.processing_class.apply_chat_template(
+        conversation=[prompt], tools=trainer._env_tools[name] or None, chat_template=trainer.chat_template,
+        add_generation_prompt=True, tokenize=True, return_dict=True, **trainer.chat_template_kwargs,
+    )  # fmt: skip
+    return list(out["input_ids"][0])
+
+
+def _fresh(trainer, row: dict, name, prompt_ids: list[int], index: int):
+    """A new instance of environment `name`, `reset()` with `row` as TRL does (no `environment` key when several);
+    its observation must give the prompt the group was sampled on (`prompt_ids`, row `index`), else ValueError."""
     env = trainer.environment_factories[name]()
-    env.reset(**({k: v for k, v in row.items() if k != "environment"} if trainer._multi_environment else row))
+    observation = env.reset(
+        **({k: v for k, v in row.items() if k != "environment"} if trainer._multi_environment else row)
+    )
+    if _observed_prompt_ids(trainer, row, name, observation) != list(prompt_ids):
+        raise ValueError(
+            f"environment_factory: a new {type(env).__name__} instance reset() with row {index} returned "
+            f"{str(observation)[:200]!r}, a different observation from the one its group was sampled on; refills "
+            "and replayed branches get new instances, so reset() must return the same observation for the same "
+            "dataset row (seed its randomness from the row)"
+        )
     return env
 
 
@@ -73,7 +101,7 @@ def round_environments(trainer, prompt_ids: list[list[int]], n: int, strategy: s
     modes = trainer._env_branch_modes if strategy != "grpo" else {}
     return RoundEnvironments(
         instances=[rows[s : s + size] for s in starts],
-        make=[lambda s=s: _fresh(trainer, inputs[s], names[s]) for s in starts],
+        make=[lambda s=s: _fresh(trainer, inputs[s], names[s], prompt_ids[s], s) for s in starts],
         modes=[modes.get(names[s]) for s in starts],
         snapshots=strategy == "appo",
     ), per_row

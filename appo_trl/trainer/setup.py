@@ -72,6 +72,7 @@ def build_rollout_engine(trainer):
         max_completion_length=args.max_completion_length,
         max_model_len=max_model_len,
         call_limit=args.tool_call_limit,
+        turn_limit=args.max_tool_calling_iterations,  # TRL counts turns (None: no limit)
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k if args.top_k else -1,

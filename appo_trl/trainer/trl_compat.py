@@ -4,8 +4,12 @@
   `GRPOConfig(f"{model_name}-GRPO")`; a plain `GRPOConfig` is converted field by field into an `APPOConfig`
   (every `GRPOConfig` field keeps its value, the APPO fields take their defaults, so `rollout_strategy: grpo`),
   with one log line saying so. Anything else is a `TypeError`. Such a built config also takes TRL's behaviour
-  for rounds in which every reward is None: TRL warns and trains on, so `max_nan_reward_steps` is 0 there (an
-  `APPOConfig` the user wrote keeps its default, 3 rounds, then an error naming the reward functions).
+  where appo-trl's defaults differ, since the user chose neither:
+  - rounds in which every reward is None: TRL warns and trains on, so `max_nan_reward_steps` is 0 there (an
+    `APPOConfig` the user wrote keeps its default, 3 rounds, then an error naming the reward functions);
+  - the tool-call limit: TRL limits tool-calling *turns* (`max_tool_calling_iterations`, None = no limit) and
+    runs every call of a turn, so `tool_call_limit` (calls, default 3) is None there and only TRL's turn limit
+    applies (an `APPOConfig` the user wrote keeps `tool_call_limit`, checked alongside the turn limit).
 - `row_forward_where_tree_cannot(args, model, aux_loss_enabled)`: where appo-trl built the config (no `args`, or a
   `GRPOConfig`), the user never chose `tree_forward`. A model the tree forward cannot serve (a MoE load-balancing
   loss, which TRL turns on by default; sliding-window attention or attention soft-capping, e.g. Gemma 2, Cohere 2)
@@ -65,6 +69,7 @@ def resolve_args(model, args) -> APPOConfig:
         raise TypeError(f"APPOTrainer: args must be an APPOConfig or a GRPOConfig, got {type(args).__name__}.")
     setattr(built, _BUILT, origin)
     built.max_nan_reward_steps = 0  # TRL warns on all-None rewards and trains on; it never stops the run
+    built.tool_call_limit = None  # TRL has no call limit: only max_tool_calling_iterations (turns) applies
     return built
 
 

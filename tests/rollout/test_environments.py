@@ -22,6 +22,7 @@ from tests.trainer.test_environments import (
     CounterPolicy,
     Drifting,
     ReplayCounter,
+    ReplaySlowCounter,
     SlowCounter,
     TwoCallPolicy,
     Uncopyable,
@@ -114,17 +115,24 @@ def test_branch_mode_is_declared_or_found_by_a_deep_copy():
     assert list(environment_methods(Counter())) == ["add"]  # not reset, get_reward, properties or _private
 
 
-def test_two_calls_per_turn_snapshot_per_call_and_branch_inside_the_turn(tok):
+@pytest.mark.parametrize("cls, mode", [(SlowCounter, "deepcopy"), (ReplaySlowCounter, "replay")])
+def test_two_calls_per_turn_snapshot_per_call_and_branch_inside_the_turn(tok, cls, mode):
     """Two `add` calls per turn (`SlowCounter`: run concurrently, the second would land first): the history is the
-    calls in order, a snapshot is taken after each call (not only after the turn), and branches inside a two-call
-    turn (between its calls' text, or right after its end of turn) re-run both calls from the state before it."""
-    engine, envs, at_fork, prompt = setup(tok, SlowCounter, "deepcopy")
+    calls in order, each call is noted on its own (deepcopy: a snapshot after each call, not only after the turn;
+    replay: one call record each), and branches inside a two-call turn (between its calls' text, or right after
+    its end of turn) re-run both calls from the state before it; a replaying branch re-feeds exactly the calls
+    before it."""
+    engine, envs, at_fork, prompt = setup(tok, cls, mode)
     engine.backend = TwoCallPolicy(tok)
     [[parent]] = engine.run(engine.rollout([prompt], 1, seed=3))
     ks = [json.loads(c.query)["k"] for c in parent.tool_calls]
     assert len(ks) == 4 and envs.env_of(parent).history == ks and ks[0] > ks[1] and ks[2] > ks[3]
-    snapshots = envs._states[parent.uid].snapshots
-    assert {j: s.history for j, s in snapshots.items()} == {j: ks[:j] for j in range(5)}
+    state = envs._states[parent.uid]
+    assert [(c.index, json.loads(c.arguments)["k"]) for c in state.calls] == list(enumerate(ks))
+    if mode == "deepcopy":
+        assert {j: s.history for j, s in state.snapshots.items()} == {j: ks[:j] for j in range(5)}
+    else:
+        assert state.snapshots is None
     calls = parent.tool_calls
     assert calls[0].end == calls[1].end  # one tool turn for both calls
     between = calls[0].start - 12  # inside the first turn's second call

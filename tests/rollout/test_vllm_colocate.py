@@ -1,8 +1,8 @@
 """`VLLMColocateBackend` without vLLM: a fake `llm.llm_engine` (add_request / step / abort_request).
 
 The real engine is tested in tests/real_vllm/test_colocate.py (`make test-vllm`). Here: outputs become the
-right `Segment`s, requests join a running batch, and an engine failure reaches every caller with its cause
-(and every later caller at once) instead of a hang.
+right `Segment`s, requests join a running batch, an engine failure reaches every caller with its cause
+(and every later caller at once) instead of a hang, and sleep mode follows TRL's order around a round.
 """
 
 from __future__ import annotations
@@ -138,3 +138,82 @@ def test_close_with_requests_in_flight_fails_them():
     with pytest.raises(VLLMColocateError, match="closed with requests in flight"):
         asyncio.run(go())
     assert engine.running == {}  # aborted in the engine too
+
+
+# ---- sleep mode: TRL's order around one round ----------------------------------------------------------------------
+
+
+class SleepingLLM:
+    """A fake `vllm.LLM` built with `enable_sleep_mode=True` that logs every call in order: wake_up / sleep,
+    weight loads and the prefix-cache reset (TRL's `sync_weights`), and the engine's add_request / step."""
+
+    def __init__(self, events):
+        self.events = events
+        engine = FakeEngine(lambda p: ([7, 2], "stop", None), delay=1)
+        add, step = engine.add_request, engine.step
+        engine.add_request = lambda *a: (events.append("add_request"), add(*a))[1]
+        engine.step = lambda: (events.append("step"), step())[1]
+        model = NS(load_weights=lambda weights: events.extend(f"load {name}" for name, _ in weights))
+        engine.model_executor = NS(driver_worker=NS(model_runner=NS(model=model)))
+        self.llm_engine = engine
+
+    def wake_up(self, tags=None):
+        self.events.append(f"wake_up {','.join(tags)}")
+
+    def sleep(self, level=1):
+        self.events.append(f"sleep level={level}")
+
+    def reset_prefix_cache(self):
+        self.events.append("reset_prefix_cache")
+
+
+def sleeping_trainer(events):
+    """A trainer as `generate_round` sees it, with TRL's own `VLLMGeneration.sync_weights` (colocate, sleep mode) on
+    the fake engine, asleep as TRL leaves it after building the LLM (`_llm_weights_sleeping`)."""
+    import torch
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    llm = SleepingLLM(events)
+    gen = object.__new__(VLLMGeneration)
+    gen.mode, gen.enable_sleep_mode, gen._llm_weights_sleeping, gen.llm = "colocate", True, True, llm
+    gen.accelerator = NS(is_main_process=True)
+    gen._iter_named_params = lambda: iter([("w", torch.zeros(1))])
+    backend = backend_on(llm.llm_engine)
+    backend.llm, backend.sleep_mode = llm, True
+    return NS(use_vllm=True, rollout_engine=NS(backend=backend), vllm_generation=gen, state=NS(global_step=0),
+              _last_loaded_step=0, accelerator=NS(device="cpu", gather=lambda t: t))  # fmt: skip
+
+
+def test_sleep_mode_wakes_weights_to_sync_then_the_kv_cache_for_the_round_then_sleeps_level_2():
+    """TRL 1.16's colocate generate: weights are dropped by level-2 sleep, so they are woken and re-pushed
+    (`sync_weights`: wake_up(weights), load, reset the prefix cache); the KV cache is woken for generation; after
+    it, `sleep(level=2)` and `_llm_weights_sleeping = True`. A second round at the same step syncs again (the
+    weights slept), and a round that raises still puts the engine to sleep."""
+    from appo_trl.trainer.weight_sync import generate_round
+
+    events: list[str] = []
+    trainer = sleeping_trainer(events)
+    gen, backend = trainer.vllm_generation, trainer.rollout_engine.backend
+
+    def sample():
+        events.append(f"sample (weights sleeping: {gen._llm_weights_sleeping})")
+        return asyncio.run(backend.generate([1, 2], SamplingParams(max_tokens=2))).token_ids
+
+    round_events = ["wake_up weights", "load w", "reset_prefix_cache", "wake_up kv_cache",
+                    "sample (weights sleeping: False)", "add_request", "step", "sleep level=2"]  # fmt: skip
+    try:
+        assert generate_round(trainer, sample) == [7, 2]
+        assert events == round_events and gen._llm_weights_sleeping is True
+        events.clear()
+        assert generate_round(trainer, sample) == [7, 2]  # same global step: the weights slept, so synced again
+        assert events == round_events and gen._llm_weights_sleeping is True
+
+        def broken():
+            raise RuntimeError("tool crashed")
+
+        events.clear()
+        with pytest.raises(RuntimeError, match="tool crashed"):
+            generate_round(trainer, broken)
+        assert events[-1] == "sleep level=2" and gen._llm_weights_sleeping is True
+    finally:
+        backend.close()

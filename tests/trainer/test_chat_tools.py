@@ -218,7 +218,8 @@ def test_warns_when_no_rollout_called_a_tool(tmp_path, tiny_chat_model_path, tin
 
 def test_config_tool_fields(tmp_path):
     base = dict(output_dir=str(tmp_path), **CPU)
-    assert APPOConfig(**base, max_tool_calling_iterations=5).tool_call_limit == 5  # TRL's name, same budget
+    cfg = APPOConfig(**base, max_tool_calling_iterations=5)  # TRL's turn limit, checked beside the call limit
+    assert (cfg.tool_call_limit, cfg.max_tool_calling_iterations) == (3, 5)
     assert APPOConfig(**base, tools="python").tools == ["python"]  # `tools: python` in YAML
     assert APPOConfig(**base, tools=[multiply]).to_dict()["tools"] == [f"{multiply.__module__}.multiply"]
     with pytest.raises(ValueError, match="tool_format='json'"):

@@ -81,6 +81,20 @@ def test_colocate_mode_is_accepted():
     assert (cfg.vllm_mode, cfg.vllm_dtype) == ("colocate", "float32")
 
 
+def test_colocate_with_tensor_parallelism_is_refused_naming_server_mode():
+    """TRL's TP colocate runs one engine per rank in lockstep (`external_launcher`): every rank of a TP group must
+    issue the same requests, while each rank's tool loop sends its own. Refused in one line; server mode serves TP."""
+    message = "^APPOConfig: vllm_mode=colocate with vllm_tensor_parallel_size=2 is not supported .*vllm_mode=server"
+    with pytest.raises(ValueError, match=message + " \\(`vllm serve MODEL --tensor-parallel-size 2`\\)\\.$"):
+        make(use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="vllm_tensor_parallel_size=2"):  # a converted GRPOConfig too
+        from appo_trl.trainer.trl_compat import grpo_to_appo
+
+        grpo_to_appo(GRPOConfig(**BASE, use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2))
+    assert make(use_vllm=True, vllm_mode="server", vllm_tensor_parallel_size=2).vllm_tensor_parallel_size == 2
+    assert make(use_vllm=False, vllm_mode="colocate", vllm_tensor_parallel_size=2).use_vllm is False
+
+
 def test_appo_batch_that_splits_evenly_is_accepted():
     cfg = make(rollout_strategy="appo", initial_rollouts=2, per_device_train_batch_size=2, steps_per_generation=4)
     assert cfg.per_device_train_batch_size * cfg.steps_per_generation // 4 * 2 % 4 == 0

@@ -209,7 +209,7 @@ def test_plain_training_with_a_factory_updates_the_model(tmp_path, tiny_chat_mod
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
 
 
-@pytest.mark.parametrize("strategy", ["arpo", "appo"])
+@pytest.mark.parametrize("strategy", ["arpo", "aepo", "appo"])
 def test_replay_environments_branch_from_a_fresh_instance(tmp_path, strategy, tiny_chat_model_path, tok):
     """`branch_mode = "replay"`: no deep copy is ever made; the child's instance is reset and re-fed the calls."""
     trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, strategy, factory=ReplayCounter)
@@ -246,6 +246,34 @@ def test_replay_that_diverges_fails_with_its_cause(tmp_path, tiny_chat_model_pat
     trainer.rollout_engine.backend = CounterPolicy(tok)
     with pytest.raises(RuntimeError, match="Drifting .*replaying call 1 add.*not deterministic"):
         trainer.train()
+
+
+class LateDrift(ReplayCounter):
+    """Its calls replay exactly, but reset() words its observation differently from the 5th reset on: TRL's
+    four instances of the batch see one observation, every new instance (a replayed branch's) another."""
+
+    resets = 0
+
+    def reset(self, start: int = 0, **kwargs) -> str:
+        LateDrift.resets += 1
+        observation = super().reset(start=start, **kwargs)
+        return observation if LateDrift.resets <= 4 else observation.replace("starts at", "begins at")
+
+
+@pytest.mark.parametrize("strategy", ["arpo", "appo"])
+def test_a_new_instance_whose_reset_observation_differs_fails_naming_it(tmp_path, strategy, tiny_chat_model_path,
+                                                                         tok):  # fmt: skip
+    """A replayed branch's instance is reset() with its group's row; its observation is checked against the prompt
+    the group was sampled on (as TRL's own instances are), instead of branching from a state the prompt never
+    showed."""
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, strategy, factory=LateDrift)
+    trainer.rollout_engine.backend = CounterPolicy(tok)
+    LateDrift.resets = 0
+    with pytest.raises(ValueError, match="a new LateDrift instance reset\\(\\) with row 0 returned ' The counter "
+                                         "begins at 10.', a different observation from the one its group was "
+                                         "sampled on; .*seed its randomness from the row"):  # fmt: skip
+        trainer.train()
+    assert LateDrift.resets > 4  # TRL's four, then the new ones (APPO makes its branches concurrently)
 
 
 @pytest.mark.parametrize("strategy", ["grpo", "arpo", "aepo", "appo"])
@@ -349,6 +377,100 @@ def test_mixed_environments_score_only_their_own_rows(tmp_path, tiny_chat_model_
     assert '"name": "add"' in schema
 
 
+RESET_KEYS: list[tuple[str, ...]] = []
+
+
+class RoutedCounter(ReplayCounter):
+    """A counter (tool `add`) that notes the keyword arguments of every reset(), replayed branches' included."""
+
+    def reset(self, **kwargs) -> str:
+        with LOCK:
+            RESET_KEYS.append(tuple(sorted(kwargs)))
+        return super().reset(**kwargs)
+
+
+class Abacus:
+    """A second environment with another tool, `times`, and no reward of its own."""
+
+    branch_mode = "replay"
+
+    def __init__(self):
+        self.value, self.history = 1, []
+
+    def reset(self, **kwargs) -> str:
+        with LOCK:
+            RESET_KEYS.append(tuple(sorted(kwargs)))
+        self.value, self.history = int(kwargs.get("start", 1)), []
+        return f" The abacus shows {self.value}."
+
+    def times(self, k: int) -> str:
+        """Multiply the abacus by k and return the new value.
+
+        Args:
+            k: the factor.
+        """
+        self.history.append(int(k))
+        self.value *= int(k)
+        return str(self.value)
+
+
+class BothToolsPolicy(CounterPolicy):
+    """Scripted sampler: every turn calls `add(k)` then `times(k)` (one of them is not the row's environment's),
+    k from the request seed; after two such turns (4 results) an answer and EOS."""
+
+    async def generate(self, prompt_ids, params):
+        enc = lambda s: self.tok.encode(s, add_special_tokens=False)  # noqa: E731
+        h = len(self.header)
+        start = max(i + h for i in range(len(prompt_ids) - h + 1) if prompt_ids[i : i + h] == self.header)
+        tail = prompt_ids[start:]
+        if sum(1 for t in prompt_ids if t == self.result) >= 4:
+            ids = enc(" <answer> done </answer>") + [self.tok.eos_token_id]
+        else:
+            said = re.search(r"use (\d)", self.tok.decode(tail))
+            k = int(said.group(1)) if said else 2 + params.seed % 5
+            calls = "\n".join(
+                '<tool_call>\n{"name": "' + name + '", "arguments": {"k": ' + str(k) + "}}\n</tool_call>"
+                for name in ("add", "times")
+            )
+            ids = enc(f"<think> use {k} </think>\n" + calls) + [self.tok.eos_token_id]
+        assert ids[: len(tail)] == tail, "the scripted turn does not continue its own prefix"
+        ids = ids[len(tail) :]
+        reason = "eos"
+        if len(ids) > params.max_tokens:
+            ids, reason = ids[: params.max_tokens], "length"
+        tops = [{i: -0.5, (i + 1) % len(self.tok): -1.0} for i in ids] if params.logprobs else None
+        return Segment(ids, [-0.5] * len(ids), tops, reason, None)
+
+
+@pytest.mark.parametrize("strategy", ["grpo", "arpo"])
+def test_each_row_sees_and_calls_only_its_own_environments_tools(tmp_path, strategy, tiny_chat_model_path, tok):
+    """TRL's per-row routing with two environments with different tools: a row's prompt lists only its
+    environment's tools, its calls to the other's method get TRL's `Tool ... not found.` result and leave its
+    instance untouched, and reset() never gets the dataset's `environment` key (TRL drops it in multi-environment
+    mode), on TRL's instances and on the new instances of replayed branches alike."""
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, strategy, reward_funcs=[answer_len],
+                           factory={"counter": RoutedCounter, "abacus": Abacus}, data=routed(["counter", "abacus"]),
+                           per_device_train_batch_size=8)  # fmt: skip
+    trainer.rollout_engine.backend = BothToolsPolicy(tok)
+    seen = capture_rows(trainer)
+    RESET_KEYS.clear()
+    trainer.train()
+    [(rows, envs)] = seen
+    assert len(envs) == 8 and {type(e) for e in envs} == {RoutedCounter, Abacus}
+    for traj, env in zip(rows, envs):
+        own, other = ("add", "times") if type(env) is RoutedCounter else ("times", "add")
+        prompt = tok.decode(traj.prompt_ids)
+        assert f'"name": "{own}"' in prompt and f'"name": "{other}"' not in prompt  # its own tools only
+        assert [c.tag for c in traj.tool_calls] == ["add", "times"] * 2
+        for c in traj.tool_calls:
+            if c.tag == other:
+                assert c.result == str({"error": f"Tool {other} not found."}) and not c.ok
+        assert env.history == [json.loads(c.query)["k"] for c in traj.tool_calls if c.tag == own]
+    assert RESET_KEYS and set(RESET_KEYS) == {("prompt", "start")}  # no `environment` key
+    children = [t for t in rows if t.parent is not None]
+    assert (strategy == "arpo") == bool(children) and len(RESET_KEYS) == 8 + len(children)  # replays reset too
+
+
 def test_environment_owned_data_needs_max_steps(tmp_path, tiny_chat_model_path, tok):
     trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, "aepo", data=None, max_steps=1)
     trainer.rollout_engine.backend = CounterPolicy(tok)
@@ -414,6 +536,15 @@ class SlowCounter(Counter):
         return str(self.total)
 
 
+class ReplaySlowCounter(SlowCounter):
+    """`SlowCounter` whose branches replay the parent's calls into a new instance (it cannot be deep-copied)."""
+
+    branch_mode = "replay"
+
+    def __deepcopy__(self, memo):
+        raise TypeError("holds a live connection")
+
+
 class TwoCallPolicy(CounterPolicy):
     """Scripted sampler: each assistant turn holds two `add` calls, k1 = 3 + seed % 3 then k2 = 1 + seed % 2
     (k1 > k2), and ends with the sampled `<|im_end|>`; after two such turns (4 results) an answer and EOS. It
@@ -441,15 +572,20 @@ class TwoCallPolicy(CounterPolicy):
         return Segment(ids, [-0.5] * len(ids), tops, reason, None)
 
 
-@pytest.mark.parametrize("strategy", ["grpo", "arpo", "aepo", "appo"])
-def test_two_calls_per_turn_run_in_call_order_and_branches_fork_the_right_state(tmp_path, strategy,
+@pytest.mark.parametrize(
+    "strategy, factory",
+    [(s, SlowCounter) for s in ("grpo", "arpo", "aepo", "appo")]
+    + [("arpo", ReplaySlowCounter), ("appo", ReplaySlowCounter)],
+)
+def test_two_calls_per_turn_run_in_call_order_and_branches_fork_the_right_state(tmp_path, strategy, factory,
                                                                                tiny_chat_model_path, tok):  # fmt: skip
     """Two `add` calls per turn on one instance: its history is the calls in order (results are running totals),
     and each fork's or branch's instance, captured the moment it is made, is the parent's after the calls before
-    the fork (ARPO/AEPO: right after a two-call turn; APPO: wherever its branch points fall)."""
+    the fork (ARPO/AEPO: right after a two-call turn; APPO: wherever its branch points fall), whether it is a deep
+    copy or a new instance that replayed them."""
     from appo_trl.rollout.environments import RoundEnvironments
 
-    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, strategy, factory=SlowCounter, tool_call_limit=6,
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, strategy, factory=factory, tool_call_limit=6,
                            rollout_concurrency=4)  # fmt: skip
     trainer.rollout_engine.backend = TwoCallPolicy(tok)
     seen, at_fork = capture_rows(trainer), {}

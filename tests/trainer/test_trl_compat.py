@@ -80,6 +80,90 @@ def test_built_configs_take_trls_all_none_reward_behaviour(tmp_path):
     assert resolve_args("org/tiny", mine) is mine and mine.max_nan_reward_steps == 3
 
 
+def test_built_configs_take_trls_tool_turn_limit(tmp_path, monkeypatch):
+    """TRL limits tool-calling turns (`max_tool_calling_iterations`, None = no limit), never calls: a config
+    appo-trl builds has no call limit and keeps TRL's turn limit; an APPOConfig keeps its call limit (3)."""
+    import transformers.training_args as ta
+
+    from appo_trl.trainer.trl_compat import resolve_args
+
+    monkeypatch.setattr(ta, "is_torch_bf16_gpu_available", lambda: True)  # the default config is TRL's (bf16)
+    monkeypatch.chdir(tmp_path)
+    default = resolve_args("org/tiny", None)
+    assert (default.tool_call_limit, default.max_tool_calling_iterations) == (None, None)
+    converted = resolve_args("org/tiny", GRPOConfig(str(tmp_path), **CPU, max_tool_calling_iterations=2))
+    assert (converted.tool_call_limit, converted.max_tool_calling_iterations) == (None, 2)
+    mine = APPOConfig(str(tmp_path), **CPU, max_tool_calling_iterations=2)
+    assert (mine.tool_call_limit, mine.max_tool_calling_iterations) == (3, 2)  # both apply
+    with pytest.raises(ValueError, match="max_tool_calling_iterations, min_remaining_tokens must be >= 0"):
+        APPOConfig(str(tmp_path), **CPU, max_tool_calling_iterations=-1)
+
+
+def four_times(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor.
+        b: the second factor.
+    """
+    return a * b
+
+
+class FourCallTurns:
+    """Scripted chat policy: `turns` assistant turns of four `four_times` calls each (closed by the sampled
+    `<|im_end|>`, as Qwen3's parallel calls), then the answer and EOS."""
+
+    def __init__(self, tok, turns):
+        self.tok, self.turns = tok, turns
+        self.result = tok.convert_tokens_to_ids("</tool_response>")
+
+    async def generate(self, prompt_ids, params):
+        from appo_trl.rollout import Segment
+
+        if sum(t == self.result for t in prompt_ids) >= 4 * self.turns:
+            text = " <answer> done </answer>"
+        else:
+            text = "\n".join(
+                f'<tool_call>\n{{"name": "four_times", "arguments": {{"a": {a}, "b": 2}}}}\n</tool_call>'
+                for a in range(1, 5)
+            )
+        ids = (self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id])[: params.max_tokens]
+        return Segment(ids, [-0.5] * len(ids), None, "eos" if len(ids) < params.max_tokens else "length", None)
+
+
+@pytest.mark.parametrize(
+    "config, turns, calls, finish",
+    [
+        ("grpo", 2, 8, "eos"),  # TRL: no limit; both 4-call turns run
+        ("grpo_turns_1", 2, 4, "call_limit"),  # TRL's max_tool_calling_iterations=1: the 2nd turn runs no call
+        ("appo_calls_3", 1, 0, "call_limit"),  # an APPOConfig's tool_call_limit=3: the 4-call turn runs none
+        ("appo_calls_4", 1, 4, "eos"),
+    ],
+)
+def test_a_four_call_turn_under_trl_and_appo_limits(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, config,
+                                                    turns, calls, finish):  # fmt: skip
+    """The trainer's own engine (built from the config) on a scripted policy that emits four calls per turn."""
+    kw = dict(**CPU, num_generations=4, per_device_train_batch_size=4, max_completion_length=1000)
+    args = {
+        "grpo": lambda: GRPOConfig(str(tmp_path), **kw),
+        "grpo_turns_1": lambda: GRPOConfig(str(tmp_path), **kw, max_tool_calling_iterations=1),
+        "appo_calls_3": lambda: APPOConfig(str(tmp_path), **kw, tool_call_limit=3),
+        "appo_calls_4": lambda: APPOConfig(str(tmp_path), **kw, tool_call_limit=4),
+    }[config]()
+    tok = tiny_chat_tokenizer
+    trainer = APPOTrainer(tiny_chat_model_path, reward_funcs=length_reward, args=args, train_dataset=dataset(),
+                          processing_class=tok, tools=[four_times])  # fmt: skip
+    engine = trainer.rollout_engine
+    engine.backend = FourCallTurns(tok, turns)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "multiply"}], tools=[four_times],
+                                     add_generation_prompt=True, tokenize=True, return_dict=False)  # fmt: skip
+    [[traj]] = engine.run(engine.rollout([list(prompt)], 1, seed=1))
+    assert (traj.num_calls, traj.finish_reason) == (calls, finish)
+    assert [c.result for c in traj.tool_calls] == ["2", "4", "6", "8"] * (calls // 4)
+    if finish == "call_limit":  # the refused turn is the row's last: sampled, closed by its own end of turn
+        assert traj.completion_ids[-1] == tok.eos_token_id and traj.loss_mask[-1] == 1
+
+
 def test_other_args_types_are_refused():
     with pytest.raises(TypeError, match="APPOConfig or a GRPOConfig"):
         APPOTrainer(MISSING, reward_funcs=RewardSpy(), args={"output_dir": "x"})
