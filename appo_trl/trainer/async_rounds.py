@@ -29,8 +29,9 @@ future_kl loss keeps its meaning (drift within the update, not sampler lag). The
 same correction: TRL gates it on `use_vllm`, so `behaviour_correction` raises that flag while TRL scores a round
 and computes a loss (the sampler copy is a separate sampler, exactly like a server).
 
-Backends: the vLLM server is synced with TRL's or the disk route (`trainer.vllm_generation.sync_weights`); the
-in-process backend decodes with `SamplerCopy`, a frozen copy of the policy synced at the same points (not
+Backends: the vLLM server is synced with TRL's or the disk route (`trainer.vllm_generation.sync_weights`);
+vLLM colocate mode is refused by `APPOConfig` (its in-process engine would be synced, or put to sleep, while a
+background round generates on it); the in-process backend decodes with `SamplerCopy`, a frozen copy of the policy synced at the same points (not
 under DeepSpeed ZeRO-3 / FSDP, where the policy is sharded: an error at start-up). Torch's intra-op thread
 count is set to half the usable cores so that trainer and sampler share the machine instead of oversubscribing.
 

@@ -624,6 +624,11 @@ class APPOConfig(GRPOConfig):
                 f"gradient_accumulation_steps = {ga}: a round must span a whole number m of optimizer steps with "
                 "2m − 1 <= max_staleness (its last rows train m − 1 steps after its first)."
             )
+        if self.use_vllm and self.vllm_mode == "colocate":
+            self._fail(
+                f"max_staleness={k} with vllm_mode=colocate: the in-process vLLM engine would be synced (and put to "
+                "sleep) while a background round generates on it; use vllm_mode=server, or max_staleness: 0."
+            )
         if self.async_fv_policy == "sampler" and self.use_vllm:
             self._fail("async_fv_policy=sampler scores with the in-process sampler copy; with use_vllm use proximal.")
         if not self.vllm_importance_sampling_correction:

@@ -165,6 +165,7 @@ def test_lookahead_peeks_by_identity_within_one_epoch():
         ({"max_staleness": 1, "steps_per_generation": 2}, "2m − 1 <= max_staleness"),
         ({"max_staleness": 1, "vllm_importance_sampling_correction": False}, "behaviour-policy correction"),
         ({"max_staleness": 1, "async_fv_policy": "newest"}, "async_fv_policy='newest'"),
+        ({"max_staleness": 1, "use_vllm": True, "vllm_mode": "colocate"}, "vllm_mode=colocate.*use vllm_mode=server"),
     ],
 )
 def test_config_refuses_what_the_bound_cannot_honour(tmp_path, kw, message):
