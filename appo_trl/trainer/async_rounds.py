@@ -35,7 +35,10 @@ background round generates on it); the in-process backend decodes with `SamplerC
 under DeepSpeed ZeRO-3 / FSDP, where the policy is sharded: an error at start-up). Torch's intra-op thread
 count is set to half the usable cores so that trainer and sampler share the machine instead of oversubscribing.
 
-APPO: branch selection runs a no-grad trainer forward inside the background round (`score_trajectories`).
+APPO: branch selection runs a no-grad trainer forward inside the background round (`score_trajectories`), so
+APPO with k >= 1 is refused under DeepSpeed and FSDP at start-up (`build_async_rounds`): there that forward would
+gather parameter shards concurrently with the trainer thread's collectives, and DeepSpeed updates the weights
+inside `accelerator.backward` (`engine.step()`), where `OptimizerStepLock` does not reach.
 With `async_fv_policy: proximal` (default) it waits for the optimizer step that follows the round's launch and
 holds `weights_lock` (which the trainer holds around every optimizer step, `OptimizerStepLock`), so it reads,
 deterministically, the weights s + 1 the round will be trained against and never half-updated ones. FutureValue
@@ -407,6 +410,15 @@ def build_async_rounds(trainer) -> AsyncRounds | None:
     if args.max_staleness < 1:
         return None
     every = args.steps_per_generation * args.num_iterations
+    dist = str(getattr(trainer.accelerator, "distributed_type", "NO"))
+    sharded = "DEEPSPEED" in dist or "FSDP" in dist
+    if sharded and args.rollout_strategy == "appo":
+        raise ValueError(
+            "rollout_strategy=appo with max_staleness >= 1 is not supported under DeepSpeed or FSDP: APPO's "
+            "branch-selection forward runs on the background round's thread, where it would gather shards "
+            "concurrently with the trainer's collectives and read weights DeepSpeed updates inside backward "
+            "(outside the optimizer-step lock). Use max_staleness: 0, or DDP."
+        )
     if args.use_vllm:
 
         def sync_fn():
@@ -414,8 +426,7 @@ def build_async_rounds(trainer) -> AsyncRounds | None:
             trainer._last_loaded_step = trainer.state.global_step
 
     else:
-        dist = str(getattr(trainer.accelerator, "distributed_type", "NO"))
-        if "DEEPSPEED" in dist or "FSDP" in dist:
+        if sharded:
             raise ValueError(
                 "max_staleness >= 1 with the in-process backend keeps a full copy of the policy as the sampler; "
                 "under DeepSpeed or FSDP the policy is sharded: use the vLLM server (use_vllm: true)."

@@ -14,12 +14,20 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
+from accelerate.utils import DistributedType
 from transformers import TrainerCallback
 
-from appo_trl.trainer.async_rounds import AsyncRounds, BackgroundRoundError, BatchLookahead
+from appo_trl.trainer.async_rounds import (
+    AsyncRounds,
+    BackgroundRoundError,
+    BatchLookahead,
+    OptimizerStepLock,
+    build_async_rounds,
+)
 from appo_trl.trainer.config import APPOConfig
 from tests.trainer.fakes import ScriptedEngine
 from tests.trainer.test_trainer import CPU, RewardSpy, make_trainer
@@ -177,6 +185,32 @@ def test_config_refuses_what_the_bound_cannot_honour(tmp_path, kw, message):
 def test_max_staleness_one_and_two_steps_per_round_needs_three(tmp_path):
     kw = dict(num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=1, steps_per_generation=2)
     assert APPOConfig(output_dir=str(tmp_path), **{**CPU, **kw, "max_staleness": 3}).max_staleness == 3
+
+
+@pytest.mark.parametrize("dist", [DistributedType.DEEPSPEED, DistributedType.FSDP])
+def test_appo_in_the_background_is_refused_under_deepspeed_and_fsdp(tmp_path, dist):
+    """APPO's selection forward runs on the round thread: under a sharded or DeepSpeed engine it would gather shards
+    beside the trainer's collectives and race DeepSpeed's step inside backward, so `APPOTrainer.__init__` stops."""
+    kw = dict(num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=1, max_staleness=1)
+    vllm = dict(use_vllm=True, vllm_mode="server")
+
+    def build(accel_type, **cfg):
+        args = APPOConfig(output_dir=str(tmp_path), **{**CPU, **kw, **cfg})
+        callbacks = []
+        trainer = SimpleNamespace(args=args, accelerator=SimpleNamespace(distributed_type=accel_type),
+                                  add_callback=callbacks.append)  # fmt: skip
+        return build_async_rounds(trainer), callbacks
+
+    appo = dict(rollout_strategy="appo", initial_rollouts=2, **vllm)
+    with pytest.raises(ValueError, match=r"^rollout_strategy=appo with max_staleness >= 1 is not supported under "
+                                         r"DeepSpeed or FSDP: .* Use max_staleness: 0, or DDP\.$"):  # fmt: skip
+        build(dist, **appo)
+    with pytest.raises(ValueError, match="the policy is sharded: use the vLLM server"):  # in-process: no full copy
+        build(dist, rollout_strategy="grpo")
+    rounds, callbacks = build(DistributedType.MULTI_GPU, **appo)  # DDP: the lock covers the step
+    assert isinstance(rounds, AsyncRounds) and isinstance(callbacks[0], OptimizerStepLock)
+    rounds, _ = build(dist, rollout_strategy="grpo", **vllm)  # no trainer forward off the trainer's thread
+    assert isinstance(rounds, AsyncRounds)
 
 
 # ---- through the trainer --------------------------------------------------------------------------------------
