@@ -32,8 +32,9 @@ and computes a loss (the sampler copy is a separate sampler, exactly like a serv
 Backends: the vLLM server is synced with TRL's or the disk route (`trainer.vllm_generation.sync_weights`);
 vLLM colocate mode is refused by `APPOConfig` (its in-process engine would be synced, or put to sleep, while a
 background round generates on it); the in-process backend decodes with `SamplerCopy`, a frozen copy of the policy synced at the same points (not
-under DeepSpeed ZeRO-3 / FSDP, where the policy is sharded: an error at start-up). Torch's intra-op thread
-count is set to half the usable cores so that trainer and sampler share the machine instead of oversubscribing.
+under DeepSpeed ZeRO-3 / FSDP, where the policy is sharded: an error at start-up). For the span of `train()`
+torch's intra-op thread count is set to half of min(its current count, usable cores) (`split_cpu_threads`), so
+that trainer and sampler share the user's budget instead of oversubscribing it, and restored when `train()` ends.
 
 APPO: branch selection runs a no-grad trainer forward inside the background round (`score_trajectories`), so
 APPO with k >= 1 is refused under DeepSpeed and FSDP at start-up (`build_async_rounds`): there that forward would
@@ -394,13 +395,31 @@ class AsyncRounds:
             logger.warning("the background generation round did not stop within %.0f s (daemon thread)", timeout)
 
 
-def sampler_threads() -> int:
-    """Torch intra-op threads each side gets when trainer and in-process sampler share the CPU: half the cores."""
+def sampler_threads(current: int) -> int:
+    """Torch intra-op threads each side gets when trainer and in-process sampler share the CPU: half the process's
+    budget, which is `current` (torch's thread count: the user's `torch.set_num_threads` / `OMP_NUM_THREADS`, or
+    torch's default) capped at the cores this process may run on. Each side runs its own intra-op pool of that
+    size, so the two together use the budget, not twice it."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, cores // 2)
+    return max(1, min(current, cores) // 2)
+
+
+@contextlib.contextmanager
+def split_cpu_threads():
+    """Within (`APPOTrainer.train` with the in-process sampler copy): torch's thread count set to
+    `sampler_threads`, process-wide; the previous count is restored on exit, whatever happened."""
+    before = torch.get_num_threads()
+    threads = sampler_threads(before)
+    torch.set_num_threads(threads)
+    logger.info("max_staleness >= 1 in-process: torch threads %d -> %d while training and sampling overlap",
+                before, threads)  # fmt: skip
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def build_async_rounds(trainer) -> AsyncRounds | None:
@@ -431,10 +450,7 @@ def build_async_rounds(trainer) -> AsyncRounds | None:
                 "max_staleness >= 1 with the in-process backend keeps a full copy of the policy as the sampler; "
                 "under DeepSpeed or FSDP the policy is sharded: use the vLLM server (use_vllm: true)."
             )
-        trainer._sampler = SamplerCopy(trainer.accelerator.unwrap_model(trainer.model))
-        threads = sampler_threads()
-        torch.set_num_threads(threads)
-        logger.info("max_staleness=%d: in-process sampler copy; torch threads set to %d", args.max_staleness, threads)
+        trainer._sampler = SamplerCopy(trainer.accelerator.unwrap_model(trainer.model))  # threads: split_cpu_threads
 
         def sync_fn():
             trainer._sampler.sync(trainer.accelerator.unwrap_model(trainer.model))
@@ -485,4 +501,4 @@ def behaviour_correction(trainer):
 
 
 __all__ = ["AsyncRounds", "BackgroundRoundError", "BatchLookahead", "OptimizerStepLock", "SamplerCopy",
-           "behaviour_correction", "build_async_rounds", "round_job_factory", "sampler_threads"]  # fmt: skip
+           "behaviour_correction", "build_async_rounds", "round_job_factory", "sampler_threads", "split_cpu_threads"]  # fmt: skip

@@ -44,7 +44,12 @@ from trl.data_utils import is_conversational
 
 from appo_trl.reporting.console import canonical_metrics, install_step_line
 from appo_trl.reporting.rollout_dump import dump_round
-from appo_trl.trainer.async_rounds import behaviour_correction, build_async_rounds, round_job_factory
+from appo_trl.trainer.async_rounds import (
+    behaviour_correction,
+    build_async_rounds,
+    round_job_factory,
+    split_cpu_threads,
+)
 from appo_trl.trainer.checkpoints import AtomicCheckpointMixin, read_sampler_state, write_sampler_state
 from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.environments import check_environments, generate_with_environments
@@ -219,19 +224,22 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     def train(self, *args, **kwargs):
         """`Trainer.train`, then the engine's loop thread, backend worker and sandbox are shut down (a later
-        call restarts them)."""
+        call restarts them). With the in-process sampler copy (max_staleness >= 1) torch's thread count is split
+        between trainer and sampler for the call and restored after it (`async_rounds.split_cpu_threads`)."""
         if self._async is not None:
             self._async.reset()  # a resume loads other weights: the first round syncs and runs on them
-        try:
-            return super().train(*args, **kwargs)
-        finally:
-            if self._async is not None:
-                self._async.closed = True  # no launch from here on
-            closer = getattr(self._rollout_engine, "close", None)
-            if closer is not None:
-                closer()  # cancels the requests of a round in flight
-            if self._async is not None:
-                self._async.close()
+        threads = split_cpu_threads() if self._sampler is not None else contextlib.nullcontext()
+        with threads:
+            try:
+                return super().train(*args, **kwargs)
+            finally:
+                if self._async is not None:
+                    self._async.closed = True  # no launch from here on
+                closer = getattr(self._rollout_engine, "close", None)
+                if closer is not None:
+                    closer()  # cancels the requests of a round in flight
+                if self._async is not None:
+                    self._async.close()
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """`Trainer.get_batch_samples`; with max_staleness >= 1 through a lookahead that can peek the next round."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from appo_trl.trainer.async_rounds import (
     BatchLookahead,
     OptimizerStepLock,
     build_async_rounds,
+    sampler_threads,
 )
 from appo_trl.trainer.config import APPOConfig
 from tests.trainer.fakes import ScriptedEngine
@@ -266,6 +268,53 @@ def test_background_rounds_in_process(tmp_path, tiny_tokenizer, tiny_model_path)
     assert any(not torch.equal(before[k], after[k]) for k in before)
     sampler = trainer._sampler.model.state_dict()
     assert any(not torch.equal(sampler[k], after[k]) for k in after)
+
+
+@pytest.mark.parametrize("cores, current, each", [(8, 2, 1), (8, 16, 4), (4, 6, 2), (16, 1, 1), (1, 4, 1)])
+def test_sampler_threads_halve_the_users_budget(monkeypatch, cores, current, each):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert sampler_threads(current) == each
+
+
+class ThreadCount(TrainerCallback):
+    def __init__(self):
+        self.seen = []
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.seen.append(torch.get_num_threads())
+
+
+def test_train_splits_the_users_thread_count_and_restores_it(tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch):
+    """8 usable cores, but the user asked torch for 2 threads: each side gets 1 while `train()` runs (not half the
+    cores, 4), the count is left alone before `train()`, and it is 2 again after `train()`, even after a failure."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    original = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = ThreadEngine(tiny_tokenizer)
+        trainer = make_trainer(
+            tmp_path, tiny_tokenizer, tiny_model_path, engine, RewardSpy(), max_steps=2, max_staleness=1, **GRPO
+        )
+        assert torch.get_num_threads() == 2  # building the trainer changes nothing
+        spy = ThreadCount()
+        trainer.add_callback(spy)
+        sampled = []
+        real_rollout = engine.rollout
+
+        async def rollout(*a, **k):
+            sampled.append((threading.current_thread().name, torch.get_num_threads()))
+            return await real_rollout(*a, **k)
+
+        engine.rollout = rollout
+        trainer.train()
+        assert spy.seen == [1, 1] and sampled == [("MainThread", 1), ("appo-round-0", 1)]
+        assert torch.get_num_threads() == 2
+        engine.fail_call = len(engine.threads) + 1  # the next run's first round fails: restored all the same
+        with pytest.raises(RuntimeError, match="search server down"):
+            trainer.train()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(original)
 
 
 def _two_token_inputs(trainer):
