@@ -270,6 +270,41 @@ def test_background_rounds_in_process(tmp_path, tiny_tokenizer, tiny_model_path)
     assert any(not torch.equal(sampler[k], after[k]) for k in after)
 
 
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_the_in_process_backend_decodes_on_the_synced_sampler_copy(tmp_path, tiny_tokenizer, tiny_model_path):
+    """The real `TransformersBackend` (no injected engine): it decodes with the sampler copy, and after training
+    the copy holds exactly the policy's weights of the last sync (step 1 of 3), not the initial ones."""
+    trainer = make_trainer(
+        tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), tools=["python"], num_generations=4,
+        per_device_train_batch_size=4, max_completion_length=24, max_steps=3, max_staleness=1,
+        vllm_importance_sampling_mode="token_truncate",
+    )  # fmt: skip
+    backend = trainer.rollout_engine.backend
+    assert type(backend).__name__ == "TransformersBackend"
+    assert backend.model is trainer._sampler.model and backend.model is not trainer.model
+    initial = _weights(trainer.model)
+    synced = {}  # global step -> the policy's weights when the sampler was synced
+    real_sync_fn = trainer._async.sync_fn
+
+    def sync_fn():
+        synced[trainer.state.global_step] = _weights(trainer.model)
+        real_sync_fn()
+
+    trainer._async.sync_fn = sync_fn
+    trainer.train()
+    assert [(h.step, h.version, h.background) for h in trainer._async.history] == [
+        (0, 0, False), (1, 0, True), (2, 1, True)
+    ]  # fmt: skip
+    assert sorted(synced) == [0, 1]
+    sampler, last, final = _weights(trainer._sampler.model), synced[1], _weights(trainer.model)
+    assert all(torch.equal(sampler[k], last[k]) for k in last), "the sampler copy is not the policy of step 1"
+    assert any(not torch.equal(sampler[k], initial[k]) for k in initial), "the sampler copy was never synced"
+    assert any(not torch.equal(sampler[k], final[k]) for k in final)  # the policy trained on after the last sync
+
+
 @pytest.mark.parametrize("cores, current, each", [(8, 2, 1), (8, 16, 4), (4, 6, 2), (16, 1, 1), (1, 4, 1)])
 def test_sampler_threads_halve_the_users_budget(monkeypatch, cores, current, each):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
