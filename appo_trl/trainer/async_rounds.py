@@ -29,25 +29,30 @@ future_kl loss keeps its meaning (drift within the update, not sampler lag). The
 same correction: TRL gates it on `use_vllm`, so `behaviour_correction` raises that flag while TRL scores a round
 and computes a loss (the sampler copy is a separate sampler, exactly like a server).
 
-Backends: the vLLM server is synced with TRL's or the disk route (`trainer.vllm_generation.sync_weights`);
-vLLM colocate mode is refused by `APPOConfig` (its in-process engine would be synced, or put to sleep, while a
-background round generates on it); the in-process backend decodes with `SamplerCopy`, a frozen copy of the policy synced at the same points (not
-under DeepSpeed ZeRO-3 / FSDP, where the policy is sharded: an error at start-up). For the span of `train()`
-torch's intra-op thread count is set to half of min(its current count, usable cores) (`split_cpu_threads`), so
-that trainer and sampler share the user's budget instead of oversubscribing it, and restored when `train()` ends.
+Backends: the vLLM server is synced with TRL's or the disk route (`trainer.vllm_generation.sync_weights`); vLLM
+colocate mode is refused by `APPOConfig` (its in-process engine would be synced, or put to sleep, while a background
+round generates on it); the in-process backend decodes with `SamplerCopy`, a frozen copy of the policy synced at the
+same points (not under DeepSpeed ZeRO-3 / FSDP, where the policy is sharded: an error at start-up). For the span of
+`train()` torch's intra-op thread count is set to half of min(its current count, usable cores)
+(`split_cpu_threads`), so that trainer and sampler share the user's budget instead of oversubscribing it, and
+restored when `train()` ends.
 
-APPO: branch selection runs a no-grad trainer forward inside the background round (`score_trajectories`), so
-APPO with k >= 1 is refused under DeepSpeed and FSDP at start-up (`build_async_rounds`): there that forward would
-gather parameter shards concurrently with the trainer thread's collectives, and DeepSpeed updates the weights
-inside `accelerator.backward` (`engine.step()`), where `OptimizerStepLock` does not reach.
-With `async_fv_policy: proximal` (default) it waits for the optimizer step that follows the round's launch and
-holds `weights_lock` (which the trainer holds around every optimizer step, `OptimizerStepLock`), so it reads,
-deterministically, the weights s + 1 the round will be trained against and never half-updated ones. FutureValue
-exp(Σγ(ℓ_trainer − ℓ_sampler)) then measures the sampler–trainer mismatch plus the one step of policy lag the
-loss will correct (synchronously it measures the mismatch only, since both are version s). `async_fv_policy:
-sampler` (in-process backend only) scores with the sampler copy itself (version s): the synchronous reading,
-no waiting, but the lag the loss sees is then invisible to the branch score. A round's initial rollouts are
-sampled before the wait, so only its branches start after the trainer's step.
+APPO: branch selection runs a no-grad trainer forward inside the background round (`score_trajectories`), so APPO
+with k >= 1 is refused under DeepSpeed and FSDP at start-up (`build_async_rounds`): there that forward would gather
+parameter shards concurrently with the trainer thread's collectives, and DeepSpeed updates the weights inside
+`accelerator.backward` (`engine.step()`), where `OptimizerStepLock` does not reach. With `async_fv_policy: proximal`
+(default) a round launched at hand-over step v waits for the m optimizer steps of the round training meanwhile
+(`optimizer_steps` reaching its ticket, launch + m) and holds `weights_lock` (which the trainer holds around every
+optimizer step, `OptimizerStepLock`), so it reads, deterministically, the weights v + m of its own hand-over, the
+proximal policy its loss takes the ratio against, and never half-updated ones (the trainer changes no weight between
+its m-th step and the hand-over, where it waits for the round). FutureValue exp(Σγ(ℓ_trainer − ℓ_sampler)) then
+measures the sampler–trainer mismatch plus the v + m − s steps of policy lag the loss will correct (m with
+weight_sync_steps 1; synchronously it measures the mismatch only, since both are version s). `async_fv_policy:
+sampler` (in-process backend only) scores with the sampler copy itself (version s): the synchronous reading, no
+waiting, but the lag the loss sees is then invisible to the branch score. A round's initial rollouts are sampled
+before the wait, so only its branches start after the trainer's m-th step. An evaluation between two hand-overs
+(m > 1) comes before those weights exist: the waiting round is dropped (`RoundAborted`, counted in
+`discarded_rounds`) and generated synchronously at its hand-over.
 
 Faults and resume: Ctrl-C (or any exception) in `Trainer.train` closes the rollout engine, which cancels the
 background round's requests, and joins the round thread (`close`); the thread is a daemon, so a stuck backend
@@ -84,6 +89,10 @@ logger = logging.getLogger(__name__)
 
 class BackgroundRoundError(RuntimeError):
     """A background generation round failed; the original exception is the `__cause__`."""
+
+
+class RoundAborted(RuntimeError):
+    """Raised on a round thread whose selection forward waited for weights that evaluation would hold back."""
 
 
 def agree_on_round_faults(error: BaseException | None, launched_at: int) -> None:
@@ -204,6 +213,8 @@ class PendingRound:
     version: int  # optimizer step of the weights that sample it
     step: int  # global step at launch
     thread: threading.Thread
+    ticket: int  # `optimizer_steps` at its hand-over: its selection forward waits for these weights
+    abort: threading.Event  # set: its selection forward raises `RoundAborted` instead of waiting
 
 
 @dataclass
@@ -238,7 +249,7 @@ class AsyncRounds:
         self.weights_lock = threading.Lock()
         self.stepped = threading.Condition()
         self.optimizer_steps = 0  # counted by OptimizerStepLock
-        self._local = threading.local()  # on a round thread: `ticket`, the optimizer step its forward waits for
+        self._local = threading.local()  # on a round thread: `ticket` (the step its forward waits for), `abort`
         self.history: list[HandedRound] = []
         self.num_syncs = 0
         self.dropped_rows = 0
@@ -322,11 +333,11 @@ class AsyncRounds:
 
     def _submit(self, inputs, job, step: int) -> PendingRound:
         future: Future = Future()
-
-        ticket = self.optimizer_steps + 1  # the optimizer step that follows this launch
+        # its hand-over comes after the m optimizer steps of the round now training: the proximal weights
+        ticket, abort = self.optimizer_steps + self.m, threading.Event()
 
         def work():
-            self._local.ticket = ticket
+            self._local.ticket, self._local.abort = ticket, abort
             if not future.set_running_or_notify_cancel():
                 return
             try:
@@ -335,7 +346,7 @@ class AsyncRounds:
                 future.set_exception(exc)
 
         thread = threading.Thread(target=work, name=f"appo-round-{step}", daemon=True)
-        pending = PendingRound(inputs, future, self.version, step, thread)
+        pending = PendingRound(inputs, future, self.version, step, thread, ticket, abort)
         self.last_thread = thread
         thread.start()
         return pending
@@ -355,14 +366,17 @@ class AsyncRounds:
     @contextlib.contextmanager
     def trainer_forward(self):
         """Around a trainer forward that may run on a round thread (APPO's branch selection): there, first
-        wait for the optimizer step that follows the round's launch (so the forward reads the weights the round
-        will be trained against, the proximal policy, whatever the timing), then hold `weights_lock`."""
+        wait for the m optimizer steps of the round training at its launch (so the forward reads the weights of
+        its hand-over, the proximal policy it will be trained against, whatever the timing), then hold
+        `weights_lock`."""
         ticket = getattr(self._local, "ticket", None)
         if ticket is not None:
             with self.stepped:
                 while self.optimizer_steps < ticket:
                     if self.closed:
                         raise RuntimeError("training stopped while a background round waited for its weights")
+                    if self._local.abort.is_set():
+                        raise RoundAborted("evaluation ran before this round's weights existed")
                     self.stepped.wait(timeout=1.0)
         with self.weights_lock:
             yield
@@ -370,9 +384,24 @@ class AsyncRounds:
     # ---- evaluation, shutdown -----------------------------------------------------------------------------
     def before_foreground_round(self, step: int) -> None:
         """Before the trainer samples on its own thread (evaluation): let the background round finish (it is
-        kept for its hand-over), then bring the sampler to the current weights."""
-        if self.pending is not None:
-            self._wait_quietly(self.pending)
+        kept for its hand-over), then bring the sampler to the current weights.
+
+        Evaluation between two hand-overs (m > 1) comes before the weights an APPO selection forward waits for:
+        that round is told to stop at its forward (`RoundAborted`) and is dropped, to be generated synchronously
+        at its hand-over; a round that does not reach such a forward finishes and is kept."""
+        pending = self.pending
+        if pending is not None:
+            if self.optimizer_steps < pending.ticket:
+                pending.abort.set()
+                with self.stepped:
+                    self.stepped.notify_all()
+            self._wait_quietly(pending)
+            if not pending.future.cancelled() and isinstance(pending.future.exception(), RoundAborted):
+                logger.info("evaluation at step %d dropped the round launched at step %d (its selection forward "
+                            "waited for step %d); it is generated at its hand-over", step, pending.step,
+                            pending.ticket)  # fmt: skip
+                self.pending = None
+                self.discarded_rounds += 1
         if self.version != step:
             self._sync(step)
 

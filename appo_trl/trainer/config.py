@@ -176,9 +176,10 @@ class APPOConfig(GRPOConfig):
     async_fv_policy: str = field(
         default="proximal",
         metadata=_h(
-            "APPO with max_staleness >= 1: the weights of the branch-selection forward. `proximal`: the weights the "
-            "round will train against (it waits for the trainer's next optimizer step), so FutureValue also "
-            "measures the one step of lag; `sampler`: the in-process sampler copy, FutureValue as synchronously."
+            "APPO with max_staleness >= 1: the weights of the branch-selection forward. `proximal`: the weights of "
+            "the round's hand-over, which its loss takes the ratio against (it waits for the optimizer steps of the "
+            "round training meanwhile), so FutureValue also measures the policy lag; `sampler`: the in-process "
+            "sampler copy, FutureValue as synchronously."
         ),
     )
     # --- several vLLM replicas (vllm_server_base_url lists them) ---------------------------------------------

@@ -532,6 +532,97 @@ def test_appo_selection_forward_never_overlaps_an_optimizer_step(
         assert f0 >= s1
 
 
+class SlowStepEnd(TrainerCallback):
+    """Pauses after each optimizer step: a selection forward that may run before its hand-over runs then."""
+
+    def on_step_end(self, args, state, control, **kw):
+        time.sleep(0.3)
+
+
+def test_appo_selection_forward_reads_the_hand_over_weights_with_two_steps_per_round(
+    tmp_path, tiny_tokenizer, tiny_model_path
+):
+    """m = 2 optimizer steps per round (steps_per_generation 2, max_staleness 3): the round launched at step v
+    scores its branches on the weights of its hand-over, v + 2, the proximal policy of its loss (with a ticket of
+    v + 1 it read the weights of step v + 1, between the two steps)."""
+    trainer = make_trainer(
+        tmp_path, tiny_tokenizer, tiny_model_path, ScriptedEngine(tiny_tokenizer), RewardSpy(),
+        rollout_strategy="appo", num_generations=4, initial_rollouts=2, per_device_train_batch_size=4,
+        steps_per_generation=2, gradient_accumulation_steps=1, max_completion_length=64, min_remaining_tokens=1,
+        tools=["python"], max_steps=6, max_staleness=3, branch_entropy_source="trainer",
+    )  # fmt: skip
+    assert trainer._async.m == 2
+    trainer.add_callback(SlowStepEnd())
+    scored, handed = [], {}
+    real_forward = trainer._get_per_token_logps_and_entropies
+
+    def forward(model, *a, **k):
+        if threading.current_thread() is not threading.main_thread():  # inside trainer_forward: weights_lock held
+            scored.append((trainer._async.optimizer_steps, _weights(model)))
+        return real_forward(model, *a, **k)
+
+    real_next_round = trainer._async.next_round
+
+    def next_round(inputs, step, *a, **k):
+        handed[step] = _weights(trainer.model)
+        return real_next_round(inputs, step, *a, **k)
+
+    trainer._get_per_token_logps_and_entropies = forward
+    trainer._async.next_round = next_round
+    trainer.train()
+    assert [(h.step, h.version, h.background) for h in trainer._async.history] == [
+        (0, 0, False), (2, 0, True), (4, 2, True)
+    ]  # fmt: skip
+    assert [steps for steps, _ in scored] == [2, 4]
+    for steps, weights in scored:
+        assert all(torch.equal(weights[k], handed[steps][k]) for k in weights), f"not the weights of step {steps}"
+
+
+def test_evaluation_between_hand_overs_drops_a_round_waiting_for_its_weights():
+    """m = 2: evaluation after the first of the two steps must not wait for a selection forward that waits for the
+    second (a deadlock): that round is dropped and regenerated at its hand-over; a round without such a forward
+    is kept."""
+    rounds = AsyncRounds(3, 1, 2, 2, sync_fn=lambda: None)
+    lock = OptimizerStepLock(rounds)
+
+    def optimizer_step():
+        lock.on_pre_optimizer_step(None, None, None)
+        lock.on_optimizer_step(None, None, None)
+
+    def appo_job(inputs):
+        def job():
+            with rounds.trainer_forward():
+                return Round(rows=[("scored at", rounds.optimizer_steps)] * 4)
+
+        return job
+
+    it = iter([["a"], ["b"], ["c"], ["d"], ["e"], ["f"]])
+    (a,) = rounds.lookahead.pull(it, 1)
+    rounds.next_round(a, 0, lambda: Round(rows=["a"] * 4), appo_job)
+    optimizer_step()
+    evaluation = threading.Thread(target=rounds.before_foreground_round, args=(1,), daemon=True)  # at step 1
+    evaluation.start()
+    evaluation.join(timeout=10)
+    if evaluation.is_alive():
+        rounds.closed = True  # releases the waiting forward (and with it the evaluation thread)
+        pytest.fail("evaluation waited for a round that waited for the weights of the step after evaluation")
+    assert rounds.pending is None and rounds.discarded_rounds == 1
+    optimizer_step()
+    rounds.lookahead.pull(it, 1)
+    (c,) = rounds.lookahead.pull(it, 1)
+    plain_job = lambda inputs: lambda: Round(rows=[inputs[0]] * 4)  # noqa: E731 - no trainer forward (GRPO)
+    out = rounds.next_round(c, 2, lambda: Round(rows=["c now"] * 4), plain_job)
+    assert out.rows == ["c now"] * 4 and not rounds.history[-1].background
+    optimizer_step()
+    rounds.before_foreground_round(3)  # evaluation at step 3: the round for e finishes and is kept
+    assert rounds.pending is not None and rounds.discarded_rounds == 1
+    optimizer_step()
+    rounds.lookahead.pull(it, 1)
+    (e,) = rounds.lookahead.pull(it, 1)
+    out = rounds.next_round(e, 4, lambda: Round(rows=["e now"] * 4), plain_job)
+    assert out.rows == ["e"] * 4 and rounds.history[-1].background
+
+
 def test_appo_selection_with_the_sampler_copy(tmp_path, tiny_tokenizer, tiny_model_path):
     trainer = make_trainer(
         tmp_path, tiny_tokenizer, tiny_model_path, ScriptedEngine(tiny_tokenizer), RewardSpy(),
