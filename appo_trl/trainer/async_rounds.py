@@ -292,7 +292,7 @@ class AsyncRounds:
                 )  # fmt: skip
                 batch = None
         elif pending is not None:  # launched for another batch (e.g. the loop re-generated): wait, then forget it
-            self._wait_quietly(pending)
+            self._settle(pending)
             self.discarded_rounds += 1
         background = batch is not None
         if batch is None:
@@ -356,6 +356,16 @@ class AsyncRounds:
         self.version = step
         self.num_syncs += 1
 
+    def _settle(self, pending: PendingRound) -> bool:
+        """Wait for `pending` before its hand-over; a selection forward still waiting for the hand-over's weights,
+        which cannot come while the trainer waits here, is stopped (`RoundAborted`). True when it was stopped."""
+        if self.optimizer_steps < pending.ticket:
+            pending.abort.set()
+            with self.stepped:
+                self.stepped.notify_all()
+        self._wait_quietly(pending)
+        return not pending.future.cancelled() and isinstance(pending.future.exception(), RoundAborted)
+
     @staticmethod
     def _wait_quietly(pending: PendingRound, timeout: float | None = None) -> None:
         try:
@@ -390,18 +400,12 @@ class AsyncRounds:
         that round is told to stop at its forward (`RoundAborted`) and is dropped, to be generated synchronously
         at its hand-over; a round that does not reach such a forward finishes and is kept."""
         pending = self.pending
-        if pending is not None:
-            if self.optimizer_steps < pending.ticket:
-                pending.abort.set()
-                with self.stepped:
-                    self.stepped.notify_all()
-            self._wait_quietly(pending)
-            if not pending.future.cancelled() and isinstance(pending.future.exception(), RoundAborted):
-                logger.info("evaluation at step %d dropped the round launched at step %d (its selection forward "
-                            "waited for step %d); it is generated at its hand-over", step, pending.step,
-                            pending.ticket)  # fmt: skip
-                self.pending = None
-                self.discarded_rounds += 1
+        if pending is not None and self._settle(pending):
+            logger.info("evaluation at step %d dropped the round launched at step %d (its selection forward waited "
+                        "for step %d); it is generated at its hand-over", step, pending.step,
+                        pending.ticket)  # fmt: skip
+            self.pending = None
+            self.discarded_rounds += 1
         if self.version != step:
             self._sync(step)
 
