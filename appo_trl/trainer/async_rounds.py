@@ -18,16 +18,17 @@ With `max_staleness: 0` (the default) nothing here runs and `APPOTrainer` is syn
    drain that keeps a weight sync from landing while a request of an older round decodes, on the vLLM server
    (disk or NCCL route alike, and on every rank, as TRL's collectives need) and on the in-process sampler.
 
-Off-policy correction: decoupled PPO (AReaL, Fu et al. 2025), not a ratio against the behaviour policy alone.
-The proximal policy is the trainer's weights at hand-over (TRL's `old_per_token_logps` forward, run at
-hand-over on the current weights); the PPO ratio and its clip are taken against it, and the behaviour policy
-(the sampler's logprobs) enters only through TRL's truncated importance weight exp(old − sampler)
-(`vllm_importance_sampling_mode` / `_clip_max`/`_clip_min`, TRL's own code). Why: the trust region stays centred
-on a policy one step old whatever the staleness (a ratio against a k-step-old sampler would clip away most of
-the update as k grows); the correction reuses TRL's vLLM importance-sampling options unchanged; and APPO's
-future_kl loss keeps its meaning (drift within the update, not sampler lag). The in-process backend gets the
-same correction: TRL gates it on `use_vllm`, so `behaviour_correction` raises that flag while TRL scores a round
-and computes a loss (the sampler copy is a separate sampler, exactly like a server).
+Off-policy correction: decoupled PPO (AReaL, Fu et al. 2025), not a ratio against the behaviour policy alone. The
+proximal policy is the trainer's weights at hand-over (TRL's `old_per_token_logps` forward, run at hand-over on the
+current weights); the PPO ratio and its clip are taken against it, and the behaviour policy (the sampler's logprobs)
+enters only through TRL's importance weight exp(old − sampler), masked or truncated per token or per sequence as
+`vllm_importance_sampling_mode` says (default `sequence_mask`; `_clip_max`/`_clip_min`; TRL's own code). Why: the
+trust region stays centred on the hand-over weights (at most m − 1 steps old) whatever the staleness (a ratio
+against a k-step-old sampler would clip away most of the update as k grows); the correction reuses TRL's vLLM
+importance-sampling options unchanged; and APPO's future_kl loss keeps its meaning (drift within the update, not
+sampler lag). The in-process backend gets the same correction: TRL gates it on `use_vllm`, so `behaviour_correction`
+raises that flag while TRL scores a round and computes a loss (the sampler copy is a separate sampler, exactly like
+a server).
 
 Backends: the vLLM server is synced with TRL's or the disk route (`trainer.vllm_generation.sync_weights`); vLLM
 colocate mode is refused by `APPOConfig` (its in-process engine would be synced, or put to sleep, while a background
@@ -517,7 +518,7 @@ def round_job_factory(trainer):
 def behaviour_correction(trainer):
     """Within: TRL's behaviour-policy correction applies to the in-process sampler copy too.
 
-    TRL computes the proximal `old_per_token_logps`, the truncated importance weight and its metrics, and
+    TRL computes the proximal `old_per_token_logps`, the importance weight (any of its four modes) and its metrics, and
     multiplies the loss by it, under `if self.use_vllm and self.vllm_importance_sampling_correction`. With
     `max_staleness >= 1` in-process the rows come from `SamplerCopy`, a separate sampler like a server, so the
     flag is raised for the span of TRL's scoring and loss (no other TRL code reads it there: `_generate` is

@@ -414,6 +414,55 @@ def test_importance_weight_is_computed_at_hand_over_from_the_proximal_policy(
     assert len(seen) == 2
 
 
+class FarSampler(ScriptedEngine):
+    """Odd rows of a group get sampler logprob −30 on their sampled tokens: their weight exp(old − sampler) is far
+    above `vllm_importance_sampling_clip_max` (3), so truncation and masking give different weights."""
+
+    async def rollout(self, prompts, n, **kw):
+        groups = await super().rollout(prompts, n, **kw)
+        for group in groups:
+            for j, t in enumerate(group):
+                if j % 2:
+                    t.logprobs = [-30.0 if m else lp for m, lp in zip(t.loss_mask, t.logprobs)]
+        return groups
+
+
+def expected_is_weight(out, mode, clip_max=3.0):
+    """TRL 1.16's vLLM importance-sampling weight for `mode`, from the batch's proximal and sampler logprobs."""
+    mask = out["completion_mask"] * out["tool_mask"]
+    diff = torch.nan_to_num((out["old_per_token_logps"] - out["sampling_per_token_logps"]) * mask, nan=0.0)
+    ratio = torch.exp(diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff)
+    return ratio.clamp(max=clip_max) if mode.endswith("truncate") else ratio.masked_fill(ratio > clip_max, 0.0)
+
+
+@pytest.mark.parametrize("loss_mode", ["clip", "future_kl"])
+@pytest.mark.parametrize("mode", ["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"])
+def test_trls_importance_sampling_modes_apply_to_background_rounds(
+    tmp_path, tiny_tokenizer, tiny_model_path, mode, loss_mode
+):
+    """Each of TRL's four `vllm_importance_sampling_mode`s, with TRL's loss and with future_kl: 2 async steps (one
+    synchronous round, one from the background) train with a finite loss, and the weight of every round is TRL's
+    for that mode (the mask modes zero the odd rows, the truncate modes cap them at 3)."""
+    trainer = make_trainer(
+        tmp_path, tiny_tokenizer, tiny_model_path, FarSampler(tiny_tokenizer), RewardSpy(), max_steps=2,
+        max_staleness=1, vllm_importance_sampling_mode=mode, loss_mode=loss_mode, **GRPO,
+    )  # fmt: skip
+    seen = []
+    orig = trainer._generate_and_score_completions
+    trainer._generate_and_score_completions = lambda inputs: seen.append(orig(inputs)) or seen[-1]
+    trainer.train()
+    assert [h.background for h in trainer._async.history] == [False, True]
+    for out in seen:
+        expected = expected_is_weight(out, mode)
+        torch.testing.assert_close(out["importance_sampling_ratio"], expected)
+        sampled = (out["completion_mask"] * out["tool_mask"])[1::2].bool()
+        far = expected[1::2] if mode.startswith("sequence") else expected[1::2][sampled]
+        assert (far == (0.0 if mode.endswith("mask") else 3.0)).all()
+    logs = [e for e in trainer.state.log_history if "rollout/staleness/max" in e]
+    assert len(logs) == 2 and all(math.isfinite(e["loss"]) for e in logs)
+    assert all("sampling/importance_sampling_ratio/mean" in e for e in logs)
+
+
 def test_a_background_fault_reaches_the_trainer_within_one_step(tmp_path, tiny_tokenizer, tiny_model_path):
     engine = ThreadEngine(tiny_tokenizer, fail_call=2)  # the first background round
     trainer = make_trainer(
