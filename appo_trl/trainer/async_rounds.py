@@ -60,12 +60,16 @@ background round's requests, and joins the round thread (`close`); the thread is
 never blocks interpreter exit. Rounds in flight live only in memory: a resumed run starts with a synchronous
 round, so a round is never trained twice or half (TRL regenerates a partly trained generation batch itself).
 
-What this module does not do: run more than one round ahead (one round generates while one trains), sample
-(the strategies and the rollout engine do), compute losses, survive a vLLM server restart inside a background
-round (`weight_sync.generate_round` does that for synchronous rounds; here the restart surfaces as a
-`BackgroundRoundError`). With several processes the ranks agree on a fault at every hand-over
-(`agree_on_round_faults`, one small all-gather per round): a round that failed on any rank stops every rank
-there, each naming the failed rank and its cause, so no rank waits at a later collective for a peer that died.
+What this module does not do: run more than one round ahead (one round generates while one trains), sample (the
+strategies and the rollout engine do), compute losses, survive a vLLM server restart inside a background round
+(there the restart surfaces as a `BackgroundRoundError` at its hand-over, and the run stops). The rounds the trainer
+generates on its own thread (the first after `train()` starts or resumes, one regenerated after a drop or a discard,
+evaluation) go through `weight_sync.generate_round` as synchronous runs do: after the sync here its own sync is
+skipped (`_last_loaded_step` is current), and a round during which the server restarted is synced again and re-run
+with the same seed (those re-syncs are not counted in `num_syncs` here). With several processes the ranks agree on a
+fault at every hand-over (`agree_on_round_faults`, one small all-gather per round): a round that failed on any rank
+stops every rank there, each naming the failed rank and its cause, so no rank waits at a later collective for a peer
+that died.
 """
 
 from __future__ import annotations
@@ -534,5 +538,6 @@ def behaviour_correction(trainer):
         trainer.use_vllm = False
 
 
-__all__ = ["AsyncRounds", "BackgroundRoundError", "BatchLookahead", "OptimizerStepLock", "SamplerCopy",
-           "behaviour_correction", "build_async_rounds", "round_job_factory", "sampler_threads", "split_cpu_threads"]  # fmt: skip
+__all__ = ["AsyncRounds", "BackgroundRoundError", "BatchLookahead", "OptimizerStepLock", "RoundAborted", "SamplerCopy",
+           "behaviour_correction", "build_async_rounds", "round_job_factory", "sampler_threads",
+           "split_cpu_threads"]  # fmt: skip

@@ -304,11 +304,16 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             return strategy.generate(prompt_ids[::n], n, seed)
 
         if self._async is not None and mode == "train":  # max_staleness >= 1: the round may come from the background
-            job = lambda: sample(self._round_seed())  # noqa: E731
+
+            def job():  # a synchronous round (first step, after a drop): as below, re-run after a server restart
+                seed = self._round_seed()
+                return generate_round(self, lambda: sample(seed))
+
             batch = self._async.next_round(self._round_inputs, self.state.global_step, job, round_job_factory(self))
         elif self._async is not None:  # evaluation: the background round finishes and the sampler syncs first
             self._async.before_foreground_round(self.state.global_step)
-            batch = sample(self._round_seed())
+            seed = self._round_seed()
+            batch = generate_round(self, lambda: sample(seed))
         else:
             # in-process sampling under ZeRO-3 / FSDP2: weights gathered once on every rank, no collective inside;
             # vLLM: the weight sync once per round (server: the round again, same seed, after a server restart;

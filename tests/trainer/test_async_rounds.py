@@ -715,6 +715,37 @@ def test_a_weight_sync_never_lands_while_a_request_decodes(tmp_path, tiny_tokeni
     assert trainer.vllm_generation.num_syncs == 3
 
 
+def test_a_server_restart_in_a_synchronous_round_is_synced_and_rerun(tmp_path, tiny_tokenizer, tiny_model_path):
+    """vLLM server mode: the first round of an async run is generated on the trainer's thread; a server restart
+    during it (the 2nd completion request) is survived as in a synchronous run (`weight_sync.generate_round`): the
+    weights are synced again and the round re-runs with the same seeds, then the next round runs in the background.
+    R = reload_weights, C = reset_prefix_cache, g = a completion, d = the request that made it die, X = the restart."""
+    import os
+    import re
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+    fake_vllm = pytest.importorskip("bench.fake_vllm")
+    eos = tiny_tokenizer.eos_token_id
+    answer = tiny_tokenizer.encode("<answer> 4 </answer>", add_special_tokens=False) + [eos]
+    policy = fake_vllm.ScriptedPolicy(tiny_tokenizer, lambda ctx, rng: answer[:1] * rng.randint(0, 8) + answer)
+    with fake_vllm.FakeVLLMServer(policy, tiny_tokenizer, max_model_len=1024, restart_at=1) as server:
+        trainer = make_trainer(
+            tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), use_vllm=True, vllm_mode="server",
+            vllm_server_base_url=server.url, num_generations=4, per_device_train_batch_size=4, max_steps=2,
+            max_completion_length=16, max_staleness=1, vllm_server_wait_s=60,
+        )  # fmt: skip
+        trainer.train()
+        server.restarter.join()
+    letters = {"rpc:reload_weights": "R", "reset_prefix_cache": "C", "completion": "g", "dying": "d", "restart": "X"}
+    events = "".join(letters[e] for e in server.events)
+    assert re.fullmatch(r"RCg*dg*Xg*RCgggggggg", events), events  # after X: sync, reset, the round, the next one
+    assert [(h.step, h.background) for h in trainer._async.history] == [(0, False), (1, True)]
+    assert trainer.state.global_step == 2
+    first, rerun = server.bodies[:4], server.bodies[-8:-4]
+    assert sorted(b["seed"] for b in rerun) == sorted(b["seed"] for b in first)  # the same round, same seeds
+
+
 @pytest.mark.parametrize("strategy", ["arpo", "aepo"])
 def test_arpo_and_aepo_run_in_the_background_unchanged(tmp_path, tiny_tokenizer, tiny_model_path, strategy):
     engine = ThreadEngine(tiny_tokenizer)
