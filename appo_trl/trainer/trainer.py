@@ -303,17 +303,17 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 return generate_with_environments(self, strategy, prompt_ids, n, seed)
             return strategy.generate(prompt_ids[::n], n, seed)
 
+        def own_thread_round():  # max_staleness >= 1, a round on this thread: with vLLM, re-run after a restart
+            seed = self._round_seed()  # (args.use_vllm: `behaviour_correction` raises `use_vllm` in-process)
+            return generate_round(self, lambda: sample(seed)) if self.args.use_vllm else sample(seed)
+
         if self._async is not None and mode == "train":  # max_staleness >= 1: the round may come from the background
-
-            def job():  # a synchronous round (first step, after a drop): as below, re-run after a server restart
-                seed = self._round_seed()
-                return generate_round(self, lambda: sample(seed))
-
-            batch = self._async.next_round(self._round_inputs, self.state.global_step, job, round_job_factory(self))
+            batch = self._async.next_round(
+                self._round_inputs, self.state.global_step, own_thread_round, round_job_factory(self)
+            )
         elif self._async is not None:  # evaluation: the background round finishes and the sampler syncs first
             self._async.before_foreground_round(self.state.global_step)
-            seed = self._round_seed()
-            batch = generate_round(self, lambda: sample(seed))
+            batch = own_thread_round()
         else:
             # in-process sampling under ZeRO-3 / FSDP2: weights gathered once on every rank, no collective inside;
             # vLLM: the weight sync once per round (server: the round again, same seed, after a server restart;
