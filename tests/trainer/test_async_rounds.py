@@ -2,9 +2,13 @@
 
 Pinned: the staleness of every handed round and the sync schedule for (k, weight_sync_steps) by hand; a stale
 round is dropped and regenerated; a background exception reaches the trainer at the next hand-over with its
-cause; the decoupled-PPO correction on a hand-computed two-token case; Ctrl-C joins the round thread; a resumed
-run discards the round in flight and trains every generation batch exactly once; APPO's selection forward never
-overlaps an optimizer step; `max_staleness: 0` builds none of it.
+cause; the decoupled-PPO correction on a hand-computed two-token case, and TRL's four importance-sampling modes on
+background rounds; Ctrl-C joins the round thread; a resumed run discards the round in flight and trains every
+generation batch exactly once; APPO's selection forward never overlaps an optimizer step and reads the weights of
+its hand-over (m = 2 too), and an evaluation between two hand-overs does not wait for it; APPO in the background is
+refused under DeepSpeed / FSDP and vLLM colocate with any strategy; the real in-process backend decodes with the
+sampler copy, synced to the policy; torch's thread count is split from the user's and restored; a server restart in
+a round generated on the trainer's thread is survived; `max_staleness: 0` builds none of it.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from appo_trl.trainer.async_rounds import (
 )
 from appo_trl.trainer.config import APPOConfig
 from tests.trainer.fakes import ScriptedEngine
-from tests.trainer.test_trainer import CPU, RewardSpy, make_trainer
+from tests.trainer.test_trainer import CPU, RewardSpy, dataset, make_trainer
 
 
 # ---- the scheduler alone --------------------------------------------------------------------------------------
@@ -670,6 +674,31 @@ def test_evaluation_between_hand_overs_drops_a_round_waiting_for_its_weights():
     (e,) = rounds.lookahead.pull(it, 1)
     out = rounds.next_round(e, 4, lambda: Round(rows=["e now"] * 4), plain_job)
     assert out.rows == ["e"] * 4 and rounds.history[-1].background
+
+
+def test_evaluation_between_hand_overs_in_training(tmp_path, tiny_tokenizer, tiny_model_path):
+    """APPO, m = 2, evaluation after every step: the evaluation at step 1 drops the round waiting for the weights of
+    step 2 (generated at its hand-over instead), and training ends instead of waiting forever."""
+    from appo_trl.trainer.trainer import APPOTrainer
+
+    kw = dict(rollout_strategy="appo", num_generations=4, initial_rollouts=2, per_device_train_batch_size=4,
+              steps_per_generation=2, gradient_accumulation_steps=1, max_completion_length=64, min_remaining_tokens=1,
+              tools=["python"], max_steps=4, max_staleness=3, branch_entropy_source="trainer", eval_strategy="steps",
+              eval_steps=1, per_device_eval_batch_size=4, num_generations_eval=1)  # fmt: skip
+    trainer = APPOTrainer(
+        model=tiny_model_path, reward_funcs=[RewardSpy()], args=APPOConfig(output_dir=str(tmp_path), **{**CPU, **kw}),
+        train_dataset=dataset(), eval_dataset=dataset(4), processing_class=tiny_tokenizer,
+        rollout_engine=ScriptedEngine(tiny_tokenizer),
+    )  # fmt: skip
+    run = threading.Thread(target=trainer.train, daemon=True)
+    run.start()
+    run.join(timeout=60)
+    if run.is_alive():
+        trainer._async.closed = True  # releases the waiting forward
+        pytest.fail("evaluation between two hand-overs waited for a round that waited for the next step")
+    assert [(h.step, h.version, h.background) for h in trainer._async.history] == [(0, 0, False), (2, 2, False)]
+    assert trainer._async.discarded_rounds == 1 and trainer.state.global_step == 4
+    assert [e["step"] for e in trainer.state.log_history if "eval_reward" in e] == [1, 2, 3, 4]
 
 
 def test_appo_selection_with_the_sampler_copy(tmp_path, tiny_tokenizer, tiny_model_path):
