@@ -18,43 +18,58 @@ With `max_staleness: 0` (the default) nothing here runs and `APPOTrainer` is syn
    drain that keeps a weight sync from landing while a request of an older round decodes, on the vLLM server
    (disk or NCCL route alike, and on every rank, as TRL's collectives need) and on the in-process sampler.
 
-Off-policy correction: decoupled PPO (AReaL, Fu et al. 2025), not a ratio against the behaviour policy alone.
-The proximal policy is the trainer's weights at hand-over (TRL's `old_per_token_logps` forward, run at
-hand-over on the current weights); the PPO ratio and its clip are taken against it, and the behaviour policy
-(the sampler's logprobs) enters only through TRL's truncated importance weight exp(old − sampler)
-(`vllm_importance_sampling_mode` / `_clip_max`/`_clip_min`, TRL's own code). Why: the trust region stays centred
-on a policy one step old whatever the staleness (a ratio against a k-step-old sampler would clip away most of
-the update as k grows); the correction reuses TRL's vLLM importance-sampling options unchanged; and APPO's
-future_kl loss keeps its meaning (drift within the update, not sampler lag). The in-process backend gets the
-same correction: TRL gates it on `use_vllm`, so `behaviour_correction` raises that flag while TRL scores a round
-and computes a loss (the sampler copy is a separate sampler, exactly like a server).
+Off-policy correction: decoupled PPO (AReaL, Fu et al. 2025), not a ratio against the behaviour policy alone. The
+proximal policy is the trainer's weights at hand-over (TRL's `old_per_token_logps` forward, run at hand-over on the
+current weights); the PPO ratio and its clip are taken against it, and the behaviour policy (the sampler's logprobs)
+enters only through TRL's importance weight exp(old − sampler), masked or truncated per token or per sequence as
+`vllm_importance_sampling_mode` says (default `sequence_mask`; `_clip_max`/`_clip_min`; TRL's own code). Why: the
+trust region stays centred on the hand-over weights (at most m − 1 steps old) whatever the staleness (a ratio
+against a k-step-old sampler would clip away most of the update as k grows); the correction reuses TRL's vLLM
+importance-sampling options unchanged; and APPO's future_kl loss keeps its meaning (drift within the update, not
+sampler lag). The in-process backend gets the same correction: TRL gates it on `use_vllm`, so `behaviour_correction`
+raises that flag while TRL scores a round and computes a loss (the sampler copy is a separate sampler, exactly like
+a server).
 
-Backends: the vLLM server is synced with TRL's or the disk route (`trainer.vllm_generation.sync_weights`); the
-in-process backend decodes with `SamplerCopy`, a frozen copy of the policy synced at the same points (not
-under DeepSpeed ZeRO-3 / FSDP, where the policy is sharded: an error at start-up). Torch's intra-op thread
-count is set to half the usable cores so that trainer and sampler share the machine instead of oversubscribing.
+Backends: the vLLM server is synced with TRL's or the disk route (`trainer.vllm_generation.sync_weights`); vLLM
+colocate mode is refused by `APPOConfig` (its in-process engine would be synced, or put to sleep, while a background
+round generates on it); the in-process backend decodes with `SamplerCopy`, a frozen copy of the policy synced at the
+same points (not under DeepSpeed ZeRO-3 / FSDP, where the policy is sharded: an error at start-up). For the span of
+`train()` torch's intra-op thread count is set to half of min(its current count, usable cores)
+(`split_cpu_threads`), so that trainer and sampler share the user's budget instead of oversubscribing it, and
+restored when `train()` ends.
 
-APPO: branch selection runs a no-grad trainer forward inside the background round (`score_trajectories`).
-With `async_fv_policy: proximal` (default) it waits for the optimizer step that follows the round's launch and
-holds `weights_lock` (which the trainer holds around every optimizer step, `OptimizerStepLock`), so it reads,
-deterministically, the weights s + 1 the round will be trained against and never half-updated ones. FutureValue
-exp(Σγ(ℓ_trainer − ℓ_sampler)) then measures the sampler–trainer mismatch plus the one step of policy lag the
-loss will correct (synchronously it measures the mismatch only, since both are version s). `async_fv_policy:
-sampler` (in-process backend only) scores with the sampler copy itself (version s): the synchronous reading,
-no waiting, but the lag the loss sees is then invisible to the branch score. A round's initial rollouts are
-sampled before the wait, so only its branches start after the trainer's step.
+APPO: branch selection runs a no-grad trainer forward inside the background round (`score_trajectories`), so APPO
+with k >= 1 is refused under DeepSpeed and FSDP at start-up (`build_async_rounds`): there that forward would gather
+parameter shards concurrently with the trainer thread's collectives, and DeepSpeed updates the weights inside
+`accelerator.backward` (`engine.step()`), where `OptimizerStepLock` does not reach. With `async_fv_policy: proximal`
+(default) a round launched at hand-over step v waits for the m optimizer steps of the round training meanwhile
+(`optimizer_steps` reaching its ticket, launch + m) and holds `weights_lock` (which the trainer holds around every
+optimizer step, `OptimizerStepLock`), so it reads, deterministically, the weights v + m of its own hand-over, the
+proximal policy its loss takes the ratio against, and never half-updated ones (the trainer changes no weight between
+its m-th step and the hand-over, where it waits for the round). FutureValue exp(Σγ(ℓ_trainer − ℓ_sampler)) then
+measures the sampler–trainer mismatch plus the v + m − s steps of policy lag the loss will correct (m with
+weight_sync_steps 1; synchronously it measures the mismatch only, since both are version s). `async_fv_policy:
+sampler` (in-process backend only) scores with the sampler copy itself (version s): the synchronous reading, no
+waiting, but the lag the loss sees is then invisible to the branch score. A round's initial rollouts are sampled
+before the wait, so only its branches start after the trainer's m-th step. An evaluation between two hand-overs
+(m > 1) comes before those weights exist: the waiting round is dropped (`RoundAborted`, counted in
+`discarded_rounds`) and generated synchronously at its hand-over.
 
 Faults and resume: Ctrl-C (or any exception) in `Trainer.train` closes the rollout engine, which cancels the
 background round's requests, and joins the round thread (`close`); the thread is a daemon, so a stuck backend
 never blocks interpreter exit. Rounds in flight live only in memory: a resumed run starts with a synchronous
 round, so a round is never trained twice or half (TRL regenerates a partly trained generation batch itself).
 
-What this module does not do: run more than one round ahead (one round generates while one trains), sample
-(the strategies and the rollout engine do), compute losses, survive a vLLM server restart inside a background
-round (`weight_sync.generate_round` does that for synchronous rounds; here the restart surfaces as a
-`BackgroundRoundError`). With several processes the ranks agree on a fault at every hand-over
-(`agree_on_round_faults`, one small all-gather per round): a round that failed on any rank stops every rank
-there, each naming the failed rank and its cause, so no rank waits at a later collective for a peer that died.
+What this module does not do: run more than one round ahead (one round generates while one trains), sample (the
+strategies and the rollout engine do), compute losses, survive a vLLM server restart inside a background round
+(there the restart surfaces as a `BackgroundRoundError` at its hand-over, and the run stops). The rounds the trainer
+generates on its own thread (the first after `train()` starts or resumes, one regenerated after a drop or a discard,
+evaluation) go through `weight_sync.generate_round` as synchronous runs do: after the sync here its own sync is
+skipped (`_last_loaded_step` is current), and a round during which the server restarted is synced again and re-run
+with the same seed (those re-syncs are not counted in `num_syncs` here). With several processes the ranks agree on a
+fault at every hand-over (`agree_on_round_faults`, one small all-gather per round): a round that failed on any rank
+stops every rank there, each naming the failed rank and its cause, so no rank waits at a later collective for a peer
+that died.
 """
 
 from __future__ import annotations
@@ -79,6 +94,10 @@ logger = logging.getLogger(__name__)
 
 class BackgroundRoundError(RuntimeError):
     """A background generation round failed; the original exception is the `__cause__`."""
+
+
+class RoundAborted(RuntimeError):
+    """Raised on a round thread whose selection forward waited for weights that evaluation would hold back."""
 
 
 def agree_on_round_faults(error: BaseException | None, launched_at: int) -> None:
@@ -199,6 +218,8 @@ class PendingRound:
     version: int  # optimizer step of the weights that sample it
     step: int  # global step at launch
     thread: threading.Thread
+    ticket: int  # `optimizer_steps` at its hand-over: its selection forward waits for these weights
+    abort: threading.Event  # set: its selection forward raises `RoundAborted` instead of waiting
 
 
 @dataclass
@@ -233,7 +254,7 @@ class AsyncRounds:
         self.weights_lock = threading.Lock()
         self.stepped = threading.Condition()
         self.optimizer_steps = 0  # counted by OptimizerStepLock
-        self._local = threading.local()  # on a round thread: `ticket`, the optimizer step its forward waits for
+        self._local = threading.local()  # on a round thread: `ticket` (the step its forward waits for), `abort`
         self.history: list[HandedRound] = []
         self.num_syncs = 0
         self.dropped_rows = 0
@@ -276,7 +297,7 @@ class AsyncRounds:
                 )  # fmt: skip
                 batch = None
         elif pending is not None:  # launched for another batch (e.g. the loop re-generated): wait, then forget it
-            self._wait_quietly(pending)
+            self._settle(pending)
             self.discarded_rounds += 1
         background = batch is not None
         if batch is None:
@@ -317,11 +338,11 @@ class AsyncRounds:
 
     def _submit(self, inputs, job, step: int) -> PendingRound:
         future: Future = Future()
-
-        ticket = self.optimizer_steps + 1  # the optimizer step that follows this launch
+        # its hand-over comes after the m optimizer steps of the round now training: the proximal weights
+        ticket, abort = self.optimizer_steps + self.m, threading.Event()
 
         def work():
-            self._local.ticket = ticket
+            self._local.ticket, self._local.abort = ticket, abort
             if not future.set_running_or_notify_cancel():
                 return
             try:
@@ -330,7 +351,7 @@ class AsyncRounds:
                 future.set_exception(exc)
 
         thread = threading.Thread(target=work, name=f"appo-round-{step}", daemon=True)
-        pending = PendingRound(inputs, future, self.version, step, thread)
+        pending = PendingRound(inputs, future, self.version, step, thread, ticket, abort)
         self.last_thread = thread
         thread.start()
         return pending
@@ -339,6 +360,16 @@ class AsyncRounds:
         self.sync_fn()
         self.version = step
         self.num_syncs += 1
+
+    def _settle(self, pending: PendingRound) -> bool:
+        """Wait for `pending` before its hand-over; a selection forward still waiting for the hand-over's weights,
+        which cannot come while the trainer waits here, is stopped (`RoundAborted`). True when it was stopped."""
+        if self.optimizer_steps < pending.ticket:
+            pending.abort.set()
+            with self.stepped:
+                self.stepped.notify_all()
+        self._wait_quietly(pending)
+        return not pending.future.cancelled() and isinstance(pending.future.exception(), RoundAborted)
 
     @staticmethod
     def _wait_quietly(pending: PendingRound, timeout: float | None = None) -> None:
@@ -350,14 +381,17 @@ class AsyncRounds:
     @contextlib.contextmanager
     def trainer_forward(self):
         """Around a trainer forward that may run on a round thread (APPO's branch selection): there, first
-        wait for the optimizer step that follows the round's launch (so the forward reads the weights the round
-        will be trained against, the proximal policy, whatever the timing), then hold `weights_lock`."""
+        wait for the m optimizer steps of the round training at its launch (so the forward reads the weights of
+        its hand-over, the proximal policy it will be trained against, whatever the timing), then hold
+        `weights_lock`."""
         ticket = getattr(self._local, "ticket", None)
         if ticket is not None:
             with self.stepped:
                 while self.optimizer_steps < ticket:
                     if self.closed:
                         raise RuntimeError("training stopped while a background round waited for its weights")
+                    if self._local.abort.is_set():
+                        raise RoundAborted("evaluation ran before this round's weights existed")
                     self.stepped.wait(timeout=1.0)
         with self.weights_lock:
             yield
@@ -365,9 +399,18 @@ class AsyncRounds:
     # ---- evaluation, shutdown -----------------------------------------------------------------------------
     def before_foreground_round(self, step: int) -> None:
         """Before the trainer samples on its own thread (evaluation): let the background round finish (it is
-        kept for its hand-over), then bring the sampler to the current weights."""
-        if self.pending is not None:
-            self._wait_quietly(self.pending)
+        kept for its hand-over), then bring the sampler to the current weights.
+
+        Evaluation between two hand-overs (m > 1) comes before the weights an APPO selection forward waits for:
+        that round is told to stop at its forward (`RoundAborted`) and is dropped, to be generated synchronously
+        at its hand-over; a round that does not reach such a forward finishes and is kept."""
+        pending = self.pending
+        if pending is not None and self._settle(pending):
+            logger.info("evaluation at step %d dropped the round launched at step %d (its selection forward waited "
+                        "for step %d); it is generated at its hand-over", step, pending.step,
+                        pending.ticket)  # fmt: skip
+            self.pending = None
+            self.discarded_rounds += 1
         if self.version != step:
             self._sync(step)
 
@@ -390,13 +433,31 @@ class AsyncRounds:
             logger.warning("the background generation round did not stop within %.0f s (daemon thread)", timeout)
 
 
-def sampler_threads() -> int:
-    """Torch intra-op threads each side gets when trainer and in-process sampler share the CPU: half the cores."""
+def sampler_threads(current: int) -> int:
+    """Torch intra-op threads each side gets when trainer and in-process sampler share the CPU: half the process's
+    budget, which is `current` (torch's thread count: the user's `torch.set_num_threads` / `OMP_NUM_THREADS`, or
+    torch's default) capped at the cores this process may run on. Each side runs its own intra-op pool of that
+    size, so the two together use the budget, not twice it."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, cores // 2)
+    return max(1, min(current, cores) // 2)
+
+
+@contextlib.contextmanager
+def split_cpu_threads():
+    """Within (`APPOTrainer.train` with the in-process sampler copy): torch's thread count set to
+    `sampler_threads`, process-wide; the previous count is restored on exit, whatever happened."""
+    before = torch.get_num_threads()
+    threads = sampler_threads(before)
+    torch.set_num_threads(threads)
+    logger.info("max_staleness >= 1 in-process: torch threads %d -> %d while training and sampling overlap",
+                before, threads)  # fmt: skip
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def build_async_rounds(trainer) -> AsyncRounds | None:
@@ -406,6 +467,15 @@ def build_async_rounds(trainer) -> AsyncRounds | None:
     if args.max_staleness < 1:
         return None
     every = args.steps_per_generation * args.num_iterations
+    dist = str(getattr(trainer.accelerator, "distributed_type", "NO"))
+    sharded = "DEEPSPEED" in dist or "FSDP" in dist
+    if sharded and args.rollout_strategy == "appo":
+        raise ValueError(
+            "rollout_strategy=appo with max_staleness >= 1 is not supported under DeepSpeed or FSDP: APPO's "
+            "branch-selection forward runs on the background round's thread, where it would gather shards "
+            "concurrently with the trainer's collectives and read weights DeepSpeed updates inside backward "
+            "(outside the optimizer-step lock). Use max_staleness: 0, or DDP."
+        )
     if args.use_vllm:
 
         def sync_fn():
@@ -413,16 +483,12 @@ def build_async_rounds(trainer) -> AsyncRounds | None:
             trainer._last_loaded_step = trainer.state.global_step
 
     else:
-        dist = str(getattr(trainer.accelerator, "distributed_type", "NO"))
-        if "DEEPSPEED" in dist or "FSDP" in dist:
+        if sharded:
             raise ValueError(
                 "max_staleness >= 1 with the in-process backend keeps a full copy of the policy as the sampler; "
                 "under DeepSpeed or FSDP the policy is sharded: use the vLLM server (use_vllm: true)."
             )
-        trainer._sampler = SamplerCopy(trainer.accelerator.unwrap_model(trainer.model))
-        threads = sampler_threads()
-        torch.set_num_threads(threads)
-        logger.info("max_staleness=%d: in-process sampler copy; torch threads set to %d", args.max_staleness, threads)
+        trainer._sampler = SamplerCopy(trainer.accelerator.unwrap_model(trainer.model))  # threads: split_cpu_threads
 
         def sync_fn():
             trainer._sampler.sync(trainer.accelerator.unwrap_model(trainer.model))
@@ -456,7 +522,7 @@ def round_job_factory(trainer):
 def behaviour_correction(trainer):
     """Within: TRL's behaviour-policy correction applies to the in-process sampler copy too.
 
-    TRL computes the proximal `old_per_token_logps`, the truncated importance weight and its metrics, and
+    TRL computes the proximal `old_per_token_logps`, the importance weight (any of its four modes) and its metrics, and
     multiplies the loss by it, under `if self.use_vllm and self.vllm_importance_sampling_correction`. With
     `max_staleness >= 1` in-process the rows come from `SamplerCopy`, a separate sampler like a server, so the
     flag is raised for the span of TRL's scoring and loss (no other TRL code reads it there: `_generate` is
@@ -472,5 +538,6 @@ def behaviour_correction(trainer):
         trainer.use_vllm = False
 
 
-__all__ = ["AsyncRounds", "BackgroundRoundError", "BatchLookahead", "OptimizerStepLock", "SamplerCopy",
-           "behaviour_correction", "build_async_rounds", "round_job_factory", "sampler_threads"]  # fmt: skip
+__all__ = ["AsyncRounds", "BackgroundRoundError", "BatchLookahead", "OptimizerStepLock", "RoundAborted", "SamplerCopy",
+           "behaviour_correction", "build_async_rounds", "round_job_factory", "sampler_threads",
+           "split_cpu_threads"]  # fmt: skip

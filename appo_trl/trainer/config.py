@@ -177,9 +177,10 @@ class APPOConfig(GRPOConfig):
     async_fv_policy: str = field(
         default="proximal",
         metadata=_h(
-            "APPO with max_staleness >= 1: the weights of the branch-selection forward. `proximal`: the weights the "
-            "round will train against (it waits for the trainer's next optimizer step), so FutureValue also "
-            "measures the one step of lag; `sampler`: the in-process sampler copy, FutureValue as synchronously."
+            "APPO with max_staleness >= 1: the weights of the branch-selection forward. `proximal`: the weights of "
+            "the round's hand-over, which its loss takes the ratio against (it waits for the optimizer steps of the "
+            "round training meanwhile), so FutureValue also measures the policy lag; `sampler`: the in-process "
+            "sampler copy, FutureValue as synchronously."
         ),
     )
     # --- several vLLM replicas (vllm_server_base_url lists them) ---------------------------------------------
@@ -641,6 +642,11 @@ class APPOConfig(GRPOConfig):
                 f"max_staleness={k} with steps_per_generation × num_iterations = {every} and "
                 f"gradient_accumulation_steps = {ga}: a round must span a whole number m of optimizer steps with "
                 "2m − 1 <= max_staleness (its last rows train m − 1 steps after its first)."
+            )
+        if self.use_vllm and self.vllm_mode == "colocate":
+            self._fail(
+                f"max_staleness={k} with vllm_mode=colocate: the in-process vLLM engine would be synced (and put to "
+                "sleep) while a background round generates on it; use vllm_mode=server, or max_staleness: 0."
             )
         if self.async_fv_policy == "sampler" and self.use_vllm:
             self._fail("async_fv_policy=sampler scores with the in-process sampler copy; with use_vllm use proximal.")

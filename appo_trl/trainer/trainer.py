@@ -44,7 +44,12 @@ from trl.data_utils import is_conversational
 
 from appo_trl.reporting.console import canonical_metrics, install_step_line
 from appo_trl.reporting.rollout_dump import dump_round
-from appo_trl.trainer.async_rounds import behaviour_correction, build_async_rounds, round_job_factory
+from appo_trl.trainer.async_rounds import (
+    behaviour_correction,
+    build_async_rounds,
+    round_job_factory,
+    split_cpu_threads,
+)
 from appo_trl.trainer.checkpoints import AtomicCheckpointMixin, read_sampler_state, write_sampler_state
 from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.environments import check_environments, generate_with_environments
@@ -219,19 +224,22 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     def train(self, *args, **kwargs):
         """`Trainer.train`, then the engine's loop thread, backend worker and sandbox are shut down (a later
-        call restarts them)."""
+        call restarts them). With the in-process sampler copy (max_staleness >= 1) torch's thread count is split
+        between trainer and sampler for the call and restored after it (`async_rounds.split_cpu_threads`)."""
         if self._async is not None:
             self._async.reset()  # a resume loads other weights: the first round syncs and runs on them
-        try:
-            return super().train(*args, **kwargs)
-        finally:
-            if self._async is not None:
-                self._async.closed = True  # no launch from here on
-            closer = getattr(self._rollout_engine, "close", None)
-            if closer is not None:
-                closer()  # cancels the requests of a round in flight
-            if self._async is not None:
-                self._async.close()
+        threads = split_cpu_threads() if self._sampler is not None else contextlib.nullcontext()
+        with threads:
+            try:
+                return super().train(*args, **kwargs)
+            finally:
+                if self._async is not None:
+                    self._async.closed = True  # no launch from here on
+                closer = getattr(self._rollout_engine, "close", None)
+                if closer is not None:
+                    closer()  # cancels the requests of a round in flight
+                if self._async is not None:
+                    self._async.close()
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """`Trainer.get_batch_samples`; with max_staleness >= 1 through a lookahead that can peek the next round."""
@@ -295,12 +303,17 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 return generate_with_environments(self, strategy, prompt_ids, n, seed)
             return strategy.generate(prompt_ids[::n], n, seed)
 
+        def own_thread_round():  # max_staleness >= 1, a round on this thread: with vLLM, re-run after a restart
+            seed = self._round_seed()  # (args.use_vllm: `behaviour_correction` raises `use_vllm` in-process)
+            return generate_round(self, lambda: sample(seed)) if self.args.use_vllm else sample(seed)
+
         if self._async is not None and mode == "train":  # max_staleness >= 1: the round may come from the background
-            job = lambda: sample(self._round_seed())  # noqa: E731
-            batch = self._async.next_round(self._round_inputs, self.state.global_step, job, round_job_factory(self))
+            batch = self._async.next_round(
+                self._round_inputs, self.state.global_step, own_thread_round, round_job_factory(self)
+            )
         elif self._async is not None:  # evaluation: the background round finishes and the sampler syncs first
             self._async.before_foreground_round(self.state.global_step)
-            batch = sample(self._round_seed())
+            batch = own_thread_round()
         else:
             # in-process sampling under ZeRO-3 / FSDP2: weights gathered once on every rank, no collective inside;
             # vLLM: the weight sync once per round (server: the round again, same seed, after a server restart;

@@ -2,27 +2,41 @@
 
 Pinned: the staleness of every handed round and the sync schedule for (k, weight_sync_steps) by hand; a stale
 round is dropped and regenerated; a background exception reaches the trainer at the next hand-over with its
-cause; the decoupled-PPO correction on a hand-computed two-token case; Ctrl-C joins the round thread; a resumed
-run discards the round in flight and trains every generation batch exactly once; APPO's selection forward never
-overlaps an optimizer step; `max_staleness: 0` builds none of it.
+cause; the decoupled-PPO correction on a hand-computed two-token case, and TRL's four importance-sampling modes on
+background rounds; Ctrl-C joins the round thread; a resumed run discards the round in flight and trains every
+generation batch exactly once; APPO's selection forward never overlaps an optimizer step and reads the weights of
+its hand-over (m = 2 too), and an evaluation between two hand-overs does not wait for it; APPO in the background is
+refused under DeepSpeed / FSDP and vLLM colocate with any strategy; the real in-process backend decodes with the
+sampler copy, synced to the policy; torch's thread count is split from the user's and restored; a server restart in
+a round generated on the trainer's thread is survived; `max_staleness: 0` builds none of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
+from accelerate.utils import DistributedType
 from transformers import TrainerCallback
 
-from appo_trl.trainer.async_rounds import AsyncRounds, BackgroundRoundError, BatchLookahead
+from appo_trl.trainer.async_rounds import (
+    AsyncRounds,
+    BackgroundRoundError,
+    BatchLookahead,
+    OptimizerStepLock,
+    build_async_rounds,
+    sampler_threads,
+)
 from appo_trl.trainer.config import APPOConfig
 from tests.trainer.fakes import ScriptedEngine
-from tests.trainer.test_trainer import CPU, RewardSpy, make_trainer
+from tests.trainer.test_trainer import CPU, RewardSpy, dataset, make_trainer
 
 
 # ---- the scheduler alone --------------------------------------------------------------------------------------
@@ -165,6 +179,7 @@ def test_lookahead_peeks_by_identity_within_one_epoch():
         ({"max_staleness": 1, "steps_per_generation": 2}, "2m − 1 <= max_staleness"),
         ({"max_staleness": 1, "vllm_importance_sampling_correction": False}, "behaviour-policy correction"),
         ({"max_staleness": 1, "async_fv_policy": "newest"}, "async_fv_policy='newest'"),
+        ({"max_staleness": 1, "use_vllm": True, "vllm_mode": "colocate"}, "vllm_mode=colocate.*use vllm_mode=server"),
     ],
 )
 def test_config_refuses_what_the_bound_cannot_honour(tmp_path, kw, message):
@@ -176,6 +191,32 @@ def test_config_refuses_what_the_bound_cannot_honour(tmp_path, kw, message):
 def test_max_staleness_one_and_two_steps_per_round_needs_three(tmp_path):
     kw = dict(num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=1, steps_per_generation=2)
     assert APPOConfig(output_dir=str(tmp_path), **{**CPU, **kw, "max_staleness": 3}).max_staleness == 3
+
+
+@pytest.mark.parametrize("dist", [DistributedType.DEEPSPEED, DistributedType.FSDP])
+def test_appo_in_the_background_is_refused_under_deepspeed_and_fsdp(tmp_path, dist):
+    """APPO's selection forward runs on the round thread: under a sharded or DeepSpeed engine it would gather shards
+    beside the trainer's collectives and race DeepSpeed's step inside backward, so `APPOTrainer.__init__` stops."""
+    kw = dict(num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=1, max_staleness=1)
+    vllm = dict(use_vllm=True, vllm_mode="server")
+
+    def build(accel_type, **cfg):
+        args = APPOConfig(output_dir=str(tmp_path), **{**CPU, **kw, **cfg})
+        callbacks = []
+        trainer = SimpleNamespace(args=args, accelerator=SimpleNamespace(distributed_type=accel_type),
+                                  add_callback=callbacks.append)  # fmt: skip
+        return build_async_rounds(trainer), callbacks
+
+    appo = dict(rollout_strategy="appo", initial_rollouts=2, **vllm)
+    with pytest.raises(ValueError, match=r"^rollout_strategy=appo with max_staleness >= 1 is not supported under "
+                                         r"DeepSpeed or FSDP: .* Use max_staleness: 0, or DDP\.$"):  # fmt: skip
+        build(dist, **appo)
+    with pytest.raises(ValueError, match="the policy is sharded: use the vLLM server"):  # in-process: no full copy
+        build(dist, rollout_strategy="grpo")
+    rounds, callbacks = build(DistributedType.MULTI_GPU, **appo)  # DDP: the lock covers the step
+    assert isinstance(rounds, AsyncRounds) and isinstance(callbacks[0], OptimizerStepLock)
+    rounds, _ = build(dist, rollout_strategy="grpo", **vllm)  # no trainer forward off the trainer's thread
+    assert isinstance(rounds, AsyncRounds)
 
 
 # ---- through the trainer --------------------------------------------------------------------------------------
@@ -231,6 +272,88 @@ def test_background_rounds_in_process(tmp_path, tiny_tokenizer, tiny_model_path)
     assert any(not torch.equal(before[k], after[k]) for k in before)
     sampler = trainer._sampler.model.state_dict()
     assert any(not torch.equal(sampler[k], after[k]) for k in after)
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_the_in_process_backend_decodes_on_the_synced_sampler_copy(tmp_path, tiny_tokenizer, tiny_model_path):
+    """The real `TransformersBackend` (no injected engine): it decodes with the sampler copy, and after training
+    the copy holds exactly the policy's weights of the last sync (step 1 of 3), not the initial ones."""
+    trainer = make_trainer(
+        tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), tools=["python"], num_generations=4,
+        per_device_train_batch_size=4, max_completion_length=24, max_steps=3, max_staleness=1,
+        vllm_importance_sampling_mode="token_truncate",
+    )  # fmt: skip
+    backend = trainer.rollout_engine.backend
+    assert type(backend).__name__ == "TransformersBackend"
+    assert backend.model is trainer._sampler.model and backend.model is not trainer.model
+    initial = _weights(trainer.model)
+    synced = {}  # global step -> the policy's weights when the sampler was synced
+    real_sync_fn = trainer._async.sync_fn
+
+    def sync_fn():
+        synced[trainer.state.global_step] = _weights(trainer.model)
+        real_sync_fn()
+
+    trainer._async.sync_fn = sync_fn
+    trainer.train()
+    assert [(h.step, h.version, h.background) for h in trainer._async.history] == [
+        (0, 0, False), (1, 0, True), (2, 1, True)
+    ]  # fmt: skip
+    assert sorted(synced) == [0, 1]
+    sampler, last, final = _weights(trainer._sampler.model), synced[1], _weights(trainer.model)
+    assert all(torch.equal(sampler[k], last[k]) for k in last), "the sampler copy is not the policy of step 1"
+    assert any(not torch.equal(sampler[k], initial[k]) for k in initial), "the sampler copy was never synced"
+    assert any(not torch.equal(sampler[k], final[k]) for k in final)  # the policy trained on after the last sync
+
+
+@pytest.mark.parametrize("cores, current, each", [(8, 2, 1), (8, 16, 4), (4, 6, 2), (16, 1, 1), (1, 4, 1)])
+def test_sampler_threads_halve_the_users_budget(monkeypatch, cores, current, each):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert sampler_threads(current) == each
+
+
+class ThreadCount(TrainerCallback):
+    def __init__(self):
+        self.seen = []
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.seen.append(torch.get_num_threads())
+
+
+def test_train_splits_the_users_thread_count_and_restores_it(tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch):
+    """8 usable cores, but the user asked torch for 2 threads: each side gets 1 while `train()` runs (not half the
+    cores, 4), the count is left alone before `train()`, and it is 2 again after `train()`, even after a failure."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    original = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = ThreadEngine(tiny_tokenizer)
+        trainer = make_trainer(
+            tmp_path, tiny_tokenizer, tiny_model_path, engine, RewardSpy(), max_steps=2, max_staleness=1, **GRPO
+        )
+        assert torch.get_num_threads() == 2  # building the trainer changes nothing
+        spy = ThreadCount()
+        trainer.add_callback(spy)
+        sampled = []
+        real_rollout = engine.rollout
+
+        async def rollout(*a, **k):
+            sampled.append((threading.current_thread().name, torch.get_num_threads()))
+            return await real_rollout(*a, **k)
+
+        engine.rollout = rollout
+        trainer.train()
+        assert spy.seen == [1, 1] and sampled == [("MainThread", 1), ("appo-round-0", 1)]
+        assert torch.get_num_threads() == 2
+        engine.fail_call = len(engine.threads) + 1  # the next run's first round fails: restored all the same
+        with pytest.raises(RuntimeError, match="search server down"):
+            trainer.train()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(original)
 
 
 def _two_token_inputs(trainer):
@@ -293,6 +416,55 @@ def test_importance_weight_is_computed_at_hand_over_from_the_proximal_policy(
         expected = torch.exp(out["old_per_token_logps"] - (-0.5)).clamp(max=3.0)  # scripted sampler logprob −0.5
         torch.testing.assert_close(out["importance_sampling_ratio"][mask], expected[mask])
     assert len(seen) == 2
+
+
+class FarSampler(ScriptedEngine):
+    """Odd rows of a group get sampler logprob −30 on their sampled tokens: their weight exp(old − sampler) is far
+    above `vllm_importance_sampling_clip_max` (3), so truncation and masking give different weights."""
+
+    async def rollout(self, prompts, n, **kw):
+        groups = await super().rollout(prompts, n, **kw)
+        for group in groups:
+            for j, t in enumerate(group):
+                if j % 2:
+                    t.logprobs = [-30.0 if m else lp for m, lp in zip(t.loss_mask, t.logprobs)]
+        return groups
+
+
+def expected_is_weight(out, mode, clip_max=3.0):
+    """TRL 1.16's vLLM importance-sampling weight for `mode`, from the batch's proximal and sampler logprobs."""
+    mask = out["completion_mask"] * out["tool_mask"]
+    diff = torch.nan_to_num((out["old_per_token_logps"] - out["sampling_per_token_logps"]) * mask, nan=0.0)
+    ratio = torch.exp(diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff)
+    return ratio.clamp(max=clip_max) if mode.endswith("truncate") else ratio.masked_fill(ratio > clip_max, 0.0)
+
+
+@pytest.mark.parametrize("loss_mode", ["clip", "future_kl"])
+@pytest.mark.parametrize("mode", ["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"])
+def test_trls_importance_sampling_modes_apply_to_background_rounds(
+    tmp_path, tiny_tokenizer, tiny_model_path, mode, loss_mode
+):
+    """Each of TRL's four `vllm_importance_sampling_mode`s, with TRL's loss and with future_kl: 2 async steps (one
+    synchronous round, one from the background) train with a finite loss, and the weight of every round is TRL's
+    for that mode (the mask modes zero the odd rows, the truncate modes cap them at 3)."""
+    trainer = make_trainer(
+        tmp_path, tiny_tokenizer, tiny_model_path, FarSampler(tiny_tokenizer), RewardSpy(), max_steps=2,
+        max_staleness=1, vllm_importance_sampling_mode=mode, loss_mode=loss_mode, **GRPO,
+    )  # fmt: skip
+    seen = []
+    orig = trainer._generate_and_score_completions
+    trainer._generate_and_score_completions = lambda inputs: seen.append(orig(inputs)) or seen[-1]
+    trainer.train()
+    assert [h.background for h in trainer._async.history] == [False, True]
+    for out in seen:
+        expected = expected_is_weight(out, mode)
+        torch.testing.assert_close(out["importance_sampling_ratio"], expected)
+        sampled = (out["completion_mask"] * out["tool_mask"])[1::2].bool()
+        far = expected[1::2] if mode.startswith("sequence") else expected[1::2][sampled]
+        assert (far == (0.0 if mode.endswith("mask") else 3.0)).all()
+    logs = [e for e in trainer.state.log_history if "rollout/staleness/max" in e]
+    assert len(logs) == 2 and all(math.isfinite(e["loss"]) for e in logs)
+    assert all("sampling/importance_sampling_ratio/mean" in e for e in logs)
 
 
 def test_a_background_fault_reaches_the_trainer_within_one_step(tmp_path, tiny_tokenizer, tiny_model_path):
@@ -413,6 +585,122 @@ def test_appo_selection_forward_never_overlaps_an_optimizer_step(
         assert f0 >= s1
 
 
+class SlowStepEnd(TrainerCallback):
+    """Pauses after each optimizer step: a selection forward that may run before its hand-over runs then."""
+
+    def on_step_end(self, args, state, control, **kw):
+        time.sleep(0.3)
+
+
+def test_appo_selection_forward_reads_the_hand_over_weights_with_two_steps_per_round(
+    tmp_path, tiny_tokenizer, tiny_model_path
+):
+    """m = 2 optimizer steps per round (steps_per_generation 2, max_staleness 3): the round launched at step v
+    scores its branches on the weights of its hand-over, v + 2, the proximal policy of its loss (with a ticket of
+    v + 1 it read the weights of step v + 1, between the two steps)."""
+    trainer = make_trainer(
+        tmp_path, tiny_tokenizer, tiny_model_path, ScriptedEngine(tiny_tokenizer), RewardSpy(),
+        rollout_strategy="appo", num_generations=4, initial_rollouts=2, per_device_train_batch_size=4,
+        steps_per_generation=2, gradient_accumulation_steps=1, max_completion_length=64, min_remaining_tokens=1,
+        tools=["python"], max_steps=6, max_staleness=3, branch_entropy_source="trainer",
+    )  # fmt: skip
+    assert trainer._async.m == 2
+    trainer.add_callback(SlowStepEnd())
+    scored, handed = [], {}
+    real_forward = trainer._get_per_token_logps_and_entropies
+
+    def forward(model, *a, **k):
+        if threading.current_thread() is not threading.main_thread():  # inside trainer_forward: weights_lock held
+            scored.append((trainer._async.optimizer_steps, _weights(model)))
+        return real_forward(model, *a, **k)
+
+    real_next_round = trainer._async.next_round
+
+    def next_round(inputs, step, *a, **k):
+        handed[step] = _weights(trainer.model)
+        return real_next_round(inputs, step, *a, **k)
+
+    trainer._get_per_token_logps_and_entropies = forward
+    trainer._async.next_round = next_round
+    trainer.train()
+    assert [(h.step, h.version, h.background) for h in trainer._async.history] == [
+        (0, 0, False), (2, 0, True), (4, 2, True)
+    ]  # fmt: skip
+    assert [steps for steps, _ in scored] == [2, 4]
+    for steps, weights in scored:
+        assert all(torch.equal(weights[k], handed[steps][k]) for k in weights), f"not the weights of step {steps}"
+
+
+def test_evaluation_between_hand_overs_drops_a_round_waiting_for_its_weights():
+    """m = 2: evaluation after the first of the two steps must not wait for a selection forward that waits for the
+    second (a deadlock): that round is dropped and regenerated at its hand-over; a round without such a forward
+    is kept."""
+    rounds = AsyncRounds(3, 1, 2, 2, sync_fn=lambda: None)
+    lock = OptimizerStepLock(rounds)
+
+    def optimizer_step():
+        lock.on_pre_optimizer_step(None, None, None)
+        lock.on_optimizer_step(None, None, None)
+
+    def appo_job(inputs):
+        def job():
+            with rounds.trainer_forward():
+                return Round(rows=[("scored at", rounds.optimizer_steps)] * 4)
+
+        return job
+
+    it = iter([["a"], ["b"], ["c"], ["d"], ["e"], ["f"]])
+    (a,) = rounds.lookahead.pull(it, 1)
+    rounds.next_round(a, 0, lambda: Round(rows=["a"] * 4), appo_job)
+    optimizer_step()
+    evaluation = threading.Thread(target=rounds.before_foreground_round, args=(1,), daemon=True)  # at step 1
+    evaluation.start()
+    evaluation.join(timeout=10)
+    if evaluation.is_alive():
+        rounds.closed = True  # releases the waiting forward (and with it the evaluation thread)
+        pytest.fail("evaluation waited for a round that waited for the weights of the step after evaluation")
+    assert rounds.pending is None and rounds.discarded_rounds == 1
+    optimizer_step()
+    rounds.lookahead.pull(it, 1)
+    (c,) = rounds.lookahead.pull(it, 1)
+    plain_job = lambda inputs: lambda: Round(rows=[inputs[0]] * 4)  # noqa: E731 - no trainer forward (GRPO)
+    out = rounds.next_round(c, 2, lambda: Round(rows=["c now"] * 4), plain_job)
+    assert out.rows == ["c now"] * 4 and not rounds.history[-1].background
+    optimizer_step()
+    rounds.before_foreground_round(3)  # evaluation at step 3: the round for e finishes and is kept
+    assert rounds.pending is not None and rounds.discarded_rounds == 1
+    optimizer_step()
+    rounds.lookahead.pull(it, 1)
+    (e,) = rounds.lookahead.pull(it, 1)
+    out = rounds.next_round(e, 4, lambda: Round(rows=["e now"] * 4), plain_job)
+    assert out.rows == ["e"] * 4 and rounds.history[-1].background
+
+
+def test_evaluation_between_hand_overs_in_training(tmp_path, tiny_tokenizer, tiny_model_path):
+    """APPO, m = 2, evaluation after every step: the evaluation at step 1 drops the round waiting for the weights of
+    step 2 (generated at its hand-over instead), and training ends instead of waiting forever."""
+    from appo_trl.trainer.trainer import APPOTrainer
+
+    kw = dict(rollout_strategy="appo", num_generations=4, initial_rollouts=2, per_device_train_batch_size=4,
+              steps_per_generation=2, gradient_accumulation_steps=1, max_completion_length=64, min_remaining_tokens=1,
+              tools=["python"], max_steps=4, max_staleness=3, branch_entropy_source="trainer", eval_strategy="steps",
+              eval_steps=1, per_device_eval_batch_size=4, num_generations_eval=1)  # fmt: skip
+    trainer = APPOTrainer(
+        model=tiny_model_path, reward_funcs=[RewardSpy()], args=APPOConfig(output_dir=str(tmp_path), **{**CPU, **kw}),
+        train_dataset=dataset(), eval_dataset=dataset(4), processing_class=tiny_tokenizer,
+        rollout_engine=ScriptedEngine(tiny_tokenizer),
+    )  # fmt: skip
+    run = threading.Thread(target=trainer.train, daemon=True)
+    run.start()
+    run.join(timeout=60)
+    if run.is_alive():
+        trainer._async.closed = True  # releases the waiting forward
+        pytest.fail("evaluation between two hand-overs waited for a round that waited for the next step")
+    assert [(h.step, h.version, h.background) for h in trainer._async.history] == [(0, 0, False), (2, 2, False)]
+    assert trainer._async.discarded_rounds == 1 and trainer.state.global_step == 4
+    assert [e["step"] for e in trainer.state.log_history if "eval_reward" in e] == [1, 2, 3, 4]
+
+
 def test_appo_selection_with_the_sampler_copy(tmp_path, tiny_tokenizer, tiny_model_path):
     trainer = make_trainer(
         tmp_path, tiny_tokenizer, tiny_model_path, ScriptedEngine(tiny_tokenizer), RewardSpy(),
@@ -454,6 +742,37 @@ def test_a_weight_sync_never_lands_while_a_request_decodes(tmp_path, tiny_tokeni
     assert server.rpc_in_flight == [0, 0, 0]
     assert [(h.staleness, h.background) for h in trainer._async.history] == [(0, False)] + [(1, True)] * 3
     assert trainer.vllm_generation.num_syncs == 3
+
+
+def test_a_server_restart_in_a_synchronous_round_is_synced_and_rerun(tmp_path, tiny_tokenizer, tiny_model_path):
+    """vLLM server mode: the first round of an async run is generated on the trainer's thread; a server restart
+    during it (the 2nd completion request) is survived as in a synchronous run (`weight_sync.generate_round`): the
+    weights are synced again and the round re-runs with the same seeds, then the next round runs in the background.
+    R = reload_weights, C = reset_prefix_cache, g = a completion, d = the request that made it die, X = the restart."""
+    import os
+    import re
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+    fake_vllm = pytest.importorskip("bench.fake_vllm")
+    eos = tiny_tokenizer.eos_token_id
+    answer = tiny_tokenizer.encode("<answer> 4 </answer>", add_special_tokens=False) + [eos]
+    policy = fake_vllm.ScriptedPolicy(tiny_tokenizer, lambda ctx, rng: answer[:1] * rng.randint(0, 8) + answer)
+    with fake_vllm.FakeVLLMServer(policy, tiny_tokenizer, max_model_len=1024, restart_at=1) as server:
+        trainer = make_trainer(
+            tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), use_vllm=True, vllm_mode="server",
+            vllm_server_base_url=server.url, num_generations=4, per_device_train_batch_size=4, max_steps=2,
+            max_completion_length=16, max_staleness=1, vllm_server_wait_s=60,
+        )  # fmt: skip
+        trainer.train()
+        server.restarter.join()
+    letters = {"rpc:reload_weights": "R", "reset_prefix_cache": "C", "completion": "g", "dying": "d", "restart": "X"}
+    events = "".join(letters[e] for e in server.events)
+    assert re.fullmatch(r"RCg*dg*Xg*RCgggggggg", events), events  # after X: sync, reset, the round, the next one
+    assert [(h.step, h.background) for h in trainer._async.history] == [(0, False), (1, True)]
+    assert trainer.state.global_step == 2
+    first, rerun = server.bodies[:4], server.bodies[-8:-4]
+    assert sorted(b["seed"] for b in rerun) == sorted(b["seed"] for b in first)  # the same round, same seeds
 
 
 @pytest.mark.parametrize("strategy", ["arpo", "aepo"])
