@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import socket
 
 import pytest
@@ -67,4 +68,7 @@ def test_short_demo_end_to_end(tmp_path):
     # every stage longer than a few seconds shows progress: the SFT cold start and each evaluation end with a
     # "done" line (the SFT stage used to be silent for minutes); RL prints one line per step (above)
     assert any("[SFT] 120/120 steps" in x and "done in" in x for x in lines), lines
+    # ... and says how far it is while it runs: the first step always gets a line, with steps/s and an ETA
+    during = [x for x in lines if re.fullmatch(r"\s*\[SFT\] (\d+)/120 steps  \d+\.\d\d steps/s  ETA \S+.*", x)]
+    assert during and during[0].lstrip().startswith("[SFT] 1/120 steps "), lines
     assert sum("[eval] 48/48 samples" in x for x in lines) == 3, lines

@@ -12,8 +12,9 @@
 3. `check_reward_columns`: a built-in reward that scores against gold answers needs an answer column.
 4. `check_tools`: tool names and parameters (`build_tools`), then each tool's own `check()` (the search
    tool asks its server's `/health` whether it is appo-trl's search server and which corpus it serves).
-5. `prompt_token_limit`: the most prompt tokens the sampler takes (`vllm_max_model_length`, else the model
-   config's `max_position_embeddings`), which `appo_trl.data` checks every prompt against (`configs.rows`).
+5. `prompt_token_limit`: the most prompt tokens the sampler takes (in vLLM server mode the `max_model_len`
+   the server reports when it answers at start-up, else `vllm_max_model_length`, else the model config's
+   `max_position_embeddings`), which `appo_trl.data` checks every prompt against (`configs.rows`).
 6. `check_hub`: with `push_to_hub`, the token works, may write, and its owner may write to the repo's
    namespace; the push itself still happens once, at the end (`appo_trl.reporting.hub`).
 
@@ -22,7 +23,8 @@
 must be the recipe's), `check_launch_engine` (FSDP on CPU would silently be DDP), and
 `skip_deepspeed_cpu_comm_build` (no JIT build of DeepSpeed's CPU shm comm op, which training never uses).
 
-What this does not do: load weights, or check the vLLM server (TRL's client waits for it at start-up).
+What this does not do: load weights, or wait for the vLLM server (TRL's client waits for it at start-up; a
+server that does not answer yet only leaves the prompt length to the model's limit here).
 """
 
 from __future__ import annotations
@@ -176,9 +178,13 @@ def check_tools(training_args) -> None:
 def prompt_token_limit(training_args, model_args) -> tuple[int, str] | None:
     """`(limit, what sets it)`: a prompt of `limit` tokens or more leaves the sampler no room to generate.
 
-    `vllm_max_model_length` when set, else the model config's `max_position_embeddings` (config.json only, no
-    weights), as the rollout engine takes it; None when neither is known.
+    In vLLM server mode, the `max_model_len` the server reports (`served_max_model_len`) when it answers now;
+    else `vllm_max_model_length` when set, else the model config's `max_position_embeddings` (config.json only,
+    no weights), as the rollout engine takes it; None when neither is known.
     """
+    served = served_max_model_len(training_args)
+    if served is not None:
+        return served
     if getattr(training_args, "vllm_max_model_length", None):
         return int(training_args.vllm_max_model_length), "vllm_max_model_length"
     from transformers import AutoConfig
@@ -193,6 +199,42 @@ def prompt_token_limit(training_args, model_args) -> tuple[int, str] | None:
         return None  # check_model_source has vouched for the model; a config we cannot read here is not fatal
     limit = getattr(config.get_text_config(), "max_position_embeddings", None)
     return (int(limit), "the model's max_position_embeddings") if limit else None
+
+
+def served_max_model_len(training_args, timeout_s: float = 5.0) -> tuple[int, str] | None:
+    """With `use_vllm` and `vllm_mode="server"`: `(max_model_len, where)` from the servers' `GET /v1/models`.
+
+    The sampler takes the length the server serves (`appo_trl.trainer.weight_sync.prepare_vllm_server`), which
+    may be smaller than the model's. Of several replicas (`vllm_server_base_url` lists them) the smallest length
+    counts; the first model a server lists is the one sampled from, as in `appo_trl.rollout.vllm_server`. A
+    `vllm_max_model_length` that differs from a served length is an error here, before the model loads.
+    None when no server answers in `timeout_s` (the trainer waits for it later) or none reports the length.
+    """
+    if not (getattr(training_args, "use_vllm", False) and getattr(training_args, "vllm_mode", None) == "server"):
+        return None
+    import httpx
+
+    base = training_args.vllm_server_base_url
+    base = base or f"http://{training_args.vllm_server_host}:{training_args.vllm_server_port}"
+    configured = getattr(training_args, "vllm_max_model_length", None)
+    found = []
+    for url in base.replace(",", " ").split():  # APPOConfig keeps several replicas comma-joined
+        url = url.rstrip("/")
+        try:
+            resp = httpx.get(f"{url}/v1/models", timeout=timeout_s)
+            served = (resp.json().get("data") or [{}])[0].get("max_model_len") if resp.status_code == 200 else None
+            if served is None:
+                continue
+            served = int(served)
+        except (httpx.HTTPError, ValueError, AttributeError, TypeError):
+            continue
+        if configured and int(configured) != served:
+            raise PreflightError(
+                f"vllm_max_model_length={configured} but the vLLM server at {url} serves max_model_len={served}: "
+                "set them equal (or leave vllm_max_model_length unset to use the server's)."
+            )
+        found.append((served, f"the vLLM server's max_model_len at {url}"))
+    return min(found) if found else None
 
 
 def hub_repo_id(training_args) -> str:

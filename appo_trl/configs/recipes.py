@@ -34,6 +34,10 @@ import yaml
 from appo_trl.configs.errors import RecipeError
 from appo_trl.configs.paths import SHIPPED_ROOT, find_recipe, resolve_recipe_paths
 
+# set by `run_launcher` for the launched ranks: the pid of the `appo` process that launched them
+# (`appo_trl.stages.interrupts.watch_launching_parent` stops a rank whose launching process is gone)
+PARENT_PID_ENV = "APPO_PARENT_PID"
+
 LAUNCH_FLAGS = (
     "--accelerate_config", "--num_processes", "--mixed_precision", "--main_process_port",
     "--num_machines", "--machine_rank", "--main_process_ip",
@@ -302,11 +306,17 @@ def run_launcher(cmd: Sequence[str], env: dict, grace: float = 25.0) -> int:
     and every rank get them, and this process waits until every process of the group has exited (SIGKILL to the
     group after `grace` seconds): stopping `appo train` leaves no rank behind. Then it returns 128 + the signal.
     (`accelerate launch` with one process dies on SIGTERM without passing it on; its rank handles it.)
+
+    The group runs in its own session, so a SIGKILL of this process reaches none of it, and PR_SET_PDEATHSIG
+    would only reach the launcher, which passes no signal on. So the ranks get this process's pid in
+    `APPO_PARENT_PID` (`PARENT_PID_ENV`), and each rank's stage watches it and stops when it is gone
+    (`appo_trl.stages.interrupts`).
     """
     import signal
     import threading
     import time
 
+    env = {**env, PARENT_PID_ENV: str(os.getpid())}
     proc = subprocess.Popen(list(cmd), env=env, start_new_session=True)
     received: list[int] = []
 

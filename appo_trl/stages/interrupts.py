@@ -9,7 +9,16 @@ second SIGTERM while shutting down is ignored (the scheduler's SIGKILL ends a sh
 
 What is kept: every complete `checkpoint-N` (saves are atomic, `appo_trl.trainer.checkpoints`), the rollout
 dumps and logs written so far. What is lost: the steps after the last checkpoint; `--resume_from_checkpoint
-true` continues from it and samples what the uninterrupted run would have.
+true` continues from it (with in-process, synchronous sampling on the very completions of the uninterrupted run;
+the README's "Interruptions" paragraph says when not).
+
+A rank launched by `appo train|sft --num_processes N` (or `--accelerate_config`) gets the pid of that `appo`
+process in `APPO_PARENT_PID`. `accelerate launch` runs in a session of its own, so a SIGKILL of `appo` (`kill -9`,
+the OOM killer) reaches no rank; instead `run_interruptible` starts a daemon thread that checks that pid twice a
+second. When the process is gone (no such pid, a zombie, or the pid reused by a younger process), the rank stops
+the SIGTERM way, and its one line says the launching process is gone; a rank whose main thread does not stop
+within `grace` seconds (blocked in a C call, a collective whose peer is gone) is ended with `os._exit` after one
+more line. The launcher then exits with its ranks.
 
 What this does not do: save a checkpoint on SIGTERM (transformers' `enable_jit_checkpoint` does, in the
 trainer), or interrupt a main thread blocked in a C call before that call returns.
@@ -18,10 +27,18 @@ trainer), or interrupt a main thread blocked in a C call before that call return
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
+
+from appo_trl.configs.recipes import PARENT_PID_ENV
+
+# the pid of the launching `appo` process, once the watchdog has found it gone (read by `run_interruptible`)
+_parent_gone: list[int] = []
+_watchdogs: list[threading.Thread] = []  # at most one per process (a stage may run several times in one)
 
 
 class Stopped(KeyboardInterrupt):
@@ -50,26 +67,93 @@ def sigterm_as_ctrl_c() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def stop_message(prog: str, signum: int, output_dir: str | None) -> str:
-    """The one line printed when a signal stops the stage: the signal, the checkpoint kept, how to resume."""
+def _start_time(pid: int) -> int | None:
+    """The start time of a live process `pid` (clock ticks since boot, /proc/PID/stat), None when it is gone
+    or a zombie; -1 where /proc cannot say (then only the pid's existence is checked)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except FileNotFoundError:
+        return None
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return -1
+    return None if fields[0] in ("Z", "X") else int(fields[19])  # state; starttime (field 22)
+
+
+def watch_launching_parent(
+    prog: str, pid: int | None = None, interval: float = 0.5, grace: float = 10.0
+) -> threading.Thread | None:
+    """Stop this process when the `appo` process that launched it (`pid`, default `$APPO_PARENT_PID`) is gone.
+
+    A daemon thread checks `pid` every `interval` seconds. When it is gone it sends SIGTERM to this process
+    (`run_interruptible` turns it into the Ctrl-C path: cleanup, one line), and if this process still runs
+    `grace` seconds later it prints one line and calls `os._exit(143)`. Returns the thread, or None when no
+    parent pid is set or a watchdog already runs in this process.
+    """
+    if _watchdogs:
+        return None
+    if pid is None:
+        value = os.environ.get(PARENT_PID_ENV, "")
+        if not value.isdigit():
+            return None
+        pid = int(value)
+    started = _start_time(pid)
+
+    def watch():
+        while True:
+            now = _start_time(pid)
+            if now is None or (started is not None and now != started):
+                break
+            time.sleep(interval)
+        _parent_gone.append(pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace)
+        print(f"{prog}: the appo process that launched this rank (pid {pid}) is gone and this rank did not stop "
+              f"within {grace:g} s; exiting now.", file=sys.stderr, flush=True)  # fmt: skip
+        os._exit(128 + signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="appo-parent-watchdog", daemon=True)
+    thread.start()
+    _watchdogs.append(thread)
+    return thread
+
+
+def stop_message(prog: str, signum: int, output_dir: str | None, parent_gone: int | None = None) -> str:
+    """The one line printed when a signal stops the stage: the signal (or the launching process gone, pid
+    `parent_gone`), the checkpoint kept, how to resume."""
     from appo_trl.trainer.checkpoints import last_complete_checkpoint
 
-    name = signal.Signals(signum).name
+    if parent_gone is None:
+        stopped = f"stopped by {signal.Signals(signum).name}"
+    else:
+        stopped = f"stopped because the appo process that launched this rank (pid {parent_gone}) is gone"
     last = last_complete_checkpoint(output_dir, log=False) if output_dir else None
     if last is None:
         kept = f"no checkpoint was saved in {output_dir} yet" if output_dir else "no checkpoint was saved"
     else:
         kept = f"kept {last} (continue with --resume_from_checkpoint true); the steps after it are lost"
-    return f"{prog}: stopped by {name}; {kept}."
+    return f"{prog}: {stopped}; {kept}."
 
 
 def run_interruptible(prog: str, output_dir: str | None, fn: Callable[[], object]) -> int:
-    """Run `fn()`; Ctrl-C or SIGTERM ends it with one line on stderr and exit code 128 + signal (130, 143)."""
+    """Run `fn()`; Ctrl-C or SIGTERM ends it with one line on stderr and exit code 128 + signal (130, 143).
+
+    In a launched rank (`$APPO_PARENT_PID` set) the launching process is watched while `fn()` runs
+    (`watch_launching_parent`).
+    """
     with sigterm_as_ctrl_c():
+        watch_launching_parent(prog)
         try:
             fn()
         except KeyboardInterrupt as exc:
             signum = getattr(exc, "signum", signal.SIGINT)
-            print(stop_message(prog, signum, output_dir), file=sys.stderr, flush=True)
+            gone = _parent_gone[0] if _parent_gone and signum == signal.SIGTERM else None
+            print(stop_message(prog, signum, output_dir, gone), file=sys.stderr, flush=True)
             return 128 + signum
     return 0

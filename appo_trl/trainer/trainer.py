@@ -79,7 +79,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     otherwise (`appo_trl.trainer.trl_compat`). TRL's `environment_factory` works with every strategy
     (`appo_trl.trainer.environments`: one instance per trajectory, branches included). Checkpoints are saved
     atomically and hold the sampler's round counter (`trainer.checkpoints`), so a resumed run samples the
-    completions of the uninterrupted one.
+    completions of the uninterrupted one when sampling is in-process and synchronous (README, "Interruptions").
     """
 
     _tag_names = ["trl", "grpo", "appo", "appo-trl"]

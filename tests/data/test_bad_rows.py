@@ -155,3 +155,67 @@ def test_appo_train_stops_on_a_long_prompt_before_the_model_loads(tmp_path, tiny
     err = [x for x in capfd.readouterr().err.splitlines() if x.strip() and "examples/s]" not in x and "%|" not in x]
     assert len(err) == 1 and err[0].startswith(f"appo train: error: {data}, row 2: the prompt is too long ("), err
     assert "the model's max_position_embeddings = 2048)" in err[0]
+
+
+def _server_recipe(tmp_path, model, data, **extra) -> str:
+    import yaml
+
+    recipe = {"model_name_or_path": model, "dataset_name": data, "output_dir": str(tmp_path / "out"),
+              "use_cpu": True, "report_to": "none", "num_generations": 2, "per_device_train_batch_size": 2,
+              "max_steps": 1, "reward_funcs": ["format"], "use_vllm": True, "vllm_mode": "server", **extra}  # fmt: skip
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    return str(tmp_path / "r.yaml")
+
+
+def _stderr_lines(capfd) -> list[str]:
+    return [x for x in capfd.readouterr().err.splitlines() if x.strip() and "examples/s]" not in x and "%|" not in x]
+
+
+def test_vllm_server_mode_checks_prompts_against_the_served_max_model_len(
+    tmp_path, tiny_model_path, tiny_tokenizer, capfd, monkeypatch
+):
+    """vLLM server mode: a server that answers at start-up serves a `max_model_len` (here 256) smaller than the
+    model's 2048; a prompt of 256 to 2047 tokens stops `appo train` there, in one line naming the file, the row and the
+    server, before the model loads (it used to pass and stop the run when the sampler first met it)."""
+    from appo_trl.cli import main as appo
+    from appo_trl.trainer import trainer as trainer_module
+
+    fake_vllm = pytest.importorskip("bench.fake_vllm")
+
+    def no_model(*a, **kw):
+        raise AssertionError("the model was loaded before the data check")
+
+    monkeypatch.setattr(trainer_module.APPOTrainer, "__init__", no_model)
+    data = _write(tmp_path / "d.jsonl", [*GOOD, row("many words " * 60)])
+    text = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "many words " * 60}], tokenize=False,
+                                              add_generation_prompt=True)  # fmt: skip
+    assert 256 <= len(tiny_tokenizer(text, add_special_tokens=False)["input_ids"]) < 2048  # fits the model's limit
+    policy = fake_vllm.ScriptedPolicy(tiny_tokenizer, lambda ctx, rng: [tiny_tokenizer.eos_token_id])
+    with fake_vllm.FakeVLLMServer(policy, tiny_tokenizer, max_model_len=256) as server:
+        assert appo(["train", "--config", _server_recipe(tmp_path, tiny_model_path, data,
+                                                         vllm_server_base_url=server.url)]) == 2  # fmt: skip
+        err = _stderr_lines(capfd)
+        assert len(err) == 1 and err[0].startswith(f"appo train: error: {data}, row 2: the prompt is too long ("), err
+        assert f"the vLLM server's max_model_len at {server.url} = 256)" in err[0]
+        # a vllm_max_model_length the server does not serve is one line too
+        assert appo(["train", "--config", _server_recipe(tmp_path, tiny_model_path, data, vllm_max_model_length=512,
+                                                         vllm_server_base_url=server.url)]) == 2  # fmt: skip
+        err = _stderr_lines(capfd)
+        assert err == [f"appo train: error: vllm_max_model_length=512 but the vLLM server at {server.url} serves "
+                       "max_model_len=256: set them equal (or leave vllm_max_model_length unset to use the server's). "
+                       "(run with --debug for the traceback)"]  # fmt: skip
+
+
+def test_an_unreachable_vllm_server_leaves_the_model_limit(tmp_path):
+    """No server answers at start-up (it may still be loading): the limit is what it was without one."""
+    import socket
+
+    from appo_trl.configs.preflight import prompt_token_limit, served_max_model_len
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = SimpleNamespace(use_vllm=True, vllm_mode="server", vllm_server_base_url=f"http://127.0.0.1:{port}",
+                           vllm_max_model_length=300, trust_remote_code=False)  # fmt: skip
+    assert served_max_model_len(args) is None
+    assert prompt_token_limit(args, SimpleNamespace()) == (300, "vllm_max_model_length")

@@ -7,6 +7,7 @@ no process of its tree left (sandbox zygote, bwrap) and no sandbox cgroup left; 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -50,12 +51,12 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _train(out, model, *extra):
+def _train(out, model, *extra, stderr=subprocess.PIPE):
     cmd = [sys.executable, "-c", APPO_TRAIN_EAGER_SANDBOX, "train", "--config", str(REPO_ROOT / "recipes/tiny/appo.yaml"),
            "--model_name_or_path", model, "--output_dir", str(out), "--save_steps", "1",
            "--max_completion_length", "24", *extra]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
 
 
 def _sandboxed(tree) -> bool:
@@ -166,3 +167,110 @@ def test_relaunched_run_passes_sigterm_to_its_ranks_and_waits(tmp_path):
             proc.kill()
     assert done.exists() and int(done.read_text()) == rank  # the rank shut down gracefully, before the parent left
     assert not psutil.pid_exists(rank) or psutil.Process(rank).status() == psutil.STATUS_ZOMBIE
+
+
+WATCHED_RANK = """
+import os, signal, sys, time
+from appo_trl.stages import interrupts
+grace = float(os.environ["GRACE"])
+if grace:  # a shorter grace than a stage's, for the rank that does not stop
+    interrupts.watch_launching_parent("appo train", grace=grace)
+def work():
+    try:
+        if os.environ["STUCK"] == "1":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # like a main thread blocked in a C call
+        open(os.environ["READY"], "w").write(str(os.getpid()))
+        time.sleep(60)
+    finally:
+        open(os.environ["DONE"], "w").write("cleaned up")
+sys.exit(interrupts.run_interruptible("appo train", None, work))
+"""
+
+
+def _kill_the_launching_parent(tmp_path, stuck: bool, grace: float):
+    """`run_launcher` -> a launcher that passes no signal on -> a rank in `run_interruptible`; SIGKILL the
+    parent once the rank runs. Returns (the parent's pid, seconds until the rank was gone, the rank's stderr,
+    DONE's text)."""
+    ready, done, log = tmp_path / "ready", tmp_path / "done", tmp_path / "stderr"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "READY": str(ready), "DONE": str(done),
+           "STUCK": str(int(stuck)), "GRACE": str(grace)}  # fmt: skip
+    parent = (
+        "import sys; from appo_trl.configs.recipes import run_launcher; "
+        f"sys.exit(run_launcher([sys.executable, '-c', {FAKE_LAUNCHER!r}, {WATCHED_RANK!r}], dict(__import__('os').environ)))"
+    )
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", parent], env=env, stderr=err)
+    rank = None
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() or not ready.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        rank = psutil.Process(int(ready.read_text()))
+        proc.kill()  # kill -9 appo: nothing is forwarded; the launcher and the rank are in another session
+        killed = time.monotonic()
+        try:
+            rank.wait(timeout=30)
+        except psutil.TimeoutExpired:
+            pass
+        took = time.monotonic() - killed
+    finally:
+        proc.kill()
+        proc.wait()
+        if rank is not None and rank.is_running():
+            rank.kill()
+    return proc.pid, took, log.read_text(), done.read_text() if done.exists() else None
+
+
+def test_a_rank_stops_when_the_appo_process_that_launched_it_is_killed(tmp_path):
+    """`kill -9 appo` (or the OOM killer) reaches no rank: each rank sees the launching pid gone (the test keeps it
+    a zombie until the end, so a bare existence check would miss it) and stops the SIGTERM way, cleanup included."""
+    pid, took, err, done = _kill_the_launching_parent(tmp_path, stuck=False, grace=0)
+    assert took < 5, f"the rank still ran {took:.0f} s after its appo process was killed"
+    assert done == "cleaned up"  # the `finally` blocks ran (sandbox, engine threads in a real stage)
+    assert err.endswith(
+        f"appo train: stopped because the appo process that launched this rank (pid {pid}) is gone; "
+        "no checkpoint was saved.\n"
+    ), err
+
+
+def test_a_rank_that_does_not_stop_is_ended_after_the_grace(tmp_path):
+    _, took, err, done = _kill_the_launching_parent(tmp_path, stuck=True, grace=1.0)
+    assert took < 6, f"the rank still ran {took:.0f} s after its appo process was killed"
+    assert done is None  # ended with os._exit: no cleanup could run
+    assert "is gone and this rank did not stop within 1 s; exiting now." in err, err
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_launching_appo_train_leaves_no_rank(tiny_model_path, tmp_path):
+    """A real `appo train --num_processes 1` (`accelerate launch` in its own session, the python sandbox running)
+    is SIGKILLed once it trains: the launcher, the rank and the sandbox are all gone within seconds."""
+    out, log = tmp_path / "run", tmp_path / "stderr"
+    with open(log, "w") as err:  # a file: the ranks write to it after appo train is gone
+        proc = _train(out, tiny_model_path, "--max_steps", "500", "--num_processes", "1", stderr=err)
+    tree = []
+    try:
+        deadline = time.monotonic() + 480
+        while last_complete_checkpoint(str(out), log=False) is None or not _sandboxed(tree):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint and sandbox after 480 s"
+            time.sleep(0.2)
+            tree = psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()
+        killed = time.monotonic()
+        gone, alive = psutil.wait_procs(tree, timeout=20)
+        took = time.monotonic() - killed
+    finally:
+        proc.kill()
+        proc.wait()
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    left = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [p.cmdline() for p in left]
+    assert took < 15, f"the launched processes ran {took:.0f} s after appo train was killed"
+    err = log.read_text()
+    stops = [line for line in err.splitlines() if "stopped because" in line]
+    assert len(stops) == 1 and stops[0].startswith(
+        f"appo train: stopped because the appo process that launched this rank (pid {proc.pid}) is gone; kept "
+    ), err[-3000:]
