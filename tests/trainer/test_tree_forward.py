@@ -212,7 +212,9 @@ def test_padding_forwards_change_nothing_and_join_the_backward():
     assert torch.equal(l2, l0) and torch.equal(e2, e0)
     assert set(g2) == set(g0) and all(torch.equal(g2[k], g0[k]) for k in g0)
     with pytest.raises(RuntimeError, match="1 agreed forwards for"):
-        tree_logps_and_entropies(model, ids, mask, c, compute_entropy=False, token_budget=14, agree_forwards=lambda n: 1)
+        tree_logps_and_entropies(
+            model, ids, mask, c, compute_entropy=False, token_budget=14, agree_forwards=lambda n: 1
+        )
 
 
 def test_forward_count_is_agreed_only_while_parameters_are_sharded():
