@@ -19,15 +19,21 @@ of the round run on the plain module without any collective:
   switched off for the round, then `reshard()` and the previous setting restored.
 - DDP, ZeRO-1/2, FSDP1 through TRL's `summon_full_params`, one process: the unwrapped module.
 
-What it does not do: anything for the vLLM server (it holds its own weights; `score_trajectories` then runs the
-same forwards on every rank); save memory: the full model lives on every rank for the round, which is the price
-of sampling in-process (use vLLM at scale).
+What it does not do: anything for the vLLM server (it holds its own weights; `score_trajectories` then runs
+sharded forwards, once per round on every rank); save memory: the full model lives on every rank for the round,
+which is the price of sampling in-process (use vLLM at scale).
+
+Outside the round (the loss, TRL's old-logp and reference passes, `score_trajectories` with a vLLM server) the
+forwards are sharded, so their count must agree: the tree forward's number of tries depends on the rows, and
+`agree_forward_count` gives it the maximum over ranks (one all-reduce per trainer forward, only while parameters
+are sharded and not held in full by a round); the ranks with fewer tries run padding forwards
+(`appo_trl.trainer.tree`). TRL's row-wise forward runs ceil(rows / batch size) forwards, equal on every rank.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -107,4 +113,27 @@ def full_weights_for_round(trainer) -> Iterator[torch.nn.Module]:
         _fsdp2_unsharded(_fsdp2_modules(model)) if fsdp2 else contextlib.nullcontext(),
         trainer._dist.summon_full_params(wrapped, recurse=False),  # FSDP1 (TRL's path); a no-op otherwise
     ):
-        yield model
+        trainer._full_weights_held = True
+        try:
+            yield model
+        finally:
+            trainer._full_weights_held = False
+
+
+def agree_forward_count(trainer) -> Callable[[int], int] | None:
+    """The maximum of a per-rank forward count over ranks, when forwards gather sharded parameters; else None.
+
+    Sharded: ZeRO-3 or FSDP, outside `full_weights_for_round` (inside it no forward runs a collective, and the
+    round's forward counts differ by design). Every rank must call the returned function at the same point.
+    """
+    dist = getattr(trainer, "_dist", None)
+    if dist is None or not (dist.is_zero3 or dist.is_fsdp) or getattr(trainer, "_full_weights_held", False):
+        return None
+    device = trainer.accelerator.device
+
+    def agree(count: int) -> int:
+        agreed = torch.tensor([count], dtype=torch.long, device=device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+        return int(agreed.item())
+
+    return agree

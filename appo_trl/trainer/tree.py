@@ -23,12 +23,21 @@ Exactness: a token's hidden state depends only on its own root-to-token path, wh
 same positions (position ids are depths, i.e. what the sampler used); so the results equal the row-wise forward up
 to float summation order (float32: 1e-5, `tests/trainer/test_tree_forward.py`). Not supported (a clear error):
 multimodal inputs and MoE auxiliary losses.
+
+Sharded parameters (DeepSpeed ZeRO-3, FSDP): every forward and backward of the policy (or of a sharded reference
+model) gathers parameters collectively, so every rank must run the same number of them, but the number of tries
+depends on the rows (one-token rollouts on one rank fit one trie, long ones on another need several). With
+`agree_forwards` (the trainer passes the maximum over ranks, `appo_trl.trainer.sharded.agree_forward_count`) a
+rank with fewer tries runs padding forwards on a two-token trie; the padding's log-probability times 0 is added to
+the result, so the backward runs through the padding forwards too, and the result is unchanged (x + 0 == x). DDP,
+one process, and the forwards of a generation round under `full_weights_for_round` need no such agreement.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +46,7 @@ with warnings.catch_warnings():  # TRL flags all of `trl.experimental` as unstab
     warnings.simplefilter("ignore")
     from trl.experimental.async_grpo.packing import TreeRow
 
+from appo_trl.trainer.sharded import agree_forward_count
 from appo_trl.trainer.tree_attention import tree_forward_active
 
 
@@ -128,23 +138,45 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
     return packs
 
 
+def padding_pack() -> TreePack:
+    """The smallest trie with one trained target (two tokens): the input of a padding forward."""
+    return pack_rows(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), 1, 2)[0]
+
+
 def tree_logps_and_entropies(
-    model, input_ids, attention_mask, logits_to_keep, *, compute_entropy, token_budget, autocast=contextlib.nullcontext
+    model,
+    input_ids,
+    attention_mask,
+    logits_to_keep,
+    *,
+    compute_entropy,
+    token_budget,
+    autocast=contextlib.nullcontext,
+    agree_forwards: Callable[[int], int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, int]]:
     """Per-token log-probs and entropies `(B, C)` through the tree forward, plus the token counts it forwarded.
 
     `autocast` makes one context per trie (e.g. `accelerator.autocast`). `model` must carry TRL's fused LM head
-    (`add_fused_lm_head`) and tree attention (`install_tree_attention`).
+    (`add_fused_lm_head`) and tree attention (`install_tree_attention`). `agree_forwards(n)`: the number of forwards
+    to run given this rank's n tries (>= n), the rest being padding forwards that change nothing (module doc).
     """
     batch = input_ids.size(0)
     device = input_ids.device
     packs = pack_rows(input_ids, attention_mask, logits_to_keep, token_budget)
-    index, logps, entropies = [], [], []
-    for pack in packs:
+    forwards = agree_forwards(len(packs)) if agree_forwards is not None else len(packs)
+    if forwards < len(packs):
+        raise RuntimeError(f"tree_forward: {forwards} agreed forwards for {len(packs)} tries")
+    index, logps, entropies, padding = [], [], [], None
+    for n in range(forwards):
+        pack = packs[n] if n < len(packs) else padding_pack()
         inputs = {k: v.to(device) for k, v in pack.inputs.items()}
         with autocast(), tree_forward_active():
             out = model(**inputs, fused_lm_head=True)
         source = pack.source.to(device)
+        if n >= len(packs):  # a padding forward: its finite log-prob times 0 joins the graph, adding exactly 0
+            term = out.log_probs[0].index_select(0, source).sum() * 0
+            padding = term if padding is None else padding + term
+            continue
         index.append(pack.flat_index.to(device))
         logps.append(out.log_probs[0].index_select(0, source))
         if compute_entropy:
@@ -156,8 +188,16 @@ def tree_logps_and_entropies(
             flat = flat.index_put((torch.cat(index),), torch.cat(values))
         return flat.view(batch, logits_to_keep)
 
-    counts = {"tree_tokens": sum(p.unique_tokens for p in packs), "row_tokens": int(input_ids.numel())}
-    return scatter(logps), scatter(entropies) if compute_entropy else None, counts
+    counts = {
+        "tree_tokens": sum(p.unique_tokens for p in packs),
+        "row_tokens": int(input_ids.numel()),
+        "tries": len(packs),
+        "padding_forwards": forwards - len(packs),
+    }
+    out_logps = scatter(logps)
+    if padding is not None:
+        out_logps = out_logps + padding
+    return out_logps, scatter(entropies) if compute_entropy else None, counts
 
 
 def trainer_tree_forward(trainer, model, input_ids, attention_mask, logits_to_keep, compute_entropy, **kwargs):
@@ -174,6 +214,7 @@ def trainer_tree_forward(trainer, model, input_ids, attention_mask, logits_to_ke
         compute_entropy=compute_entropy,
         token_budget=trainer.args.tree_token_budget,
         autocast=trainer.accelerator.autocast,  # a fresh context per trie
+        agree_forwards=agree_forward_count(trainer),  # ZeRO-3 / FSDP outside a round: the maximum over ranks
     )
     if torch.is_grad_enabled():
         mode = "train" if trainer.model.training else "eval"

@@ -1,13 +1,20 @@
-"""RL under the distributed engines the README promises, 2 CPU processes (gloo): DeepSpeed ZeRO-2 and ZeRO-3.
+"""RL under the distributed engines the README promises, 2 CPU processes (gloo): DeepSpeed ZeRO-2, ZeRO-3, FSDP2.
 
 One `accelerate launch` per engine trains grpo, arpo, aepo and appo for 2 steps each (`engines_worker.py`), with
 the shipped accelerate config and no `--mixed_precision` flag where `appo train` would pass the recipe's. In grpo
 and appo rank 1's rollouts all end after one token (no tool call, no APPO branch candidate), so its sampler runs
-far fewer forwards than rank 0's: the run must still finish. A run that stalls past the timeout fails the test
-with every rank's stack (SIGUSR1 -> faulthandler in the worker).
+far fewer forwards than rank 0's: the run must still finish. Every launch trains with a small `tree_token_budget`
+(TREE_BUDGET): rank 0's rows then need several tries per trainer forward and rank 1's one, so under ZeRO-3 and
+FSDP2, where every forward and backward gathers parameters, rank 1 must run padding forwards (the tree forward
+agrees on the maximum count over ranks) or the run hangs; under ZeRO-2 (parameters whole on every rank) no rank
+pads. Under ZeRO-3 the worker sets `stage3_param_persistence_threshold: 0` (`shard_every_zero3_param`): the tiny
+model's parameters are all below DeepSpeed's default (1e5 elements), which would keep them whole on every rank.
+A run that stalls past the timeout fails the test with every rank's stack (SIGUSR1 -> faulthandler in the worker).
 
 FSDP: accelerate keeps FSDP only on GPUs and silently trains DDP on CPU; `appo train` says so in one line
-(`test_fsdp_on_cpu_is_one_line`). The FSDP2 round gather itself is checked by `test_fsdp2_round_gather`.
+(`test_fsdp_on_cpu_is_one_line`). `test_rl_under_fsdp2` forces accelerate's FSDP2 plugin onto CPU in the worker
+(see its docstring) and checks the same as under DeepSpeed; `test_fsdp2_round_gather` checks the round gather's
+exact logits with torch's `fully_shard` directly.
 """
 
 import json
@@ -25,6 +32,9 @@ from appo_trl.configs.recipes import REPO_ROOT
 HERE = os.path.dirname(__file__)
 STRATEGIES = ("grpo", "arpo", "aepo", "appo")
 TIMEOUT_S = int(os.environ.get("APPO_ENGINES_TIMEOUT_S", "420"))
+# unique tokens per trie: the tiny recipes' prompts (about 150 tokens) with rank 1's 4 one-token completions fit
+# one trie; rank 0's 16-token completions need several (the test checks that the ranks' tries differed)
+TREE_BUDGET = 176
 
 
 def _stacks_and_kill(proc, out) -> str:
@@ -67,7 +77,7 @@ def launch(engine, model_path, out, port):
         sys.executable, "-m", "accelerate.commands.launch", "--config_file",
         str(REPO_ROOT / "accelerate_configs" / f"{engine}.yaml"), "--num_processes", "2",
         "--mixed_precision", "no", "--main_process_port", str(port),
-        os.path.join(HERE, "engines_worker.py"), model_path, str(out),
+        os.path.join(HERE, "engines_worker.py"), model_path, str(out), str(TREE_BUDGET),
     ]  # fmt: skip
     log = run_ranks(cmd, out, engine)
     return json.loads((out / "result.json").read_text()), log
@@ -91,26 +101,75 @@ def _initial(model_path):
     return {k: v.float() for k, v in AutoModelForCausalLM.from_pretrained(model_path).state_dict().items()}
 
 
+def check_tree_forwards(strategy, r, sharded):
+    """Every trainer forward ran as a tree forward on both ranks. Sharded parameters: outside a round the ranks
+    agreed on the forward count (tries + padding equal, only the rank with fewer tries pads); inside a round (APPO's
+    selection on full weights) and with whole parameters (ZeRO-2) there is no agreement and nobody pads."""
+    rank0, rank1 = r["tree_calls"]
+    assert len(rank0) == len(rank1) > 0, (strategy, r["tree_calls"])
+    for (t0, p0, a0), (t1, p1, a1) in zip(rank0, rank1):
+        assert a0 == a1, (strategy, r["tree_calls"])
+        if a0:
+            assert t0 + p0 == t1 + p1 and min(p0, p1) == 0, (strategy, r["tree_calls"])
+        else:
+            assert p0 == p1 == 0, (strategy, r["tree_calls"])
+    assert any(agreed for _, _, agreed in rank0) == sharded, (strategy, r["tree_calls"])
+    if r["uneven"]:  # the case the padding exists for did happen: rank 1 had fewer tries than rank 0
+        fewer = [agreed for (t0, _, agreed), (t1, _, _) in zip(rank0, rank1) if t1 < t0]
+        assert fewer and any(fewer) == sharded, (strategy, r["tree_calls"])
+
+
+def check_strategies(out, result, initial, sharded):
+    """Per strategy: 2 steps, parameters moved and identical on both ranks, sharded or not as the engine says,
+    the tree forwards (`check_tree_forwards`), and the final model and checkpoint-2 load with plain transformers
+    (`from_pretrained`, no conversion) to exactly the trained parameters."""
+    from transformers import AutoModelForCausalLM
+
+    for strategy in STRATEGIES:
+        r = result[strategy]
+        assert r["steps"] == 2 and r["identical_across_ranks"], (strategy, r)
+        assert r["sharded_frac"] > 0.9 if sharded else r["sharded_frac"] == 0, (strategy, r)
+        if r["uneven"]:  # rank 1 sampled one token per segment: far fewer forwards, and no hang
+            assert r["forwards"][1] * 3 < r["forwards"][0], (strategy, r)
+        check_tree_forwards(strategy, r, sharded=sharded)
+        final = torch.load(out / strategy / "final.pt")
+        assert any(not torch.equal(final[k], initial[k]) for k in initial), f"{strategy}: parameters did not move"
+        for path in (out / strategy, out / strategy / "checkpoint-2"):
+            loaded = AutoModelForCausalLM.from_pretrained(path).state_dict()
+            for k in final:
+                torch.testing.assert_close(loaded[k].float(), final[k], rtol=0, atol=0, msg=f"{strategy} {path} {k}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine,stage,port", [("zero2", 2, 29561), ("zero3", 3, 29562)])
 def test_rl_under_deepspeed(runs, engine, stage, port, tiny_model_path, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
     out, result, log = _run(runs, engine, tiny_model_path, tmp_path_factory, port)
-    initial = _initial(tiny_model_path)
     assert "deepspeed_shm_comm" not in log  # the CPU comm op is not JIT-built (appo_trl.configs.preflight)
     for strategy in STRATEGIES:
         r = result[strategy]
         assert r["distributed_type"] == "DistributedType.DEEPSPEED" and r["zero_stage"] == stage, r
-        assert r["steps"] == 2 and r["identical_across_ranks"], (strategy, r)
-        if r["uneven"]:  # rank 1 sampled one token per segment: far fewer forwards, and no hang
-            assert r["forwards"][1] * 3 < r["forwards"][0], (strategy, r)
-        final = torch.load(out / strategy / "final.pt")
-        assert any(not torch.equal(final[k], initial[k]) for k in initial), f"{strategy}: parameters did not move"
-        for path in (out / strategy, out / strategy / "checkpoint-2"):  # plain transformers, no conversion
-            loaded = AutoModelForCausalLM.from_pretrained(path).state_dict()
-            for k in final:
-                torch.testing.assert_close(loaded[k].float(), final[k], rtol=0, atol=0, msg=f"{strategy} {path} {k}")
+    check_strategies(out, result, _initial(tiny_model_path), sharded=stage == 3)
+
+
+@pytest.mark.slow
+def test_rl_under_fsdp2(runs, tiny_model_path, tmp_path_factory):
+    """FSDP2 through accelerate's own plugin, forced onto CPU (gloo) in the worker.
+
+    `accelerate launch --config_file accelerate_configs/fsdp.yaml` exports the FSDP2 plugin settings, but on CPU
+    accelerate's `AcceleratorState` keeps `MULTI_CPU` and drops the plugin (its FSDP branch is for GPU backends
+    only), and `appo train` stops there with one preflight line, which is what users on CPU get (each rank checks
+    it here first). The worker then skips that check and applies accelerate's two FSDP assignments
+    (`distributed_type = FSDP`, the plugin) on CPU too (`engines_worker.force_fsdp_on_cpu`); the wrap (torch's
+    `fully_shard` per decoder layer), the training steps and the full-state-dict saves are accelerate's,
+    transformers' and TRL's own code. The parameters are DTensor shards during training; the rest is checked as
+    under DeepSpeed.
+    """
+    out, result, _ = _run(runs, "fsdp", tiny_model_path, tmp_path_factory, 29563)
+    for strategy in STRATEGIES:
+        r = result[strategy]
+        assert r["distributed_type"] == "DistributedType.FSDP" and r["fsdp_version"] == 2, (strategy, r)
+        assert r["fsdp_cpu_error"].startswith("accelerate runs FSDP only on GPUs"), (strategy, r)
+    check_strategies(out, result, _initial(tiny_model_path), sharded=True)
 
 
 @pytest.mark.slow

@@ -314,3 +314,50 @@ def test_gpu_attention_dropout_takes_the_segment_path(cuda_dispatch_on_cpu, monk
         "tree attention: flash_attn is not installed and FlexAttention has no attention dropout; "
         "using the per-segment SDPA path."
     ]
+
+
+def test_padding_forwards_change_nothing_and_join_the_backward():
+    """Sharded engines: a rank with fewer tries than its peers runs padding forwards (`agree_forwards`). Logps,
+    entropies and every gradient are bit-identical to the run without them, while the model runs 2 more forwards
+    and 2 more backwards (ZeRO-3 / FSDP gather parameters in both, so both counts must match the peers')."""
+    model = tiny("qwen3")
+    install_tree_attention(model)
+    ids, mask, c = batch(CASES["mixed"])
+    mask_c = mask[:, -c:].float()
+    forwards, backwards = [0], [0]
+    model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    model.model.layers[0].register_full_backward_hook(lambda *_: backwards.__setitem__(0, backwards[0] + 1))
+    runs = {}
+    for extra in (0, 2):
+        forwards[0] = backwards[0] = 0
+        agree = (lambda n, extra=extra: n + extra) if extra else None
+        logps, ent, counts = tree_logps_and_entropies(
+            model, ids, mask, c, compute_entropy=True, token_budget=14, agree_forwards=agree
+        )
+        g = grads(model, logps, ent, mask_c)
+        runs[extra] = (logps, ent, g, counts, forwards[0], backwards[0])
+    (l0, e0, g0, n0, f0, b0), (l2, e2, g2, n2, f2, b2) = runs[0], runs[2]
+    assert n0["tries"] > 1 and n0["padding_forwards"] == 0 and n2["padding_forwards"] == 2
+    assert (f0, b0) == (n0["tries"], n0["tries"]) and (f2, b2) == (f0 + 2, b0 + 2)
+    assert torch.equal(l2, l0) and torch.equal(e2, e0)
+    assert set(g2) == set(g0) and all(torch.equal(g2[k], g0[k]) for k in g0)
+    with pytest.raises(RuntimeError, match="1 agreed forwards for"):
+        tree_logps_and_entropies(
+            model, ids, mask, c, compute_entropy=False, token_budget=14, agree_forwards=lambda n: 1
+        )
+
+
+def test_forward_count_is_agreed_only_while_parameters_are_sharded():
+    """DDP / one process: no collective; ZeRO-3 or FSDP: one, except inside a round's full weights."""
+    from types import SimpleNamespace
+
+    from appo_trl.trainer.sharded import agree_forward_count
+
+    def trainer(zero3=False, fsdp=False, held=False):
+        dist = SimpleNamespace(is_zero3=zero3, is_fsdp=fsdp)
+        return SimpleNamespace(_dist=dist, _full_weights_held=held, accelerator=SimpleNamespace(device="cpu"))
+
+    assert agree_forward_count(trainer()) is None
+    assert agree_forward_count(trainer(zero3=True, held=True)) is None
+    assert agree_forward_count(trainer(fsdp=True, held=True)) is None
+    assert callable(agree_forward_count(trainer(zero3=True))) and callable(agree_forward_count(trainer(fsdp=True)))
