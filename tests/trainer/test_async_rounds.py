@@ -721,16 +721,19 @@ def test_appo_selection_with_the_sampler_copy(tmp_path, tiny_tokenizer, tiny_mod
     assert len(models) == 2 and all(m is trainer._sampler.model for m in models)
 
 
-def test_a_weight_sync_never_lands_while_a_request_decodes(tmp_path, tiny_tokenizer, tiny_model_path):
-    """vLLM server mode, disk route (CPU): every reload_weights reaches the server with no request in flight."""
-    import os
+def answering_fake_server(tokenizer):
+    """`bench.fake_vllm` and a scripted policy that answers "4" after 0-7 filler tokens."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
     fake_vllm = pytest.importorskip("bench.fake_vllm")
-    eos = tiny_tokenizer.eos_token_id
-    answer = tiny_tokenizer.encode("<answer> 4 </answer>", add_special_tokens=False) + [eos]
-    policy = fake_vllm.ScriptedPolicy(tiny_tokenizer, lambda ctx, rng: answer[:1] * rng.randint(0, 8) + answer)
+    answer = tokenizer.encode("<answer> 4 </answer>", add_special_tokens=False) + [tokenizer.eos_token_id]
+    return fake_vllm, fake_vllm.ScriptedPolicy(tokenizer, lambda ctx, rng: answer[:1] * rng.randint(0, 8) + answer)
+
+
+def test_a_weight_sync_never_lands_while_a_request_decodes(tmp_path, tiny_tokenizer, tiny_model_path):
+    """vLLM server mode, disk route (CPU): every reload_weights reaches the server with no request in flight."""
+    fake_vllm, policy = answering_fake_server(tiny_tokenizer)
     with fake_vllm.FakeVLLMServer(policy, tiny_tokenizer, max_model_len=1024, decode_step_s=0.1) as server:
         trainer = make_trainer(
             tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), use_vllm=True, vllm_mode="server",
@@ -749,15 +752,9 @@ def test_a_server_restart_in_a_synchronous_round_is_synced_and_rerun(tmp_path, t
     during it (the 2nd completion request) is survived as in a synchronous run (`weight_sync.generate_round`): the
     weights are synced again and the round re-runs with the same seeds, then the next round runs in the background.
     R = reload_weights, C = reset_prefix_cache, g = a completion, d = the request that made it die, X = the restart."""
-    import os
     import re
-    import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-    fake_vllm = pytest.importorskip("bench.fake_vllm")
-    eos = tiny_tokenizer.eos_token_id
-    answer = tiny_tokenizer.encode("<answer> 4 </answer>", add_special_tokens=False) + [eos]
-    policy = fake_vllm.ScriptedPolicy(tiny_tokenizer, lambda ctx, rng: answer[:1] * rng.randint(0, 8) + answer)
+    fake_vllm, policy = answering_fake_server(tiny_tokenizer)
     with fake_vllm.FakeVLLMServer(policy, tiny_tokenizer, max_model_len=1024, restart_at=1) as server:
         trainer = make_trainer(
             tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), use_vllm=True, vllm_mode="server",

@@ -93,11 +93,14 @@ class CounterPolicy:
         self.result = tokenizer.convert_tokens_to_ids("</tool_response>")
         self.header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
 
+    def turn(self, prompt_ids):
+        """The ids of the assistant turn being sampled (after the last assistant header)."""
+        h = len(self.header)
+        return prompt_ids[max(i + h for i in range(len(prompt_ids) - h + 1) if prompt_ids[i : i + h] == self.header) :]
+
     async def generate(self, prompt_ids, params):
         enc = lambda s: self.tok.encode(s, add_special_tokens=False)  # noqa: E731
-        h = len(self.header)
-        start = max(i + h for i in range(len(prompt_ids) - h + 1) if prompt_ids[i : i + h] == self.header)
-        tail = prompt_ids[start:]
+        tail = self.turn(prompt_ids)
         if sum(1 for t in prompt_ids if t == self.result) >= 3:
             ids, reason, stop = enc(" <answer> done </answer>") + [self.tok.eos_token_id], "eos", None
         else:
@@ -420,9 +423,7 @@ class BothToolsPolicy(CounterPolicy):
 
     async def generate(self, prompt_ids, params):
         enc = lambda s: self.tok.encode(s, add_special_tokens=False)  # noqa: E731
-        h = len(self.header)
-        start = max(i + h for i in range(len(prompt_ids) - h + 1) if prompt_ids[i : i + h] == self.header)
-        tail = prompt_ids[start:]
+        tail = self.turn(prompt_ids)
         if sum(1 for t in prompt_ids if t == self.result) >= 4:
             ids = enc(" <answer> done </answer>") + [self.tok.eos_token_id]
         else:
@@ -552,9 +553,7 @@ class TwoCallPolicy(CounterPolicy):
 
     async def generate(self, prompt_ids, params):
         enc = lambda s: self.tok.encode(s, add_special_tokens=False)  # noqa: E731
-        h = len(self.header)
-        start = max(i + h for i in range(len(prompt_ids) - h + 1) if prompt_ids[i : i + h] == self.header)
-        tail = prompt_ids[start:]
+        tail = self.turn(prompt_ids)
         if sum(1 for t in prompt_ids if t == self.result) >= 4:
             ids, reason = enc(" <answer> done </answer>") + [self.tok.eos_token_id], "eos"
         else:
