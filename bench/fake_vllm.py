@@ -355,6 +355,17 @@ class FakeVLLMServer:
 
         self._loop.call_soon_threadsafe(abort)
         self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            raise RuntimeError("fake vLLM server did not stop within 10 s of kill()")
+        # A dead process's sockets all close with it. This server lives in the test's process, so a connection the
+        # loop accepted after `abort` ran stays open with nobody to answer it, and a client (the router) waits on
+        # it until its own timeout. Abort every transport the stopped loop still holds (asyncio's fd -> transport
+        # map) and run the loop once so their sockets close.
+        for transport in list(getattr(self._loop, "_transports", {}).values()):
+            if transport is not None and not transport.is_closing():
+                transport.abort()
+        self._loop.call_soon(self._loop.stop)
+        self._loop.run_forever()
         self._server = None
 
     def restart(self, down_s: float = 1.0) -> None:

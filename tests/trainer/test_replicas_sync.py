@@ -162,8 +162,11 @@ def test_a_replica_killed_mid_round_inside_train(tmp_path, tiny_tokenizer, tiny_
     a, b = servers = [fake_vllm.FakeVLLMServer(policy, tiny_tokenizer, max_model_len=1024).start() for _ in range(2)]
     trainer = replicas = None
     try:
+        # round robin: B surely serves round 1 (consistent hashing on the free ports' URLs can send all 4 trees of
+        # a round to A, and the kill then lands a round late)
         trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), max_steps=2,
                                vllm_server_base_url=[a.url, b.url], logging_steps=1,
+                               vllm_router_policy="round_robin",
                                **{**KW, "per_device_train_batch_size": 16})  # fmt: skip
         sync = trainer.vllm_generation
         synced, rounds, killed = [], [], {}
