@@ -212,28 +212,22 @@ def served_max_model_len(training_args, timeout_s: float = 5.0) -> tuple[int, st
     """
     if not (getattr(training_args, "use_vllm", False) and getattr(training_args, "vllm_mode", None) == "server"):
         return None
-    import httpx
+    from appo_trl.rollout.replicas import parse_server_urls
+    from appo_trl.rollout.vllm_server import VLLMServerBackend, VLLMServerError
 
     base = training_args.vllm_server_base_url
     base = base or f"http://{training_args.vllm_server_host}:{training_args.vllm_server_port}"
     configured = getattr(training_args, "vllm_max_model_length", None)
     found = []
-    for url in base.replace(",", " ").split():  # APPOConfig keeps several replicas comma-joined
-        url = url.rstrip("/")
+    for url in parse_server_urls(base):
+        server = VLLMServerBackend(url, timeout_s=timeout_s, connect_timeout_s=timeout_s, max_retries=0)
         try:
-            resp = httpx.get(f"{url}/v1/models", timeout=timeout_s)
-            served = (resp.json().get("data") or [{}])[0].get("max_model_len") if resp.status_code == 200 else None
-            if served is None:
-                continue
-            served = int(served)
-        except (httpx.HTTPError, ValueError, AttributeError, TypeError):
+            served = server.resolve_max_model_len(configured)
+        except VLLMServerError:  # not up yet, or no length reported: the trainer checks again when it connects
             continue
-        if configured and int(configured) != served:
-            raise PreflightError(
-                f"vllm_max_model_length={configured} but the vLLM server at {url} serves max_model_len={served}: "
-                "set them equal (or leave vllm_max_model_length unset to use the server's)."
-            )
-        found.append((served, f"the vLLM server's max_model_len at {url}"))
+        except ValueError as exc:  # a configured length the server does not serve
+            raise PreflightError(str(exc)) from None
+        found.append((served, f"the vLLM server's max_model_len at {server.base_url}"))
     return min(found) if found else None
 
 
