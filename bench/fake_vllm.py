@@ -368,6 +368,18 @@ class FakeVLLMServer:
         self._loop.run_forever()
         self._server = None
 
+    def bodies_per_sync(self) -> list[list[dict[str, Any]]]:
+        """The completion bodies split at each `reload_weights` call: `[before the 1st, after the 1st, ...]`.
+        A restart can leave retries of a dead round's requests after it, so a round is not a fixed slice."""
+        out: list[list[dict[str, Any]]] = [[]]
+        bodies = iter(self.bodies)
+        for event in self.events:
+            if event == "rpc:reload_weights":
+                out.append([])
+            elif event in ("completion", "dying"):
+                out[-1].append(next(bodies))
+        return out
+
     def restart(self, down_s: float = 1.0) -> None:
         """Stop (connections refused), wait `down_s`, start again on the same port; blocking."""
         self.stop()

@@ -36,6 +36,7 @@ from appo_trl.trainer.async_rounds import (
 )
 from appo_trl.trainer.config import APPOConfig
 from tests.trainer.fakes import ScriptedEngine
+from tests.trainer.test_server_restart import assert_rerun_with_the_same_seeds
 from tests.trainer.test_trainer import CPU, RewardSpy, dataset, make_trainer
 
 
@@ -768,8 +769,8 @@ def test_a_server_restart_in_a_synchronous_round_is_synced_and_rerun(tmp_path, t
     assert re.fullmatch(r"RCg*dg*Xg*RCgggggggg", events), events  # after X: sync, reset, the round, the next one
     assert [(h.step, h.background) for h in trainer._async.history] == [(0, False), (1, True)]
     assert trainer.state.global_step == 2
-    first, rerun = server.bodies[:4], server.bodies[-8:-4]
-    assert sorted(b["seed"] for b in rerun) == sorted(b["seed"] for b in first)  # the same round, same seeds
+    _, first, rerun = server.bodies_per_sync()  # the 2nd sync's part also holds the background round
+    assert_rerun_with_the_same_seeds(first, rerun[:4])
 
 
 @pytest.mark.parametrize("strategy", ["arpo", "aepo"])

@@ -29,6 +29,14 @@ pytestmark = pytest.mark.timeout(300)
 LETTERS = {"rpc:reload_weights": "R", "reset_prefix_cache": "C", "completion": "g", "dying": "d", "restart": "X"}
 
 
+def assert_rerun_with_the_same_seeds(first: list[dict], rerun: list[dict]) -> None:
+    """The rerun round asks for the dead round's seeds: each seed the dead round sent (the requests that reached the
+    server before it died, and retries of them after it came back) is among the rerun's 4 distinct seeds."""
+    seen, again = {b["seed"] for b in first}, [b["seed"] for b in rerun]
+    assert len(again) == len(set(again)) == 4, again
+    assert len(seen) >= 2 and seen <= set(again), (seen, again)
+
+
 def _policy(tok):
     answer = tok.encode("<answer> 4 </answer>", add_special_tokens=False) + [tok.eos_token_id]
     return fake_vllm.ScriptedPolicy(tok, lambda ctx, rng: answer[:1] * rng.randint(0, 8) + answer)
@@ -67,8 +75,8 @@ def test_a_restart_mid_round_resyncs_and_reruns_the_round(tmp_path, tiny_tokeniz
     assert len(weights) == 3  # round 1, round 2, round 2 again after the restart: the same step's weights
     assert all(torch.equal(weights[1][k], weights[2][k]) for k in weights[1])
     assert not all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-    rerun, first = server.bodies[-4:], server.bodies[4:8]
-    assert sorted(b["seed"] for b in rerun) == sorted(b["seed"] for b in first)  # the same round, same seeds
+    _, _, first, rerun = server.bodies_per_sync()
+    assert_rerun_with_the_same_seeds(first, rerun)
 
 
 def test_a_restart_between_rounds_is_waited_for_by_the_sync(tmp_path, tiny_tokenizer, tiny_model_path):
