@@ -170,6 +170,8 @@ class RolloutEngine:
             while run.tasks:
                 done, _ = await asyncio.wait(run.tasks, return_when=asyncio.FIRST_COMPLETED)
                 run.tasks.difference_update(done)
+                for task in done:  # every error of this wake-up is retrieved; the first one is raised
+                    _ = task.cancelled() or task.exception()
                 for task in done:
                     task.result()
                 for g in groups:

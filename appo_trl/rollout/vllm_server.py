@@ -123,7 +123,8 @@ class VLLMServerBackend:
         base_url: server root, e.g. `"http://127.0.0.1:8000"`.
         model: the served model id; looked up from `GET /v1/models` on first use when None.
         max_concurrency: requests in flight at once from this backend.
-        timeout_s: per-request read timeout (a long generation must fit in it).
+        timeout_s: per-request read timeout (a long generation must fit in it; the trainer's
+            `vllm_request_timeout_s`).
         connect_timeout_s: connection timeout.
         max_retries: retries after the first attempt for connection errors, timeouts, 5xx/429 answers and
             requests the server aborted.
@@ -152,6 +153,7 @@ class VLLMServerBackend:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.max_concurrency = max_concurrency
+        self.timeout_s = timeout_s
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -197,7 +199,10 @@ class VLLMServerBackend:
                 async with sem:
                     resp = await client.request(method, path, json=json, headers=headers)
             except httpx.TimeoutException as exc:
-                last = f"timed out ({type(exc).__name__})"
+                if isinstance(exc, httpx.ConnectTimeout):
+                    last = f"timed out connecting ({type(exc).__name__})"
+                else:  # accepted, then silent: a hung or overloaded server, or a long generation
+                    last = f"timed out: no answer within vllm_request_timeout_s={self.timeout_s:g} s ({type(exc).__name__})"
                 continue
             except httpx.TransportError as exc:
                 last = f"unreachable ({type(exc).__name__}: {exc})"

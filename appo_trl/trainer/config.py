@@ -152,6 +152,14 @@ class APPOConfig(GRPOConfig):
             "re-run (disk sync; with nccl a restart is an error). 0 = fail when the request retries are spent."
         ),
     )
+    vllm_request_timeout_s: float = field(
+        default=600.0,
+        metadata=_h(
+            "Server mode: seconds one completion request may wait for its answer (httpx read timeout). A request "
+            "that times out is retried (3 retries), then the run fails naming this setting, so a server that "
+            "accepted a request and went silent costs at most 4x this. A long generation must fit in it."
+        ),
+    )
     vllm_weight_sync_dir: str | None = field(
         default=None,
         metadata=_h("disk sync: folder the server reads the weights from (default: a temporary folder)."),
@@ -551,6 +559,8 @@ class APPOConfig(GRPOConfig):
             self._fail(f"beam_size={self.beam_size} must be >= 1.")
         if self.vllm_server_wait_s < 0:
             self._fail(f"vllm_server_wait_s={self.vllm_server_wait_s} must be >= 0 (0 = do not wait).")
+        if not self.vllm_request_timeout_s > 0:
+            self._fail(f"vllm_request_timeout_s={self.vllm_request_timeout_s} must be > 0 (seconds per request).")
         if self.max_nan_reward_steps < 0:
             self._fail(f"max_nan_reward_steps={self.max_nan_reward_steps} must be >= 0 (0 = never stop).")
         if self.dump_rollouts < 0:

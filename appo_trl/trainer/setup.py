@@ -55,7 +55,8 @@ def build_rollout_engine(trainer):
 
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         backend = VLLMServerBackend(base_url, max_concurrency=args.rollout_concurrency,
-                                    server_wait_s=args.vllm_server_wait_s)  # fmt: skip
+                                    server_wait_s=args.vllm_server_wait_s,
+                                    timeout_s=args.vllm_request_timeout_s)  # fmt: skip
         replicas = replica_set_for(base_url)  # several replicas behind a router (trainer/weight_sync.py)
         if replicas is not None:
             backend = ReplicaBackend(backend, replicas)

@@ -233,3 +233,28 @@ def test_run_is_reusable_and_works_inside_a_running_loop(make_engine, tiny_token
         return engine.run(engine.rollout([enc("q")], 1, seed=2))
 
     assert asyncio.run(caller())[0][0].finish_reason == "eos"
+
+
+def test_trajectories_that_fail_together_raise_one_error_and_leave_none_unretrieved(tiny_tokenizer, caplog):
+    """When several trajectories fail in the same wake-up (a server gone for all of them), the first error is raised
+    and the others are retrieved, not logged by asyncio as "Task exception was never retrieved" tracebacks."""
+    import gc
+    import logging
+
+    class DownPolicy(ScriptedPolicy):
+        async def generate(self, prompt_ids, params):
+            await asyncio.sleep(0.05)
+            raise RuntimeError("backend down")
+
+    cfg = RolloutConfig(max_completion_length=8, max_model_len=64)
+    engine = RolloutEngine(DownPolicy(tiny_tokenizer, lambda ctx, rng: []), tiny_tokenizer, cfg)
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            for _ in range(3):
+                with pytest.raises(RuntimeError, match="backend down"):
+                    engine.run(engine.rollout([[5, 6, 7]], 4, seed=0))
+            gc.collect()
+    finally:
+        engine.close()
+    gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]

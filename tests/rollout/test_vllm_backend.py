@@ -99,7 +99,9 @@ def test_slow_server_times_out(scripted_server, enc):
     server, _, _ = scripted_server
     server.extra_delay_s = 2.0
     backend = VLLMServerBackend(server.url, model="fake-model", timeout_s=0.2, max_retries=0)
-    with pytest.raises(VLLMServerError, match="timed out"):
+    with pytest.raises(
+        VLLMServerError, match=r"timed out: no answer within vllm_request_timeout_s=0.2 s \(ReadTimeout\)"
+    ):
         _gen(backend, enc("q"), SamplingParams(max_tokens=50))
 
 

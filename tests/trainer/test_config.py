@@ -62,6 +62,7 @@ def test_aepo_balanced_clipping_selects_its_loss_and_branch_cap_default():
         (dict(use_vllm=True, vllm_mode="remote"), "vllm_mode='remote'; choose server"),
         (dict(use_vllm=True, vllm_mode="colocate", vllm_dtype="fp8"), "vllm_dtype='fp8'"),
         (dict(use_vllm=True, vllm_mode="server", vllm_dtype="float32"), "vllm_dtype applies to vllm_mode=colocate"),
+        (dict(vllm_request_timeout_s=0), r"vllm_request_timeout_s=0 must be > 0"),
         # 4 rows per rank, 2 groups of 2 would break groups across ranks
         (dict(num_generations=3), "divisible|multiple of num_generations"),
         # 8 rows = 2 groups of 4; APPO keeps 2 x 1 = 2 rows which cannot split into 4 micro-batches

@@ -111,3 +111,22 @@ def test_nccl_route_restart_is_one_clear_error(tmp_path, tiny_tokenizer, tiny_mo
         with pytest.raises(VLLMServerError, match="NCCL weight sync cannot re-attach to a new server process"):
             trainer.train()
         server.restarter.join()
+
+
+def test_a_server_that_accepts_and_goes_silent_fails_the_run_naming_the_timeout(
+    tmp_path, tiny_tokenizer, tiny_model_path
+):
+    """A server that accepts every completion request and never answers (hung, or a half-open connection) is not a
+    hang: each request times out after `vllm_request_timeout_s`, is retried 3 times, and the run fails naming it."""
+    from appo_trl.rollout.vllm_server import VLLMServerError
+
+    with fake_vllm.FakeVLLMServer(_policy(tiny_tokenizer), tiny_tokenizer, max_model_len=1024) as server:
+        trainer = _trainer(tmp_path, tiny_tokenizer, tiny_model_path, server, vllm_request_timeout_s=0.3)
+        assert trainer.rollout_engine.backend.timeout_s == 0.3
+        server.extra_delay_s = 3600.0
+        start = time.monotonic()
+        with pytest.raises(VLLMServerError, match=r"failed after 4 attempts: timed out: no answer within "
+                           r"vllm_request_timeout_s=0.3 s \(ReadTimeout\)"):  # fmt: skip
+            trainer.train()
+        assert time.monotonic() - start < 60
+        server.extra_delay_s = 0.0
