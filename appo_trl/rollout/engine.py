@@ -85,6 +85,7 @@ class _Group:
     prompt_ids: list[int]
     target: int
     seed: int
+    tree: str = ""  # the routing key of the group's trajectories
     created: int = 0
     active: int = 0
     trajectories: list[Trajectory] = dataclasses.field(default_factory=list)
@@ -138,12 +139,17 @@ class RolloutEngine:
     # ------------------------------------------------------------------ public API
 
     async def rollout(self, prompts: list[list[int]], n: int | list[int], *, seed: int, hook: Hook | None = None,
-                      group_size: int | list[int] | None = None) -> list[list[Trajectory]]:  # fmt: skip
+                      group_size: int | list[int] | None = None,
+                      tree_seed: int | None = None) -> list[list[Trajectory]]:  # fmt: skip
         """Sample `n` trajectories per prompt (all concurrently) and return them per prompt, in creation order.
 
         With `hook`, after each tool result the hook returns how many copies to fork at that point; each group
         is capped at `group_size` (default `n`) and refilled from the bare prompt whenever it has no active
         trajectory left, so every group ends with exactly `group_size` trajectories.
+
+        Each group's trajectories share one tree id (`meta["tree"]`, the routing key that keeps a tree on one
+        vLLM replica), derived from `tree_seed` (default `seed`). A side rollout for the same groups, such as
+        AEPO's entropy probe, passes the round's seed as `tree_seed` so that its prompts go to the same replicas.
         """
         ns = [n] * len(prompts) if isinstance(n, int) else list(n)
         sizes = (
@@ -162,7 +168,9 @@ class RolloutEngine:
                 raise ValueError(f"prompt of {len(p)} tokens does not fit max_model_len={self.config.max_model_len}")
         start = time.perf_counter()
         run = _Run()
-        groups = [_Group(i, list(p), sizes[i], mix_seed(seed, i)) for i, p in enumerate(prompts)]
+        tree_seed = seed if tree_seed is None else tree_seed
+        groups = [_Group(i, list(p), sizes[i], mix_seed(seed, i), f"{mix_seed(tree_seed, i):016x}")
+                  for i, p in enumerate(prompts)]  # fmt: skip
         for g, k in zip(groups, ns):
             for _ in range(k):
                 self._start_root(run, g, hook, origin="root")
@@ -297,7 +305,7 @@ class RolloutEngine:
         traj = Trajectory(prompt_ids=list(group.prompt_ids), group=group.index,
                           entropies=[] if (hook is not None or self.config.record_entropies) else None)  # fmt: skip
         # the tree id (routing key): one per prompt group of one round, kept by forks, refills and branches
-        traj.meta.update(origin=origin, seed=mix_seed(group.seed, group.created), tree=f"{group.seed:016x}")
+        traj.meta.update(origin=origin, seed=mix_seed(group.seed, group.created), tree=group.tree)
         if self.environments is not None:
             self.environments.start(traj)
         self._register(run, group, traj, hook)

@@ -222,7 +222,8 @@ class AEPOStrategy(ARPOStrategy):
         from appo_trl.algorithms.arpo import aepo_initial_rollouts
         from appo_trl.rollout.text import window_entropy
 
-        probes = self.engine.run(self.engine.rollout(prompt_ids, 1, seed=seed + 7919))
+        # other samples than the group's (seed + 7919), on the same replica as the group (tree ids from `seed`)
+        probes = self.engine.run(self.engine.rollout(prompt_ids, 1, seed=seed + 7919, tree_seed=seed))
         cfg = self.engine.config
         norm = math.log(len(self.trainer.processing_class_tokenizer)) if cfg.entropy_normalize else 1.0
         counts, kept = [], []

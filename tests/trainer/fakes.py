@@ -63,7 +63,7 @@ class ScriptedEngine:
         ents = [0.1 + 0.05 * (i % 7) if m else math.nan for i, m in enumerate(mask)]
         return FakeTrajectory(list(prompt_ids), ids, mask, lps, ents, **kw)
 
-    async def rollout(self, prompts, n, *, seed, hook=None, group_size=None):
+    async def rollout(self, prompts, n, *, seed, hook=None, group_size=None, tree_seed=None):
         """Scripted roots only: the hook is recorded, never called; a group gets `group_size` (default n) rows."""
         self.rollout_calls.append((len(prompts), n))
         self.hooks.append(hook)
