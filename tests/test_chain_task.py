@@ -25,7 +25,8 @@ def _docs(task) -> dict[str, str]:
     """query -> document text, as the search tool finds them (`<attr> of <name>`)."""
     out = {}
     for d in task.corpus:
-        m = re.match(r"The (\w+) of (\w+) is (\w+)\.", d["contents"])
+        m = re.fullmatch(r"(\w+): The (\w+) of \1 is (\w+)\.", d["contents"])
+        m = re.fullmatch(r"(\w+) of (\w+) is (\w+)\.", f"{m[2]} of {m[1]} is {m[3]}.")
         out[f"{m.group(1)} of {m.group(2)}"] = d["contents"]
     return out
 
@@ -118,3 +119,24 @@ def test_no_leakage_between_splits(task):
 def test_unknown_family_is_one_clear_error():
     with pytest.raises(ValueError, match=r"unknown question families \['chains'\]"):
         build_task(0, families=("python", "chains"))
+
+
+def test_the_search_tool_finds_each_facts_own_page_first(task, tmp_path):
+    """Every `<attr> of <name>` query of the chain task gets its own page as the strict top-1 of the real BM25
+    index. Before each page named its entity twice, `neighbour of X` tied X's page with the page of the entity
+    whose neighbour is X, and the tie showed the wrong page for about half of the neighbour hops."""
+    from appo_trl.tools.search_server import BM25Index
+
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in task.corpus))
+    index = BM25Index(str(path))
+    want = {d["contents"]: d["id"] for d in task.corpus}
+    queries = [f"{attr} of {e.name}" for e in task.entities for attr in ("capital", "population", "neighbour")]
+    wrong = []
+    for query, hits in zip(queries, index.retrieve(queries, 2)):
+        (top, score), (_, second) = hits[0], hits[1]
+        attr, _, name = query.partition(" of ")
+        if want[top["contents"]] != f"{name}-{attr}" or not score > second:
+            wrong.append((query, top["contents"]))
+    assert not wrong, f"{len(wrong)} of {len(queries)} queries: {wrong[:3]}"
+

@@ -39,8 +39,22 @@ def link_neighbours(rng: random.Random, entities: list) -> None:
         e.neighbour = order[(i + 1) % len(order)].name
 
 
+def fact(e, attr: str, value) -> str:
+    """The document text of one fact about entity `e` ("The population of Velmora is 412.").
+
+    In a task with the chain family (`e.neighbour` set) every document starts with its entity's name as well:
+    "Velmora: The neighbour of Velmora is Tarsk." The search tool ranks with BM25, a bag of words, so without
+    it `neighbour of Velmora` scores Velmora's page and the page of the entity whose neighbour is Velmora ("The
+    neighbour of Wyx is Velmora.") exactly the same, and the tie showed the wrong page for about half of all
+    neighbour hops. Naming the entity twice puts its own page first for every `<attr> of <name>` query
+    (`tests/test_chain_task.py` checks each one against the real index). The default task is unchanged.
+    """
+    text = f"The {attr} of {e.name} is {value}."
+    return f"{e.name}: {text}" if e.neighbour is not None else text
+
+
 def neighbour_doc(e) -> dict:
-    return {"id": f"{e.name}-neighbour", "contents": f"The neighbour of {e.name} is {e.neighbour}."}
+    return {"id": f"{e.name}-neighbour", "contents": fact(e, "neighbour", e.neighbour)}
 
 
 def _search(query: str, contents: str, result) -> str:
@@ -61,8 +75,8 @@ def chain_question(rng: random.Random, e, by_name: dict, result, *, wrong: bool 
     calls = rng.choice(CALLS)
     hop1 = by_name[e.neighbour]
     hop2 = by_name[hop1.neighbour]
-    pop = lambda x: _search(f"population of {x.name}", f"The population of {x.name} is {x.population}.", result)  # noqa: E731
-    nb = lambda x, y: _search(f"neighbour of {x.name}", f"The neighbour of {x.name} is {y.name}.", result)  # noqa: E731
+    pop = lambda x: _search(f"population of {x.name}", fact(x, "population", x.population), result)  # noqa: E731
+    nb = lambda x, y: _search(f"neighbour of {x.name}", fact(x, "neighbour", y.name), result)  # noqa: E731
     if calls == 3:
         k = rng.randint(2, 9)
         question = f"What is the population of the neighbour of {e.name} times {k}?"

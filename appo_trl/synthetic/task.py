@@ -93,8 +93,8 @@ def corpus(entities: list[Entity]) -> list[dict]:
     """One short document per fact (`contents`, the retriever server's field)."""
     docs = []
     for e in entities:
-        docs.append({"id": f"{e.name}-capital", "contents": f"The capital of {e.name} is {e.capital}."})
-        docs.append({"id": f"{e.name}-population", "contents": f"The population of {e.name} is {e.population}."})
+        docs.append({"id": f"{e.name}-capital", "contents": chains.fact(e, "capital", e.capital)})
+        docs.append({"id": f"{e.name}-population", "contents": chains.fact(e, "population", e.population)})
         if e.neighbour is not None:
             docs.append(chains.neighbour_doc(e))
     return docs
@@ -119,7 +119,7 @@ def search_question(rng: random.Random, e: Entity) -> Question:
     attr = rng.choice(("capital", "population"))
     value = str(getattr(e, attr))
     query = f"{attr} of {e.name}"
-    doc = {"contents": f"The {attr} of {e.name} is {value}."}
+    doc = {"contents": chains.fact(e, attr, value)}
     trace = (f"<think>I will search for it.</think><search>{query}</search>{RESULT.format(search_result(doc))}"
              f"<answer>\\boxed{{{value}}}</answer>")  # fmt: skip
     return Question("search", f"What is the {attr} of {e.name}?", value, trace)
@@ -128,7 +128,7 @@ def search_question(rng: random.Random, e: Entity) -> Question:
 def both_question(rng: random.Random, e: Entity) -> Question:
     k = rng.randint(2, 9)
     value = str(e.population * k)
-    doc = {"contents": f"The population of {e.name} is {e.population}."}
+    doc = {"contents": chains.fact(e, "population", e.population)}
     trace = (f"<think>I will search, then compute.</think><search>population of {e.name}</search>"
              f"{RESULT.format(search_result(doc))}<python>print({e.population} * {k})</python>{RESULT.format(value)}"
              f"<answer>\\boxed{{{value}}}</answer>")  # fmt: skip
