@@ -139,4 +139,3 @@ def test_the_search_tool_finds_each_facts_own_page_first(task, tmp_path):
         if want[top["contents"]] != f"{name}-{attr}" or not score > second:
             wrong.append((query, top["contents"]))
     assert not wrong, f"{len(wrong)} of {len(queries)} queries: {wrong[:3]}"
-
