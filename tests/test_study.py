@@ -31,8 +31,26 @@ def test_quick_is_the_demo_shape_and_full_is_the_papers():
         "256",
     ]
     assert variant_overrides("aepo+ref", full) == [
-        "--reference", "aepo", "--num_generations", "16", "--per_device_train_batch_size", "64",
+        "--reference", "aepo",  # then the recipe's settings that the preset changes:
+        "--loss_type", "bnpo", "--entropy_balanced_advantage", "False", "--dynamic_rollouts", "False",
+        "--dynamic_rollouts_source", "probe",
+        "--num_generations", "16", "--per_device_train_batch_size", "64",
         "--initial_rollouts", "8", "--tool_call_limit", "5", "--max_completion_length", "256"]  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", ["arpo+ref", "aepo+ref", "appo+ref"])
+def test_each_reference_variant_builds_its_config(variant, tmp_path):
+    """A `+ref` variant is its demo recipe with `reference:`; a recipe setting that the preset changes yields to
+    the preset (the study crashed on aepo+ref: the recipe's entropy_balanced_advantage conflicted with it)."""
+    from appo_trl.configs.reference import REFERENCE_PRESETS
+    from appo_trl.synthetic.pipeline import rl_arguments
+
+    strategy = variant.partition("+")[0]
+    _, training, _ = rl_arguments(f"recipes/demo/{strategy}.yaml", str(tmp_path / "m"), str(tmp_path / "d"),
+                                  str(tmp_path / "o"), "http://127.0.0.1:1", steps=2, seed=0,
+                                  overrides=variant_overrides(variant, args("--full")))  # fmt: skip
+    assert training.reference == strategy and training.num_generations == 16
+    assert {k: getattr(training, k) for k in REFERENCE_PRESETS[strategy]} == REFERENCE_PRESETS[strategy]
 
 
 def test_render_has_the_three_tables():

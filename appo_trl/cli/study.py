@@ -45,7 +45,16 @@ def variant_overrides(variant: str, a) -> list[str]:
     out = []
     strategy, _, ref = variant.partition("+")
     if ref:
+        import yaml
+
+        from appo_trl.configs.recipes import REPO_ROOT
+        from appo_trl.configs.reference import REFERENCE_PRESETS
+
         out += ["--reference", strategy]
+        recipe = yaml.safe_load((REPO_ROOT / "recipes" / "demo" / f"{strategy}.yaml").read_text()) or {}
+        for name, value in REFERENCE_PRESETS[strategy].items():  # the recipe's own differences yield to the preset
+            if name in recipe and recipe[name] != value:
+                out += [f"--{name}", str(value)]
     if a.num_generations:
         out += ["--num_generations", str(a.num_generations), "--per_device_train_batch_size",
                 str(a.num_generations * a.prompts_per_step)]  # fmt: skip
