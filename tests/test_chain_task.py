@@ -25,9 +25,8 @@ def _docs(task) -> dict[str, str]:
     """query -> document text, as the search tool finds them (`<attr> of <name>`)."""
     out = {}
     for d in task.corpus:
-        m = re.fullmatch(r"(\w+): The (\w+) of \1 is (\w+)\.", d["contents"])
-        m = re.fullmatch(r"(\w+) of (\w+) is (\w+)\.", f"{m[2]} of {m[1]} is {m[3]}.")
-        out[f"{m.group(1)} of {m.group(2)}"] = d["contents"]
+        m = re.fullmatch(r"(\w+): The (\w+) of \1 is \w+\.", d["contents"])
+        out[f"{m[2]} of {m[1]}"] = d["contents"]
     return out
 
 
