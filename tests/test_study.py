@@ -28,14 +28,14 @@ def test_quick_is_the_demo_shape_and_full_is_the_papers():
         "--tool_call_limit",
         "5",
         "--max_completion_length",
-        "256",
+        "384",
     ]
     assert variant_overrides("aepo+ref", full) == [
         "--reference", "aepo",  # then the recipe's settings that the preset changes:
         "--loss_type", "bnpo", "--entropy_balanced_advantage", "False", "--dynamic_rollouts", "False",
         "--dynamic_rollouts_source", "probe",
         "--num_generations", "16", "--per_device_train_batch_size", "64",
-        "--initial_rollouts", "8", "--tool_call_limit", "5", "--max_completion_length", "256"]  # fmt: skip
+        "--initial_rollouts", "8", "--tool_call_limit", "5", "--max_completion_length", "384"]  # fmt: skip
 
 
 @pytest.mark.parametrize("variant", ["arpo+ref", "aepo+ref", "appo+ref"])
@@ -51,6 +51,38 @@ def test_each_reference_variant_builds_its_config(variant, tmp_path):
                                   overrides=variant_overrides(variant, args("--full")))  # fmt: skip
     assert training.reference == strategy and training.num_generations == 16
     assert {k: getattr(training, k) for k in REFERENCE_PRESETS[strategy]} == REFERENCE_PRESETS[strategy]
+
+
+def test_full_budgets_fit_the_longest_chain_solution(tmp_path):
+    """--full's completion budget and SFT length hold every trace whole, tokenised by the demo's tokenizer (the
+    first n = 16 grid trained and sampled chains at 256 tokens: every 3-5 call trace was cut before its answer)."""
+    from transformers import AutoTokenizer
+
+    from appo_trl.synthetic.pipeline import build_model
+    from appo_trl.synthetic.task import ALL_FAMILIES, build_task
+
+    tok = AutoTokenizer.from_pretrained(build_model(str(tmp_path / "m"), 0))
+    full = args("--full")
+    task = build_task(0, num_sft=1800, num_rl=8, num_heldout=8, families=ALL_FAMILIES)
+    longest_completion = longest_row = 0
+    for q in task.sft:
+        messages = q.sft_row()["messages"]
+        prompt = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
+        n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
+        n_row = len(tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"])
+        longest_completion, longest_row = max(longest_completion, n_row - n_prompt), max(longest_row, n_row)
+    assert 256 < longest_completion <= full.max_completion_length  # a 5-call chain is longer than the old budget
+    assert 256 < longest_row <= full.sft_max_length
+
+
+def test_a_study_resumes_only_with_its_own_settings(tmp_path):
+    from appo_trl.cli.study import run
+    from appo_trl.configs.errors import ConfigError
+
+    (tmp_path / "study.json").write_text(json.dumps({"runs": {}, "config": vars(args("--workdir", "elsewhere"))}))
+    with pytest.raises(ConfigError, match=r"study.json was made with other settings \(rl_steps 120 -> 60\)"):
+        run(args("--workdir", str(tmp_path), "--rl_steps", "60"), printer=print)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["study.json"]  # refused before anything is built
 
 
 def test_render_has_the_three_tables():

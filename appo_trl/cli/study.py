@@ -14,7 +14,7 @@ where the cheapest strategy finished K steps, linearly interpolated between its 
 
 - quick (the default, `make study`): n = 4 with 2 initial rollouts, the demo's three families.
 - `--full`: the papers' shape, n = 16 with 8 initial rollouts (GRPO at n = 16), the chain family added (3-5
-  dependent calls; tool-call limit 5, completions up to 256 tokens), and each `reference:` preset beside our
+  dependent calls; tool-call limit 5, completions up to 384 tokens, SFT traces up to 512), and each `reference:` preset beside our
   defaults (`arpo+ref`, `aepo+ref`, `appo+ref`). Far longer; it resumes from `study.json`, so it can run in parts.
 
 Writes `<workdir>/study.json` (everything), `<workdir>/study.md` (the tables), `<workdir>/study.png` (curves
@@ -37,7 +37,15 @@ from appo_trl.synthetic.task import ALL_FAMILIES, FAMILIES
 STRATEGIES = ("grpo", "arpo", "aepo", "appo")
 REFERENCES = ("arpo+ref", "aepo+ref", "appo+ref")  # `reference: <algo>` on the same recipe
 # --full: the papers' group shape and the long chains
-FULL = {"num_generations": 16, "initial_rollouts": 8, "tool_call_limit": 5, "max_completion_length": 256}
+# A 5-call chain solution is up to 295 completion tokens (tool results included) and 424 with its prompt
+# (`tests/test_study.py` checks both against the generated traces), so neither budget truncates one.
+FULL = {
+    "num_generations": 16,
+    "initial_rollouts": 8,
+    "tool_call_limit": 5,
+    "max_completion_length": 384,
+    "sft_max_length": 512,
+}
 
 
 def variant_overrides(variant: str, a) -> list[str]:
@@ -108,6 +116,23 @@ def resolve(a):
     return a
 
 
+RESUMABLE = ("workdir", "strategies", "seeds")  # what a resumed study may change: which runs it adds
+
+
+def check_resume(done: dict, a, path) -> None:
+    """Refuse to resume a study whose `study.json` was made with other settings: its finished runs would be
+    kept beside runs of a different task, cold start or budget, and the tables would mix them."""
+    from appo_trl.configs.errors import ConfigError
+
+    old = done.get("config")
+    if old is None:
+        return
+    changed = [f"{k} {old.get(k)!r} -> {v!r}" for k, v in vars(a).items() if k not in RESUMABLE and old.get(k) != v]
+    if changed:
+        raise ConfigError(f"{path} was made with other settings ({'; '.join(changed)}); resuming would mix them "
+                          "in one table: use another --workdir or the same settings")  # fmt: skip
+
+
 def _say(msg: str) -> None:
     print(msg, flush=True)
 
@@ -133,13 +158,22 @@ def run(a, printer=_say) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     out_json = work / "study.json"
     done = json.loads(out_json.read_text()) if out_json.is_file() else {}
+    check_resume(done, a, out_json)
     results: dict = done.get("runs", {})
     printer(f"[study] task, model and SFT (seed {a.task_seed}, {a.sft_steps} steps, families {a.families}) -> {work}")
     paths = task_files(work, a.task_seed, a)
     sft = work / "sft"
     if not (sft / "config.json").is_file():
         P.build_model(str(work / "model"), a.task_seed)
-        P.run_sft(str(work / "model"), paths["sft"], str(sft), steps=a.sft_steps, seed=a.task_seed, printer=printer)
+        P.run_sft(
+            str(work / "model"),
+            paths["sft"],
+            str(sft),
+            steps=a.sft_steps,
+            seed=a.task_seed,
+            max_length=a.sft_max_length,
+            printer=printer,
+        )
     eval_kw = {
         "num_samples": a.eval_samples,
         "seed": a.task_seed,

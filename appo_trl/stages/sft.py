@@ -72,6 +72,11 @@ class APPOSFTConfig(SFTConfig):
         mask_tool_results: also exclude `tool_result_open ... tool_result_close` spans (tags included) from the
             loss: tool output is not the model's to learn.
         tool_result_open, tool_result_close: the tags around injected tool results.
+        truncate_long_rows: let TRL truncate rows longer than `max_length`. Off by default: a truncated trace
+            loses its last trained tokens, the final answer included, and a tool trace that never ends is what
+            the model then learns. Where `max_length` would truncate a row, SFT stops before the model loads
+            with one line naming how many rows and the longest length (packing that splits overflow instead,
+            `packing_strategy` `bfd_split` or `wrapped`, loses nothing and is not checked).
     """
 
     assistant_only_loss: bool = field(
@@ -82,6 +87,9 @@ class APPOSFTConfig(SFTConfig):
     )
     tool_result_open: str = field(default="<result>", metadata={"help": "Opening tag of an injected tool result."})
     tool_result_close: str = field(default="</result>", metadata={"help": "Closing tag of an injected tool result."})
+    truncate_long_rows: bool = field(
+        default=False, metadata={"help": "Let TRL truncate rows longer than max_length (default: an error)."}
+    )
 
 
 def dataclass_types() -> tuple[type, ...]:
@@ -213,6 +221,24 @@ def tokenize_sft_dataset(dataset, tokenizer, training_args, messages_column: str
     )
 
 
+def check_row_lengths(dataset, training_args) -> None:
+    """Raise `DataError` when TRL would truncate a pre-tokenised row (see `APPOSFTConfig.truncate_long_rows`)."""
+    from appo_trl.configs.errors import DataError
+
+    limit = training_args.max_length
+    splits = training_args.packing and training_args.packing_strategy in ("bfd_split", "wrapped")
+    if limit is None or splits or training_args.truncate_long_rows:
+        return
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    long = [n for n in lengths if n > limit]
+    if long:
+        raise DataError(
+            f"{len(long)} of {len(lengths)} SFT rows are longer than max_length={limit} tokens (the longest has "
+            f"{max(long)}): TRL would truncate them and drop their last tokens, answers included; raise max_length "
+            f"to at least {max(long)}, set it to null, or set truncate_long_rows: true"
+        )
+
+
 @functools.cache
 def sft_trainer_class() -> type:
     """TRL's `SFTTrainer` with atomic checkpoint saves (`appo_trl.trainer.checkpoints.AtomicCheckpointMixin`);
@@ -266,6 +292,7 @@ def main(script_args, training_args, model_args, recipe=None, callbacks=None):
     )
     with training_args.main_process_first(desc="SFT tokenisation"):
         train_dataset = tokenize_sft_dataset(dataset, tokenizer, training_args)
+    check_row_lengths(train_dataset, training_args)  # before the model loads
     # The rows are pre-tokenised with the mask applied; TRL must not redo (or reject) assistant-only masking.
     # (So the saved training_args.bin shows assistant_only_loss=False; the model card shows the recipe's value.)
     settings = (script_args, training_args, model_args)

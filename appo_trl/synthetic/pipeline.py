@@ -126,8 +126,11 @@ def build_model(out_dir: str, seed: int) -> str:
 
 
 def run_sft(model: str, data: str, out_dir: str, *, steps: int, seed: int, lr: float = 3e-3, batch: int = 8,
-            printer=None) -> str:  # fmt: skip
-    """The SFT cold start; with `printer`, a progress line (steps/s, ETA, loss) at most every 20 s."""
+            max_length: int | None = None, printer=None) -> str:  # fmt: skip
+    """The SFT cold start; with `printer`, a progress line (steps/s, ETA, loss) at most every 20 s.
+
+    `max_length`: tokens per trace (default: `recipes/demo/sft.yaml`'s, which fits the demo's families; the SFT
+    stage refuses a trace it would truncate)."""
     from appo_trl.configs.recipes import REPO_ROOT, parse_recipe
     from appo_trl.reporting.console import ProgressLineCallback
     from appo_trl.stages import sft
@@ -137,6 +140,7 @@ def run_sft(model: str, data: str, out_dir: str, *, steps: int, seed: int, lr: f
         "--dataset_name", data, "--output_dir", out_dir, "--max_steps", str(steps), "--seed", str(seed),
         "--learning_rate", str(lr), "--per_device_train_batch_size", str(batch),
         "--logging_steps", str(max(1, min(50, steps // 10))),  # the loss on the progress line
+        *(["--max_length", str(max_length)] if max_length else []),
     ])  # fmt: skip
     callbacks = [ProgressLineCallback("SFT", _through_stdout(printer))] if printer else None
     with _quiet():

@@ -144,6 +144,43 @@ def test_sft_lora_and_packing(tiny_model_path, tmp_path):
     assert any(lab != -100 for lab in labels)
 
 
+def test_a_row_that_max_length_would_truncate_is_refused_before_the_model_loads(tiny_model_path, tmp_path, capsys):
+    """TRL truncates silently, and a truncated tool trace loses its answer (the n = 16 study's cold start lost
+    every 3-5 call chain trace this way at max_length 256)."""
+    from appo_trl.cli import main
+
+    argv = ["sft", "--config", RECIPE, "--model_name_or_path", tiny_model_path, "--output_dir", str(tmp_path / "o"),
+            "--max_length", "40", "--max_steps", "1"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "SFT rows are longer than max_length=40 tokens" in err, err
+    assert not (tmp_path / "o").exists()  # nothing trained
+
+
+def test_row_length_check_allows_what_loses_nothing(tiny_tokenizer):
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    from appo_trl.configs.errors import DataError
+    from appo_trl.stages.sft import check_row_lengths
+
+    rows = Dataset.from_list([{"input_ids": [1] * 10}, {"input_ids": [1] * 30}, {"input_ids": [1] * 31}])
+    base = {"max_length": 30, "packing": False, "packing_strategy": "bfd", "truncate_long_rows": False}
+    with pytest.raises(DataError, match=r"^1 of 3 SFT rows .* max_length=30 tokens \(the longest has 31\)"):
+        check_row_lengths(rows, SimpleNamespace(**base))
+    with pytest.raises(DataError):  # bfd packing truncates the overflow too
+        check_row_lengths(rows, SimpleNamespace(**{**base, "packing": True}))
+    for ok in (
+        {"max_length": 31},
+        {"max_length": None},
+        {"truncate_long_rows": True},
+        {"packing": True, "packing_strategy": "bfd_split"},
+        {"packing": True, "packing_strategy": "wrapped"},
+    ):
+        check_row_lengths(rows, SimpleNamespace(**{**base, **ok}))
+
+
 def test_appo_sft_cli_rejects_unknown_key(capsys):
     from appo_trl.cli import main
 
