@@ -18,7 +18,10 @@ def test_quick_is_the_demo_shape_and_full_is_the_papers():
     quick = args()
     assert quick.strategies == ["grpo", "arpo", "aepo", "appo"] and quick.families == ["python", "search", "both"]
     assert variant_overrides("appo", quick) == []  # the recipes as they are: n = 4, 2 initial rollouts
+    assert (quick.sft_steps, quick.sft_lr, quick.sft_max_length) == (2000, 3e-3, None)  # the demo's cold start
     full = args("--full")
+    assert (full.sft_steps, full.sft_lr, full.sft_max_length) == (4000, 1e-3, 512)
+    assert args("--full", "--sft_steps", "10", "--sft_lr", "0.1").sft_steps == 10
     assert full.strategies[-3:] == ["arpo+ref", "aepo+ref", "appo+ref"] and "chain" in full.families
     assert variant_overrides("grpo", full) == [
         "--num_generations",
