@@ -22,6 +22,8 @@ def test_quick_is_the_demo_shape_and_full_is_the_papers():
     full = args("--full")
     assert (full.sft_steps, full.sft_lr, full.sft_max_length) == (4000, 1e-3, 512)
     assert args("--full", "--sft_steps", "10", "--sft_lr", "0.1").sft_steps == 10
+    chains = args("--families", "python", "chain")  # a quick study with chains gets their budgets
+    assert (chains.tool_call_limit, chains.max_completion_length, chains.sft_max_length) == (5, 384, 512)
     assert full.strategies[-3:] == ["arpo+ref", "aepo+ref", "appo+ref"] and "chain" in full.families
     assert variant_overrides("grpo", full) == [
         "--num_generations",

@@ -46,6 +46,7 @@ FULL = {
     "max_completion_length": 384,
     "sft_max_length": 512,
 }
+CHAIN_BUDGETS = ("tool_call_limit", "max_completion_length", "sft_max_length")  # whenever the chain family is in
 # --full's cold start: the chain traces make its data longer and harder, and at the demo's 2,000 steps and lr 3e-3
 # it solved no chain; measured in docs/study.md section 3.2.
 FULL_SFT = {"sft_steps": 4000, "sft_lr": 1e-3}
@@ -110,13 +111,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true", help="the papers' shape: " + ", ".join(f"{k} {v}" for k, v in
                    FULL.items()) + ", the chain family and the reference presets")  # fmt: skip
     for key in FULL:
-        p.add_argument(f"--{key}", type=int, default=None, help=f"override (--full: {FULL[key]})")
+        p.add_argument(f"--{key}", type=int, default=None, help=f"override (--full: {FULL[key]})" + (
+            ", also the default with the chain family" if key in CHAIN_BUDGETS else ""))  # fmt: skip
     p.add_argument("--prompts_per_step", type=int, default=4, help="prompts per RL step (default: %(default)s)")
     return p
 
 
 def resolve(a):
-    """Fill the defaults that depend on --full."""
+    """Fill the defaults that depend on --full and on the families."""
     for key, value in FULL.items():
         if getattr(a, key) is None and a.full:
             setattr(a, key, value)
@@ -125,6 +127,10 @@ def resolve(a):
             setattr(a, key, value)
     a.strategies = a.strategies or list(STRATEGIES + (REFERENCES if a.full else ()))
     a.families = a.families or list(FAMILIES + (("chain",) if a.full else ()))
+    if "chain" in a.families:  # the chains' budgets, also in a quick study that adds the family
+        for key in CHAIN_BUDGETS:
+            if getattr(a, key) is None:
+                setattr(a, key, FULL[key])
     return a
 
 
