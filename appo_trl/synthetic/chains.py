@@ -11,9 +11,11 @@ answered by following the links, each call's input taken from an earlier result:
 - 5 calls: "What is the population of the neighbour of the neighbour of Velmora minus the population of Velmora?"
   two neighbour hops, both populations, then `print(a - b)`.
 
-The wrong early step that a cold-started model makes is skipping a hop: searching `population of Velmora` where
-the question asks for its neighbour's. It is recoverable: after any wrong search the model can still search the
-neighbour and continue, which is what branching after a tool result can find. A share `wrong_share` of the SFT
+Two wrong early steps are common in a cold-started model: skipping a hop (searching `population of Velmora` where
+the question asks for its neighbour's) and, commonest in the study's cold start (docs/study.md, section 3.2),
+copying a name from a tool result wrongly ("Junvux" becomes "Junjor"). Both are recoverable: after any wrong
+search the model can still search the right entity and continue, which is what branching after a tool result
+can find. A share `wrong_share` of the SFT
 chain traces follow such a wrong chain to the end (every call well-formed, the last hop skipped, the answer wrong),
 as a teacher that loses track of the chain would, so the cold start makes the mistake and RL has room to fix it.
 
