@@ -125,17 +125,23 @@ def test_prefix_cache_hits_after_a_branch(vllm_server, tiny_tokenizer, prompts):
 
 
 def test_abort_is_retried_and_never_ends_a_trajectory(vllm_server, prompts):
-    """`POST /pause` aborts what the server is decoding. The pause is not instant (the server answered it after
-    0.03 to 2 s here) and the longest request the server takes (2,000 tokens) decodes in 1 to 3 s on a quiet
-    machine, so a pause can land after the request has finished; such an attempt must give a normal full-length
-    result, and the scenario is repeated (up to 12 times) until a pause lands mid-request."""
+    """`POST /pause` aborts what the server is decoding; it is sent once `/metrics` shows the request running. The
+    pause is not instant (the server answered it after 0.03 to 2 s here) and the longest request the server takes
+    (2,000 tokens) decodes in 1 to 3 s on a quiet machine, so a pause can land after the request has finished; such
+    an attempt must give a normal full-length result, and the scenario is repeated (up to 12 times) until a pause
+    lands mid-request."""
     length = MAX_MODEL_LEN - len(prompts[0]) - 8
     params = SamplingParams(max_tokens=length, temperature=1.0, seed=3)
 
     async def paused_once(backend, resume_after):
         async with httpx.AsyncClient(base_url=vllm_server.url, timeout=30) as c:
             job = asyncio.create_task(backend.generate(prompts[0], params))
-            await asyncio.sleep(0.1)  # the request is admitted; the pause's own latency does the rest
+            # pause once the server decodes it (a pause before admission only delays the request; on a loaded
+            # machine admission took longer than a fixed 0.1 s wait, and no pause landed in 12 attempts)
+            for _ in range(1500):
+                if await asyncio.to_thread(metric, vllm_server, "vllm:num_requests_running") >= 1 or job.done():
+                    break
+                await asyncio.sleep(0.02)
             assert (await c.post("/pause")).status_code == 200
             try:
                 await asyncio.sleep(resume_after)
