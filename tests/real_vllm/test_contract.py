@@ -136,8 +136,7 @@ def test_abort_is_retried_and_never_ends_a_trajectory(vllm_server, prompts):
     async def paused_once(backend, resume_after):
         async with httpx.AsyncClient(base_url=vllm_server.url, timeout=30) as c:
             job = asyncio.create_task(backend.generate(prompts[0], params))
-            # pause once the server decodes it (a pause before admission only delays the request; on a loaded
-            # machine admission took longer than a fixed 0.1 s wait, and no pause landed in 12 attempts)
+            # pause once the server decodes it: a pause before admission only delays the request
             for _ in range(1500):
                 if await asyncio.to_thread(metric, vllm_server, "vllm:num_requests_running") >= 1 or job.done():
                     break
