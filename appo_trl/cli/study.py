@@ -14,8 +14,9 @@ where the cheapest strategy finished K steps, linearly interpolated between its 
 
 - quick (the default, `make study`): n = 4 with 2 initial rollouts, the demo's three families.
 - `--full`: the papers' shape, n = 16 with 8 initial rollouts (GRPO at n = 16), the chain family added (3-5
-  dependent calls; tool-call limit 5, completions up to 384 tokens, SFT traces up to 512), and each `reference:` preset beside our
-  defaults (`arpo+ref`, `aepo+ref`, `appo+ref`). Far longer; it resumes from `study.json`, so it can run in parts.
+  dependent calls; tool-call limit 5, completions up to 384 tokens, SFT traces up to 512), and each `reference:`
+  preset beside our defaults (`arpo+ref`, `aepo+ref`, `appo+ref`). Far longer; it resumes from `study.json`, so
+  it can run in parts.
 
 Writes `<workdir>/study.json` (everything), `<workdir>/study.md` (the tables), `<workdir>/study.png` (curves
 over steps) and `<workdir>/study_compute.png` (held-out pass@1 against each budget). It does not tune

@@ -15,9 +15,9 @@ Two wrong early steps are common in a cold-started model: skipping a hop (search
 the question asks for its neighbour's) and, commonest in the study's cold start (docs/study.md, section 3.2),
 copying a name from a tool result wrongly ("Junvux" becomes "Junjor"). Both are recoverable: after any wrong
 search the model can still search the right entity and continue, which is what branching after a tool result
-can find. A share `wrong_share` of the SFT
-chain traces follow such a wrong chain to the end (every call well-formed, the last hop skipped, the answer wrong),
-as a teacher that loses track of the chain would, so the cold start makes the mistake and RL has room to fix it.
+can find. A share `wrong_share` of the SFT chain traces follow such a wrong chain to the end (every call
+well-formed, the last hop skipped, the answer wrong), as a teacher that loses track of the chain would, so the
+cold start makes the mistake and RL has room to fix it.
 
 Nothing here calls a tool or does I/O; `appo_trl.synthetic.task` draws the questions into its splits.
 """
