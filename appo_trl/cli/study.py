@@ -118,20 +118,22 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve(a):
-    """Fill the defaults that depend on --full and on the families."""
-    for key, value in FULL.items():
-        if getattr(a, key) is None and a.full:
-            setattr(a, key, value)
-    for key, value in (FULL_SFT if a.full else QUICK_SFT).items():
+def _fill(a, defaults: dict) -> None:
+    """Set each of `defaults` that the command line left unset."""
+    for key, value in defaults.items():
         if getattr(a, key) is None:
             setattr(a, key, value)
+
+
+def resolve(a):
+    """Fill the defaults that depend on --full and on the families."""
+    if a.full:
+        _fill(a, FULL)
+    _fill(a, FULL_SFT if a.full else QUICK_SFT)
     a.strategies = a.strategies or list(STRATEGIES + (REFERENCES if a.full else ()))
     a.families = a.families or list(FAMILIES + (("chain",) if a.full else ()))
     if "chain" in a.families:  # the chains' budgets, also in a quick study that adds the family
-        for key in CHAIN_BUDGETS:
-            if getattr(a, key) is None:
-                setattr(a, key, FULL[key])
+        _fill(a, {key: FULL[key] for key in CHAIN_BUDGETS})
     return a
 
 
