@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import torch
@@ -48,3 +49,12 @@ def metric(server, name: str, **labels: str) -> float:
         if line.startswith(name + "{") and all(w in line.split("}")[0] for w in want):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def wait_for_metric(server, name: str, *, timeout_s: float, every_s: float, stop=lambda: False) -> float:
+    """Poll `metric(server, name)` until it is at least 1, `stop()` is true or `timeout_s` has passed, and return
+    its last value."""
+    deadline = time.monotonic() + timeout_s
+    while (value := metric(server, name)) < 1 and not stop() and time.monotonic() < deadline:
+        time.sleep(every_s)
+    return value

@@ -9,7 +9,7 @@ import math
 import httpx
 import pytest
 import torch
-from realserver import MAX_LOGPROBS, MAX_MODEL_LEN, forward_logps, generate, metric, run
+from realserver import MAX_LOGPROBS, MAX_MODEL_LEN, forward_logps, generate, metric, run, wait_for_metric
 
 from appo_trl.rollout import RolloutConfig, RolloutEngine, SamplingParams
 from appo_trl.rollout.vllm_server import VLLMAbortedError, VLLMRequestError, VLLMServerBackend
@@ -137,10 +137,8 @@ def test_abort_is_retried_and_never_ends_a_trajectory(vllm_server, prompts):
         async with httpx.AsyncClient(base_url=vllm_server.url, timeout=30) as c:
             job = asyncio.create_task(backend.generate(prompts[0], params))
             # pause once the server decodes it: a pause before admission only delays the request
-            for _ in range(1500):
-                if await asyncio.to_thread(metric, vllm_server, "vllm:num_requests_running") >= 1 or job.done():
-                    break
-                await asyncio.sleep(0.02)
+            await asyncio.to_thread(wait_for_metric, vllm_server, "vllm:num_requests_running", timeout_s=30,
+                                    every_s=0.02, stop=job.done)  # fmt: skip
             assert (await c.post("/pause")).status_code == 200
             try:
                 await asyncio.sleep(resume_after)

@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from realserver import forward_logps, metric, run
+from realserver import forward_logps, metric, run, wait_for_metric
 from test_train_eval import appo
 
 from appo_trl.configs.recipes import REPO_ROOT
@@ -168,10 +168,8 @@ def test_a_replica_killed_mid_round_and_the_round_completes(pair, tiny_tokenizer
         killed = {}
 
         def kill_when_busy():
-            deadline = time.monotonic() + 120
-            while (running := metric(victim, "vllm:num_requests_running")) < 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            killed["running"] = running  # requests it was decoding when it was signalled
+            # requests it was decoding when it was signalled
+            killed["running"] = wait_for_metric(victim, "vllm:num_requests_running", timeout_s=120, every_s=0.05)
             victim.stop()  # SIGTERM/SIGKILL to its process group: in-flight requests are cut
             killed["gone"] = time.monotonic()  # its process group has exited
 
