@@ -55,9 +55,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from appo_trl.configs.errors import DataError
+from appo_trl.configs.paths import DATA_FILE_BUILDERS, looks_local
 from appo_trl.configs.rows import find_bad_prompts, scan_json_file
 
-DATA_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 ARPO_ANSWER_PATH = "reward_model.ground_truth"
 PASSTHROUGH_COLUMNS = ("ability", "data_source")
 MIXTURE_SEED = 42
@@ -155,7 +155,7 @@ def load_source(path: str, split: str = "train", config_name: str | None = None,
         if builder == "json":
             expanded = scan_json_file(expanded, skip_bad_rows)
         ds = datasets.load_dataset(builder, data_files=expanded, split="train")
-    elif os.path.isdir(expanded) or _looks_local(path):
+    elif os.path.isdir(expanded) or looks_local(path):
         if not os.path.isdir(expanded):
             raise DataPathError(f"Dataset path {path!r} does not exist (looked for {os.path.abspath(expanded)}).")
         loaded = datasets.load_dataset(expanded)
@@ -173,15 +173,6 @@ def load_source(path: str, split: str = "train", config_name: str | None = None,
     if len(ds) == 0:
         raise DataError(f"Dataset {path!r} has no rows in split {split!r}.")
     return ds
-
-
-def _looks_local(path: str) -> bool:
-    """A path that can only mean a local file or folder: `./x`, `/x`, `~/x`, `a/b/c`, or a data-file suffix."""
-    return (
-        path.startswith((".", "/", "~"))
-        or path.count("/") > 1
-        or os.path.splitext(path)[1].lower() in DATA_FILE_BUILDERS
-    )
 
 
 def _has_content(path: str) -> bool:

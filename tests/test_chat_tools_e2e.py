@@ -108,11 +108,12 @@ def test_cold_started_chat_model_calls_the_custom_tool_branches_and_trains(strat
                                                                           tmp_path):  # fmt: skip
     from appo_trl.stages.train import dataclass_types
 
-    script_args, args, model_args = parse_recipe(dataclass_types(), [
+    parsed = parse_recipe(dataclass_types(), [
         "--config", str(TINY / f"{strategy}_chat.yaml"), "--model_name_or_path", tiny_chat_sft_model_path,
         "--output_dir", str(tmp_path), "--dataset_name", str(TINY / "data" / "arith.jsonl"),
         *(["--branch_probability", "1.0"] if strategy == "arpo" else []),
     ])  # fmt: skip
+    script_args, args, model_args = parsed
     assert args.tools == ["tools.calculator"] and args.tool_format == "chat"
     from transformers import AutoTokenizer
 
@@ -124,6 +125,7 @@ def test_cold_started_chat_model_calls_the_custom_tool_branches_and_trains(strat
         model=model_args.model_name_or_path, reward_funcs=[reward], args=args,
         train_dataset=load_rl_dataset(script_args),
         processing_class=AutoTokenizer.from_pretrained(model_args.model_name_or_path, padding_side="left"),
+        tool_dirs=[parsed.folder],
     )  # fmt: skip
     assert trainer.tool_specs[0].__name__ == "calculator"  # tools.calculator from the recipe's folder
     before = [p.detach().clone() for p in trainer.model.parameters()]

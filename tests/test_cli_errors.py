@@ -164,7 +164,7 @@ def test_builtin_reward_without_answer_column_fails_naming_reward_and_column(wor
 def test_answer_free_reward_loads_data_without_answers(workdir):
     from types import SimpleNamespace
 
-    from appo_trl.configs.preflight import check_reward_columns
+    from appo_trl.configs.plan import check_reward_columns
     from appo_trl.data import load_rl_dataset
 
     (workdir / "q.jsonl").write_text(json.dumps({"prompt": "What is 1+1?"}) + "\n")

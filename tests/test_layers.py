@@ -156,3 +156,66 @@ def test_architecture_page_names_every_subpackage():
 )
 def test_the_check_catches_a_forbidden_import(module, source, bad):
     assert bool(layer_violations({module: source})) is bad
+
+
+def import_edges(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the `appo_trl` modules it imports (lazy ones included); `from pkg import mod` names `pkg.mod`."""
+    edges: dict[str, set[str]] = {m: set() for m in sources}
+    for module, source in sources.items():
+        is_package = (PACKAGE.parent / module.replace(".", "/") / "__init__.py").is_file()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # a package's `.` is itself, a module's `.` its package
+                    pkg = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                    base = ".".join(pkg + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in sources else base for a in node.names]
+            else:
+                continue
+            edges[module] |= {t for t in targets if t in sources and t != module}
+    return edges
+
+
+def import_circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circle_between_modules():
+    """No two modules of appo_trl import each other, directly or through others (lazy imports count)."""
+    circles = import_circles(import_edges(_package_sources()))
+    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
+    fake = {
+        "appo_trl.configs.a": "from appo_trl.configs import b\n",
+        "appo_trl.configs.b": "def f():\n    from . import a\n",
+    }
+    assert import_circles(import_edges(fake)) == [["appo_trl.configs.a", "appo_trl.configs.b"]]

@@ -6,6 +6,7 @@
   a checkout.
 - `find_recipe(path)`: the path as written when it exists (from the working directory), else the shipped
   copy (`recipes/tiny/grpo.yaml` from any directory).
+- `looks_local(name)`: a model or dataset name that can only be a local path (never a Hub id).
 - `resolve_recipe_paths(config, recipe_file)`: a relative *input* path written in a recipe (dataset files,
   model folder, chat template, DeepSpeed/FSDP config, search cache files, eval data) is looked up next to
   the recipe file first; when it exists there it becomes that absolute path. Otherwise it is left as written
@@ -30,6 +31,20 @@ SHIPPED_DIRS = ("recipes", "accelerate_configs", "eval")
 PATH_KEYS = ("dataset_name", "model_name_or_path", "chat_template_path", "deepspeed", "fsdp_config",
              "registry", "data_root", "search_cache", "model", "corpus")  # fmt: skip
 TOOL_PATH_KEYS = ("cache_path", "seed_path", "corpus", "index_dir")
+# the data files a dataset source may be (suffix -> `datasets` builder; `appo_trl.data` loads them)
+DATA_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+
+
+def looks_local(name: str) -> bool:
+    """True when `name` can only be a local path, never a Hub id (`name`, `org/name`): `./x`, `/x`, `~/x`,
+    `a/b/c`, a backslash (`C:\\x`), or a data file's suffix (`x.jsonl`). Such a name that does not exist is a
+    missing path, named as such, not a Hub lookup (models: `configs.preflight`, datasets: `appo_trl.data`)."""
+    return (
+        name.startswith((".", "/", "~"))
+        or name.count("/") > 1
+        or "\\" in name
+        or os.path.splitext(name)[1].lower() in DATA_FILE_BUILDERS
+    )
 
 
 def find_recipe(path: str | os.PathLike) -> Path:

@@ -9,13 +9,14 @@
 2. `check_quantization`: `load_in_4bit` / `load_in_8bit` build TRL's `BitsAndBytesConfig`
    (`trl.get_quantization_config`, as `trl grpo` does) into `model_init_kwargs`: QLoRA. Without
    bitsandbytes or a CUDA GPU, or without `use_peft`, the run stops: the setting is never ignored.
-3. `check_reward_columns`: a built-in reward that scores against gold answers needs an answer column.
-4. `check_tools`: tool names and parameters (`build_tools`), then each tool's own `check()` (the search
-   tool asks its server's `/health` whether it is appo-trl's search server and which corpus it serves).
-5. `prompt_token_limit`: the most prompt tokens the sampler takes (in vLLM server mode the `max_model_len`
+3. `prompt_token_limit`: the most prompt tokens the sampler takes (in vLLM server mode the `max_model_len`
    the server reports when it answers at start-up, else `vllm_max_model_length`, else the model config's
    `max_position_embeddings`), which `appo_trl.data` checks every prompt against (`configs.rows`).
-6. `check_hub`: with `push_to_hub`, the token works, may write, and its owner may write to the repo's
+4. `plan_startup`: the run's `StartupPlan` (`appo_trl.configs.plan`): a built-in reward that scores against
+   gold answers needs an answer column; the tools are resolved and built once (names, parameters), then each
+   tool's own `check()` runs (the search tool asks its server's `/health` whether it is appo-trl's search server
+   and which corpus it serves). The plan goes on to the trainer.
+5. `check_hub`: with `push_to_hub`, the token works, may write, and its owner may write to the repo's
    namespace; the push itself still happens once, at the end (`appo_trl.reporting.hub`).
 
 `configs.recipes` also calls three launch checks, in every launched rank and (the first two) before
@@ -29,28 +30,20 @@ server that does not answer yet only leaves the prompt length to the model's lim
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
-import json
 import os
 from typing import Any
 
 from appo_trl.configs.errors import ModelPathError, PreflightError
+from appo_trl.configs.paths import looks_local
+from appo_trl.configs.plan import StartupPlan, parse_tool_config
 
-# built-in rewards that do not compare against a gold answer
-GOLD_FREE_REWARDS = frozenset({"format"})
-GOLD_COLUMNS = ("answer", "ground_truth", "solution")
 TINY_MODEL_HINT = "for the tiny CPU model run `appo tiny-model {path}` first (or `make demo`, which does it for you)"
 
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _looks_local(name: str) -> bool:
-    """Only a local path can look like this: `./m`, `/m`, `~/m`, `a/b/c`, `C:\\m`."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
 
 
 def check_model_source(name_or_path: str | None, revision: str | None = None, trust_remote_code: bool = False):
@@ -65,7 +58,7 @@ def check_model_source(name_or_path: str | None, revision: str | None = None, tr
         return
     if os.path.exists(expanded):
         raise ModelPathError(f"Model path {name_or_path!r} is a file; point model_name_or_path at a model folder.")
-    if _looks_local(name_or_path):
+    if looks_local(name_or_path):
         hint = f"; {TINY_MODEL_HINT.format(path=name_or_path)}"  # the usual cause on a fresh clone
         raise ModelPathError(
             f"Model folder {name_or_path!r} does not exist (looked for {os.path.abspath(expanded)}){hint}."
@@ -110,69 +103,36 @@ def check_quantization(model_args, training_args) -> None:
     training_args.model_init_kwargs["quantization_config"] = get_quantization_config(model_args)
 
 
-def check_reward_columns(reward_names, dataset, answer_column: str = "answer") -> None:
-    """Every built-in reward (by name or function) that scores against gold answers finds one of `GOLD_COLUMNS`
-    in `dataset`; custom rewards are not checked (their needs are unknown)."""
-    from appo_trl.rewards import REWARD_FUNCS
+def plan_startup(training_args, tool_dirs=(), reward_funcs=(), dataset=None, answer_column: str = "answer"):
+    """The run's `StartupPlan` (reward columns checked, tools resolved and built once), each tool's `check()` run.
 
-    if dataset is None or not hasattr(dataset, "column_names"):
-        return  # e.g. an IterableDataset without known columns: nothing to check
-    columns = list(dataset.column_names or [])
-    if any(c in columns for c in GOLD_COLUMNS):
-        return
-    by_func = {id(fn): name for name, fn in REWARD_FUNCS.items()}
-    names = [n if isinstance(n, str) else by_func.get(id(n)) for n in reward_names]
-    needing = [n for n in names if n in REWARD_FUNCS and n not in GOLD_FREE_REWARDS]
-    if needing:
-        raise PreflightError(
-            f"reward {needing[0]!r} needs gold answers, but the dataset has no answer column {answer_column!r} "
-            f"(columns: {columns}); set answer_column to the column holding the answers, or use a reward that "
-            f"needs none ({', '.join(sorted(GOLD_FREE_REWARDS))})."
-        )
-
-
-def _tool_config(training_args) -> dict[str, Any]:
-    raw = getattr(training_args, "tool_config", None)
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except ValueError as exc:
-            raise PreflightError(f"tool_config is not valid JSON: {exc}") from exc
-    if raw is not None and not isinstance(raw, dict):
-        raise PreflightError(f"tool_config must be a mapping keyed by tool name, got {type(raw).__name__}.")
-    return dict(raw or {})
-
-
-def check_tools(training_args) -> None:
-    """Build the configured tools once (names, parameters), run each tool's `check()`, close them."""
-    names = list(getattr(training_args, "tools", None) or [])
-    if not names:
-        return
-    from appo_trl.configs import recipes
-    from appo_trl.tools import build_tools
-    from appo_trl.tools.registry import default_tool_format
-
-    tool_format = getattr(training_args, "tool_format", None) or default_tool_format(names)
-    tool_dirs = [recipes.LAST_RECIPE_DIR] if recipes.LAST_RECIPE_DIR else []  # custom tools: the recipe's folder
+    Every failure is one `PreflightError` line; the tools built so far are closed on the way out. On success the
+    tools stay open for the trainer (`APPOTrainer(tools=plan)`).
+    """
     try:
-        tools = build_tools(names, _tool_config(training_args), tool_format, tool_dirs)
+        plan = StartupPlan.resolve(training_args, None, tool_dirs, reward_funcs=reward_funcs, dataset=dataset,
+                                   answer_column=answer_column)  # fmt: skip
     except PreflightError:
         raise
     except (ValueError, TypeError) as exc:
         raise PreflightError(f"tools: {exc}") from exc
     try:
-        for tool in tools.values():
+        for tool in (plan.tools or {}).values():
             check = getattr(tool, "check", None)
             if check is not None:
                 try:
                     check()
                 except (ValueError, OSError) as exc:
                     raise PreflightError(f"tool {getattr(tool, 'name', '?')!r}: {exc}") from exc
-    finally:
-        for tool in tools.values():
-            aclose = getattr(tool, "aclose", None)
-            if aclose is not None:
-                asyncio.run(aclose())
+    except BaseException:
+        plan.close()
+        raise
+    return plan
+
+
+def check_tools(training_args, tool_dirs=()) -> None:
+    """`plan_startup`'s tool checks alone, the tools closed again (`appo eval`, which builds its own afterwards)."""
+    plan_startup(training_args, tool_dirs).close()
 
 
 def prompt_token_limit(training_args, model_args) -> tuple[int, str] | None:
@@ -273,7 +233,7 @@ def default_search_cache(training_args) -> dict[str, Any] | None:
 
     A configured `cache_path` (or `cache: false`) is kept; runs never share a cache file by accident.
     """
-    config = _tool_config(training_args)
+    config = parse_tool_config(getattr(training_args, "tool_config", None))
     if "search" not in (getattr(training_args, "tools", None) or []):
         return config or getattr(training_args, "tool_config", None)
     search = dict(config.get("search") or {})

@@ -47,7 +47,16 @@ REPO_ROOT = SHIPPED_ROOT
 ACCELERATE_CONFIG_DIRS = (Path.cwd() / "accelerate_configs", REPO_ROOT / "accelerate_configs")
 
 
-LAST_RECIPE_DIR: str | None = None  # folder of the last recipe parsed (custom tools are imported from it)
+class ParsedRecipe(tuple):
+    """What `parse_recipe` returns: the dataclass instances, in the order asked for (unpack it as a tuple), and
+    `folder`, the recipe file's folder (None without `--config`), where dotted tool paths are looked up first."""
+
+    folder: str | None
+
+    def __new__(cls, parsed, folder: str | None = None):
+        out = super().__new__(cls, parsed)
+        out.folder = folder
+        return out
 
 
 def valid_keys(dataclass_types: Sequence[type]) -> set[str]:
@@ -108,8 +117,9 @@ def split_launch_args(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
     return launch, rest
 
 
-def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> tuple:
-    """Parse `--config recipe.yaml` and `--key value` flags into instances of `dataclass_types`.
+def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> ParsedRecipe:
+    """Parse `--config recipe.yaml` and `--key value` flags into instances of `dataclass_types` (a `ParsedRecipe`:
+    unpack it as a tuple; its `folder` is the recipe's folder, for `APPOTrainer(tool_dirs=[folder])`).
 
     Precedence: dataclass defaults < YAML < command line. The recipe's `env:` mapping is exported first.
     Raises `RecipeError` naming any unknown key, before anything heavy is imported.
@@ -119,14 +129,13 @@ def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> tuple:
     _, argv = split_launch_args(argv)
     argv = list(argv)
     known = valid_keys(dataclass_types)
-    config = {}
+    config, folder = {}, None
     if "--config" in argv:
         i = argv.index("--config")
         if i + 1 >= len(argv):
             raise RecipeError("--config needs a path to a recipe YAML.")
         config = resolve_recipe_paths(load_recipe(argv[i + 1]), find_recipe(argv[i + 1]))
-        global LAST_RECIPE_DIR
-        LAST_RECIPE_DIR = str(find_recipe(argv[i + 1]).resolve().parent)  # dotted tool paths resolve from here first
+        folder = str(find_recipe(argv[i + 1]).resolve().parent)  # dotted tool paths resolve from here first
         del argv[i : i + 2]
     env = config.pop("env", None) or {}
     if not isinstance(env, dict):
@@ -162,7 +171,7 @@ def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> tuple:
         raise RecipeError(message) from exc
     check_launch_precision(parsed)  # under `accelerate launch` with DeepSpeed: one line before the model loads
     check_launch_engine(parsed)  # FSDP on CPU would silently be DDP
-    return parsed
+    return ParsedRecipe(parsed, folder)
 
 
 def _raise_recipe_error(message: str):

@@ -35,11 +35,12 @@ def load_tokenizer(model_args):
     )
 
 
-def main(script_args, training_args, model_args, recipe=None) -> APPOTrainer:  # noqa: F821
+def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> APPOTrainer:  # noqa: F821
     """Train with already-parsed arguments and return the trainer (its state holds the log history).
 
     `recipe` is what the pushed model card prints; default: the settings as parsed, before this function
     fills in run-specific values (`appo_trl.reporting.hub.recipe_dict`), so the card's recipe re-runs.
+    `tool_dirs`: folders searched first for dotted tool paths (`appo train`: the recipe's folder).
 
     Everything that can be checked without the weights is checked first (`appo_trl.configs.preflight`): the model
     source, 4-bit loading, the data (bad rows, prompts too long for the model) and the columns the rewards need,
@@ -83,10 +84,11 @@ def main(script_args, training_args, model_args, recipe=None) -> APPOTrainer:  #
         eval_dataset = load_rl_dataset(
             script_args, split=script_args.dataset_test_split, tokenizer=tokenizer, max_prompt_tokens=limit
         )
-    preflight.check_reward_columns(script_args.reward_funcs, train_dataset, script_args.answer_column)
-    training_args.tool_config = preflight.default_search_cache(training_args)
-    preflight.check_tools(training_args)
     preflight.check_hub(training_args)
+    training_args.tool_config = preflight.default_search_cache(training_args)
+    plan = preflight.plan_startup(
+        training_args, tool_dirs, script_args.reward_funcs, train_dataset, script_args.answer_column
+    )  # reward columns; tools resolved and built once
     set_seed(training_args.seed)
     tokenizer = load_tokenizer(model_args) if tokenizer is None else tokenizer
     push = defer_push(training_args)  # one push of the final model at the end, not from Trainer.__init__
@@ -99,6 +101,7 @@ def main(script_args, training_args, model_args, recipe=None) -> APPOTrainer:  #
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
+        tools=plan,  # the tools planned and built above, not again
     )
     state = trainer.accelerator.state
     logger.info(
@@ -132,12 +135,15 @@ def cli(argv: list[str] | None = None) -> int:
     code = maybe_relaunch(argv, __file__, precision)
     if code is not None:
         return code
-    script_args, training_args, model_args = parse_recipe(dataclass_types(), argv)
+    parsed = parse_recipe(dataclass_types(), argv)
+    script_args, training_args, model_args = parsed
     from appo_trl.stages.interrupts import run_interruptible
 
     # Ctrl-C and SIGTERM: one line naming the checkpoint kept, exit code 130 / 143
     return run_interruptible(
-        "appo train", training_args.output_dir, lambda: main(script_args, training_args, model_args)
+        "appo train",
+        training_args.output_dir,
+        lambda: main(script_args, training_args, model_args, tool_dirs=[parsed.folder]),
     )
 
 

@@ -1,15 +1,13 @@
 """Setting up an `APPOTrainer`: reward names, tools, the chat tool format and the rollout engine.
 
 Functions of the trainer (they read and set its attributes), kept out of `trainer.py` so that it reads in one
-sitting: `resolve_reward_funcs` (reward names of `appo_trl.rewards`), `resolve_tool_specs` (every tool resolved,
-checked and built before the model loads), `setup_chat_tools` (the chat template's tool markers and TRL's schema
-rendering, environments' methods included) and `build_rollout_engine` (the backend and `RolloutEngine` the
-config asks for). What it does not do: sample, score or train.
+sitting: `resolve_reward_funcs` (reward names of `appo_trl.rewards`), `resolve_startup_plan` (the run's
+`appo_trl.configs.plan.StartupPlan`: reward columns checked, every tool resolved and built once, before the model
+loads), `setup_chat_tools` (the chat template's tool markers and TRL's schema rendering, environments' methods
+included) and `build_rollout_engine` (the backend and `RolloutEngine` the config asks for). What it does not do: sample, score or train.
 """
 
 from __future__ import annotations
-
-import json
 
 from trl.data_utils import is_conversational
 
@@ -36,14 +34,10 @@ def build_rollout_engine(trainer):
     samples in-process (`TransformersBackend`).
     """
     from appo_trl.rollout import RolloutConfig, RolloutEngine, TransformersBackend, VLLMServerBackend
-    from appo_trl.tools import ToolExecutor, build_tools
+    from appo_trl.tools import ToolExecutor
 
     args = trainer.args
-    tools = trainer._appo_tools
-    if tools is None:
-        tool_config = json.loads(args.tool_config) if isinstance(args.tool_config, str) else args.tool_config
-        tools = build_tools(trainer.tool_specs, tool_config or {}, trainer.tool_format, trainer._tool_dirs)
-    trainer._appo_tools = None  # built once; a second engine (after close) builds fresh tools
+    tools = trainer.startup_plan.take_tools()  # the planned tools; a second engine (after close) gets fresh ones
     if args.use_vllm and args.vllm_mode == "colocate":
         from appo_trl.rollout.vllm_colocate import VLLMColocateBackend
 
@@ -91,33 +85,17 @@ def build_rollout_engine(trainer):
     )  # fmt: skip
 
 
-def resolve_tool_specs(trainer, args, tools, tool_dirs) -> None:
-    """Resolve and check every tool (names, dotted paths, schemas, parameters) and build them once."""
-    from appo_trl.tools.callables import resolve_callables
-    from appo_trl.tools.registry import build_tools, default_tool_format
+def resolve_startup_plan(trainer, args, tools, tool_dirs, reward_funcs, train_dataset) -> None:
+    """`trainer.startup_plan`: the `StartupPlan` `appo train` passed as `tools=`, else one resolved here (reward
+    columns checked, every tool resolved and built once), before the model loads; sets `tool_specs`, `tool_format`."""
+    from appo_trl.configs.plan import StartupPlan
 
-    if tools is not None and not isinstance(tools, (list, tuple)):
-        tools = [tools]
-    if tools and args.tools:
-        raise ValueError(
-            "APPOTrainer: pass tools either as APPOTrainer(tools=...) or APPOConfig(tools=...), not both."
-        )
-    specs = list(tools or args.tools or [])
-    if not tool_dirs:  # `appo train --config R`: the recipe's folder, then the working directory
-        from appo_trl.configs import recipes
-
-        tool_dirs = [recipes.LAST_RECIPE_DIR] if recipes.LAST_RECIPE_DIR else []
-    trainer._tool_dirs = tuple(tool_dirs)
-    trainer.tool_format = args.tool_format or default_tool_format(specs)
-    trainer.tool_specs = resolve_callables(specs, trainer._tool_dirs)
-    trainer._appo_tools = None
-    if trainer.tool_specs:
-        tool_config = json.loads(args.tool_config) if isinstance(args.tool_config, str) else args.tool_config
-        trainer._appo_tools = build_tools(
-            trainer.tool_specs, tool_config or {}, trainer.tool_format, trainer._tool_dirs
-        )
-    elif args.tool_config:
-        raise ValueError(f"APPOConfig: tool_config is set ({args.tool_config}) but no tools are configured.")
+    plan = tools
+    if not isinstance(plan, StartupPlan):
+        funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+        plan = StartupPlan.resolve(args, tools, tool_dirs, reward_funcs=funcs, dataset=train_dataset)
+    trainer.startup_plan = plan
+    trainer.tool_specs, trainer.tool_format = plan.tool_specs, plan.tool_format
 
 
 def setup_chat_tools(trainer, train_dataset) -> None:
@@ -137,7 +115,7 @@ def setup_chat_tools(trainer, train_dataset) -> None:
     trainer.chat_tool_format = ChatToolFormat(trainer._tokenizer, trainer.chat_template, trainer.chat_template_kwargs)
     # TRL's `_tokenize_prompts` renders `trainer.tools` into every prompt (schemas from get_json_schema); with
     # environments, each row's `_env_tools[name]`: the standalone tools, then its environment's methods (TRL's)
-    standalone = [t.func for t in trainer._appo_tools.values()] if trainer._appo_tools else []
+    standalone = [t.func for t in trainer.startup_plan.tools.values()] if trainer.startup_plan.tools else []
     env_methods = list(trainer.tools) if trainer.environment_factories is not None else []
     trainer.tools, trainer._standalone_tools = standalone + env_methods, standalone
     for name in getattr(trainer, "_env_tools", None) or {}:

@@ -55,7 +55,7 @@ from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.environments import check_environments, generate_with_environments
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.rows import group_permutation, pad_rows, permute_rows, select_rows
-from appo_trl.trainer.setup import build_rollout_engine, resolve_reward_funcs, resolve_tool_specs, setup_chat_tools
+from appo_trl.trainer.setup import build_rollout_engine, resolve_reward_funcs, resolve_startup_plan, setup_chat_tools
 from appo_trl.trainer.sharded import full_weights_for_round
 from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RoundBatch
 from appo_trl.trainer.weight_sync import generate_round, prepare_vllm_server
@@ -70,10 +70,11 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     with a Google-style docstring), built-in names (`python`, `search`) or dotted import paths; or set
     `APPOConfig.tools` instead (not both). With `tool_format="chat"` (the default for functions) the schemas are
     rendered by the chat template and calls are `<tool_call>` JSON, as in TRL; `"tags"` is ARPO's format. Every
-    tool is checked here, before the model loads. Plus `rollout_engine`: an object with the
+    tool is checked and built here, before the model loads, unless `tools=` is the `appo_trl.configs.plan.StartupPlan`
+    `appo train` resolved already. Plus `rollout_engine`: an object with the
     `appo_trl.rollout.RolloutEngine` interface (`rollout`, `branch_many`, `run`), built from the config when
-    omitted, and `tool_dirs`: folders searched first for dotted tool paths (default: the folder of the recipe
-    `appo train` parsed, then the working directory). Without `args`, an `APPOConfig("<model>-APPO")` is built as
+    omitted, and `tool_dirs`: folders searched first for dotted tool paths, before the working directory (a
+    recipe's folder: `parse_recipe(...).folder`). Without `args`, an `APPOConfig("<model>-APPO")` is built as
     TRL builds its `GRPOConfig`; a plain `GRPOConfig` is converted to an `APPOConfig` (`rollout_strategy: grpo`).
     TRL's `rollout_func` is served by TRL's own sampler for `rollout_strategy: grpo` without tools and refused
     otherwise (`appo_trl.trainer.trl_compat`). TRL's `environment_factory` works with every strategy
@@ -108,7 +109,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         from appo_trl.trainer.trl_compat import check_rollout_func, resolve_args, row_forward_where_tree_cannot
 
         args = resolve_args(model, args)  # None -> APPOConfig("<model>-APPO"); a GRPOConfig -> rollout_strategy grpo
-        resolve_tool_specs(self, args, tools, tool_dirs)  # fails here, before the model loads
+        resolve_startup_plan(self, args, tools, tool_dirs, reward_funcs, train_dataset)  # before the model loads
         check_rollout_func(args, rollout_func, bool(self.tool_specs), rollout_engine, environment_factory)
         if rollout_func is not None and args.max_staleness:
             raise ValueError("APPOTrainer: max_staleness >= 1 runs rounds on appo-trl's rollout engine in the "
@@ -122,9 +123,6 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                                  "would reset environments TRL hands to the current round's rewards. Set "
                                  "max_staleness: 0.")  # fmt: skip
             self.tool_format = "chat"
-        from appo_trl.configs.preflight import check_reward_columns  # before the model loads
-
-        check_reward_columns(reward_funcs if isinstance(reward_funcs, list) else [reward_funcs], train_dataset)
         with prepare_vllm_server(args):  # server checks; disk weight sync on a CPU trainer/server (else TRL's NCCL)
             super().__init__(
                 model=model,

@@ -71,14 +71,13 @@ def test_dotted_paths_resolve_from_the_given_folder_then_the_cwd(tmp_path, monke
 
 
 def test_recipe_folder_is_where_tools_resolve(tmp_path, monkeypatch):
-    from appo_trl.configs import recipes
     from appo_trl.stages.train import dataclass_types
 
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "x.yaml").write_text("tools: [tools.calculator]\noutput_dir: o\nuse_cpu: true\nbf16: false\n")
-    monkeypatch.setattr(recipes, "LAST_RECIPE_DIR", None)
-    parse_recipe(dataclass_types(), ["--config", str(tmp_path / "r" / "x.yaml")])
-    assert recipes.LAST_RECIPE_DIR == str((tmp_path / "r").resolve())
+    parsed = parse_recipe(dataclass_types(), ["--config", str(tmp_path / "r" / "x.yaml")])
+    assert parsed.folder == str((tmp_path / "r").resolve())
+    assert parse_recipe(dataclass_types(), ["--output_dir", "o", "--use_cpu", "true"]).folder is None
 
 
 def test_formats_and_builtin_wrappers():
@@ -98,8 +97,9 @@ def test_preflight_builds_chat_recipe_tools_from_the_recipe_folder(tmp_path, mon
 
     monkeypatch.chdir(tmp_path)  # not the repository: `tools.calculator` must come from the recipe's folder
     recipe = str(REPO_ROOT / "recipes" / "tiny" / "appo_chat.yaml")
-    _, training_args, _ = parse_recipe(dataclass_types(), ["--config", recipe, "--output_dir", str(tmp_path / "o")])
-    preflight.check_tools(training_args)
+    parsed = parse_recipe(dataclass_types(), ["--config", recipe, "--output_dir", str(tmp_path / "o")])
+    _, training_args, _ = parsed
+    preflight.check_tools(training_args, [parsed.folder])
     training_args.tools = ["tools.no_such_tool"]
     with pytest.raises(preflight.PreflightError, match="has no attribute 'no_such_tool'"):
-        preflight.check_tools(training_args)
+        preflight.check_tools(training_args, [parsed.folder])
