@@ -1,27 +1,10 @@
 """The python tool's fork server ("zygote"): a pre-warmed interpreter that forks one isolated child per call.
 
-Started by `appo_trl.tools.python_sandbox.PythonSandbox` as `python -I /appo/_zygote.py CONFIG` *inside* the
-bubblewrap sandbox built by `appo_trl.tools.isolation` (own user, pid, network, ipc, uts and mount namespaces,
-read-only allow-listed filesystem, no home). Stdlib only, plus `pyseccomp` once at start to compile the
-children's seccomp filter.
-
-Processes. The zygote (dispatcher) imports the standard-library part of the preload, is not dumpable
-(`PR_SET_DUMPABLE=0`: no `/proc/<zygote>/mem|fd|environ` for anyone but root of its user namespace) and ignores
-SIGINT. It forks one *worker* per concurrent call slot, on demand; a worker joins its slot's cgroups once and
-then runs one call at a time, so a call's process is born in its cgroups. The third-party preload (numpy,
-sympy) lives in a *template* process forked at start, which forks the workers for calls whose code names one of
-those modules (`Zygote.start_template`): fork cost grows with the parent's memory, and an ordinary call should
-not pay for sympy. Either kind of worker runs any code; the routing changes speed only. Each call's child is
-pid 1 of a *new* pid namespace (the zygote and workers are invisible to it and its `/proc` lists only the
-call's own processes), gets private tmpfs mounts and an ipc namespace, its own user namespace without
-capabilities and the seccomp filter (`_jail.enter`). When the child exits or its deadline passes, killing it
-kills every process of the call (the kernel tears a pid namespace down with its init), and its mounts and
-shared memory vanish with it.
-
-Protocol (one JSON object per line, both ways, validated and size-capped): request
-`{"id": 32 hex chars, "code": str, "timeout_s": number}`; reply `{"id", "exit_code", "signal", "timed_out",
-"killed", "duration_s", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "setup_failed"}` or
-`{"id", "error"}`. Exits when stdin closes.
+Run as a file, `python -I /appo/_zygote.py CONFIG`, *inside* the bubblewrap sandbox that
+`appo_trl.tools.isolation` builds for `appo_trl.tools.python_sandbox.PythonSandbox`; so it is stdlib only (plus
+`pyseccomp` once, to compile the children's filter) and imports nothing but `_jail.py` beside it. Its processes
+(dispatcher, per-slot workers, the third-party preload template) and its line protocol: docs/architecture.md,
+"The python sandbox's zygote".
 """
 
 import ctypes
