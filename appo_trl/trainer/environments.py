@@ -10,7 +10,7 @@ the reward functions and calls `get_reward()` on each row's instance.
 
 What this module adds, so that the rollout engine can sample with environments and branch them:
 - `check_environments` (start-up): environments are chat-template tools (`tool_format: chat`), every method
-  is a valid tool, and for arpo/aepo/appo each environment has a branch mode (`appo_trl.rollout.environments`:
+  is a valid tool, and for a branching strategy each environment has a branch mode (`appo_trl.rollout.environments`:
   deep copy, or replay of the parent's calls; one clear error otherwise).
 - `round_environments` (every round): a `RoundEnvironments` over TRL's reset instances, so that roots use
   them, extra roots and `replay` branches get fresh instances reset with the same row (whose observation must
