@@ -48,7 +48,7 @@ STRATEGIES = {
         rollout_strategy="appo", initial_rollouts=2, min_remaining_tokens=4, loss_mode="clip", advantage_mode="group"
     ),
     "aepo": dict(
-        rollout_strategy="aepo", initial_rollouts=4, entropy_balanced_clipping=True, entropy_balanced_advantage=True
+        rollout_strategy="aepo", initial_rollouts=4, loss_mode="entropy_balanced", entropy_balanced_advantage=True
     ),
 }
 

@@ -7,9 +7,10 @@
   (model, data, rollout, strategy, loss, vllm, training, evaluation, logging, checkpoints & hub) like
   `trl grpo --help`. With a recipe, the defaults shown are the recipe's values.
 
-Fields are grouped by name rules and by "anchor" fields: a dataclass's fields are read in declaration
-order and an anchor switches the group for the fields that follow it, so a field added next to its
-neighbours lands in their group without touching this module.
+appo-trl's own fields name their group in their metadata (`metadata={"help": ..., "group": "strategy"}`,
+`appo_trl.trainer.config.script._h`). The fields inherited from TRL and transformers carry no group: they
+are grouped by name rules and by "anchor" fields (a dataclass's fields are read in declaration order and an
+anchor switches the group for the fields that follow it).
 
 What this does not do: parse values (that is TRL's `TrlParser`, called by `appo_trl.configs.recipes`).
 """
@@ -34,13 +35,11 @@ GROUPS: dict[str, str] = {
     "other": "Other settings",
 }
 
-# first group of each dataclass (by class name), before any anchor
-_START = {"APPOScriptArguments": "data", "SFTScriptArguments": "data", "ScriptArguments": "data",
-          "ModelConfig": "model", "APPOConfig": "rollout", "GRPOConfig": "model", "SFTConfig": "model"}  # fmt: skip
+# TRL's and transformers' fields (ours are tagged): first group of each dataclass (by class name), before any anchor
+_START = {"SFTScriptArguments": "data", "ScriptArguments": "data", "ModelConfig": "model", "GRPOConfig": "model",
+          "SFTConfig": "model"}  # fmt: skip
 # anchor field -> group of this field and those that follow it in the same class
 _ANCHORS = {
-    # appo_trl.trainer.config.APPOConfig
-    "tools": "rollout", "rollout_strategy": "strategy", "loss_mode": "loss",
     # trl GRPOConfig (declaration order: model, data, generation, vLLM, training, logging)
     "model_init_kwargs": "model", "num_generations": "rollout", "beta": "loss",
     "max_tool_calling_iterations": "rollout", "vllm_importance_sampling_correction": "loss",
@@ -76,7 +75,8 @@ def _by_name(name: str) -> str | None:
 
 
 def field_groups(dataclass_types: Sequence[type]) -> dict[str, str]:
-    """Field name -> group name for every init field of `dataclass_types` (the first class owning a name wins)."""
+    """Field name -> group name for every init field of `dataclass_types` (the first class owning a name wins):
+    the field's own `group` tag, else the name rules and anchors above."""
     from transformers import TrainingArguments
 
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
@@ -89,7 +89,7 @@ def field_groups(dataclass_types: Sequence[type]) -> dict[str, str]:
             current = _ANCHORS.get(f.name, current)
             if not f.init or f.name in out:
                 continue
-            group = _by_name(f.name)
+            group = f.metadata.get("group") or _by_name(f.name)
             if group is None:
                 group = "training" if f.name in base else current
             out[f.name] = group

@@ -140,10 +140,14 @@ def parse_recipe(dataclass_types: Sequence[type], argv: Sequence[str]) -> Parsed
     env = config.pop("env", None) or {}
     if not isinstance(env, dict):
         raise RecipeError("The recipe's `env:` entry must be a mapping of variable names to values.")
+    cli_keys = [a[2:].split("=")[0] for a in argv if a.startswith("--")]
+    removed = {k: v for dc in dataclass_types for k, v in getattr(dc, "REMOVED_FIELDS", {}).items()}
+    for key in [*config, *cli_keys, *(k[3:] for k in cli_keys if k.startswith("no_"))]:
+        if key in removed:  # a field that was removed: one line naming its replacement
+            raise RecipeError(removed[key])
     unknown = [k for k in config if k not in known]
     if unknown:
         raise _unknown_key_error(unknown, known, "recipe")
-    cli_keys = [a[2:].split("=")[0] for a in argv if a.startswith("--")]
     unknown = [k for k in cli_keys if k not in known and not (k.startswith("no_") and k[3:] in known)]
     if unknown:
         raise _unknown_key_error(unknown, known, "command-line")

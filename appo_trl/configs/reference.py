@@ -28,7 +28,6 @@ REFERENCE_PRESETS = {
         **_REFERENCE_COMMON,
         "rollout_strategy": "aepo",
         "loss_mode": "entropy_balanced",
-        "entropy_balanced_clipping": True,
         "entropy_balanced_advantage": False,  # set in the scripts but skipped (entropy_coeff = 0)
         "entropy_advantage_clamp": False,
         "aepo_penalty_scope": "prompt",

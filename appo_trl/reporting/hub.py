@@ -47,60 +47,20 @@ CARD_METRICS = (
 )
 IGNORE_ON_UPLOAD = ("checkpoint-*", "checkpoint-*/**", "runs/**", "*.pt", "*.pth", "rng_state*", "training_args.bin")
 
-# The method each strategy implements, for both model cards (TRL's local card and the pushed one).
-STRATEGY_PAPERS: dict[str, dict[str, str]] = {
-    "grpo": {
-        "name": "GRPO",
-        "title": "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
-        "id": "2402.03300",
-        "citation": "@article{shao2024deepseekmath,\n"
-        "    title        = {{DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models}},\n"
-        "    author       = {Zhihong Shao and Peiyi Wang and Qihao Zhu and Runxin Xu and Junxiao Song and "
-        "Mingchuan Zhang and Y. K. Li and Y. Wu and Daya Guo},\n"
-        "    year         = 2024,\n"
-        "    eprint       = {arXiv:2402.03300},\n"
-        "}",
-    },
-    "arpo": {
-        "name": "ARPO",
-        "title": "Agentic Reinforced Policy Optimization",
-        "id": "2507.19849",
-        "citation": "@article{arpo2025,\n"
-        "    title        = {{Agentic Reinforced Policy Optimization}},\n"
-        "    year         = 2025,\n"
-        "    eprint       = {arXiv:2507.19849},\n"
-        "}",
-    },
-    "aepo": {
-        "name": "AEPO",
-        "title": "Agentic Entropy-Balanced Policy Optimization",
-        "id": "2510.14545",
-        "citation": "@article{aepo2025,\n"
-        "    title        = {{Agentic Entropy-Balanced Policy Optimization}},\n"
-        "    year         = 2025,\n"
-        "    eprint       = {arXiv:2510.14545},\n"
-        "}",
-    },
-    "appo": {
-        "name": "APPO",
-        "title": "Agentic Procedural Policy Optimization",
-        "id": "2606.12384",
-        "citation": "@article{appo2026,\n"
-        "    title        = {{Agentic Procedural Policy Optimization}},\n"
-        "    year         = 2026,\n"
-        "    eprint       = {arXiv:2606.12384},\n"
-        "}",
-    },
-}
+# The method of each rollout strategy, for both model cards (TRL's local card and the pushed one). The strategies
+# own these facts (`appo_trl.trainer.strategies`: each class's `paper` and `card_title`) and hand them over here
+# when they are registered (`register_method`); this floor never imports the trainer.
+STRATEGY_PAPERS: dict[str, dict[str, str]] = {}
 TRL_NO_BASE_MODEL = "[None](https://huggingface.co/None)"  # what TRL's card template renders for a local base
 
-ALGORITHM_TITLES = {
-    "sft": "SFT cold start (supervised fine-tuning on tool-integrated reasoning traces)",
-    "grpo": "GRPO (Group Relative Policy Optimization)",
-    "arpo": "ARPO (Agentic Reinforced Policy Optimization, arXiv 2507.19849)",
-    "aepo": "AEPO (Agentic Entropy-Balanced Policy Optimization, arXiv 2510.14545)",
-    "appo": "APPO (Agentic Procedural Policy Optimization, arXiv 2606.12384)",
-}
+ALGORITHM_TITLES = {"sft": "SFT cold start (supervised fine-tuning on tool-integrated reasoning traces)"}
+
+
+def register_method(name: str, paper: Mapping[str, str], title: str | None = None) -> None:
+    """Cite `paper` (name, title, arXiv id, BibTeX) in the cards of `algorithm: name`, under `title` if given."""
+    STRATEGY_PAPERS[name] = dict(paper)
+    if title is not None:
+        ALGORITHM_TITLES[name] = title
 
 
 def defer_push(training_args) -> bool:
@@ -112,7 +72,7 @@ def defer_push(training_args) -> bool:
 
 def strategy_card(strategy: str) -> tuple[str, dict[str, str]]:
     """(trainer name, TRL `_paper` dict) of a rollout strategy, for TRL's `create_model_card`."""
-    paper = STRATEGY_PAPERS.get(str(strategy).lower(), STRATEGY_PAPERS["grpo"])
+    paper = STRATEGY_PAPERS.get(str(strategy).lower()) or STRATEGY_PAPERS["grpo"]
     return paper["name"], {k: paper[k] for k in ("title", "id", "citation")}
 
 

@@ -1,8 +1,9 @@
 """Floor 6: the trainer. TRL's config/trainer pair and what only the training loop uses.
 
-- `config`: `APPOConfig(GRPOConfig)` and `APPOScriptArguments` (fields and their validation only);
+- `config/`: `APPOConfig(GRPOConfig)` and `APPOScriptArguments` (fields and their validation only);
 - `trainer`: `APPOTrainer(GRPOTrainer)`, the override points of TRL's trainer;
-- `strategies`: how one generation round turns prompts into groups of n rows (grpo / arpo / aepo / appo);
+- `strategies/`: how one generation round turns prompts into groups of n rows, one module per strategy (grpo /
+  arpo / aepo / appo) and a registry; each class declares the facts the rest of the trainer asks of it;
 - `loss`: the policy-loss step for the loss modes TRL does not have;
 - `weight_sync`: the disk route of the vLLM-server weight sync on CPU (NCCL is TRL's own);
 - `sharded`: the full weights gathered once per generation round under ZeRO-3 / FSDP2 (in-process sampling);

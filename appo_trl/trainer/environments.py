@@ -10,7 +10,7 @@ the reward functions and calls `get_reward()` on each row's instance.
 
 What this module adds, so that the rollout engine can sample with environments and branch them:
 - `check_environments` (start-up): environments are chat-template tools (`tool_format: chat`), every method
-  is a valid tool, and for arpo/aepo/appo each environment has a branch mode (`appo_trl.rollout.environments`:
+  is a valid tool, and for a branching strategy each environment has a branch mode (`appo_trl.rollout.environments`:
   deep copy, or replay of the parent's calls; one clear error otherwise).
 - `round_environments` (every round): a `RoundEnvironments` over TRL's reset instances, so that roots use
   them, extra roots and `replay` branches get fresh instances reset with the same row (whose observation must
@@ -31,7 +31,7 @@ def check_environments(trainer) -> None:
     trainer._env_branch_modes = {}
     if trainer.environment_factories is None:
         return
-    strategy = trainer.args.rollout_strategy
+    strategy = trainer.args.strategy_class
     for name, pool in trainer._environment_pool.items():
         probe = pool[0]  # TRL's probe instance
         for method_name, method in environment_methods(probe).items():
@@ -39,7 +39,7 @@ def check_environments(trainer) -> None:
                 tool_schema(method, f"{type(probe).__name__}.{method_name}")
             except ToolSpecError as exc:
                 raise ToolSpecError(f"environment_factory: {exc}") from None
-        trainer._env_branch_modes[name] = None if strategy == "grpo" else branch_mode(probe, strategy)
+        trainer._env_branch_modes[name] = branch_mode(probe, strategy.name) if strategy.branches else None
 
 
 def _observed_prompt_ids(trainer, row: dict, name, observation) -> list[int]:
@@ -77,40 +77,40 @@ def _fresh(trainer, row: dict, name, prompt_ids: list[int], index: int):
     return env
 
 
-def round_environments(trainer, prompt_ids: list[list[int]], n: int, strategy: str) -> tuple[RoundEnvironments, bool]:
+def round_environments(trainer, prompt_ids: list[list[int]], n: int, strategy) -> tuple[RoundEnvironments, bool]:
     """The environments of this round, and whether the rows of one prompt must be sampled as groups of one.
 
     TRL has reset one instance per row (`trainer.environments`); when `reset()` returned different observations
     for the n rows of one prompt, their prompts differ: grpo then samples each row on its own prompt (as TRL),
-    and a branching strategy raises (a branch shares its group's prompt).
+    and a branching strategy raises (a branch shares its group's prompt). `strategy`: the round's `RolloutStrategy`.
     """
     rows, names, inputs = trainer.environments, trainer._batch_environments, trainer._env_inputs
     if not len(rows) == len(names) == len(inputs) == len(prompt_ids):
         raise RuntimeError(f"{len(rows)} environments for {len(prompt_ids)} rows")
     per_row = any(prompt_ids[i] != prompt_ids[i - i % n] for i in range(len(prompt_ids)))
-    if per_row and strategy != "grpo":
+    if per_row and strategy.branches:
         first = next(i for i in range(len(prompt_ids)) if prompt_ids[i] != prompt_ids[i - i % n])
         raise ValueError(
-            f"environment_factory with rollout_strategy={strategy}: reset() returned a different observation for "
+            f"environment_factory with rollout_strategy={strategy.name}: reset() returned a different observation for "
             f"row {first} than for the first row of its prompt; branches share their group's prompt, so reset() "
             "must return the same observation for the same dataset row (seed its randomness from the row), or "
             "use rollout_strategy: grpo"
         )
     size = 1 if per_row else n
     starts = range(0, len(prompt_ids), size)
-    modes = trainer._env_branch_modes if strategy != "grpo" else {}
+    modes = trainer._env_branch_modes if strategy.branches else {}
     return RoundEnvironments(
         instances=[rows[s : s + size] for s in starts],
         make=[lambda s=s: _fresh(trainer, inputs[s], names[s], prompt_ids[s], s) for s in starts],
         modes=[modes.get(names[s]) for s in starts],
-        snapshots=strategy == "appo",
+        snapshots=strategy.env_snapshots,
     ), per_row
 
 
 def generate_with_environments(trainer, strategy, prompt_ids: list[list[int]], n: int, seed: int):
     """`strategy.generate` with one environment per trajectory; leaves each row's instance in
     `trainer.environments` for TRL's reward step."""
-    envs, per_row = round_environments(trainer, prompt_ids, n, strategy.name)
+    envs, per_row = round_environments(trainer, prompt_ids, n, strategy)
     engine = trainer.rollout_engine
     if not hasattr(engine, "environments"):
         raise TypeError(

@@ -74,8 +74,7 @@ def build_rollout_engine(trainer):
         tool_tags=(list(tools) if trainer.tool_format == "tags" else None) or ["python", "search"],
         entropy_topk=args.entropy_topk,
         entropy_window=args.entropy_tokens,
-        record_entropies=(args.rollout_strategy == "appo" and args.branch_entropy_source == "sampler_topk")
-        or (args.rollout_strategy == "aepo" and args.dynamic_rollouts),
+        record_entropies=args.strategy_class.needs_sampler_entropies(args),
         hook_mode=args.arpo_entropy_timing,
         concurrency=args.rollout_concurrency,
     )

@@ -155,7 +155,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         # in-process GRPO without tools and without an injected engine is exactly TRL's own sampler: keep it
         # (a rollout_func, checked above to be grpo without tools, is served by TRL's own `_generate` as well)
         self._trl_sampler = rollout_func is not None or (
-            args.rollout_strategy == "grpo"
+            not self.strategy.branches
             and not self.tool_specs
             and not args.use_vllm
             and rollout_engine is None

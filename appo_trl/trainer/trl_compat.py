@@ -107,7 +107,7 @@ def check_rollout_func(args: APPOConfig, rollout_func, has_tools: bool, rollout_
         return
     if not callable(rollout_func):
         raise TypeError(f"APPOTrainer: rollout_func must be callable, got {type(rollout_func).__name__}.")
-    if args.rollout_strategy != "grpo":
+    if args.strategy_class.branches:
         raise ValueError(
             f"APPOTrainer: rollout_func is supported for rollout_strategy=grpo only ({args.rollout_strategy} "
             "branches from token prefixes of appo-trl's rollout engine); pass rollout_engine= (an object with "

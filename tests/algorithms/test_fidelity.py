@@ -422,15 +422,11 @@ def test_item10_group_std_eps():
 
 def test_item10_aepo_strategy_alone_is_aepo_and_reference_skips_the_advantage():
     cfg = make(rollout_strategy="aepo")
-    assert (cfg.entropy_balanced_clipping, cfg.entropy_balanced_advantage, cfg.loss_mode) == (
-        True,
-        True,
-        "entropy_balanced",
-    )
+    assert (cfg.entropy_balanced_advantage, cfg.loss_mode) == (True, "entropy_balanced")
     ref = make(reference="aepo")
-    assert (ref.entropy_balanced_clipping, ref.entropy_balanced_advantage) == (True, False)
+    assert (ref.loss_mode, ref.entropy_balanced_advantage) == ("entropy_balanced", False)
     assert ref.aepo_penalty_scope == "prompt" and not ref.dynamic_rollouts
-    assert make(rollout_strategy="aepo", loss_mode="clip").entropy_balanced_clipping is False
+    assert make(rollout_strategy="aepo", loss_mode="clip").loss_mode == "clip"
     assert not hasattr(cfg, "initial_entropy_tokens")  # the unused 50-token probe setting is gone
 
 

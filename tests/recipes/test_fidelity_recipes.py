@@ -48,6 +48,6 @@ def test_improved_recipes_state_their_choices(path):
     if path.stem == "arpo":
         assert recipe["loss_mode"] == "dual_clip" and recipe["clip_ratio_c"] == 3.0
     if path.stem == "aepo":
-        assert recipe["entropy_balanced_clipping"] and recipe["entropy_balanced_advantage"]
+        assert recipe["loss_mode"] == "entropy_balanced" and recipe["entropy_balanced_advantage"]
     if path.stem == "appo":
         assert recipe["m_scaling"] == "advantage"

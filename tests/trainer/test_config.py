@@ -34,7 +34,7 @@ def test_strategy_defaults(strategy, initial, loss_mode):
 
 
 def test_aepo_balanced_clipping_selects_its_loss_and_branch_cap_default():
-    assert make(rollout_strategy="aepo", entropy_balanced_clipping=True).loss_mode == "entropy_balanced"
+    assert make(rollout_strategy="aepo", loss_mode="entropy_balanced").loss_mode == "entropy_balanced"
     # ⌈(8 - 3) / 3⌉ + 1 = 3
     cfg = make(
         rollout_strategy="appo",

@@ -298,7 +298,7 @@ def test_aepo_entropy_aware_advantage_is_applied_with_trainer_entropies(
         initial_rollouts=4,
         num_generations=4,
         per_device_train_batch_size=4,
-        entropy_balanced_clipping=True,
+        loss_mode="entropy_balanced",
         entropy_balanced_advantage=True,
         entropy_advantage_weight=0.5,
         max_steps=1,

@@ -1,0 +1,138 @@
+"""The strategy contract: `RoundBatch`, `RolloutStrategy` (the facts other code asks a strategy) and the registry.
+
+A strategy turns one round's unique prompts into groups of n rows (`generate`) and may replace TRL's group
+advantages once rewards are known (`advantages`). Its class declares what the config, the engine set-up, the
+environments and the model card would otherwise decide by comparing the strategy's name. `register_strategy`
+(a class decorator) adds a class to `STRATEGIES` (name -> class) and hands its paper to the model-card code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+TRL_STD_EPS = 1e-4  # ε in TRL's (r − mean)/(std + ε) group advantage
+
+
+@dataclass
+class RoundBatch:
+    """One generation round on one rank: `groups[g]` holds the n trajectories of unique prompt g, initial first.
+
+    `keep[i]` (row order = groups flattened) says whether row i reaches the loss; `info` carries what the
+    strategy needs again after the rewards (branch points, scores); `metrics` are per-round scalars under fixed
+    keys (the trainer averages them across ranks).
+    """
+
+    groups: list[list[Any]]
+    keep: list[bool]
+    info: dict = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> list[Any]:
+        return [t for g in self.groups for t in g]
+
+
+def fail(msg: str):
+    """A config error, worded as `APPOConfig.__post_init__`'s own."""
+    raise ValueError(f"APPOConfig: {msg}")
+
+
+class RolloutStrategy:
+    """Base strategy: `generate` one round, then optionally replace the advantages once rewards are known.
+
+    Class facts (override in a subclass):
+        name: the `rollout_strategy` value.
+        default_loss_mode: `loss_mode` when the config leaves it unset.
+        branches: False when every row is an independent rollout (initial_rollouts == n, environments are never
+            branched, and in-process with no tools TRL's own sampler serves the round).
+        drops_branch_rows: branch rows leave the batch before the loss (only initial rollouts are optimised).
+        env_snapshots: branches start after their parent has moved on, so environments keep a snapshot after
+            every call (`appo_trl.rollout.environments.RoundEnvironments(snapshots=...)`).
+        async_under_sharding: background rounds (max_staleness >= 1) may run under DeepSpeed / FSDP.
+        options: config switches only this strategy reads (refused under another strategy).
+        paper: the method's paper for the model card (name, title, arXiv id, BibTeX), `card_title` its line.
+    """
+
+    name: ClassVar[str] = "base"
+    default_loss_mode: ClassVar[str] = "clip"
+    branches: ClassVar[bool] = True
+    drops_branch_rows: ClassVar[bool] = False
+    env_snapshots: ClassVar[bool] = False
+    async_under_sharding: ClassVar[bool] = True
+    options: ClassVar[tuple[str, ...]] = ()
+    paper: ClassVar[dict[str, str] | None] = None
+    card_title: ClassVar[str | None] = None
+    metric_keys: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.args = trainer.args
+
+    @property
+    def engine(self):
+        return self.trainer.rollout_engine
+
+    @classmethod
+    def needs_sampler_entropies(cls, args) -> bool:
+        """Whether the rollout engine must record top-k sampler entropies for this strategy under `args`."""
+        return False
+
+    @classmethod
+    def validate(cls, config) -> None:
+        """Fill this strategy's defaults on `config` and refuse what it cannot run (called by `APPOConfig`)."""
+        n = config.num_generations
+        if config.initial_rollouts is None:
+            config.initial_rollouts = max(1, n // 2) if cls.branches else n
+        if not 1 <= config.initial_rollouts <= n:
+            fail(f"initial_rollouts={config.initial_rollouts} must be in [1, num_generations={n}].")
+        if not cls.branches and config.initial_rollouts != n:
+            fail(f"rollout_strategy={cls.name} does not branch: initial_rollouts must equal num_generations.")
+        if config.loss_mode is None:
+            config.loss_mode = cls.default_loss_mode
+        for other in STRATEGIES.values():  # another strategy's switch: refused when set, off when unset (None)
+            for flag in (f for f in other.options if f not in cls.options):
+                if getattr(config, flag):
+                    fail(f"{flag}=True is an {other.name.upper()} option; set rollout_strategy={other.name}.")
+                setattr(config, flag, False)
+
+    def generate(self, prompt_ids: list[list[int]], n: int, seed: int) -> RoundBatch:
+        raise NotImplementedError
+
+    def advantages(self, batch: RoundBatch, rewards: torch.Tensor, default: torch.Tensor, length: int) -> torch.Tensor:
+        """Advantages for the local rows (before any row is dropped); TRL's group advantages by default.
+
+        With `advantage_std_eps` other than TRL's 1e-4 (the released code: 1e-6) the group advantages are
+        recomputed as (r − mean_g)/(std_g + ε) with TRL's unbiased group std (`scale_rewards: group` only).
+        """
+        eps = getattr(self.args, "advantage_std_eps", TRL_STD_EPS)
+        if eps == TRL_STD_EPS:
+            return default
+        from appo_trl.algorithms.advantages import group_advantages
+
+        n = len(batch.groups[0]) if batch.groups else 1
+        return group_advantages(rewards, n, std="unbiased", eps=eps).to(default)
+
+
+STRATEGIES: dict[str, type[RolloutStrategy]] = {}
+
+
+def register_strategy(cls: type[RolloutStrategy]) -> type[RolloutStrategy]:
+    """Class decorator: `rollout_strategy: <cls.name>` selects `cls`; its paper goes to the model cards."""
+    from appo_trl.reporting.hub import register_method
+
+    if not (isinstance(cls, type) and issubclass(cls, RolloutStrategy)):
+        raise TypeError(f"register_strategy: {cls!r} is not a RolloutStrategy subclass")
+    STRATEGIES[cls.name] = cls
+    if cls.paper is not None:
+        register_method(cls.name, cls.paper, cls.card_title)
+    return cls
+
+
+def strategy_class(name: str) -> type[RolloutStrategy]:
+    """The registered class of `rollout_strategy: name`; a config error naming the registered ones otherwise."""
+    if name not in STRATEGIES:
+        fail(f"rollout_strategy={name!r}; choose one of {tuple(STRATEGIES)}.")
+    return STRATEGIES[name]
