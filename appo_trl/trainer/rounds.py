@@ -274,7 +274,7 @@ class RoundRunner:
             return strategy.generate(prompt_ids[::n], n, seed)
 
         def own_thread_round():  # max_staleness >= 1, a round on this thread: with vLLM, re-run after a restart
-            seed = self.next_seed()  # (use_vllm: `behaviour_correction` raises `use_vllm` in-process)
+            seed = self.next_seed()  # (args.use_vllm: `behaviour_correction` raises `use_vllm` in-process)
             return generate_round(t, lambda: sample(seed)) if t.args.use_vllm else sample(seed)
 
         if rounds is not None and rnd.mode == "train":  # the round may come from the background
