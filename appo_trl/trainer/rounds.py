@@ -238,7 +238,7 @@ class RoundRunner:
         for i in range(len(rows)):
             if not len(completion_ids[i]) == len(tool_mask[i]) == len(logprobs[i]):
                 raise RuntimeError(f"row {i}: completion_ids, loss_mask and logprobs lengths differ")
-        texts = t._tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        texts = t.processing_class_tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         if t.chat_tool_format is not None:  # TRL's tool-loop shape: assistant (tool_calls), tool, ..., assistant
             completions = [t.chat_tool_format.completion_messages(r) for r in rows]
         elif is_conversational({"prompt": prompts[0]}):
