@@ -285,7 +285,7 @@ def run_overlap(k, model_path, tok, server, prompts, n, steps, out_dir, budget):
     marks = []
 
     def mark():
-        wait = waited[0] + (trainer._async.wait_s if trainer._async is not None else 0.0)
+        wait = waited[0] + (trainer.rounds.async_rounds.wait_s if trainer.rounds.async_rounds is not None else 0.0)
         marks.append((time.perf_counter(), wait, server.busy_s()))
 
     class Clock(TrainerCallback):
@@ -310,8 +310,8 @@ def run_overlap(k, model_path, tok, server, prompts, n, steps, out_dir, budget):
         "trainer_idle_frac": sum(e[1] - b[1] for b, e in spans) / wall,
         "server_idle_frac": 1.0 - sum(e[2] - b[2] for b, e in spans) / wall,
         "weight_syncs": trainer.vllm_generation.num_syncs,
-        "max_staleness_seen": max((h.staleness for h in trainer._async.history), default=0)
-        if trainer._async is not None
+        "max_staleness_seen": max((h.staleness for h in trainer.rounds.async_rounds.history), default=0)
+        if trainer.rounds.async_rounds is not None
         else 0,
     }
 

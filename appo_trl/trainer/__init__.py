@@ -2,6 +2,7 @@
 
 - `config/`: `APPOConfig(GRPOConfig)` and `APPOScriptArguments` (fields and their validation only);
 - `trainer`: `APPOTrainer(GRPOTrainer)`, the override points of TRL's trainer;
+- `rounds`: the round runner (strategies, engine, seeds, background rounds) and the typed `Round` it fills;
 - `strategies/`: how one generation round turns prompts into groups of n rows, one module per strategy (grpo /
   arpo / aepo / appo) and a registry; each class declares the facts the rest of the trainer asks of it;
 - `loss`: the policy-loss step for the loss modes TRL does not have;

@@ -1,75 +1,9 @@
 """Generation overlapping training (`max_staleness: k >= 1`): the next round samples while the current one trains.
 
-With `max_staleness: 0` (the default) nothing here runs and `APPOTrainer` is synchronous, as before. With k >= 1,
-`APPOTrainer._generate` asks `AsyncRounds.next_round` for the round of the generation batch TRL hands it:
-
-1. **Hand-over.** If a background round was launched for exactly this generation batch (same object, see
-   `BatchLookahead`), wait for it; its exception, if any, is raised here with its cause (`BackgroundRoundError`),
-   so a fault reaches the trainer within one step. Otherwise (first step, after a resume, at an epoch boundary,
-   or if the round was launched for another batch) the round is generated synchronously on fresh weights.
-2. **Staleness bound.** A round sampled on weights of version s (the optimizer step at the sampler's last sync)
-   and handed over at step v trains its m slices (m = optimizer steps per round) at steps v .. v + m − 1, so its
-   rows are v − s .. v − s + m − 1 steps stale. If v − s + m − 1 > k the whole round is dropped (all its rows
-   share s; `rollout/stale_rows_dropped` counts them) and regenerated synchronously. `rollout/staleness/mean`
-   and `/max` log the rows' staleness.
-3. **Sync, then launch.** The next generation batch is peeked from the epoch's data iterator; the sampler is
-   synced first when `weight_sync_steps` have passed or the bound needs it, then the round is launched on a
-   daemon thread. The sync runs on the trainer's thread at hand-over, when no round is in flight: this is the
-   drain that keeps a weight sync from landing while a request of an older round decodes, on the vLLM server
-   (disk or NCCL route alike, and on every rank, as TRL's collectives need) and on the in-process sampler.
-
-Off-policy correction: decoupled PPO (AReaL, Fu et al. 2025), not a ratio against the behaviour policy alone. The
-proximal policy is the trainer's weights at hand-over (TRL's `old_per_token_logps` forward, run at hand-over on the
-current weights); the PPO ratio and its clip are taken against it, and the behaviour policy (the sampler's logprobs)
-enters only through TRL's importance weight exp(old − sampler), masked or truncated per token or per sequence as
-`vllm_importance_sampling_mode` says (default `sequence_mask`; `_clip_max`/`_clip_min`; TRL's own code). Why: the
-trust region stays centred on the hand-over weights (at most m − 1 steps old) whatever the staleness (a ratio
-against a k-step-old sampler would clip away most of the update as k grows); the correction reuses TRL's vLLM
-importance-sampling options unchanged; and APPO's future_kl loss keeps its meaning (drift within the update, not
-sampler lag). The in-process backend gets the same correction: TRL gates it on `use_vllm`, so `behaviour_correction`
-raises that flag while TRL scores a round and computes a loss (the sampler copy is a separate sampler, exactly like
-a server).
-
-Backends: the vLLM server is synced with TRL's or the disk route (`trainer.vllm_generation.sync_weights`); vLLM
-colocate mode is refused by `APPOConfig` (its in-process engine would be synced, or put to sleep, while a background
-round generates on it); the in-process backend decodes with `SamplerCopy`, a frozen copy of the policy synced at the
-same points (not under DeepSpeed ZeRO-3 / FSDP, where the policy is sharded: an error at start-up). For the span of
-`train()` torch's intra-op thread count is set to half of min(its current count, usable cores)
-(`split_cpu_threads`), so that trainer and sampler share the user's budget instead of oversubscribing it, and
-restored when `train()` ends.
-
-APPO: branch selection runs a no-grad trainer forward inside the background round (`score_trajectories`), so APPO
-with k >= 1 is refused under DeepSpeed and FSDP at start-up (`build_async_rounds`): there that forward would gather
-parameter shards concurrently with the trainer thread's collectives, and DeepSpeed updates the weights inside
-`accelerator.backward` (`engine.step()`), where `OptimizerStepLock` does not reach. With `async_fv_policy: proximal`
-(default) a round launched at hand-over step v waits for the m optimizer steps of the round training meanwhile
-(`optimizer_steps` reaching its ticket, launch + m) and holds `weights_lock` (which the trainer holds around every
-optimizer step, `OptimizerStepLock`), so it reads, deterministically, the weights v + m of its own hand-over, the
-proximal policy its loss takes the ratio against, and never half-updated ones (the trainer changes no weight between
-its m-th step and the hand-over, where it waits for the round). FutureValue exp(Σγ(ℓ_trainer − ℓ_sampler)) then
-measures the sampler–trainer mismatch plus the v + m − s steps of policy lag the loss will correct (m with
-weight_sync_steps 1; synchronously it measures the mismatch only, since both are version s). `async_fv_policy:
-sampler` (in-process backend only) scores with the sampler copy itself (version s): the synchronous reading, no
-waiting, but the lag the loss sees is then invisible to the branch score. A round's initial rollouts are sampled
-before the wait, so only its branches start after the trainer's m-th step. An evaluation between two hand-overs
-(m > 1) comes before those weights exist: the waiting round is dropped (`RoundAborted`, counted in
-`discarded_rounds`) and generated synchronously at its hand-over.
-
-Faults and resume: Ctrl-C (or any exception) in `Trainer.train` closes the rollout engine, which cancels the
-background round's requests, and joins the round thread (`close`); the thread is a daemon, so a stuck backend
-never blocks interpreter exit. Rounds in flight live only in memory: a resumed run starts with a synchronous
-round, so a round is never trained twice or half (TRL regenerates a partly trained generation batch itself).
-
-What this module does not do: run more than one round ahead (one round generates while one trains), sample (the
-strategies and the rollout engine do), compute losses, survive a vLLM server restart inside a background round
-(there the restart surfaces as a `BackgroundRoundError` at its hand-over, and the run stops). The rounds the trainer
-generates on its own thread (the first after `train()` starts or resumes, one regenerated after a drop or a discard,
-evaluation) go through `weight_sync.generate_round` as synchronous runs do: after the sync here its own sync is
-skipped (`_last_loaded_step` is current), and a round during which the server restarted is synced again and re-run
-with the same seed (those re-syncs are not counted in `num_syncs` here). With several processes the ranks agree on a
-fault at every hand-over (`agree_on_round_faults`, one small all-gather per round): a round that failed on any rank
-stops every rank there, each naming the failed rank and its cause, so no rank waits at a later collective for a peer
-that died.
+`AsyncRounds` hands the round runner (`appo_trl.trainer.rounds`) the round of each generation batch, launches the
+next one on a daemon thread with the jobs the runner gives it, keeps the staleness bound and the sync points, and
+stops every rank together on a failed round. It does not sample, score or compute losses. Hand-over, bound,
+correction, APPO's selection forward and faults: docs/architecture.md, "Async rounds".
 """
 
 from __future__ import annotations
@@ -232,7 +166,7 @@ class HandedRound:
 
 
 class AsyncRounds:
-    """One round generating in the background while the previous one trains (see the module docstring).
+    """One round generating in the background while the previous one trains (docs/architecture.md, "Async rounds").
 
     Args:
         max_staleness: k >= 1.
@@ -241,12 +175,14 @@ class AsyncRounds:
         micro_steps_per_round: training micro-steps between two generation batches (TRL's generate_every).
         sync_fn: pushes the trainer's current weights to the sampler (called on the trainer's thread).
         max_steps: the run's last step (no round is launched that would train at or after it; <= 0: no limit).
+        sampler: the in-process sampler copy `sync_fn` syncs (None with vLLM).
     """
 
     def __init__(self, max_staleness: int, weight_sync_steps: int, steps_per_round: int, micro_steps_per_round: int,
-                 sync_fn: Callable[[], None], max_steps: int = 0):  # fmt: skip
+                 sync_fn: Callable[[], None], max_steps: int = 0, sampler: SamplerCopy | None = None):  # fmt: skip
         self.k, self.w, self.m, self.every = max_staleness, weight_sync_steps, steps_per_round, micro_steps_per_round
         self.sync_fn = sync_fn
+        self.sampler = sampler
         self.max_steps = max_steps
         self.version: int | None = None  # the sampler's weights (None: not synced yet, e.g. before a resume)
         self.pending: PendingRound | None = None
@@ -462,20 +398,21 @@ def split_cpu_threads():
 
 def build_async_rounds(trainer) -> AsyncRounds | None:
     """`AsyncRounds` for `trainer.args.max_staleness >= 1` (None otherwise), with its sync route and, for the
-    in-process backend, the sampler copy (`trainer._sampler`)."""
+    in-process backend, the sampler copy (`AsyncRounds.sampler`)."""
     args = trainer.args
     if args.max_staleness < 1:
         return None
     every = args.steps_per_generation * args.num_iterations
     dist = str(getattr(trainer.accelerator, "distributed_type", "NO"))
     sharded = "DEEPSPEED" in dist or "FSDP" in dist
-    if sharded and args.rollout_strategy == "appo":
+    if sharded and not args.strategy_class.async_under_sharding:
         raise ValueError(
             "rollout_strategy=appo with max_staleness >= 1 is not supported under DeepSpeed or FSDP: APPO's "
             "branch-selection forward runs on the background round's thread, where it would gather shards "
             "concurrently with the trainer's collectives and read weights DeepSpeed updates inside backward "
             "(outside the optimizer-step lock). Use max_staleness: 0, or DDP."
         )
+    sampler = None
     if args.use_vllm:
 
         def sync_fn():
@@ -488,10 +425,10 @@ def build_async_rounds(trainer) -> AsyncRounds | None:
                 "max_staleness >= 1 with the in-process backend keeps a full copy of the policy as the sampler; "
                 "under DeepSpeed or FSDP the policy is sharded: use the vLLM server (use_vllm: true)."
             )
-        trainer._sampler = SamplerCopy(trainer.accelerator.unwrap_model(trainer.model))  # threads: split_cpu_threads
+        sampler = SamplerCopy(trainer.accelerator.unwrap_model(trainer.model))  # threads: split_cpu_threads
 
         def sync_fn():
-            trainer._sampler.sync(trainer.accelerator.unwrap_model(trainer.model))
+            sampler.sync(trainer.accelerator.unwrap_model(trainer.model))
 
     rounds = AsyncRounds(
         args.max_staleness,
@@ -500,44 +437,11 @@ def build_async_rounds(trainer) -> AsyncRounds | None:
         every,
         sync_fn,
         max_steps=args.max_steps,
+        sampler=sampler,
     )
     trainer.add_callback(OptimizerStepLock(rounds))
     return rounds
 
 
-def round_job_factory(trainer):
-    """`make_job(inputs)` for `AsyncRounds.next_round`: on the trainer's thread, tokenise the prompts of generation
-    batch `inputs` and fix the round's seed; the returned job samples the round (on the round's thread)."""
-    n, strategy = trainer.num_generations, trainer.strategy
-
-    def make_job(inputs):
-        prompt_ids, _, _ = trainer._tokenize_prompts(copy.deepcopy([x["prompt"] for x in inputs]))
-        unique, seed = prompt_ids[::n], trainer._round_seed()
-        return lambda: strategy.generate(unique, n, seed)
-
-    return make_job
-
-
-@contextlib.contextmanager
-def behaviour_correction(trainer):
-    """Within: TRL's behaviour-policy correction applies to the in-process sampler copy too.
-
-    TRL computes the proximal `old_per_token_logps`, the importance weight (any of its four modes) and its metrics, and
-    multiplies the loss by it, under `if self.use_vllm and self.vllm_importance_sampling_correction`. With
-    `max_staleness >= 1` in-process the rows come from `SamplerCopy`, a separate sampler like a server, so the
-    flag is raised for the span of TRL's scoring and loss (no other TRL code reads it there: `_generate` is
-    `APPOTrainer`'s). Without background rounds, or with vLLM, this does nothing.
-    """
-    if getattr(trainer, "_async", None) is None or trainer.args.use_vllm:
-        yield
-        return
-    trainer.use_vllm = True
-    try:
-        yield
-    finally:
-        trainer.use_vllm = False
-
-
 __all__ = ["AsyncRounds", "BackgroundRoundError", "BatchLookahead", "OptimizerStepLock", "RoundAborted", "SamplerCopy",
-           "behaviour_correction", "build_async_rounds", "round_job_factory", "sampler_threads",
-           "split_cpu_threads"]  # fmt: skip
+           "build_async_rounds", "sampler_threads", "split_cpu_threads"]  # fmt: skip

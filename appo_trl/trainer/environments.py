@@ -77,14 +77,16 @@ def _fresh(trainer, row: dict, name, prompt_ids: list[int], index: int):
     return env
 
 
-def round_environments(trainer, prompt_ids: list[list[int]], n: int, strategy) -> tuple[RoundEnvironments, bool]:
+def round_environments(
+    trainer, prompt_ids: list[list[int]], n: int, strategy, inputs: list[dict]
+) -> tuple[RoundEnvironments, bool]:
     """The environments of this round, and whether the rows of one prompt must be sampled as groups of one.
 
     TRL has reset one instance per row (`trainer.environments`); when `reset()` returned different observations
     for the n rows of one prompt, their prompts differ: grpo then samples each row on its own prompt (as TRL),
     and a branching strategy raises (a branch shares its group's prompt). `strategy`: the round's `RolloutStrategy`.
     """
-    rows, names, inputs = trainer.environments, trainer._batch_environments, trainer._env_inputs
+    rows, names = trainer.environments, trainer._batch_environments
     if not len(rows) == len(names) == len(inputs) == len(prompt_ids):
         raise RuntimeError(f"{len(rows)} environments for {len(prompt_ids)} rows")
     per_row = any(prompt_ids[i] != prompt_ids[i - i % n] for i in range(len(prompt_ids)))
@@ -107,10 +109,10 @@ def round_environments(trainer, prompt_ids: list[list[int]], n: int, strategy) -
     ), per_row
 
 
-def generate_with_environments(trainer, strategy, prompt_ids: list[list[int]], n: int, seed: int):
-    """`strategy.generate` with one environment per trajectory; leaves each row's instance in
-    `trainer.environments` for TRL's reward step."""
-    envs, per_row = round_environments(trainer, prompt_ids, n, strategy)
+def generate_with_environments(trainer, strategy, prompt_ids: list[list[int]], n: int, seed: int, inputs: list[dict]):
+    """`strategy.generate` with one environment per trajectory (`inputs`: the rows TRL reset them with); leaves each
+    row's instance in `trainer.environments` for TRL's reward step."""
+    envs, per_row = round_environments(trainer, prompt_ids, n, strategy, inputs)
     engine = trainer.rollout_engine
     if not hasattr(engine, "environments"):
         raise TypeError(

@@ -26,12 +26,12 @@ def resolve_reward_funcs(reward_funcs):
     return [rewards.get_reward_func(f) if isinstance(f, str) and f in registry else f for f in funcs]
 
 
-def build_rollout_engine(trainer):
+def build_rollout_engine(trainer, sampler_model=None):
     """The rollout engine the config asks for: tools from `tools`/`tool_config`, backend from `use_vllm`.
 
     `use_vllm=True` samples through vLLM's HTTP server at `vllm_server_base_url` (or host:port) in server mode,
     or through TRL's in-process engine (`trainer.vllm_generation.llm`) in colocate mode; otherwise the policy
-    samples in-process (`TransformersBackend`).
+    samples in-process (`TransformersBackend`), or `sampler_model` (the sampler copy, max_staleness >= 1) does.
     """
     from appo_trl.rollout import RolloutConfig, RolloutEngine, TransformersBackend, VLLMServerBackend
     from appo_trl.tools import ToolExecutor
@@ -54,8 +54,8 @@ def build_rollout_engine(trainer):
         replicas = replica_set_for(base_url)  # several replicas behind a router (trainer/weight_sync.py)
         if replicas is not None:
             backend = ReplicaBackend(backend, replicas)
-    elif getattr(trainer, "_sampler", None) is not None:  # max_staleness >= 1: the sampler copy decodes
-        backend = TransformersBackend(trainer._sampler.model, trainer._tokenizer)
+    elif sampler_model is not None:  # max_staleness >= 1: the sampler copy decodes
+        backend = TransformersBackend(sampler_model, trainer._tokenizer)
     else:
         backend = TransformersBackend(trainer.model, trainer._tokenizer, accelerator=trainer.accelerator)
     # prompt + completion must fit the sampler: the colocated engine's length, vLLM's --max-model-len when given,

@@ -1,64 +1,26 @@
 """`APPOTrainer`: TRL's `GRPOTrainer` with the agentic tool loop, branching rollouts and branch-aware losses.
 
-Override points of TRL's `GRPOTrainer`; everything else is TRL's:
-
-- `__init__`: TRL 1.16's signature and order; no `args` or a plain `GRPOConfig` become an `APPOConfig`, and a
-  `rollout_func` runs on TRL's own sampler for grpo (`trl_compat`). TRL's `tools=` (functions, built-in names,
-  dotted paths), resolved and checked before the model loads; `tool_format: chat` renders their schemas into
-  prompts through TRL's own `_tokenize_prompts` (`self.tools`) and hands completions to rewards in TRL's
-  tool-loop message shape.
-- `_generate(prompts)`: (for in-process `grpo` with no `tools`, TRL's own sampler runs unchanged) replaces TRL's sampler and tool loop with `appo_trl.rollout`'s engine, driven by the
-  configured strategy (`appo_trl.trainer.strategies.STRATEGIES`: grpo, arpo, aepo, appo). Returns TRL's 8-tuple with
-  the exact sampled ids, `tool_mask` = 1 on sampled tokens only, sampler logprobs (NaN on tool tokens), and
-  re-emits TRL's generation metrics plus `branch/*` and `tools/*`. Weights are synced to the vLLM server once
-  per round, on every rank, before the first request. With `max_staleness >= 1` the round was generated in the
-  background while the previous one trained (`appo_trl.trainer.async_rounds`: bound, sync points, correction).
-- `_calculate_rewards`: TRL's, with every reward function's output checked (`reward_checks`: a string names the
-  function; `max_nan_reward_steps` rounds in a row without any reward stop the run); the gathered rewards are
-  kept for the strategy's advantages.
-- `_generate_and_score_completions`: calls TRL once, then lets the strategy replace the advantages (APPO's
-  dual-group (B, T) advantages) and removes the rows that must not reach the loss (APPO's branch rows), with
-  `num_items_in_batch` recomputed as the global mask sum of the remaining rows.
-- `_get_per_token_logps_and_entropies`: with `tree_forward` (default) every trainer forward (loss, old-logp,
-  reference, APPO's `score_trajectories`) runs on prefix tries (`appo_trl.trainer.tree`), results in TRL's layout;
-  `_prepare_inputs` then shuffles whole groups instead of rows before the micro-batch split.
-- `_compute_loss`: TRL's own loss for `loss_mode=clip`; `appo_trl.trainer.loss` for dual_clip, future_kl and
-  entropy_balanced (and for AEPO's entropy-aware advantage).
-
-Groups never cross ranks (`APPOConfig` validates the batch shape) and no collective runs inside a
-variable-length loop: every rank issues the same gathers per round and per micro-step. With the in-process
-sampler under ZeRO-3 / FSDP2 the full weights are gathered once per round (`appo_trl.trainer.sharded`), so the
-sampler's and APPO's selection forwards, whose number differs between ranks, run without collectives.
+Only TRL's override points live here, each a short delegation: sampling to the round runner (`trainer.rounds`), the
+losses TRL lacks to `trainer.loss`, the tree forward to `trainer.tree`. Which override does what, in the order TRL
+calls them: docs/architecture.md, "One training step".
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import logging
-import math
 
 import torch
 from trl import GRPOTrainer
-from trl.data_utils import is_conversational
 
-from appo_trl.reporting.console import canonical_metrics, install_step_line
-from appo_trl.reporting.rollout_dump import dump_round
-from appo_trl.trainer.async_rounds import (
-    behaviour_correction,
-    build_async_rounds,
-    round_job_factory,
-    split_cpu_threads,
-)
+from appo_trl.reporting.console import install_step_line
 from appo_trl.trainer.checkpoints import AtomicCheckpointMixin, read_sampler_state, write_sampler_state
 from appo_trl.trainer.config import APPOConfig
-from appo_trl.trainer.environments import check_environments, generate_with_environments
+from appo_trl.trainer.environments import check_environments
 from appo_trl.trainer.loss import compute_policy_loss
-from appo_trl.trainer.rows import group_permutation, pad_rows, permute_rows, select_rows
-from appo_trl.trainer.setup import build_rollout_engine, resolve_reward_funcs, resolve_startup_plan, setup_chat_tools
-from appo_trl.trainer.sharded import full_weights_for_round
-from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RoundBatch
-from appo_trl.trainer.weight_sync import generate_round, prepare_vllm_server
+from appo_trl.trainer.rounds import RoundRunner
+from appo_trl.trainer.rows import group_permutation, pad_rows, permute_rows
+from appo_trl.trainer.setup import resolve_reward_funcs, resolve_startup_plan, setup_chat_tools
+from appo_trl.trainer.weight_sync import prepare_vllm_server
 
 logger = logging.getLogger(__name__)
 
@@ -144,18 +106,14 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             raise ValueError(f"loss_mode={args.loss_mode} does not add TRL's entropy bonus; set entropy_coef=0.")
         setup_chat_tools(self, train_dataset)
         check_environments(self)
-        self._env_inputs = None
         from appo_trl.reporting.hub import strategy_card
 
         self._name, self._paper = strategy_card(args.rollout_strategy)  # model card: this strategy's paper
         self._tag_names = ["trl", "appo-trl", args.rollout_strategy]
-        self.strategy = STRATEGIES[args.rollout_strategy](self)
-        self.eval_strategy = GRPOStrategy(self)  # validation: no branching (as the released code: n = 1, no branching)
-        self._rollout_engine = rollout_engine
         # in-process GRPO without tools and without an injected engine is exactly TRL's own sampler: keep it
         # (a rollout_func, checked above to be grpo without tools, is served by TRL's own `_generate` as well)
         self._trl_sampler = rollout_func is not None or (
-            not self.strategy.branches
+            not args.strategy_class.branches
             and not self.tool_specs
             and not args.use_vllm
             and rollout_engine is None
@@ -171,17 +129,8 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         if args.tree_forward:
             self._setup_tree_forward()
         install_step_line(self)  # one readable console line per step; the trackers still get every metric
-        self._tool_idle_rounds = 0
-        self._round: RoundBatch | None = None
-        self._round_rewards: torch.Tensor | None = None
-        self._round_index = 0
-        self._old_logps_cache: list[torch.Tensor] | None = None
-        self._sampler = None  # in-process sampler copy (max_staleness >= 1)
-        self._round_inputs = None  # the generation batch being scored (identifies background rounds)
-        self._async = build_async_rounds(self)  # None unless max_staleness >= 1 (appo_trl.trainer.async_rounds)
-        backend = getattr(rollout_engine, "backend", None)
-        if self._sampler is not None and getattr(backend, "model", None) is self.model:
-            backend.model, backend.accelerator = self._sampler.model, None  # decode with the copy, not the policy
+        # strategies, engine, background rounds (max_staleness >= 1), seeds, sampler copy: one round at a time
+        self.rounds = RoundRunner(self, rollout_engine)
 
     def _setup_tree_forward(self) -> None:
         """`tree_forward`: tree attention on the policy and the reference model (`appo_trl.trainer.tree_attention`)."""
@@ -216,34 +165,28 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     @property
     def rollout_engine(self):
-        if self._rollout_engine is None:
-            self._rollout_engine = build_rollout_engine(self)
-        return self._rollout_engine
+        return self.rounds.engine
+
+    @property
+    def strategy(self):
+        return self.rounds.strategy
+
+    @property
+    def eval_strategy(self):
+        return self.rounds.eval_strategy
 
     def train(self, *args, **kwargs):
         """`Trainer.train`, then the engine's loop thread, backend worker and sandbox are shut down (a later
         call restarts them). With the in-process sampler copy (max_staleness >= 1) torch's thread count is split
         between trainer and sampler for the call and restored after it (`async_rounds.split_cpu_threads`)."""
-        if self._async is not None:
-            self._async.reset()  # a resume loads other weights: the first round syncs and runs on them
-        threads = split_cpu_threads() if self._sampler is not None else contextlib.nullcontext()
-        with threads:
-            try:
-                return super().train(*args, **kwargs)
-            finally:
-                if self._async is not None:
-                    self._async.closed = True  # no launch from here on
-                closer = getattr(self._rollout_engine, "close", None)
-                if closer is not None:
-                    closer()  # cancels the requests of a round in flight
-                if self._async is not None:
-                    self._async.close()
+        with self.rounds.training():
+            return super().train(*args, **kwargs)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """`Trainer.get_batch_samples`; with max_staleness >= 1 through a lookahead that can peek the next round."""
-        if self._async is None:
+        if self.rounds.async_rounds is None:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
-        batch_samples = self._async.lookahead.pull(epoch_iterator, num_batches)
+        batch_samples = self.rounds.async_rounds.lookahead.pull(epoch_iterator, num_batches)
         return batch_samples, self._get_num_items_in_batch(batch_samples, device)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
@@ -263,9 +206,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)
         if self.args.should_save:
-            write_sampler_state(
-                output_dir, {"round_index": self._round_index, "tool_idle_rounds": self._tool_idle_rounds}
-            )
+            write_sampler_state(output_dir, self.rounds.state())
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)  # called on every resume, before the first round
@@ -278,183 +219,22 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 "the uninterrupted run's", checkpoint,
             )  # fmt: skip
             return
-        self._round_index = int(state["round_index"])
-        self._tool_idle_rounds = int(state.get("tool_idle_rounds", 0))
+        self.rounds.load_state(state)
 
-    # ---- generation ------------------------------------------------------------------------------------------
-    def _round_seed(self) -> int:
-        self._round_index += 1
-        parts = (self.args.seed, self.state.global_step, self.accelerator.process_index, self._round_index)
-        return hash(parts) % (2**31)
-
+    # ---- generation: the round runner -------------------------------------------------------------------------
     def _generate(self, prompts: list):
-        if self._trl_sampler:
+        if self._trl_sampler:  # grpo without tools, in-process: TRL's own sampler (also `object.__new__` fakes)
             return super()._generate(prompts)
-        mode = "train" if self.model.training else "eval"
-        n = self.num_generations if mode == "train" else self.num_generations_eval
-        prompts = copy.deepcopy(prompts)
-        prompt_ids, _, _ = self._tokenize_prompts(prompts)
-        strategy = self.strategy if mode == "train" else self.eval_strategy
-
-        def sample(seed: int):
-            if self.environment_factories is not None:  # TRL's environment_factory: one instance per trajectory
-                return generate_with_environments(self, strategy, prompt_ids, n, seed)
-            return strategy.generate(prompt_ids[::n], n, seed)
-
-        def own_thread_round():  # max_staleness >= 1, a round on this thread: with vLLM, re-run after a restart
-            seed = self._round_seed()  # (args.use_vllm: `behaviour_correction` raises `use_vllm` in-process)
-            return generate_round(self, lambda: sample(seed)) if self.args.use_vllm else sample(seed)
-
-        if self._async is not None and mode == "train":  # max_staleness >= 1: the round may come from the background
-            batch = self._async.next_round(
-                self._round_inputs, self.state.global_step, own_thread_round, round_job_factory(self)
-            )
-        elif self._async is not None:  # evaluation: the background round finishes and the sampler syncs first
-            self._async.before_foreground_round(self.state.global_step)
-            batch = own_thread_round()
-        else:
-            # in-process sampling under ZeRO-3 / FSDP2: weights gathered once on every rank, no collective inside;
-            # vLLM: the weight sync once per round (server: the round again, same seed, after a server restart;
-            # colocate: the KV cache awake for the round)
-            seed = self._round_seed()
-            with self._round_weights():
-                batch = generate_round(self, lambda: sample(seed))
-        rows = batch.rows
-        if len(rows) != len(prompts) or any(len(g) != n for g in batch.groups):
-            raise RuntimeError(f"strategy {strategy.name} returned {len(rows)} rows for {len(prompts)} prompts")
-        completion_ids = [list(t.completion_ids) for t in rows]
-        tool_mask = [[int(m) for m in t.loss_mask] for t in rows]
-        logprobs = [[float(x) for x in t.logprobs] for t in rows]
-        for i in range(len(rows)):
-            if not len(completion_ids[i]) == len(tool_mask[i]) == len(logprobs[i]):
-                raise RuntimeError(f"row {i}: completion_ids, loss_mask and logprobs lengths differ")
-        texts = self._tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        if self.chat_tool_format is not None:  # TRL's tool-loop shape: assistant (tool_calls), tool, ..., assistant
-            completions = [self.chat_tool_format.completion_messages(t) for t in rows]
-        elif is_conversational({"prompt": prompts[0]}):
-            completions = [[{"role": "assistant", "content": text}] for text in texts]
-        else:
-            completions = texts
-        extra_fields = {
-            "num_tool_calls": [int(t.num_calls) for t in rows],
-            "branch_origin": [str(t.meta.get("origin", "root")) for t in rows],
-            "branch_pos": [-1 if t.branch_pos is None else int(t.branch_pos) for t in rows],
-        }
-        self._log_round(mode, strategy, batch, [list(t.prompt_ids) for t in rows], completion_ids, tool_mask)
-        self._round = batch
-        if mode == "train" and self._async is not None:
-            for key, value in self._async.metrics().items():
-                self._metrics[mode][key].append(value)
-        # rows without cached logps get ratio 1 (they are dropped); background rounds: the proximal forward runs
-        if batch.info.get("old_logps") is not None and self._async is None:
-            nan0 = [torch.nan_to_num(torch.tensor(lp, dtype=torch.float32), nan=0.0) for lp in logprobs]
-            self._old_logps_cache = [c if c is not None else nan0[i] for i, c in enumerate(batch.info["old_logps"])]
-        row_prompt_ids = [list(t.prompt_ids) for t in rows]
-        return row_prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, None, []
-
-    @contextlib.contextmanager
-    def _round_weights(self):
-        """In-process sampling: the round's forwards (sampler, APPO's selection) run on weights gathered once.
-
-        See `appo_trl.trainer.sharded`; a vLLM server or an injected engine without such a backend needs nothing.
-        """
-        hold = getattr(getattr(self.rollout_engine, "backend", None), "unwrapped_for_rollout", None)
-        if hold is None:
-            yield
-            return
-        with full_weights_for_round(self) as model, hold(model):
-            yield
-
-    def _log_round(self, mode, strategy, batch, prompt_ids, completion_ids, tool_mask):
-        """TRL's generation metrics (counted on sampled tokens) plus `tools/*` and `branch/*`; fixed collectives."""
-        device, gather, m = self.accelerator.device, self.accelerator.gather, self._metrics[mode]
-        rows = batch.rows
-        prompt_len = gather(torch.tensor([len(p) for p in prompt_ids], device=device))
-        full_len = gather(torch.tensor([len(c) for c in completion_ids], device=device))
-        sampled = gather(torch.tensor([sum(t) for t in tool_mask], device=device))
-        new_tokens = gather(
-            torch.tensor([sum(m[r.branch_pos or 0 :]) for m, r in zip(tool_mask, rows)], device=device)
-        )
-        truncated = gather(torch.tensor([t.finish_reason == "length" for t in rows], device=device))
-        calls = gather(torch.tensor([int(t.num_calls) for t in rows], device=device))
-        kept = gather(torch.tensor([float(k) for k in batch.keep], device=device))
-        if mode == "train":
-            self.state.num_input_tokens_seen += (prompt_len.sum() + full_len.sum()).item()
-        m["num_tokens"] = [self.state.num_input_tokens_seen]
-        m["completions/mean_length"].append(sampled.float().mean().item())
-        m["completions/min_length"].append(sampled.float().min().item())
-        m["completions/max_length"].append(sampled.float().max().item())
-        m["completions/clipped_ratio"].append(truncated.float().mean().item())
-        terminated = sampled[~truncated.bool()].float()  # TRL's keys: lengths of completions that ended
-        terminated = terminated if terminated.numel() else torch.zeros(1, device=device)
-        m["completions/mean_terminated_length"].append(terminated.mean().item())
-        m["completions/min_terminated_length"].append(terminated.min().item())
-        m["completions/max_terminated_length"].append(terminated.max().item())
-        m["tools/call_frequency"].append(calls.float().mean().item())  # executed calls: `tools/calls` (engine)
-        if mode == "train":
-            self._warn_if_no_tool_calls(int(calls.sum().item()), strategy.name)
-        m["rollout/sampled_tokens"].append(new_tokens.sum().item())  # branch prefixes counted once, in the parent
-        m["branch/loss_rows_frac"].append(kept.mean().item())
-        engine = self._rollout_engine
-        if engine is not None and hasattr(engine, "metrics"):  # local engine/tool statistics (no collective)
-            for key, value in canonical_metrics(engine.metrics()).items():  # one name per quantity
-                if isinstance(value, (int, float)):
-                    m[key if "/" in key else f"rollout/{key}"].append(float(value))
-            if hasattr(engine, "reset_metrics"):
-                engine.reset_metrics()
-        if strategy.metric_keys:
-            values = [batch.metrics.get(k, math.nan) for k in strategy.metric_keys]
-            agg = gather(torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(0))
-            for key, value in zip(strategy.metric_keys, agg.nanmean(dim=0).tolist()):
-                m[key].append(value)
-
-    def _warn_if_no_tool_calls(self, total_calls: int, strategy: str) -> None:
-        """Say so when tools are configured but no rollout of a whole round called one (first idle round of a run
-        of idle rounds, then every 10th): for arpo/aepo/appo that round could not branch after a tool result."""
-        if not self.tool_specs:
-            return
-        if total_calls > 0:
-            self._tool_idle_rounds = 0
-            return
-        self._tool_idle_rounds += 1
-        if self._tool_idle_rounds == 1 or self._tool_idle_rounds % 10 == 0:
-            names = ", ".join(sorted(self._tool_names()))
-            what = {
-                "grpo": "",
-                "appo": " APPO still branches at high-entropy tokens, but no branch follows a tool result.",
-            }.get(strategy, f" {strategy.upper()} branches only after tool results: no branching happened.")
-            logger.warning(
-                "No rollout called a tool (%s) in %d round(s) in a row (step %d, tool_format=%s).%s Check the "
-                "system prompt / chat template, or cold-start the model with `appo sft`.",
-                names, self._tool_idle_rounds, self.state.global_step, self.tool_format, what,
-            )  # fmt: skip
-
-    def _tool_names(self) -> list[str]:
-        from appo_trl.tools.callables import tool_label
-
-        return [s if isinstance(s, str) else getattr(s, "__name__", tool_label(s)) for s in self.tool_specs]
+        return self.rounds.generate(prompts)
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
     ):
-        """TRL's forward, except TRL's old-logp pass of an APPO round: it is served from the branch-selection forward.
-
-        That pass is the only no-grad, entropy-free call on the whole generation batch during
-        `_generate_and_score_completions`; the cache holds one row per batch row and is used once.
-        """
-        cache = self._old_logps_cache
-        if (
-            cache is not None
-            and not compute_entropy
-            and not torch.is_grad_enabled()
-            and input_ids.size(0) == len(cache)
-        ):
-            self._old_logps_cache = None
-            out = torch.zeros(len(cache), logits_to_keep)
-            for i, row in enumerate(cache):
-                width = min(len(row), logits_to_keep)
-                out[i, :width] = row[:width]
-            return out.to(input_ids.device), None, None
+        """TRL's forward (the tree forward with `tree_forward`), except TRL's old-logp pass of an APPO round: the
+        round's branch-selection forward already computed it (`RoundRunner.old_logps_for`: that round's ids, once)."""
+        cached = self.rounds.old_logps_for(model, input_ids, logits_to_keep, compute_entropy)
+        if cached is not None:
+            return cached, None, None
         if self.args.tree_forward:
             from appo_trl.trainer.tree import trainer_tree_forward
 
@@ -499,13 +279,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         device = self.accelerator.device
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).to(device)
-        model, guard = self.model, contextlib.nullcontext()
-        if self._async is not None:  # background rounds: the proximal weights, never mid optimizer step
-            if self.args.async_fv_policy == "sampler":
-                model = self._sampler.model
-            else:
-                guard = self._async.trainer_forward()
-        with guard, torch.no_grad():
+        with self.rounds.selection_forward() as model, torch.no_grad():  # background rounds: proximal weights
             logps, entropies, _ = self._get_per_token_logps_and_entropies(
                 model,
                 input_ids,
@@ -526,37 +300,19 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             self.reward_funcs = funcs
         if self.model.training:
             self._nan_reward_guard.update(rewards_per_func, self.reward_func_names, self.state.global_step)
-        self._round_rewards = rewards_per_func  # gathered (N_global, F), for the strategy's advantages
+        self.rounds.record_rewards(rewards_per_func)  # gathered (N_global, F), for the strategy's advantages
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
-        self._round_inputs = inputs
-        self._env_inputs = inputs  # the rows TRL resets the environments with (fresh instances reuse them)
-        with behaviour_correction(self):  # background rounds in-process: TRL's proximal + importance weight
-            out = super()._generate_and_score_completions(inputs)
-        batch, rewards_per_func = self._round, self._round_rewards
-        self._round = self._round_rewards = self._old_logps_cache = None
-        if batch is None:  # TRL's own sampler ran (grpo without tools)
-            return out
-        mode = "train" if self.model.training else "eval"
-        strategy = self.strategy if mode == "train" else self.eval_strategy
-        num_rows = len(inputs)
-        start = self.accelerator.process_index * num_rows
-        local = rewards_per_func[start : start + num_rows]
-        rewards = (local * self.reward_weights.to(local.device).unsqueeze(0)).nansum(dim=1)
-        out["advantages"] = strategy.advantages(batch, rewards, out["advantages"], out["completion_ids"].size(1))
-        if mode == "train" and self.args.dump_rollouts:  # sample groups for `appo rollouts OUTPUT_DIR`
-            dump_round(self, inputs, batch, rewards, out)
-        if not all(batch.keep):
-            keep = torch.tensor([i for i, k in enumerate(batch.keep) if k], dtype=torch.long)
-            out = select_rows(out, keep, num_rows)
-            mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]
-            out["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
-        return out
+        """TRL's, once, on the round the runner holds for this call; then the strategy's advantages and rows."""
+        with self.rounds.scoring(inputs) as rnd:
+            with self.rounds.behaviour_correction():  # background rounds in-process: TRL's importance weight
+                out = super()._generate_and_score_completions(inputs)
+            return self.rounds.finish(rnd, out)
 
     # ---- loss ------------------------------------------------------------------------------------------------
     def _compute_loss(self, model, inputs):
-        with behaviour_correction(self):
+        with self.rounds.behaviour_correction():
             if not self._custom_loss:
                 return super()._compute_loss(model, inputs)
             return compute_policy_loss(self, model, inputs)

@@ -244,7 +244,7 @@ GRPO = dict(tools=["python"], num_generations=4, per_device_train_batch_size=4, 
 def test_max_staleness_zero_builds_nothing(tmp_path, tiny_tokenizer, tiny_model_path):
     engine = ThreadEngine(tiny_tokenizer)
     trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, engine, RewardSpy(), max_steps=2, **GRPO)
-    assert trainer._async is None and trainer._sampler is None
+    assert trainer.rounds.async_rounds is None and trainer.rounds.sampler is None
     trainer.train()
     assert engine.threads == ["MainThread", "MainThread"]
     assert not any("rollout/staleness/mean" in e for e in trainer.state.log_history)
@@ -256,22 +256,22 @@ def test_background_rounds_in_process(tmp_path, tiny_tokenizer, tiny_model_path)
         tmp_path, tiny_tokenizer, tiny_model_path, engine, RewardSpy(), max_steps=4, max_staleness=1,
         vllm_importance_sampling_mode="token_truncate", **GRPO,
     )  # fmt: skip
-    assert trainer._sampler is not None and trainer._sampler.model is not trainer.model
+    assert trainer.rounds.sampler is not None and trainer.rounds.sampler.model is not trainer.model
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     trainer.train()
-    hist = trainer._async.history
+    hist = trainer.rounds.async_rounds.history
     assert [(h.step, h.version, h.staleness, h.background) for h in hist] == [
         (0, 0, 0, False), (1, 0, 1, True), (2, 1, 1, True), (3, 2, 1, True)
     ]  # fmt: skip
     assert engine.threads == ["MainThread", "appo-round-0", "appo-round-1", "appo-round-2"]
-    assert trainer._async.num_syncs == 3  # steps 0, 1, 2; nothing is launched after the last hand-over
+    assert trainer.rounds.async_rounds.num_syncs == 3  # steps 0, 1, 2; nothing is launched after the last hand-over
     logs = [e for e in trainer.state.log_history if "rollout/staleness/max" in e]
     assert [e["rollout/staleness/max"] for e in logs] == [0.0, 1.0, 1.0, 1.0]
     assert all("sampling/importance_sampling_ratio/mean" in e for e in logs)  # the behaviour correction ran
     # the sampler copy holds the weights of its last sync (step 2), not the final policy
     after = trainer.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    sampler = trainer._sampler.model.state_dict()
+    sampler = trainer.rounds.sampler.model.state_dict()
     assert any(not torch.equal(sampler[k], after[k]) for k in after)
 
 
@@ -289,22 +289,22 @@ def test_the_in_process_backend_decodes_on_the_synced_sampler_copy(tmp_path, tin
     )  # fmt: skip
     backend = trainer.rollout_engine.backend
     assert type(backend).__name__ == "TransformersBackend"
-    assert backend.model is trainer._sampler.model and backend.model is not trainer.model
+    assert backend.model is trainer.rounds.sampler.model and backend.model is not trainer.model
     initial = _weights(trainer.model)
     synced = {}  # global step -> the policy's weights when the sampler was synced
-    real_sync_fn = trainer._async.sync_fn
+    real_sync_fn = trainer.rounds.async_rounds.sync_fn
 
     def sync_fn():
         synced[trainer.state.global_step] = _weights(trainer.model)
         real_sync_fn()
 
-    trainer._async.sync_fn = sync_fn
+    trainer.rounds.async_rounds.sync_fn = sync_fn
     trainer.train()
-    assert [(h.step, h.version, h.background) for h in trainer._async.history] == [
+    assert [(h.step, h.version, h.background) for h in trainer.rounds.async_rounds.history] == [
         (0, 0, False), (1, 0, True), (2, 1, True)
     ]  # fmt: skip
     assert sorted(synced) == [0, 1]
-    sampler, last, final = _weights(trainer._sampler.model), synced[1], _weights(trainer.model)
+    sampler, last, final = _weights(trainer.rounds.sampler.model), synced[1], _weights(trainer.model)
     assert all(torch.equal(sampler[k], last[k]) for k in last), "the sampler copy is not the policy of step 1"
     assert any(not torch.equal(sampler[k], initial[k]) for k in initial), "the sampler copy was never synced"
     assert any(not torch.equal(sampler[k], final[k]) for k in final)  # the policy trained on after the last sync
@@ -456,7 +456,7 @@ def test_trls_importance_sampling_modes_apply_to_background_rounds(
     orig = trainer._generate_and_score_completions
     trainer._generate_and_score_completions = lambda inputs: seen.append(orig(inputs)) or seen[-1]
     trainer.train()
-    assert [h.background for h in trainer._async.history] == [False, True]
+    assert [h.background for h in trainer.rounds.async_rounds.history] == [False, True]
     for out in seen:
         expected = expected_is_weight(out, mode)
         torch.testing.assert_close(out["importance_sampling_ratio"], expected)
@@ -498,9 +498,9 @@ def test_ctrl_c_stops_both_sides(tmp_path, tiny_tokenizer, tiny_model_path):
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
-    thread = trainer._async.last_thread
-    assert thread is not None and not thread.is_alive() and trainer._async.closed
-    assert trainer._async.pending is None and time.monotonic() - t0 < 20
+    thread = trainer.rounds.async_rounds.last_thread
+    assert thread is not None and not thread.is_alive() and trainer.rounds.async_rounds.closed
+    assert trainer.rounds.async_rounds.pending is None and time.monotonic() - t0 < 20
 
 
 def trained_prompts(trainer):
@@ -531,14 +531,14 @@ def test_resume_discards_the_round_in_flight(tmp_path, tiny_tokenizer, tiny_mode
     trainer.add_callback(InterruptAt(2, hook="on_save"))  # checkpoint-2 is on disk, round 3 is in flight
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
-    assert [h.step for h in trainer._async.history] == [0, 1] and len(engine.prompts) == 3
+    assert [h.step for h in trainer.rounds.async_rounds.history] == [0, 1] and len(engine.prompts) == 3
 
     resumed = make_trainer(
         tmp_path / "run", tiny_tokenizer, tiny_model_path, ThreadEngine(tiny_tokenizer), RewardSpy(), **kw
     )
     second = trained_prompts(resumed)
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
-    hist = resumed._async.history
+    hist = resumed.rounds.async_rounds.history
     assert [(h.step, h.staleness, h.background) for h in hist] == [(2, 0, False)]  # regenerated on fresh weights
     assert len(set(map(tuple, ref))) == 3  # three distinct generation batches
     assert first + second == ref  # every generation batch trained exactly once, in order
@@ -605,26 +605,26 @@ def test_appo_selection_forward_reads_the_hand_over_weights_with_two_steps_per_r
         steps_per_generation=2, gradient_accumulation_steps=1, max_completion_length=64, min_remaining_tokens=1,
         tools=["python"], max_steps=6, max_staleness=3, branch_entropy_source="trainer",
     )  # fmt: skip
-    assert trainer._async.m == 2
+    assert trainer.rounds.async_rounds.m == 2
     trainer.add_callback(SlowStepEnd())
     scored, handed = [], {}
     real_forward = trainer._get_per_token_logps_and_entropies
 
     def forward(model, *a, **k):
         if threading.current_thread() is not threading.main_thread():  # inside trainer_forward: weights_lock held
-            scored.append((trainer._async.optimizer_steps, _weights(model)))
+            scored.append((trainer.rounds.async_rounds.optimizer_steps, _weights(model)))
         return real_forward(model, *a, **k)
 
-    real_next_round = trainer._async.next_round
+    real_next_round = trainer.rounds.async_rounds.next_round
 
     def next_round(inputs, step, *a, **k):
         handed[step] = _weights(trainer.model)
         return real_next_round(inputs, step, *a, **k)
 
     trainer._get_per_token_logps_and_entropies = forward
-    trainer._async.next_round = next_round
+    trainer.rounds.async_rounds.next_round = next_round
     trainer.train()
-    assert [(h.step, h.version, h.background) for h in trainer._async.history] == [
+    assert [(h.step, h.version, h.background) for h in trainer.rounds.async_rounds.history] == [
         (0, 0, False), (2, 0, True), (4, 2, True)
     ]  # fmt: skip
     assert [steps for steps, _ in scored] == [2, 4]
@@ -695,10 +695,13 @@ def test_evaluation_between_hand_overs_in_training(tmp_path, tiny_tokenizer, tin
     run.start()
     run.join(timeout=60)
     if run.is_alive():
-        trainer._async.closed = True  # releases the waiting forward
+        trainer.rounds.async_rounds.closed = True  # releases the waiting forward
         pytest.fail("evaluation between two hand-overs waited for a round that waited for the next step")
-    assert [(h.step, h.version, h.background) for h in trainer._async.history] == [(0, 0, False), (2, 2, False)]
-    assert trainer._async.discarded_rounds == 1 and trainer.state.global_step == 4
+    assert [(h.step, h.version, h.background) for h in trainer.rounds.async_rounds.history] == [
+        (0, 0, False),
+        (2, 2, False),
+    ]
+    assert trainer.rounds.async_rounds.discarded_rounds == 1 and trainer.state.global_step == 4
     assert [e["step"] for e in trainer.state.log_history if "eval_reward" in e] == [1, 2, 3, 4]
 
 
@@ -719,7 +722,7 @@ def test_appo_selection_with_the_sampler_copy(tmp_path, tiny_tokenizer, tiny_mod
 
     trainer._get_per_token_logps_and_entropies = forward
     trainer.train()
-    assert len(models) == 2 and all(m is trainer._sampler.model for m in models)
+    assert len(models) == 2 and all(m is trainer.rounds.sampler.model for m in models)
 
 
 def answering_fake_server(tokenizer):
@@ -744,7 +747,7 @@ def test_a_weight_sync_never_lands_while_a_request_decodes(tmp_path, tiny_tokeni
         trainer.train()
     assert [c["method"] for c in server.rpc_calls] == ["reload_weights"] * 3  # steps 0, 1, 2
     assert server.rpc_in_flight == [0, 0, 0]
-    assert [(h.staleness, h.background) for h in trainer._async.history] == [(0, False)] + [(1, True)] * 3
+    assert [(h.staleness, h.background) for h in trainer.rounds.async_rounds.history] == [(0, False)] + [(1, True)] * 3
     assert trainer.vllm_generation.num_syncs == 3
 
 
@@ -767,7 +770,7 @@ def test_a_server_restart_in_a_synchronous_round_is_synced_and_rerun(tmp_path, t
     letters = {"rpc:reload_weights": "R", "reset_prefix_cache": "C", "completion": "g", "dying": "d", "restart": "X"}
     events = "".join(letters[e] for e in server.events)
     assert re.fullmatch(r"RCg*dg*Xg*RCgggggggg", events), events  # after X: sync, reset, the round, the next one
-    assert [(h.step, h.background) for h in trainer._async.history] == [(0, False), (1, True)]
+    assert [(h.step, h.background) for h in trainer.rounds.async_rounds.history] == [(0, False), (1, True)]
     assert trainer.state.global_step == 2
     _, first, rerun = server.bodies_per_sync()  # the 2nd sync's part also holds the background round
     assert_rerun_with_the_same_seeds(first, rerun[:4])
@@ -782,6 +785,10 @@ def test_arpo_and_aepo_run_in_the_background_unchanged(tmp_path, tiny_tokenizer,
         tools=["python"], max_steps=3, max_staleness=1,
     )  # fmt: skip
     trainer.train()
-    assert [(h.staleness, h.background) for h in trainer._async.history] == [(0, False), (1, True), (1, True)]
+    assert [(h.staleness, h.background) for h in trainer.rounds.async_rounds.history] == [
+        (0, False),
+        (1, True),
+        (1, True),
+    ]
     assert engine.threads == ["MainThread", "appo-round-0", "appo-round-1"]
     assert all(h is not None for h in engine.hooks)  # the in-loop branching hook rode along into the background

@@ -77,5 +77,5 @@ def test_resumed_run_samples_the_uninterrupted_completions(tmp_path, tiny_model_
     assert trainer.state.global_step == 4 and sorted(resumed.by_step) == [3, 4]
     for step in (3, 4):
         assert resumed.by_step[step] == full.by_step[step], f"step {step} sampled other completions after resume"
-    assert trainer._round_index == 4
+    assert trainer.rounds.round_index == 4
     assert full.by_step[3] != full.by_step[4]  # the comparison has teeth: steps differ from each other

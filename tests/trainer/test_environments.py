@@ -158,7 +158,7 @@ def capture_rows(trainer):
 
     def wrapped(prompts):
         out = orig(prompts)
-        seen.append((trainer._round.rows, list(trainer.environments)))
+        seen.append((trainer.rounds.current.rows, list(trainer.environments)))
         return out
 
     trainer._generate = wrapped

@@ -40,6 +40,7 @@ class APPOStrategy(RolloutStrategy):
     env_snapshots = True  # branches start from a prefix after the parent has finished
     # the branch-selection forward would run on a background thread, gathering shards beside the trainer's collectives
     async_under_sharding = False
+    no_tool_calls_note = " APPO still branches at high-entropy tokens, but no branch follows a tool result."
     card_title = "APPO (Agentic Procedural Policy Optimization, arXiv 2606.12384)"
     paper = {
         "name": "APPO",

@@ -54,6 +54,7 @@ class RolloutStrategy:
         async_under_sharding: background rounds (max_staleness >= 1) may run under DeepSpeed / FSDP.
         options: config switches only this strategy reads (refused under another strategy).
         paper: the method's paper for the model card (name, title, arXiv id, BibTeX), `card_title` its line.
+        no_tool_calls_note: what a round in which no rollout called a tool costs this strategy (the warning's end).
     """
 
     name: ClassVar[str] = "base"
@@ -66,6 +67,10 @@ class RolloutStrategy:
     paper: ClassVar[dict[str, str] | None] = None
     card_title: ClassVar[str | None] = None
     metric_keys: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def no_tool_calls_note(self) -> str:
+        return f" {self.name.upper()} branches only after tool results: no branching happened."
 
     def __init__(self, trainer):
         self.trainer = trainer

@@ -12,6 +12,7 @@ class GRPOStrategy(RolloutStrategy):
     name = "grpo"
     default_loss_mode = "clip"
     branches = False
+    no_tool_calls_note = ""
     card_title = "GRPO (Group Relative Policy Optimization)"
     paper = {
         "name": "GRPO",

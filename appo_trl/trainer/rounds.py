@@ -1,0 +1,390 @@
+"""The round runner: one generation round of `APPOTrainer`, from TRL's generation batch to a typed `Round`.
+
+`RoundRunner` owns what sampling needs (the strategies, the rollout engine, the background scheduler, the seeds, the
+sampler copy, the weight sync) and fills the `Round` of the `_generate_and_score_completions` call in progress; the
+trainer's TRL hooks only delegate here. It does not compute losses or rewards. The walk through one training step:
+docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from trl.data_utils import is_conversational
+
+from appo_trl.reporting.console import canonical_metrics
+from appo_trl.reporting.rollout_dump import dump_round
+from appo_trl.trainer.async_rounds import build_async_rounds, split_cpu_threads
+from appo_trl.trainer.environments import generate_with_environments
+from appo_trl.trainer.rows import select_rows
+from appo_trl.trainer.setup import build_rollout_engine
+from appo_trl.trainer.sharded import full_weights_for_round
+from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RolloutStrategy, RoundBatch
+from appo_trl.trainer.weight_sync import generate_round
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Round:
+    """One generation round on one rank, filled by the hooks of one `_generate_and_score_completions` call.
+
+    `inputs` is TRL's generation batch; `batch` the strategy's groups (None when TRL's own sampler ran);
+    `prompt_ids` / `completion_ids` the exact ids per row handed to TRL; `policy_version` the optimizer step of the
+    weights that sampled it; `rewards` TRL's gathered (N_global, F) rewards; `old_logps` one row per batch row from
+    APPO's selection forward, served once to TRL's old-logp forward of exactly these ids (`take_old_logps`).
+    """
+
+    inputs: Any
+    mode: str  # "train" | "eval"
+    batch: RoundBatch | None = None
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    completion_ids: list[list[int]] = field(default_factory=list)
+    policy_version: int | None = None
+    rewards: torch.Tensor | None = None
+    old_logps: list[torch.Tensor] | None = None
+
+    @property
+    def groups(self) -> list[list[Any]]:
+        return self.batch.groups if self.batch is not None else []
+
+    @property
+    def rows(self) -> list[Any]:
+        return self.batch.rows if self.batch is not None else []
+
+    def holds_ids(self, input_ids: torch.Tensor, logits_to_keep: int) -> bool:
+        """Whether `input_ids` (TRL's left-padded prompts + right-padded completions) are exactly this round's rows."""
+        if input_ids.size(0) != len(self.prompt_ids):
+            return False
+        width, ids = input_ids.size(1) - logits_to_keep, input_ids.detach().cpu()
+        for i, (p, c) in enumerate(zip(self.prompt_ids, self.completion_ids)):
+            if len(p) > width or len(c) > logits_to_keep:
+                return False
+            if ids[i, width - len(p) : width].tolist() != p or ids[i, width : width + len(c)].tolist() != c:
+                return False
+        return True
+
+    def take_old_logps(self, input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor | None:
+        """The cached old logps as TRL's (B, logits_to_keep) tensor, once, if `input_ids` are this round's rows."""
+        cache = self.old_logps
+        if cache is None or not self.holds_ids(input_ids, logits_to_keep):
+            return None
+        self.old_logps = None
+        out = torch.zeros(len(cache), logits_to_keep)
+        for i, row in enumerate(cache):
+            width = min(len(row), logits_to_keep)
+            out[i, :width] = row[:width]
+        return out.to(input_ids.device)
+
+
+def trl_runs_old_logp_forward(trainer) -> bool:
+    """TRL 1.16's condition (`GRPOTrainer._generate_and_score_completions`) for its no-grad old-logp forward."""
+    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
+    misaligned = trainer.args.gradient_accumulation_steps % generate_every != 0
+    return misaligned or bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction)
+
+
+class RoundRunner:
+    """Produces the rounds of one `APPOTrainer`; `current` is the round of the scoring call in progress (else None).
+
+    Args:
+        trainer: the `APPOTrainer` (its TRL state, tokenizer, accelerator and metrics sink).
+        engine: an injected rollout engine, or None to build the configured one on first use.
+    """
+
+    def __init__(self, trainer, engine=None):
+        self.trainer = trainer
+        self.strategy: RolloutStrategy = STRATEGIES[trainer.args.rollout_strategy](trainer)
+        self.eval_strategy: RolloutStrategy = GRPOStrategy(trainer)  # validation: no branching (released code)
+        self._engine = engine
+        self.current: Round | None = None
+        self.round_index = 0  # seeds derive from it; checkpointed (`state`)
+        self.tool_idle_rounds = 0
+        self.async_rounds = build_async_rounds(trainer)  # None unless max_staleness >= 1 (async_rounds)
+        self.sampler = self.async_rounds.sampler if self.async_rounds is not None else None
+        backend = getattr(engine, "backend", None)
+        if self.sampler is not None and getattr(backend, "model", None) is trainer.model:
+            backend.model, backend.accelerator = self.sampler.model, None  # decode with the copy, not the policy
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            sampler_model = self.sampler.model if self.sampler is not None else None
+            self._engine = build_rollout_engine(self.trainer, sampler_model=sampler_model)
+        return self._engine
+
+    # ---- seeds and checkpoints ------------------------------------------------------------------------------
+    def next_seed(self) -> int:
+        t = self.trainer
+        self.round_index += 1
+        return hash((t.args.seed, t.state.global_step, t.accelerator.process_index, self.round_index)) % (2**31)
+
+    def state(self) -> dict:
+        return {"round_index": self.round_index, "tool_idle_rounds": self.tool_idle_rounds}
+
+    def load_state(self, state: dict) -> None:
+        self.round_index = int(state["round_index"])
+        self.tool_idle_rounds = int(state.get("tool_idle_rounds", 0))
+
+    # ---- spans ------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def training(self):
+        """Around `Trainer.train`: background rounds reset (a resume loads other weights), torch's threads split with
+        the sampler copy; on exit (Ctrl-C included) no launch, the engine closed (cancelling a round in flight), the
+        round thread joined."""
+        rounds = self.async_rounds
+        if rounds is not None:
+            rounds.reset()
+        with split_cpu_threads() if self.sampler is not None else contextlib.nullcontext():
+            try:
+                yield
+            finally:
+                if rounds is not None:
+                    rounds.closed = True
+                closer = getattr(self._engine, "close", None)
+                if closer is not None:
+                    closer()
+                if rounds is not None:
+                    rounds.close()
+
+    @contextlib.contextmanager
+    def scoring(self, inputs):
+        """The round of one `_generate_and_score_completions` call: `current` for its span, cleared on any exit."""
+        self.current = Round(inputs=inputs, mode="train" if self.trainer.model.training else "eval")
+        try:
+            yield self.current
+        finally:
+            self.current = None
+
+    @contextlib.contextmanager
+    def behaviour_correction(self):
+        """Within: TRL's behaviour-policy correction applies to the in-process sampler copy too.
+
+        TRL computes the proximal old logps and the importance weight under `if self.use_vllm and
+        self.vllm_importance_sampling_correction`; rows of `SamplerCopy` come from a separate sampler like a server,
+        so the flag is raised for the span of TRL's scoring and loss. Without background rounds, or with vLLM, this
+        does nothing.
+        """
+        trainer = self.trainer
+        if self.async_rounds is None or trainer.args.use_vllm:
+            yield
+            return
+        trainer.use_vllm = True
+        try:
+            yield
+        finally:
+            trainer.use_vllm = False
+
+    @contextlib.contextmanager
+    def round_weights(self):
+        """In-process sampling: the round's forwards (sampler, APPO's selection) run on weights gathered once
+        (`appo_trl.trainer.sharded`); a vLLM server or an engine without such a backend needs nothing."""
+        hold = getattr(getattr(self.engine, "backend", None), "unwrapped_for_rollout", None)
+        if hold is None:
+            yield
+            return
+        with full_weights_for_round(self.trainer) as model, hold(model):
+            yield
+
+    @contextlib.contextmanager
+    def selection_forward(self):
+        """The model APPO's branch-selection forward runs on: the policy; with background rounds the proximal weights,
+        never mid optimizer step (`AsyncRounds.trainer_forward`), or the sampler copy (`async_fv_policy: sampler`)."""
+        trainer, rounds = self.trainer, self.async_rounds
+        if rounds is None:
+            yield trainer.model
+        elif trainer.args.async_fv_policy == "sampler":
+            yield self.sampler.model
+        else:
+            with rounds.trainer_forward():
+                yield trainer.model
+
+    # ---- the round's data, hook by hook ---------------------------------------------------------------------
+    def old_logps_for(self, model, input_ids, logits_to_keep: int, compute_entropy: bool) -> torch.Tensor | None:
+        """The current round's cached old logps, for TRL's no-grad, entropy-free old-logp forward of its own rows."""
+        rnd = self.current
+        if rnd is None or rnd.old_logps is None or compute_entropy or torch.is_grad_enabled():
+            return None
+        if model is not self.trainer.model:
+            return None
+        return rnd.take_old_logps(input_ids, logits_to_keep)
+
+    def record_rewards(self, rewards_per_func: torch.Tensor) -> None:
+        if self.current is not None:
+            self.current.rewards = rewards_per_func  # gathered (N_global, F), for the strategy's advantages
+
+    def generate(self, prompts: list) -> tuple:
+        """TRL's `_generate` contract: (prompt ids, completion ids, tool mask, completions, sampler logprobs, extra
+        fields, None, []) with the exact sampled ids; the current round keeps the rows, ids and version."""
+        t = self.trainer
+        rnd = self.current if self.current is not None else Round(None, "train" if t.model.training else "eval")
+        mode = rnd.mode
+        n = t.num_generations if mode == "train" else t.num_generations_eval
+        strategy = self.strategy if mode == "train" else self.eval_strategy
+        prompt_ids, _, _ = t._tokenize_prompts(copy.deepcopy(prompts))
+        batch, version = self._sample(rnd, strategy, prompt_ids, n)
+        rows = batch.rows
+        if len(rows) != len(prompts) or any(len(g) != n for g in batch.groups):
+            raise RuntimeError(f"strategy {strategy.name} returned {len(rows)} rows for {len(prompts)} prompts")
+        completion_ids = [list(r.completion_ids) for r in rows]
+        tool_mask = [[int(m) for m in r.loss_mask] for r in rows]
+        logprobs = [[float(x) for x in r.logprobs] for r in rows]
+        for i in range(len(rows)):
+            if not len(completion_ids[i]) == len(tool_mask[i]) == len(logprobs[i]):
+                raise RuntimeError(f"row {i}: completion_ids, loss_mask and logprobs lengths differ")
+        texts = t.processing_class_tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        if t.chat_tool_format is not None:  # TRL's tool-loop shape: assistant (tool_calls), tool, ..., assistant
+            completions = [t.chat_tool_format.completion_messages(r) for r in rows]
+        elif is_conversational({"prompt": prompts[0]}):
+            completions = [[{"role": "assistant", "content": text}] for text in texts]
+        else:
+            completions = texts
+        extra_fields = {
+            "num_tool_calls": [int(r.num_calls) for r in rows],
+            "branch_origin": [str(r.meta.get("origin", "root")) for r in rows],
+            "branch_pos": [-1 if r.branch_pos is None else int(r.branch_pos) for r in rows],
+        }
+        row_prompt_ids = [list(r.prompt_ids) for r in rows]
+        self._log(mode, strategy, batch, row_prompt_ids, completion_ids, tool_mask)
+        rnd.batch, rnd.policy_version = batch, version
+        rnd.prompt_ids, rnd.completion_ids = row_prompt_ids, completion_ids
+        if mode == "train" and self.async_rounds is not None:
+            for key, value in self.async_rounds.metrics().items():
+                t._metrics[mode][key].append(value)
+        # rows without cached logps get ratio 1 (they are dropped); background rounds: the proximal forward runs
+        if batch.info.get("old_logps") is not None and self.async_rounds is None and trl_runs_old_logp_forward(t):
+            nan0 = [torch.nan_to_num(torch.tensor(lp, dtype=torch.float32), nan=0.0) for lp in logprobs]
+            rnd.old_logps = [c if c is not None else nan0[i] for i, c in enumerate(batch.info["old_logps"])]
+        return row_prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, None, []
+
+    def _sample(self, rnd: Round, strategy, prompt_ids, n: int) -> tuple[RoundBatch, int]:
+        """The round's batch and the optimizer step of the weights that sampled it."""
+        t, rounds = self.trainer, self.async_rounds
+        step = t.state.global_step
+
+        def sample(seed: int):
+            if t.environment_factories is not None:  # TRL's environment_factory: one instance per trajectory
+                return generate_with_environments(t, strategy, prompt_ids, n, seed, rnd.inputs)
+            return strategy.generate(prompt_ids[::n], n, seed)
+
+        def own_thread_round():  # max_staleness >= 1, a round on this thread: with vLLM, re-run after a restart
+            seed = self.next_seed()  # (args.use_vllm: `behaviour_correction` raises `use_vllm` in-process)
+            return generate_round(t, lambda: sample(seed)) if t.args.use_vllm else sample(seed)
+
+        if rounds is not None and rnd.mode == "train":  # the round may come from the background
+            batch = rounds.next_round(rnd.inputs, step, own_thread_round, self._background_job)
+            return batch, rounds.history[-1].version
+        if rounds is not None:  # evaluation: the background round finishes and the sampler syncs first
+            rounds.before_foreground_round(step)
+            return own_thread_round(), step
+        # in-process sampling under ZeRO-3 / FSDP2: weights gathered once on every rank, no collective inside;
+        # vLLM: the weight sync once per round (server: the round again, same seed, after a server restart;
+        # colocate: the KV cache awake for the round)
+        seed = self.next_seed()
+        with self.round_weights():
+            return generate_round(t, lambda: sample(seed)), step
+
+    def _background_job(self, inputs):
+        """On the trainer's thread: tokenise generation batch `inputs` and fix its seed; the returned job samples the
+        round on the round's thread (`AsyncRounds.next_round`'s `make_job`)."""
+        n, strategy = self.trainer.num_generations, self.strategy
+        prompt_ids, _, _ = self.trainer._tokenize_prompts(copy.deepcopy([x["prompt"] for x in inputs]))
+        unique, seed = prompt_ids[::n], self.next_seed()
+        return lambda: strategy.generate(unique, n, seed)
+
+    def finish(self, rnd: Round, out: dict) -> dict:
+        """TRL's scored batch, then the strategy's advantages and without the rows that must not reach the loss (with
+        `num_items_in_batch` the global mask sum of the remaining rows). TRL's own sampler: unchanged."""
+        t, batch = self.trainer, rnd.batch
+        if batch is None:
+            return out
+        strategy = self.strategy if rnd.mode == "train" else self.eval_strategy
+        num_rows = len(rnd.inputs)
+        start = t.accelerator.process_index * num_rows
+        local = rnd.rewards[start : start + num_rows]
+        rewards = (local * t.reward_weights.to(local.device).unsqueeze(0)).nansum(dim=1)
+        out["advantages"] = strategy.advantages(batch, rewards, out["advantages"], out["completion_ids"].size(1))
+        if rnd.mode == "train" and t.args.dump_rollouts:  # sample groups for `appo rollouts OUTPUT_DIR`
+            dump_round(t, rnd.inputs, batch, rewards, out)
+        if not all(batch.keep):
+            keep = torch.tensor([i for i, k in enumerate(batch.keep) if k], dtype=torch.long)
+            out = select_rows(out, keep, num_rows)
+            mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]
+            out["num_items_in_batch"] = t.accelerator.gather(mask.sum()).sum()
+        return out
+
+    # ---- metrics ----------------------------------------------------------------------------------------------
+    def _log(self, mode, strategy, batch, prompt_ids, completion_ids, tool_mask) -> None:
+        """TRL's generation metrics (counted on sampled tokens) plus `tools/*` and `branch/*`; fixed collectives."""
+        t = self.trainer
+        device, gather, m = t.accelerator.device, t.accelerator.gather, t._metrics[mode]
+        rows = batch.rows
+        prompt_len = gather(torch.tensor([len(p) for p in prompt_ids], device=device))
+        full_len = gather(torch.tensor([len(c) for c in completion_ids], device=device))
+        sampled = gather(torch.tensor([sum(x) for x in tool_mask], device=device))
+        new_tokens = gather(
+            torch.tensor([sum(x[r.branch_pos or 0 :]) for x, r in zip(tool_mask, rows)], device=device)
+        )
+        truncated = gather(torch.tensor([r.finish_reason == "length" for r in rows], device=device))
+        calls = gather(torch.tensor([int(r.num_calls) for r in rows], device=device))
+        kept = gather(torch.tensor([float(k) for k in batch.keep], device=device))
+        if mode == "train":
+            t.state.num_input_tokens_seen += (prompt_len.sum() + full_len.sum()).item()
+        m["num_tokens"] = [t.state.num_input_tokens_seen]
+        m["completions/mean_length"].append(sampled.float().mean().item())
+        m["completions/min_length"].append(sampled.float().min().item())
+        m["completions/max_length"].append(sampled.float().max().item())
+        m["completions/clipped_ratio"].append(truncated.float().mean().item())
+        terminated = sampled[~truncated.bool()].float()  # TRL's keys: lengths of completions that ended
+        terminated = terminated if terminated.numel() else torch.zeros(1, device=device)
+        m["completions/mean_terminated_length"].append(terminated.mean().item())
+        m["completions/min_terminated_length"].append(terminated.min().item())
+        m["completions/max_terminated_length"].append(terminated.max().item())
+        m["tools/call_frequency"].append(calls.float().mean().item())  # executed calls: `tools/calls` (engine)
+        if mode == "train":
+            self._warn_if_no_tool_calls(int(calls.sum().item()), strategy)
+        m["rollout/sampled_tokens"].append(new_tokens.sum().item())  # branch prefixes counted once, in the parent
+        m["branch/loss_rows_frac"].append(kept.mean().item())
+        engine = self._engine
+        if engine is not None and hasattr(engine, "metrics"):  # local engine/tool statistics (no collective)
+            for key, value in canonical_metrics(engine.metrics()).items():  # one name per quantity
+                if isinstance(value, (int, float)):
+                    m[key if "/" in key else f"rollout/{key}"].append(float(value))
+            if hasattr(engine, "reset_metrics"):
+                engine.reset_metrics()
+        if strategy.metric_keys:
+            values = [batch.metrics.get(k, math.nan) for k in strategy.metric_keys]
+            agg = gather(torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(0))
+            for key, value in zip(strategy.metric_keys, agg.nanmean(dim=0).tolist()):
+                m[key].append(value)
+
+    def _warn_if_no_tool_calls(self, total_calls: int, strategy) -> None:
+        """Say so when tools are configured but no rollout of a whole round called one (first idle round of a run
+        of idle rounds, then every 10th): for arpo/aepo/appo that round could not branch after a tool result."""
+        t = self.trainer
+        if not t.tool_specs:
+            return
+        if total_calls > 0:
+            self.tool_idle_rounds = 0
+            return
+        self.tool_idle_rounds += 1
+        if self.tool_idle_rounds == 1 or self.tool_idle_rounds % 10 == 0:
+            from appo_trl.tools.callables import tool_label
+
+            names = ", ".join(sorted(s if isinstance(s, str) else getattr(s, "__name__", tool_label(s))
+                                     for s in t.tool_specs))  # fmt: skip
+            what = strategy.no_tool_calls_note
+            logger.warning(
+                "No rollout called a tool (%s) in %d round(s) in a row (step %d, tool_format=%s).%s Check the "
+                "system prompt / chat template, or cold-start the model with `appo sft`.",
+                names, self.tool_idle_rounds, t.state.global_step, t.tool_format, what,
+            )  # fmt: skip
+
+
+__all__ = ["Round", "RoundRunner", "trl_runs_old_logp_forward"]
