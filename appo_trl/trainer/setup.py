@@ -31,11 +31,11 @@ def resolve_reward_funcs(reward_funcs):
 def build_rollout_engine(trainer):
     """The rollout engine the config asks for: tools from `tools`/`tool_config`, backend from `use_vllm`.
 
-    `use_vllm=True` samples through vLLM's HTTP server at `vllm_server_base_url` (or host:port) in server mode,
-    or through TRL's in-process engine (`trainer.vllm_generation.llm`) in colocate mode; otherwise the policy
-    samples in-process (`TransformersBackend`).
+    `use_vllm=True` samples through the vLLM servers resolved at start-up (`trainer.vllm_server`, a `ServerSpec`:
+    the router with several replicas) in server mode, or through TRL's in-process engine
+    (`trainer.vllm_generation.llm`) in colocate mode; otherwise the policy samples in-process (`TransformersBackend`).
     """
-    from appo_trl.rollout import RolloutConfig, RolloutEngine, TransformersBackend, VLLMServerBackend
+    from appo_trl.rollout import RolloutConfig, RolloutEngine, TransformersBackend
     from appo_trl.tools import ToolExecutor, build_tools
 
     args = trainer.args
@@ -45,21 +45,15 @@ def build_rollout_engine(trainer):
         tools = build_tools(trainer.tool_specs, tool_config or {}, trainer.tool_format, trainer._tool_dirs)
     trainer._appo_tools = None  # built once; a second engine (after close) builds fresh tools
     if args.use_vllm and args.vllm_mode == "colocate":
-        from appo_trl.rollout.vllm_colocate import VLLMColocateBackend
+        from appo_trl.vllm import VLLMColocateBackend
 
         llm = trainer.vllm_generation.llm
         backend = VLLMColocateBackend(llm, sleep_mode=args.vllm_enable_sleep_mode)
         max_model_len = llm.llm_engine.model_config.max_model_len
     elif args.use_vllm:
-        from appo_trl.rollout.replicas import ReplicaBackend, replica_set_for
-
-        base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        backend = VLLMServerBackend(base_url, max_concurrency=args.rollout_concurrency,
-                                    server_wait_s=args.vllm_server_wait_s,
-                                    timeout_s=args.vllm_request_timeout_s)  # fmt: skip
-        replicas = replica_set_for(base_url)  # several replicas behind a router (trainer/weight_sync.py)
-        if replicas is not None:
-            backend = ReplicaBackend(backend, replicas)
+        backend = trainer.vllm_server.backend(max_concurrency=args.rollout_concurrency,
+                                              server_wait_s=args.vllm_server_wait_s,
+                                              timeout_s=args.vllm_request_timeout_s)  # fmt: skip
     elif getattr(trainer, "_sampler", None) is not None:  # max_staleness >= 1: the sampler copy decodes
         backend = TransformersBackend(trainer._sampler.model, trainer._tokenizer)
     else:

@@ -125,7 +125,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         from appo_trl.configs.preflight import check_reward_columns  # before the model loads
 
         check_reward_columns(reward_funcs if isinstance(reward_funcs, list) else [reward_funcs], train_dataset)
-        with prepare_vllm_server(args):  # server checks; disk weight sync on a CPU trainer/server (else TRL's NCCL)
+        with prepare_vllm_server(args) as self.vllm_server:  # the servers (a ServerSpec); TRL's weight sync
             super().__init__(
                 model=model,
                 reward_funcs=resolve_reward_funcs(reward_funcs),

@@ -1,0 +1,72 @@
+"""Every write appo-trl makes into TRL's private attributes or module globals: one function per seam.
+
+Each function names its seam and the TRL version it was read from (trl 1.16.0); when TRL moves, this is the file
+to read again. Not here: subclassing TRL's `VLLMGeneration` (`appo_trl.vllm.weight_sync`, `appo_trl.vllm.nccl`:
+`_init_vllm` overridden, `_iter_named_params` read) and the one module global it swaps while TRL builds the
+colocated engine (`trl.generation.vllm_generation.LLM`, `appo_trl.vllm.weight_sync._trl_llm_takes`: floor 2
+cannot import this module).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+TRL_VERSION = "1.16.0"  # the TRL these seams were read from
+
+
+@contextlib.contextmanager
+def vllm_generation_replaced(build):
+    """Seam `trl.trainer.grpo_trainer.VLLMGeneration` (trl 1.16.0): `GRPOTrainer.__init__` builds its vLLM engine /
+    weight sync as `VLLMGeneration(**kwargs)` by this module-global name. Within, the name is `build(original)`
+    (`original`: the class there on entry); restored on exit. Wrap `super().__init__` with it."""
+    import trl.trainer.grpo_trainer as grpo_trainer
+
+    original = grpo_trainer.VLLMGeneration
+    grpo_trainer.VLLMGeneration = build(original)
+    try:
+        yield
+    finally:
+        grpo_trainer.VLLMGeneration = original
+
+
+def weights_synced_at(trainer) -> int:
+    """Seam `GRPOTrainer._last_loaded_step` (trl 1.16.0): the global step whose weights vLLM holds (-1: none yet);
+    TRL's `_generate` syncs when it differs from `state.global_step`."""
+    return trainer._last_loaded_step
+
+
+def mark_weights_synced(trainer) -> None:
+    """Seam `GRPOTrainer._last_loaded_step` (trl 1.16.0): vLLM now holds the weights of `state.global_step`."""
+    trainer._last_loaded_step = trainer.state.global_step
+
+
+def weights_sleeping(generation) -> bool:
+    """Seam `VLLMGeneration._llm_weights_sleeping` (trl 1.16.0): the colocated engine's weights were dropped by a
+    level-2 sleep (its `sync_weights` wakes them first). False where the attribute does not exist (server mode)."""
+    return getattr(generation, "_llm_weights_sleeping", False)
+
+
+def mark_weights_sleeping(generation) -> None:
+    """Seam `VLLMGeneration._llm_weights_sleeping` (trl 1.16.0): set after a level-2 sleep, as TRL's colocate
+    `generate` does after its own round."""
+    generation._llm_weights_sleeping = True
+
+
+@contextlib.contextmanager
+def trl_importance_correction(trainer):
+    """Seam `GRPOTrainer.use_vllm` (trl 1.16.0): TRL computes the behaviour-policy correction (the proximal old
+    logps, the importance weight in any of its modes, its metrics, the loss factor) under `if self.use_vllm and
+    self.vllm_importance_sampling_correction`. Within, `use_vllm` is raised for a sampler that is a separate copy
+    of the policy (as a server is), and lowered after; with `use_vllm` already set this does nothing."""
+    if trainer.use_vllm:
+        yield
+        return
+    trainer.use_vllm = True
+    try:
+        yield
+    finally:
+        trainer.use_vllm = False
+
+
+__all__ = ["TRL_VERSION", "mark_weights_sleeping", "mark_weights_synced", "trl_importance_correction",
+           "vllm_generation_replaced", "weights_sleeping", "weights_synced_at"]  # fmt: skip
