@@ -52,6 +52,12 @@ def mark_weights_sleeping(generation) -> None:
     generation._llm_weights_sleeping = True
 
 
+def log_metric(trainer, mode: str, key: str, value: float) -> None:
+    """Seam `GRPOTrainer._metrics` (trl 1.16.0): `{"train" | "eval": defaultdict(list)}`; `GRPOTrainer.log` averages
+    each list into the logged value and clears it. `value` joins the step's `key`."""
+    trainer._metrics[mode][key].append(value)
+
+
 @contextlib.contextmanager
 def trl_importance_correction(trainer):
     """Seam `GRPOTrainer.use_vllm` (trl 1.16.0): TRL computes the behaviour-policy correction (the proximal old
@@ -68,5 +74,5 @@ def trl_importance_correction(trainer):
         trainer.use_vllm = False
 
 
-__all__ = ["TRL_VERSION", "mark_weights_sleeping", "mark_weights_synced", "trl_importance_correction",
+__all__ = ["TRL_VERSION", "log_metric", "mark_weights_sleeping", "mark_weights_synced", "trl_importance_correction",
            "vllm_generation_replaced", "weights_sleeping", "weights_synced_at"]  # fmt: skip

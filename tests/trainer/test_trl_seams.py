@@ -43,3 +43,12 @@ def test_synced_step_sleeping_flag_and_importance_correction():
     with trl_seams.trl_importance_correction(trainer):
         pass
     assert trainer.use_vllm is True
+
+
+def test_a_metric_joins_trls_list_for_the_step():
+    from collections import defaultdict
+
+    trainer = SimpleNamespace(_metrics={"train": defaultdict(list), "eval": defaultdict(list)})
+    trl_seams.log_metric(trainer, "train", "tree/tokens_ratio", 0.5)
+    trl_seams.log_metric(trainer, "train", "tree/tokens_ratio", 0.25)
+    assert trainer._metrics["train"]["tree/tokens_ratio"] == [0.5, 0.25] and not trainer._metrics["eval"]
