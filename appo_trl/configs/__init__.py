@@ -8,7 +8,7 @@
 - `preflight`: the start-up checks that run before the model loads;
 - `errors`: `ConfigError` and its subclasses, printed as one line with exit code 2.
 
-Imports `tools` and `rewards` (preflight checks them by name) and nothing above this floor: never `data`,
+Imports `tools`, `rewards` and `vllm` (preflight checks them) and nothing above this floor: never `data`,
 `reporting`, `trainer`, `evaluation`, `stages`, `synthetic` or `cli`. Heavy libraries (torch, transformers,
 trl) are imported inside functions only, so `appo --help` stays instant.
 """
