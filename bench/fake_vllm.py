@@ -43,7 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from appo_trl.rollout.text import PieceDecoder, StopMatcher
-from appo_trl.rollout.types import SamplingParams, Segment
+from appo_trl.sampling import SamplingParams, Segment
 
 
 class ScriptedPolicy:

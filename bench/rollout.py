@@ -51,10 +51,10 @@ from appo_trl.rollout import (  # noqa: E402
     SamplingParams,
     Segment,
     Trajectory,
-    VLLMServerBackend,
     mix_seed,
 )
 from appo_trl.tools.base import ToolResult  # noqa: E402
+from appo_trl.vllm import VLLMServerBackend  # noqa: E402
 from bench.fake_vllm import FakeVLLMServer, ScriptedPolicy  # noqa: E402
 
 WORDS = " the of a is what who when where capital country river city year born answer question"

@@ -23,9 +23,9 @@ import time
 import httpx
 
 from appo_trl.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from appo_trl.rollout.replicas import ReplicaBackend, ReplicaSet, parse_server_urls
-from appo_trl.rollout.router import VLLMRouter
-from appo_trl.rollout.vllm_server import VLLMServerBackend
+from appo_trl.vllm.replicas import ReplicaBackend, ReplicaSet, parse_server_urls
+from appo_trl.vllm.router import VLLMRouter
+from appo_trl.vllm.server import VLLMServerBackend
 
 
 def counter(url: str, name: str) -> float:

@@ -97,9 +97,10 @@ class NoSyncVLLMGeneration:
 def run(strategy, model_path, tok, url, prompts, n, initial, steps, out_dir, budget):
     import trl.trainer.grpo_trainer as grpo_mod
 
-    from appo_trl.rollout import RolloutConfig, RolloutEngine, VLLMServerBackend
+    from appo_trl.rollout import RolloutConfig, RolloutEngine
     from appo_trl.trainer.config import APPOConfig
     from appo_trl.trainer.trainer import APPOTrainer
+    from appo_trl.vllm import VLLMServerBackend
 
     grpo_mod.VLLMGeneration = NoSyncVLLMGeneration
     tool = LatencyPython()
@@ -240,9 +241,10 @@ def run_overlap(k, model_path, tok, server, prompts, n, steps, out_dir, budget):
     import trl.trainer.grpo_trainer as grpo_mod
     from transformers import TrainerCallback
 
-    from appo_trl.rollout import RolloutConfig, RolloutEngine, VLLMServerBackend
+    from appo_trl.rollout import RolloutConfig, RolloutEngine
     from appo_trl.trainer.config import APPOConfig
     from appo_trl.trainer.trainer import APPOTrainer
+    from appo_trl.vllm import VLLMServerBackend
     from bench.rollout import SimTool
 
     grpo_mod.VLLMGeneration = NoSyncVLLMGeneration

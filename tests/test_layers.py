@@ -2,7 +2,7 @@
 
 Every `import` in every module of `appo_trl` counts, also the ones inside functions (the lazy imports that keep
 `appo --help` fast are still dependencies). A new subpackage or top-level module must be given a floor here,
-and the top level holds only `__init__.py`, `data.py`, `tiny.py` and the subpackages.
+and the top level holds only `__init__.py`, `data.py`, `tiny.py`, `sampling.py` and the subpackages.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "appo_trl"
 FLOORS = {
     "tools": 1,
     "tiny": 1,
+    "sampling": 1,
     "rollout": 2,
+    "vllm": 2,
     "algorithms": 2,
     "rewards": 2,
     "configs": 3,
@@ -31,7 +33,7 @@ FLOORS = {
     "synthetic": 8,
     "cli": 9,
 }
-TOP_LEVEL_FILES = {"__init__.py", "data.py", "tiny.py", "py.typed"}
+TOP_LEVEL_FILES = {"__init__.py", "data.py", "tiny.py", "sampling.py", "py.typed"}
 
 
 def _unit(module: str) -> str | None:
@@ -150,6 +152,9 @@ def test_architecture_page_names_every_subpackage():
         ("appo_trl.reporting.hub", "from appo_trl import APPOTrainer\n", True),  # a lazy public name
         ("appo_trl.trainer.loss", "from .. import stages\n", True),  # relative
         ("appo_trl.evaluation.runner", "from appo_trl.reporting import console\n", True),  # same floor, sibling
+        ("appo_trl.rollout.engine", "from appo_trl.vllm import VLLMServerBackend\n", True),  # same floor, sibling
+        ("appo_trl.vllm.server", "from appo_trl.rollout.types import Segment\n", True),
+        ("appo_trl.vllm.server", "from appo_trl.sampling import Segment\n", False),  # the contract, floor 1
         ("appo_trl.trainer.loss", "from appo_trl.algorithms import losses\nfrom . import rows\n", False),
         ("appo_trl.cli.demo", "from appo_trl.synthetic import task\n", False),
     ],

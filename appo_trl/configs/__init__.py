@@ -10,7 +10,8 @@
   once and handed to the trainer;
 - `errors`: `ConfigError` and its subclasses, printed as one line with exit code 2.
 
-Imports `tools` and `rewards` (the plan resolves them by name) and nothing above this floor: never `data`,
+Imports `tools`, `rewards` (the plan resolves them by name) and `vllm` (preflight checks the servers) and
+nothing above this floor: never `data`,
 `reporting`, `trainer`, `evaluation`, `stages`, `synthetic` or `cli`. Heavy libraries (torch, transformers,
 trl) are imported inside functions only, so `appo --help` stays instant.
 """

@@ -166,23 +166,20 @@ def served_max_model_len(training_args, timeout_s: float = 5.0) -> tuple[int, st
 
     The sampler takes the length the server serves (`appo_trl.trainer.weight_sync.prepare_vllm_server`), which
     may be smaller than the model's. Of several replicas (`vllm_server_base_url` lists them) the smallest length
-    counts; the first model a server lists is the one sampled from, as in `appo_trl.rollout.vllm_server`. A
+    counts; the first model a server lists is the one sampled from, as in `appo_trl.vllm.server`. A
     `vllm_max_model_length` that differs from a served length is an error here, before the model loads.
     None when no server answers in `timeout_s` (the trainer waits for it later) or none reports the length.
     """
     if not (getattr(training_args, "use_vllm", False) and getattr(training_args, "vllm_mode", None) == "server"):
         return None
-    from appo_trl.rollout.replicas import parse_server_urls
-    from appo_trl.rollout.vllm_server import VLLMServerBackend, VLLMServerError
+    from appo_trl.vllm import ServerClient, VLLMServerError, server_urls
 
-    base = training_args.vllm_server_base_url
-    base = base or f"http://{training_args.vllm_server_host}:{training_args.vllm_server_port}"
     configured = getattr(training_args, "vllm_max_model_length", None)
     found = []
-    for url in parse_server_urls(base):
-        server = VLLMServerBackend(url, timeout_s=timeout_s, connect_timeout_s=timeout_s, max_retries=0)
+    for url in server_urls(training_args):
+        server = ServerClient(url, timeout_s, connect_timeout_s=timeout_s, max_retries=0)
         try:
-            served = server.resolve_max_model_len(configured)
+            _, served = server.resolve_max_model_len(configured)
         except VLLMServerError:  # not up yet, or no length reported: the trainer checks again when it connects
             continue
         except ValueError as exc:  # a configured length the server does not serve

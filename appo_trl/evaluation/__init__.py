@@ -1,6 +1,6 @@
 """Floor 5: the evaluation stage. Tool-integrated inference on benchmarks, pass@k, LLM judge and reports.
 
-Imports `tools`, `rollout`, `rewards`, `configs` and `data`; never `reporting`, `trainer`, `stages`,
+Imports `tools`, `rollout`, `vllm`, `rewards`, `configs` and `data`; never `reporting`, `trainer`, `stages`,
 `synthetic` or `cli` (it evaluates a model, not a training run).
 
 `appo eval --config eval/<name>.yaml` runs `evaluate(config, generate)`; the pieces are importable alone:

@@ -26,7 +26,7 @@ from appo_trl.evaluation.runner import Generation, Request
 
 
 def _vllm_backend(config: EvalConfig, tokenizer) -> Any:
-    from appo_trl.rollout import VLLMServerBackend
+    from appo_trl.vllm import VLLMServerBackend
 
     extra = {} if config.repetition_penalty is None else {"repetition_penalty": config.repetition_penalty}
     return VLLMServerBackend(config.base_url, max_concurrency=config.concurrency, extra_body=extra)

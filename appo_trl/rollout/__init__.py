@@ -1,12 +1,13 @@
 """Floor 2: the sampler. Generation backends, the async multi-turn tool loop, exact-token trajectories, branching.
 
-Imports `appo_trl.tools` (floor 1) only; never the trainer, algorithms or evaluation.
+Imports `appo_trl.tools` and `appo_trl.sampling` (floor 1) only; never `vllm/` (its backends plug in through the
+`Backend` contract), the trainer, algorithms or evaluation.
 
 Public API::
 
     from appo_trl.rollout import (RolloutEngine, RolloutConfig, SamplingParams, Segment, Trajectory,
-                                  ToolCallRecord, BranchContext, VLLMServerBackend, TransformersBackend,
-                                  to_trl_generate_outputs)
+                                  ToolCallRecord, BranchContext, TransformersBackend, to_trl_generate_outputs)
+    from appo_trl.vllm import VLLMServerBackend
 
     backend = VLLMServerBackend("http://127.0.0.1:8000")          # or TransformersBackend(model, tokenizer)
     engine = RolloutEngine(backend, tokenizer, RolloutConfig(max_completion_length=8192, call_limit=3), tools)
@@ -16,9 +17,9 @@ Public API::
     out = to_trl_generate_outputs([t for g in groups for t in g], tokenizer)       # GRPOTrainer._generate tuple
     engine.metrics(); engine.close()
 
-- `Backend.generate(prompt_ids, SamplingParams) -> Segment`: `VLLMServerBackend` (HTTP `/v1/completions`
-  of `vllm serve`, token ids in and out), `vllm_colocate.VLLMColocateBackend` (TRL's in-process `vllm.LLM`,
-  imported from its module: it needs vLLM) and `TransformersBackend` (in-process, batches concurrent requests).
+- `Backend.generate(prompt_ids, SamplingParams) -> Segment` (`appo_trl.sampling`): `TransformersBackend`
+  (in-process, batches concurrent requests) here; `appo_trl.vllm`'s `VLLMServerBackend` (HTTP `/v1/completions`
+  of `vllm serve`, token ids in and out) and `VLLMColocateBackend` (TRL's in-process `vllm.LLM`).
 - `engine.environments = environments.RoundEnvironments(...)`: TRL's `environment_factory`, one instance per
   trajectory, forks and branches in their parent's state at the fork (set per round by the trainer).
 - `RolloutEngine.rollout(prompts, n, *, seed, hook=None, group_size=None)`: every trajectory is its own task
@@ -42,7 +43,6 @@ from appo_trl.rollout.types import (
     ToolCallRecord,
     Trajectory,
 )
-from appo_trl.rollout.vllm_server import VLLMServerBackend, VLLMServerError
 
 __all__ = [
     "Backend",
@@ -55,8 +55,6 @@ __all__ = [
     "ToolCallRecord",
     "Trajectory",
     "TransformersBackend",
-    "VLLMServerBackend",
-    "VLLMServerError",
     "mix_seed",
     "to_trl_generate_outputs",
 ]

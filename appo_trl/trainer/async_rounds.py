@@ -414,10 +414,10 @@ def build_async_rounds(trainer) -> AsyncRounds | None:
         )
     sampler = None
     if args.use_vllm:
+        from appo_trl.trainer.weight_sync import sync_weights
 
         def sync_fn():
-            trainer.vllm_generation.sync_weights()
-            trainer._last_loaded_step = trainer.state.global_step
+            sync_weights(trainer)  # and the step TRL's `_last_loaded_step` records
 
     else:
         if sharded:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from appo_trl.trainer.trl_seams import step_metrics
+
 
 def _dapo(trainer, per_token, mask, inputs, train):
     normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
@@ -123,7 +125,7 @@ def compute_policy_loss(trainer, model, inputs) -> torch.Tensor:
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     advantages = advantages.expand_as(logps)
     mode = "train" if trainer.model.training else "eval"
-    metrics = trainer._metrics[mode]
+    metrics = step_metrics(trainer, mode)
     if args.entropy_balanced_advantage:
         from appo_trl.algorithms.advantages import entropy_aware_advantage
 

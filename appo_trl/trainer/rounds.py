@@ -20,6 +20,7 @@ from trl.data_utils import is_conversational
 
 from appo_trl.reporting.console import canonical_metrics
 from appo_trl.reporting.rollout_dump import dump_round
+from appo_trl.trainer import trl_seams
 from appo_trl.trainer.async_rounds import build_async_rounds, split_cpu_threads
 from appo_trl.trainer.environments import generate_with_environments
 from appo_trl.trainer.rows import select_rows
@@ -175,11 +176,8 @@ class RoundRunner:
         if self.async_rounds is None or trainer.args.use_vllm:
             yield
             return
-        trainer.use_vllm = True
-        try:
+        with trl_seams.trl_importance_correction(trainer):
             yield
-        finally:
-            trainer.use_vllm = False
 
     @contextlib.contextmanager
     def round_weights(self):
@@ -256,7 +254,7 @@ class RoundRunner:
         rnd.prompt_ids, rnd.completion_ids = row_prompt_ids, completion_ids
         if mode == "train" and self.async_rounds is not None:
             for key, value in self.async_rounds.metrics().items():
-                t._metrics[mode][key].append(value)
+                trl_seams.log_metric(t, mode, key, value)
         # rows without cached logps get ratio 1 (they are dropped); background rounds: the proximal forward runs
         if batch.info.get("old_logps") is not None and self.async_rounds is None and trl_runs_old_logp_forward(t):
             nan0 = [torch.nan_to_num(torch.tensor(lp, dtype=torch.float32), nan=0.0) for lp in logprobs]
@@ -323,7 +321,7 @@ class RoundRunner:
     def _log(self, mode, strategy, batch, prompt_ids, completion_ids, tool_mask) -> None:
         """TRL's generation metrics (counted on sampled tokens) plus `tools/*` and `branch/*`; fixed collectives."""
         t = self.trainer
-        device, gather, m = t.accelerator.device, t.accelerator.gather, t._metrics[mode]
+        device, gather, m = t.accelerator.device, t.accelerator.gather, trl_seams.step_metrics(t, mode)
         rows = batch.rows
         prompt_len = gather(torch.tensor([len(p) for p in prompt_ids], device=device))
         full_len = gather(torch.tensor([len(c) for c in completion_ids], device=device))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from trl.data_utils import is_conversational
 
+from appo_trl.trainer import trl_seams
+
 
 def resolve_reward_funcs(reward_funcs):
     """Map reward names of `appo_trl.rewards.REWARD_FUNCS` to callables; other entries go to TRL unchanged."""
@@ -29,31 +31,26 @@ def resolve_reward_funcs(reward_funcs):
 def build_rollout_engine(trainer, sampler_model=None):
     """The rollout engine the config asks for: tools from `tools`/`tool_config`, backend from `use_vllm`.
 
-    `use_vllm=True` samples through vLLM's HTTP server at `vllm_server_base_url` (or host:port) in server mode,
-    or through TRL's in-process engine (`trainer.vllm_generation.llm`) in colocate mode; otherwise the policy
-    samples in-process (`TransformersBackend`), or `sampler_model` (the sampler copy, max_staleness >= 1) does.
+    `use_vllm=True` samples through the vLLM servers resolved at start-up (`trainer.vllm_server`, a `ServerSpec`:
+    the router with several replicas) in server mode, or through TRL's in-process engine
+    (`trainer.vllm_generation.llm`) in colocate mode; otherwise the policy samples in-process (`TransformersBackend`),
+    or `sampler_model` (the sampler copy, max_staleness >= 1) does.
     """
-    from appo_trl.rollout import RolloutConfig, RolloutEngine, TransformersBackend, VLLMServerBackend
+    from appo_trl.rollout import RolloutConfig, RolloutEngine, TransformersBackend
     from appo_trl.tools import ToolExecutor
 
     args = trainer.args
     tools = trainer.startup_plan.take_tools()  # the planned tools; a second engine (after close) gets fresh ones
     if args.use_vllm and args.vllm_mode == "colocate":
-        from appo_trl.rollout.vllm_colocate import VLLMColocateBackend
+        from appo_trl.vllm import VLLMColocateBackend
 
         llm = trainer.vllm_generation.llm
         backend = VLLMColocateBackend(llm, sleep_mode=args.vllm_enable_sleep_mode)
         max_model_len = llm.llm_engine.model_config.max_model_len
     elif args.use_vllm:
-        from appo_trl.rollout.replicas import ReplicaBackend, replica_set_for
-
-        base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        backend = VLLMServerBackend(base_url, max_concurrency=args.rollout_concurrency,
-                                    server_wait_s=args.vllm_server_wait_s,
-                                    timeout_s=args.vllm_request_timeout_s)  # fmt: skip
-        replicas = replica_set_for(base_url)  # several replicas behind a router (trainer/weight_sync.py)
-        if replicas is not None:
-            backend = ReplicaBackend(backend, replicas)
+        backend = trainer.vllm_server.backend(max_concurrency=args.rollout_concurrency,
+                                              server_wait_s=args.vllm_server_wait_s,
+                                              timeout_s=args.vllm_request_timeout_s)  # fmt: skip
     elif sampler_model is not None:  # max_staleness >= 1: the sampler copy decodes
         backend = TransformersBackend(sampler_model, trainer._tokenizer)
     else:
@@ -115,10 +112,8 @@ def setup_chat_tools(trainer, train_dataset) -> None:
     # TRL's `_tokenize_prompts` renders `trainer.tools` into every prompt (schemas from get_json_schema); with
     # environments, each row's `_env_tools[name]`: the standalone tools, then its environment's methods (TRL's)
     standalone = [t.func for t in trainer.startup_plan.tools.values()] if trainer.startup_plan.tools else []
-    env_methods = list(trainer.tools) if trainer.environment_factories is not None else []
-    trainer.tools, trainer._standalone_tools = standalone + env_methods, standalone
-    for name in getattr(trainer, "_env_tools", None) or {}:
-        trainer._env_tools[name] = standalone + trainer._env_tools[name]
+    trainer._standalone_tools = standalone
+    trl_seams.prepend_tools(trainer, standalone)
     if train_dataset is not None and "prompt" in getattr(train_dataset, "column_names", []) and len(train_dataset):
         if not is_conversational({"prompt": train_dataset[0]["prompt"]}):
             raise ValueError(

@@ -13,6 +13,7 @@ import torch
 from trl import GRPOTrainer
 
 from appo_trl.reporting.console import install_step_line
+from appo_trl.trainer import trl_seams
 from appo_trl.trainer.checkpoints import AtomicCheckpointMixin, read_sampler_state, write_sampler_state
 from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.environments import check_environments
@@ -85,7 +86,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                                  "would reset environments TRL hands to the current round's rewards. Set "
                                  "max_staleness: 0.")  # fmt: skip
             self.tool_format = "chat"
-        with prepare_vllm_server(args):  # server checks; disk weight sync on a CPU trainer/server (else TRL's NCCL)
+        with prepare_vllm_server(args) as self.vllm_server:  # the servers (a ServerSpec); TRL's weight sync
             super().__init__(
                 model=model,
                 reward_funcs=resolve_reward_funcs(reward_funcs),
@@ -108,8 +109,8 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         check_environments(self)
         from appo_trl.reporting.hub import strategy_card
 
-        self._name, self._paper = strategy_card(args.rollout_strategy)  # model card: this strategy's paper
-        self._tag_names = ["trl", "appo-trl", args.rollout_strategy]
+        name, paper = strategy_card(args.rollout_strategy)  # model card: this strategy's paper
+        trl_seams.set_card(self, name, paper, ["trl", "appo-trl", args.rollout_strategy])
         # in-process GRPO without tools and without an injected engine is exactly TRL's own sampler: keep it
         # (a rollout_func, checked above to be grpo without tools, is served by TRL's own `_generate` as well)
         self._trl_sampler = rollout_func is not None or (
@@ -258,14 +259,13 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             return super()._prepare_inputs(generation_batch)
         from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        if self._step % generate_every == 0 or self._buffered_inputs is None:
+        def make_batches():
             batch = self._generate_and_score_completions(generation_batch)
             batch = split_pixel_values_by_grid(batch)
             batch = permute_rows(batch, group_permutation(batch["prompt_ids"], batch["prompt_mask"]))
-            batches = split_tensor_dict(batch, self.args.steps_per_generation)
-            self._buffered_inputs = [unsplit_pixel_values_by_grid(b) for b in batches]
-        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+            return [unsplit_pixel_values_by_grid(b) for b in split_tensor_dict(batch, self.args.steps_per_generation)]
+
+        return trl_seams.buffered_generation(self, make_batches)[self._step % self.args.steps_per_generation]
 
     def score_trajectories(self, trajectories) -> dict[str, torch.Tensor]:
         """No-grad trainer forward on trajectories: per-token logps and exact entropies, (R, T) on CPU."""

@@ -48,6 +48,7 @@ with warnings.catch_warnings():  # TRL flags all of `trl.experimental` as unstab
 
 from appo_trl.trainer.sharded import agree_forward_count
 from appo_trl.trainer.tree_attention import tree_forward_active
+from appo_trl.trainer.trl_seams import log_metric
 
 
 @dataclass
@@ -218,5 +219,5 @@ def trainer_tree_forward(trainer, model, input_ids, attention_mask, logits_to_ke
     )
     if torch.is_grad_enabled():
         mode = "train" if trainer.model.training else "eval"
-        trainer._metrics[mode]["tree/tokens_ratio"].append(counts["tree_tokens"] / max(counts["row_tokens"], 1))
+        log_metric(trainer, mode, "tree/tokens_ratio", counts["tree_tokens"] / max(counts["row_tokens"], 1))
     return logps, entropies, None

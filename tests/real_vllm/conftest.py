@@ -139,8 +139,8 @@ def vllm_server(request, tiny_model_path, tmp_path_factory) -> VLLMServer:
 def restore_weights(vllm_server):
     """Put the tiny model's own weights back on the server after a test that synced others."""
     yield
-    from appo_trl.trainer.weight_sync import DevClient
+    from appo_trl.vllm import ServerClient
 
-    client = DevClient(vllm_server.url)
+    client = ServerClient(vllm_server.url)
     client.reload_weights(vllm_server.model)
     client.reset_prefix_cache()

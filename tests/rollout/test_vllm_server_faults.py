@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from appo_trl.rollout import RolloutConfig, RolloutEngine, SamplingParams
-from appo_trl.rollout.vllm_server import (
+from appo_trl.vllm.server import (
     VLLMAbortedError,
     VLLMRequestError,
     VLLMServerBackend,
@@ -96,7 +96,7 @@ def _restart_in_background(server, down_s):
 def test_a_restarting_server_is_waited_for_and_reported_as_restarted(tiny_tokenizer, answer):
     import time
 
-    from appo_trl.rollout.vllm_server import VLLMServerRestarted
+    from appo_trl.vllm.server import VLLMServerRestarted
 
     policy = ScriptedPolicy(tiny_tokenizer, lambda ctx, rng: answer)
     with FakeVLLMServer(policy, tiny_tokenizer) as server:
@@ -128,7 +128,7 @@ def test_without_a_wait_a_stopped_server_fails_after_the_retries(tiny_tokenizer,
 def test_a_retry_answered_by_a_new_server_process_is_not_used(tiny_tokenizer, answer):
     """The connection was refused, then a retry got through: that answer came from a server with its start-up
     weights, so it is dropped and the restart reported."""
-    from appo_trl.rollout.vllm_server import VLLMServerRestarted
+    from appo_trl.vllm.server import VLLMServerRestarted
 
     policy = ScriptedPolicy(tiny_tokenizer, lambda ctx, rng: answer)
     with FakeVLLMServer(policy, tiny_tokenizer) as server:

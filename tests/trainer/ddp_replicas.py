@@ -60,7 +60,7 @@ def main(model_path, out, port_a, port_b, router_port):
     trainer.train()
     record_ = {
         "rank": rank, "owner": replicas.owner, "router_process": replicas.router_process is not None,
-        "monitor": replicas._thread is not None, "base_url": trainer.args.vllm_server_base_url,
+        "monitor": replicas._thread is not None, "base_url": trainer.rollout_engine.backend.base_url,
         "router_url": replicas.router_url, "views": views, "rejoins": replicas.num_rejoins,
         "down_events": replicas.num_down_events,
         "ups": [e["replicas/up"] for e in trainer.state.log_history if "replicas/up" in e],

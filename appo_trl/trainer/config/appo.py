@@ -106,7 +106,7 @@ class APPOConfig(GRPOConfig):
             "How weights reach the vLLM server once per round: `nccl` (TRL's weight-transfer engine, CUDA only), "
             "`disk` (safetensors + POST /collective_rpc reload_weights + /reset_prefix_cache; the server needs "
             "VLLM_SERVER_DEV_MODE=1 and must read the folder), or `auto` (disk when the trainer or the server "
-            "runs on CPU, else nccl). See appo_trl.trainer.weight_sync.",
+            "runs on CPU, else nccl). See appo_trl.vllm.weight_sync.",
         ),
     )
     vllm_server_wait_s: float = field(
@@ -163,7 +163,7 @@ class APPOConfig(GRPOConfig):
             "When `vllm_server_base_url` lists several replicas, appo starts vLLM's router (`appo-trl[router]`) "
             "in front of them with this `--policy`. `consistent_hash` keeps every request of one tree (sent with "
             "its `X-Session-ID`) on one replica, where its prefix is cached; `round_robin` is the cache-blind "
-            "baseline. See appo_trl.rollout.router.",
+            "baseline. See appo_trl.vllm.router.",
         ),
     )
     vllm_router_port: int | None = field(

@@ -169,8 +169,8 @@ def check_async(cfg) -> None:
 
 def check_replicas(cfg) -> None:
     """`vllm_server_base_url`: one URL or several (a list, or one string split at commas); the router policy."""
-    from appo_trl.rollout.replicas import parse_server_urls
-    from appo_trl.rollout.router import RouterError, router_executable
+    from appo_trl.vllm.replicas import parse_server_urls
+    from appo_trl.vllm.router import RouterError, router_executable
 
     try:
         urls = parse_server_urls(cfg.vllm_server_base_url)

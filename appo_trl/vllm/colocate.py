@@ -1,31 +1,11 @@
 """`VLLMColocateBackend`: sampling from an in-process `vllm.LLM` (TRL's `vllm_mode: colocate` engine).
 
-TRL's `GRPOTrainer` with `use_vllm=True, vllm_mode="colocate"` builds one `vllm.LLM` inside each training process
-(`trainer.vllm_generation.llm`, `logprobs_mode="processed_logprobs"`) and syncs the policy's weights into it
-with `VLLMGeneration.sync_weights` (in-process `load_weights`, then a prefix-cache reset). This backend drives
-that same engine for the rollout engine's tool loop: token ids in, the exact sampled ids and their logprobs out,
-one request per `generate` call, the same contract as `VLLMServerBackend`.
-
-How: `LLM.generate` is a blocking, whole-batch call, while the tool loop issues requests one at a time from
-many concurrent trajectories. So one worker thread owns the engine: it adds every queued request to
-`llm.llm_engine` (`add_request`) and calls `step()` while any is unfinished, so requests join and leave the
-running batch as they come (continuous batching, as the server does), and each finished `RequestOutput`
-resolves its caller's future on the caller's event loop. A branch's request shares its parent's prefix, so
-vLLM's in-process prefix cache serves it (`cached_tokens` counts the prompt tokens it served).
-
-Segments: `finish_reason` "stop" with a string `stop_reason` is a stop string (the completing token kept
-whole: `include_stop_str_in_output`), "stop" otherwise is an EOS or stop token, "length" is `max_tokens`; an
-aborted request is never returned as finished (it raises). A failure inside the engine fails every request in
-flight with that error as the cause and every later request at once; nothing waits forever.
-
-One engine per rank, without tensor parallelism: TRL's `vllm_tensor_parallel_size > 1` colocate engines run in
-lockstep (`distributed_executor_backend="external_launcher"`), so every rank of a TP group must add the same
-requests in the same order, while each rank's tool loop here adds its own as its trajectories reach them.
-`APPOConfig` refuses that combination and names server mode, which serves tensor parallelism.
-
-What this module does not do: build the `LLM` or sync weights (TRL's `VLLMGeneration` does), or sleep / wake
-it (`awake()` wraps a round when TRL's sleep mode is on). It must not be used while the trainer loads
-weights into the same engine: the trainer syncs between rounds, when no request is in flight.
+The same contract as `VLLMServerBackend` (token ids in, the exact sampled ids and their logprobs out, one request
+per `generate`) on `trainer.vllm_generation.llm`: one worker thread owns the engine, adds every queued request
+(`add_request`) and `step()`s while any is unfinished, so requests join and leave the running batch as they come;
+a failure inside the engine fails every request in flight and every later one (nothing waits forever). One engine
+per rank, without tensor parallelism (docs/architecture.md, "vLLM"). It does not build the `LLM` or sync weights
+(TRL's `VLLMGeneration`, `appo_trl.vllm.weight_sync.ColocateWeightSync`); `awake()` wraps a round in sleep mode.
 """
 
 from __future__ import annotations
@@ -39,7 +19,8 @@ import threading
 import time
 from typing import Any
 
-from appo_trl.rollout.types import SamplingParams, Segment
+from appo_trl.sampling import SamplingParams, Segment
+from appo_trl.vllm.server import segment_from_vllm
 
 
 class VLLMColocateError(RuntimeError):
@@ -61,7 +42,7 @@ def parse_output(output: Any, want_top: bool) -> Segment:
         logprobs.append(math.nan if value is None else float(value))
         if want_top:
             top.append({int(k): float(v.logprob) for k, v in entry.items()})
-    segment = Segment.from_vllm(ids, logprobs, top, choice.finish_reason, choice.stop_reason)
+    segment = segment_from_vllm(ids, logprobs, top, choice.finish_reason, choice.stop_reason)
     if segment is not None:
         return segment
     reason = choice.finish_reason
@@ -223,3 +204,6 @@ class VLLMColocateBackend:
                 except queue.Empty:
                     break
                 self._resolve(loop, future, error=self._failure or VLLMColocateError("the backend was closed"))
+
+
+__all__ = ["VLLMColocateBackend", "VLLMColocateError", "parse_output"]

@@ -1,34 +1,11 @@
 """Several vLLM replicas behind one router: who is in, who is out, and requests that outlive a replica.
 
-`parse_server_urls` reads `vllm_server_base_url`: one URL, or several (a list, or one string separated by
-commas or spaces). `ReplicaSet` holds the replicas behind one `vllm-router` (`appo_trl.rollout.router`):
-
-- a monitor thread polls every replica's `GET /health` (`health_interval_s`); after `failures_to_down`
-  failures in a row the replica is *down*: it is removed from the router (`POST /remove_worker`, checked with
-  `GET /list_workers`, retried), so no new request goes there, a warning names it, and it is marked stale: the
-  weights it will hold when it comes back are not the trainer's. When the router does not let it go, the set
-  *fails* (`ReplicaRemovalError`, naming the URL): the router would send the replica requests again as soon as
-  it restarts, with its old weights, so every later request and weight sync raises that error and the run stops;
-- it stays out until the weight sync (`appo_trl.trainer.weight_sync`) finds it healthy again, gives it the
-  current weights and a fresh prefix cache, and calls `rejoin`: it is added back to the router, and the dead
-  time is logged and counted (`metrics()`).
-
-Only one `ReplicaSet` per router changes the router's worker list: the *owner* (`owner=True`; in training the
-main process). A *follower* (`owner=False`: the other training processes, which share the main process's
-router) never calls the router's admin API and runs no monitor: a replica it finds down under a request is
-marked down in its own view only, and at every weight sync it takes the owner's view (`snapshot` on the owner,
-`adopt` on the follower), rejoins included.
-
-`ReplicaBackend` wraps the `VLLMServerBackend` that talks to the router. vLLM's router itself retries a request
-that a replica drops (connection reset, 5xx) on another worker, so most requests cut by a dying replica never
-reach appo as errors. A request that still fails with a server error after the router's and the backend's own
-retries is checked against the replicas' health: when a replica was found down meanwhile (it died under the
-request), appo sends the request again, whole (prompt and every earlier turn: the prefix is part of the
-request), until `timeout_s` after its first attempt (`replicas/resent` counts these); when every replica still
-answers, the error is the server's own and is raised. Each request yields exactly one segment, so no row is
-lost or doubled. When every replica is down it raises `ReplicasDownError` at once, naming each URL.
-
-What it does not do: route (the router does), start or restart vLLM servers, or sync weights.
+`parse_server_urls` reads `vllm_server_base_url` (one URL or several). `ReplicaSet` watches the replicas behind one
+`vllm-router` (a monitor thread polls `/health`); a replica found down leaves the router (checked, or the set fails
+with `ReplicaRemovalError`: it must never serve old weights) and rejoins only after a weight sync gave it the current
+weights (`rejoin`). Only the *owner* set (the main training process) changes the router's worker list; *followers*
+adopt its view at every sync. `ReplicaBackend` resends a request whole when a replica died under it. The rules in
+full: docs/architecture.md ("vLLM"). It does not route, start servers or sync weights.
 """
 
 from __future__ import annotations
@@ -39,11 +16,10 @@ import threading
 import time
 from typing import Any
 
-import httpx
-
-from appo_trl.rollout.router import RouterClient, RouterError
-from appo_trl.rollout.types import SamplingParams, Segment
-from appo_trl.rollout.vllm_server import VLLMRequestError, VLLMServerBackend, VLLMServerError
+from appo_trl.sampling import SamplingParams, Segment
+from appo_trl.vllm.client import ServerClient, VLLMRequestError, VLLMServerError
+from appo_trl.vllm.router import RouterClient, RouterError
+from appo_trl.vllm.server import VLLMServerBackend
 
 logger = logging.getLogger(__name__)
 
@@ -126,11 +102,7 @@ class ReplicaSet:
     @staticmethod
     def probe(url: str, timeout_s: float = 5.0) -> str | None:
         """None when `GET url/health` answers 200, else the reason."""
-        try:
-            resp = httpx.get(f"{url}/health", timeout=timeout_s)
-        except httpx.HTTPError as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return None if resp.status_code == 200 else f"/health answered HTTP {resp.status_code}"
+        return ServerClient(url).probe(timeout_s)
 
     def check(self) -> None:
         """Poll every replica that is up once; mark down those that failed `failures_to_down` times in a row."""
@@ -279,7 +251,6 @@ class ReplicaSet:
             self._thread = None
         if self.router_process is not None:
             self.router_process.stop()
-        _REGISTRY.pop(self.router_url, None)
 
     def metrics(self) -> dict[str, float]:
         now = time.monotonic()
@@ -292,19 +263,6 @@ class ReplicaSet:
                 "replicas/rejoins": float(self.num_rejoins),
                 "replicas/resent": float(self.num_resent),
             }
-
-
-_REGISTRY: dict[str, ReplicaSet] = {}
-
-
-def register(replicas: ReplicaSet) -> ReplicaSet:
-    """Make `replicas` findable by its router URL (the trainer's weight sync and rollout engine share one)."""
-    _REGISTRY[replicas.router_url] = replicas
-    return replicas
-
-
-def replica_set_for(router_url: str) -> ReplicaSet | None:
-    return _REGISTRY.get(router_url.rstrip("/"))
 
 
 class ReplicaBackend:
@@ -365,5 +323,4 @@ class ReplicaBackend:
         return self.replicas.metrics()
 
 
-__all__ = ["ReplicaBackend", "ReplicaRemovalError", "ReplicaSet", "ReplicasDownError", "parse_server_urls",
-           "register", "replica_set_for"]  # fmt: skip
+__all__ = ["ReplicaBackend", "ReplicaRemovalError", "ReplicaSet", "ReplicasDownError", "parse_server_urls"]

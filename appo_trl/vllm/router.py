@@ -1,23 +1,10 @@
 """vLLM's router (`vllm-router`, the `appo-trl[router]` extra) in front of several vLLM replicas.
 
-`VLLMRouter` starts `vllm-router --worker-urls URL1 URL2 ... --policy consistent_hash` on a free local port,
-waits until it lists every replica, and stops it (`stop()`, or at exit). On Linux the router also dies with the
-thread that started it (`prctl(PR_SET_PDEATHSIG, SIGTERM)` in the child before `exec`), so a trainer killed
-with SIGKILL, which runs no exit handler, leaves no router behind. `RouterClient` is the part of the
-router's admin API appo uses: `GET /list_workers`, `POST /add_worker?url=`, `POST /remove_worker?url=`; it
-also tells a router from a plain vLLM server (`is_router`), so a router the user already runs can be given as
-the one `vllm_server_base_url`, and its replicas are read from it.
-
-Why `consistent_hash`: the rollout engine sends every request of one tree (a prompt's group, its branches and
-its tool rounds) with the same `X-Session-ID` (`SamplingParams.session_id`); `consistent_hash` hashes that
-header onto a ring of the replicas, so the whole tree decodes on the replica whose prefix cache holds its
-prompt and its earlier turns, with no state in the router to lose. `cache_aware` guesses the same from the
-request text, but our prompts are token ids, and it balances load away from the cached replica when they
-differ; `round_robin` ignores the cache (the baseline of `bench/rollout.py --real-vllm`). When a replica
-leaves the ring, only its trees move; the others keep their replica.
-
-What this module does not do: watch replicas, resend requests or sync weights (`appo_trl.rollout.replicas`
-and `appo_trl.trainer.weight_sync` do), or start vLLM servers.
+`VLLMRouter` starts `vllm-router --worker-urls ... --policy consistent_hash` on a free local port, waits until it
+lists every replica, and stops it (`stop()`, at exit, or, on Linux, when the thread that started it dies:
+`PR_SET_PDEATHSIG`). `RouterClient` is the admin API appo uses (`list_workers`, `add_worker`, `remove_worker`) and
+tells a router from a plain vLLM server (`is_router`). Why `consistent_hash`: docs/architecture.md ("vLLM"). It does
+not watch replicas, resend requests or sync weights (`appo_trl.vllm.replicas`, `appo_trl.vllm.weight_sync`).
 """
 
 from __future__ import annotations
@@ -111,7 +98,7 @@ class VLLMRouter:
 
     Args:
         replica_urls: the vLLM servers (`http://host:port`), all serving the same model.
-        policy: the router's `--policy` (see the module docstring for why `consistent_hash`).
+        policy: the router's `--policy` (docs/architecture.md, "vLLM", tells why `consistent_hash`).
         host: the address the router listens on.
         port: its port (None: a free one).
         request_timeout_s: the router's `--request-timeout-secs` (a long generation must fit).

@@ -1,35 +1,11 @@
 """`VLLMServerBackend`: sampling from a running `vllm serve` over HTTP (`POST /v1/completions`).
 
-Each `generate` call is one request with a single token-id prompt (`"prompt": [ids]`), `n=1`, its own seed,
-`return_token_ids` for the exact sampled ids, `logprobs` for the sampled token's logprob (plus top-k when
-asked), and the tool stop strings with `include_stop_str_in_output`. A request with `SamplingParams.session_id`
-carries it as the `X-Session-ID` header: behind vLLM's router (`appo_trl.rollout.router`) every request of
-one tree then lands on one replica. Many requests are in flight at once over
-one `httpx.AsyncClient` (vLLM batches them continuously).
-
-The server's failure modes, as a real vLLM 0.31 shows them:
-
-- connection errors, timeouts, 408/429 and 5xx are retried with backoff; when the retries are spent a
-  `VLLMServerError` names the URL and the last error;
-- a server that refused connections (it stopped or restarts) is waited for when `server_wait_s > 0`: `GET
-  /health` is polled until it answers 200, for up to `server_wait_s` seconds. A server that comes back (or
-  answers a retry after refusing a connection) is a new process with the weights it loaded at start, so
-  `VLLMServerRestarted` is raised instead of sampling from it: the trainer syncs the weights again and re-runs
-  the round (`appo_trl.trainer.weight_sync.generate_round`);
-- every other 4xx (prompt + max_tokens over `--max-model-len`, logprobs over `--max-logprobs`, an unknown
-  model name) raises `VLLMRequestError` at once, with the server's own message;
-- a request the server aborts (`POST /pause`, shutdown, preemption) answers HTTP 200 with
-  `finish_reason: "abort"` and a partial completion. That is never an EOS: the request is sent again from the
-  same prompt (the partial tokens are dropped), up to `max_retries` times, then `VLLMAbortedError` is raised;
-- `resolve_max_model_len` reads `max_model_len` from `GET /v1/models`, and refuses a configured length that
-  differs from the served one.
-
-What this module does not do: start the server or sync weights (the trainer does that once per round through
-TRL's NCCL engine on GPU, or `appo_trl.trainer.weight_sync` on a CPU server). Start the server with TRL's flags,
-e.g.::
-
-    VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-8B --weight-transfer-config '{"backend":"nccl"}' \\
-        --logprobs-mode processed_logprobs --max-logprobs -1 --enable-prefix-caching
+One request per `generate` call: a token-id prompt, `n=1`, its own seed, `return_token_ids` for the exact sampled
+ids, `logprobs` for the sampled token's logprob (plus top-k when asked), the tool stop strings kept whole
+(`include_stop_str_in_output`); `SamplingParams.session_id` goes out as `X-Session-ID`, so behind vLLM's router
+(`appo_trl.vllm.router`) a tree stays on one replica. Failures (retries, aborts, a restarted server raising
+`VLLMServerRestarted`) are told in docs/architecture.md ("vLLM"). Everything but sampling (health, the served
+length) goes through its `ServerClient`. It does not start servers or sync weights.
 """
 
 from __future__ import annotations
@@ -42,51 +18,35 @@ from typing import Any
 
 import httpx
 
-from appo_trl.rollout.types import SamplingParams, Segment
+from appo_trl.sampling import SamplingParams, Segment
+from appo_trl.vllm.client import (
+    ServerClient,
+    VLLMAbortedError,
+    VLLMRequestError,
+    VLLMServerError,
+    VLLMServerRestarted,
+    server_message,
+)
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 SESSION_HEADER = "X-Session-ID"  # vllm-router's consistent_hash reads it first (then x-user-id, ...)
 
 
-class VLLMServerError(RuntimeError):
-    """The vLLM server could not serve a request (unreachable, timing out, or answering errors)."""
-
-
-class VLLMRequestError(VLLMServerError):
-    """The server rejected a request with a 4xx answer (not retried); `status` and the server's `message`."""
-
-    def __init__(self, text: str, status: int, message: str):
-        super().__init__(text)
-        self.status, self.message = status, message
-
-
-class VLLMServerRestarted(VLLMServerError):
-    """The server refused connections and is back: a new process, whose weights must be synced before sampling."""
-
-
-class VLLMAbortedError(VLLMServerError):
-    """The server aborted a request (`finish_reason: "abort"`): paused, shutting down or preempted."""
-
-
-def server_message(resp: httpx.Response) -> str:
-    """The error message of a vLLM answer (`{"error": {"message": ...}}`, `{"message": ...}` or `{"detail": ...}`)."""
-    try:
-        data = resp.json()
-    except ValueError:
-        return resp.text[:1000]
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        for key in ("message", "detail", "error"):
-            if data.get(key):
-                return str(data[key])
-    return resp.text[:1000]
-
-
 def _token_id(token: str) -> int:
     # with `return_tokens_as_token_ids`, vLLM spells every token as "token_id:<id>"
     return int(token.rsplit(":", 1)[1])
+
+
+def segment_from_vllm(ids, logprobs, top, reason, stop_reason) -> Segment | None:
+    """From vLLM's `finish_reason` / `stop_reason` (server and in-process alike); None for any other reason
+    (e.g. `abort`), which each backend turns into its own error."""
+    if reason == "length":
+        return Segment(ids, logprobs, top, "length", None)
+    if reason == "stop" and isinstance(stop_reason, str):
+        return Segment(ids, logprobs, top, "stop", stop_reason)
+    if reason == "stop":  # EOS (stop_reason None) or a stop token id
+        return Segment(ids, logprobs, top, "eos", None)
+    return None
 
 
 def parse_choice(choice: dict[str, Any], want_top: bool) -> Segment:
@@ -108,7 +68,7 @@ def parse_choice(choice: dict[str, Any], want_top: bool) -> Segment:
             d.setdefault(ids[i], logprobs[i])
             top.append(d)
     reason = choice.get("finish_reason")
-    segment = Segment.from_vllm(ids, logprobs, top, reason, choice.get("stop_reason"))
+    segment = segment_from_vllm(ids, logprobs, top, reason, choice.get("stop_reason"))
     if segment is not None:
         return segment
     if reason == "abort":  # a truncated completion, never a finished one
@@ -160,6 +120,8 @@ class VLLMServerBackend:
         self.extra_body = dict(extra_body or {})
         self.connections_per_client = connections_per_client
         self.server_wait_s = server_wait_s
+        self.server = ServerClient(self.base_url, timeout_s, connect_timeout_s=connect_timeout_s,
+                                   max_retries=max_retries, backoff_s=backoff_s)  # fmt: skip
         self._clients: dict[int, tuple[list[httpx.AsyncClient], asyncio.Semaphore]] = {}
         self._next = 0
         self._ssl: ssl.SSLContext | None = None
@@ -222,24 +184,21 @@ class VLLMServerBackend:
                 )
             return resp.json()
         if refused and self.server_wait_s > 0:
-            await self._wait_for_restart(client, path, last)
+            await self._wait_for_restart(path, last)
         raise VLLMServerError(
             f"vLLM server at {self.base_url}{path} failed after {self.max_retries + 1} attempts: {last}. "
             "Is `vllm serve` running there (see the README for the command)?"
         )
 
-    async def _wait_for_restart(self, client: httpx.AsyncClient, path: str, last: str) -> None:
+    async def _wait_for_restart(self, path: str, last: str) -> None:
         """Poll `GET /health` for up to `server_wait_s`; raise `VLLMServerRestarted` when it answers 200."""
         start = time.monotonic()
         while time.monotonic() - start < self.server_wait_s:
-            try:
-                if (await client.get("/health")).status_code == 200:
-                    raise VLLMServerRestarted(
-                        f"vLLM server {self.base_url} refused connections ({last}) and is back after "
-                        f"{time.monotonic() - start:.1f} s"
-                    )
-            except httpx.HTTPError:
-                pass
+            if await asyncio.to_thread(self.server.probe) is None:
+                raise VLLMServerRestarted(
+                    f"vLLM server {self.base_url} refused connections ({last}) and is back after "
+                    f"{time.monotonic() - start:.1f} s"
+                )
             await asyncio.sleep(min(1.0, self.server_wait_s / 10))
         raise VLLMServerError(
             f"vLLM server at {self.base_url}{path} is unreachable ({last}) and did not come back within "
@@ -253,48 +212,10 @@ class VLLMServerBackend:
         return self.model
 
     def resolve_max_model_len(self, configured: int | None) -> int:
-        """The served `max_model_len` (from `GET /v1/models`), checked against `configured` when given.
-
-        Blocking (call it at start-up, outside the event loop). Raises `ValueError` naming both numbers when
-        they differ, and `VLLMServerError` when the server does not report it or serves another model.
-        """
-        url = f"{self.base_url}/v1/models"
-        last = ""
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                resp = httpx.get(url, timeout=self.timeout)
-            except httpx.HTTPError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-                continue
-            if resp.status_code != 200:
-                raise VLLMServerError(f"vLLM server {url} answered HTTP {resp.status_code}: {server_message(resp)}")
-            break
-        else:
-            raise VLLMServerError(f"vLLM server at {url} is unreachable ({last}). Is `vllm serve` running there?")
-        models = resp.json().get("data") or []
-        if not models:
-            raise VLLMServerError(f"vLLM server {url} serves no model")
-        if self.model is None:
-            self.model = models[0]["id"]
-        entry = next((m for m in models if m.get("id") == self.model), None)
-        if entry is None:
-            served = ", ".join(str(m.get("id")) for m in models)
-            raise VLLMServerError(
-                f"vLLM server {self.base_url} does not serve model {self.model!r} (it serves {served})"
-            )
-        served_len = entry.get("max_model_len")
-        if served_len is None:
-            if configured is None:
-                raise VLLMServerError(f"vLLM server {url} does not report max_model_len; set vllm_max_model_length")
-            return int(configured)
-        if configured is not None and int(configured) != int(served_len):
-            raise ValueError(
-                f"vllm_max_model_length={configured} but the vLLM server at {self.base_url} serves "
-                f"max_model_len={served_len}: set them equal (or leave vllm_max_model_length unset to use the server's)."
-            )
-        return int(served_len)
+        """The served `max_model_len`, checked against `configured` (`ServerClient.resolve_max_model_len`; blocking:
+        call it at start-up, outside the event loop). Sets `model` to the served one when it was None."""
+        self.model, served = self.server.resolve_max_model_len(configured, self.model)
+        return served
 
     def request_body(self, prompt_ids: list[int], params: SamplingParams, model: str) -> dict[str, Any]:
         """The exact JSON body sent for one `generate` call."""
@@ -347,11 +268,7 @@ class VLLMServerBackend:
 
     async def health(self) -> bool:
         """True when `GET /health` answers 200 (no retries)."""
-        client, _ = self._client()
-        try:
-            return (await client.get("/health")).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return await asyncio.to_thread(self.server.probe) is None
 
     async def aclose(self) -> None:
         key = id(asyncio.get_running_loop())
@@ -359,3 +276,7 @@ class VLLMServerBackend:
         if entry is not None:
             for client in entry[0]:
                 await client.aclose()
+
+
+__all__ = ["VLLMAbortedError", "VLLMRequestError", "VLLMServerBackend", "VLLMServerError", "VLLMServerRestarted",
+           "parse_choice", "segment_from_vllm"]  # fmt: skip

@@ -1,0 +1,85 @@
+"""Floor 1: the sampler contract: `SamplingParams` (a request), `Segment` (its answer), `Backend` (who answers).
+
+Plain data and one `Protocol`: no I/O, no torch. Every backend (`appo_trl.rollout`'s in-process sampler,
+`appo_trl.vllm`'s server and colocated engines) and every consumer (the rollout engine) speak it, so it sits
+below them all. It imports nothing of `appo_trl`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "eos", "length"]
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """What one backend request asks for.
+
+    Args:
+        max_tokens: most tokens to sample in this request (>= 1).
+        temperature: softmax temperature (0 = greedy).
+        top_p: nucleus sampling mass (1.0 = disabled).
+        top_k: keep the k most likely tokens (-1 = disabled).
+        seed: per-request seed; the engine gives every request a distinct one.
+        stop: stop strings; the segment ends with the token that completes one (that token is kept whole).
+        logprobs: top logprobs wanted per token besides the sampled one (0 = only the sampled token's).
+        session_id: routing key, not a sampling setting: every request of one tree (a prompt's group, its
+            branches and tool rounds) carries the same one, so a router in front of several vLLM replicas sends
+            them all to the replica that holds their prefix in its cache (`X-Session-ID`). None: no key.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = dataclasses.field(default_factory=list)
+    logprobs: int = 0
+    session_id: str | None = None
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+
+
+@dataclasses.dataclass
+class Segment:
+    """The tokens sampled by one backend request.
+
+    Args:
+        token_ids: exact sampled ids, including the whole token that completes a stop string and the EOS id
+            when the model ended the sequence.
+        logprobs: per token, the logprob of the sampled token (processed: after temperature/top-k/top-p).
+        top_logprobs: per token, `{token_id: logprob}` of the top `SamplingParams.logprobs` tokens plus the
+            sampled one; None when `logprobs=0` was requested.
+        finish_reason: `"stop"` (a stop string), `"eos"` (an end-of-sequence token) or `"length"` (`max_tokens`).
+        stop_str: the stop string that ended the segment when `finish_reason == "stop"`.
+        latency_s: wall time of the request, seconds (metrics only).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] | None = None
+    finish_reason: FinishReason = "length"
+    stop_str: str | None = None
+    latency_s: float = 0.0
+
+    def __post_init__(self):
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"{len(self.token_ids)} token ids but {len(self.logprobs)} logprobs")
+        if self.top_logprobs is not None and len(self.top_logprobs) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} token ids but {len(self.top_logprobs)} top_logprobs entries")
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A sampler: continue `prompt_ids` with `params`. Many calls may be in flight at once."""
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Segment: ...
+
+
+__all__ = ["Backend", "FinishReason", "SamplingParams", "Segment"]
