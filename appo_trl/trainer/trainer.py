@@ -14,6 +14,7 @@ from trl import GRPOTrainer
 
 from appo_trl.reporting.console import install_step_line
 from appo_trl.trainer import trl_seams
+from appo_trl.trainer.async_rounds import check_background_rounds
 from appo_trl.trainer.checkpoints import AtomicCheckpointMixin, read_sampler_state, write_sampler_state
 from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.environments import check_environments
@@ -74,17 +75,11 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         args = resolve_args(model, args)  # None -> APPOConfig("<model>-APPO"); a GRPOConfig -> rollout_strategy grpo
         resolve_startup_plan(self, args, tools, tool_dirs, reward_funcs, train_dataset)  # before the model loads
         check_rollout_func(args, rollout_func, bool(self.tool_specs), rollout_engine, environment_factory)
-        if rollout_func is not None and args.max_staleness:
-            raise ValueError("APPOTrainer: max_staleness >= 1 runs rounds on appo-trl's rollout engine in the "
-                             "background; a rollout_func runs on TRL's own sampler. Set max_staleness: 0.")  # fmt: skip
+        check_background_rounds(args, rollout_func, environment_factory)  # max_staleness >= 1 with TRL's hooks
         if environment_factory is not None:  # environment methods are chat-template tools, as in TRL
             if args.tool_format == "tags":
                 raise ValueError("environment_factory: environment methods are chat-template tools (as in TRL); "
                                  "set tool_format: chat (tags is ARPO's tag format for built-in tools)")  # fmt: skip
-            if args.max_staleness:
-                raise ValueError("environment_factory with max_staleness >= 1 is not supported: a background round "
-                                 "would reset environments TRL hands to the current round's rewards. Set "
-                                 "max_staleness: 0.")  # fmt: skip
             self.tool_format = "chat"
         with prepare_vllm_server(args) as self.vllm_server:  # the servers (a ServerSpec); TRL's weight sync
             super().__init__(
