@@ -242,7 +242,9 @@ class ChatToolFormat:
         """A trajectory as TRL's tool-loop completion: assistant (with `tool_calls`), `tool`, ..., assistant.
 
         Calls of one assistant turn share their record's `end` (the end of their tool turn): one assistant
-        message carries them all, followed by one `tool` message per call, in call order."""
+        message carries them all, followed by one `tool` message per call, in call order. The turn's text is
+        parsed again as TRL's `parse_response` does: a turn with a malformed call is a plain-text assistant message
+        (so every `tool_calls` entry a reward reads has dict `arguments`); its error `tool` messages follow it."""
         decode = self.tokenizer.decode
         turns: dict[int, list] = {}
         for call in traj.tool_calls:
@@ -250,16 +252,18 @@ class ChatToolFormat:
         messages, pos = [], 0
         for end, calls in turns.items():
             text = decode(traj.completion_ids[pos : calls[0].start], skip_special_tokens=True)
-            cut = text.find(self.open)
-            content = (text[:cut] if cut >= 0 else text).rstrip()
-            tool_calls = []
-            for call in calls:
-                try:
-                    arguments = json.loads(call.query)
-                except (json.JSONDecodeError, TypeError):
-                    arguments = call.query
-                tool_calls.append({"type": "function", "function": {"name": call.tag, "arguments": arguments}})
-            messages.append({"role": "assistant", "content": content, "tool_calls": tool_calls})
+            parsed = self.parse_calls(text)
+            if len(parsed) != len(calls) or any(p.error is not None for p in parsed):
+                # TRL's parse_response: a turn with a malformed call is plain text (no `tool_calls`)
+                messages.append({"role": "assistant", "content": text.removesuffix(self.turn_end).rstrip()})
+            else:
+                cut = text.find(self.open)
+                content = (text[:cut] if cut >= 0 else text).rstrip()
+                tool_calls = [
+                    {"type": "function", "function": {"name": p.name, "arguments": json.loads(p.arguments)}}
+                    for p in parsed
+                ]
+                messages.append({"role": "assistant", "content": content, "tool_calls": tool_calls})
             messages.extend({"role": "tool", "name": call.tag, "content": call.result} for call in calls)
             pos = end
         messages.append({"role": "assistant", "content": decode(traj.completion_ids[pos:], skip_special_tokens=True)})
