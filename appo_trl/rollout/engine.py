@@ -41,6 +41,7 @@ from appo_trl.rollout.types import (
 )
 from appo_trl.tools.base import Tool
 from appo_trl.tools.executor import ToolExecutor
+from appo_trl.tools.main_thread import MAIN_THREAD
 
 T = TypeVar("T")
 _CHAT_TURN = "<chat turn>"  # chat format: the pending "tag" of a closed assistant turn holding calls
@@ -205,7 +206,8 @@ class RolloutEngine(ToolTurns):
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("RolloutEngine.run() called from the engine's own loop; await the coroutine instead")
-        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+        # the main thread runs the calls of tools that use signals while it waits (tools.main_thread)
+        return MAIN_THREAD.wait(asyncio.run_coroutine_threadsafe(coro, loop))
 
     def close(self) -> None:
         """Close the backend's and tools' connections and stop the engine's loop thread (idempotent)."""

@@ -5,7 +5,8 @@ from `transformers.utils.get_json_schema`, exactly what `apply_chat_template(too
 model. `FunctionTool` wraps one such function into this package's `Tool` protocol: `call(text)` takes the
 *JSON arguments* of a chat-format tool call, runs the function (sync ones in the tools' own daemon-thread
 pool, `appo_trl.tools.pool`, never the event loop's default executor that the in-process sampler needs, so a
-slow or stuck tool stalls neither the rollout loop nor sampling) and returns its result as text, `str(result)`
+slow or stuck tool stalls neither the rollout loop nor sampling; one that uses signals, such as a `signal.alarm`
+timeout, on the main thread as in TRL: `appo_trl.tools.main_thread`) and returns its result as text, `str(result)`
 as TRL does. A function that raises, or arguments that do not fit its signature, give `ok=False` with TRL's
 error text `str({"error": str(exc)})`: the model reads it, the run goes on.
 
@@ -30,12 +31,14 @@ import importlib
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from appo_trl.tools.base import Tool, ToolResult, sanitize_text
+from appo_trl.tools.main_thread import MAIN_THREAD, uses_signals
 
 BUILTIN_TOOLS = ("python", "search")
 
@@ -79,6 +82,10 @@ def tool_schema(func: Callable, label: str | None = None) -> dict:
     return schema
 
 
+logger = logging.getLogger(__name__)
+_SAID_MAIN_THREAD: set[str] = set()
+
+
 class FunctionTool:
     """A Python callable behind the `Tool` protocol; `call(text)` takes a JSON object of arguments.
 
@@ -98,6 +105,11 @@ class FunctionTool:
         self.name = self.tag = self.schema["function"]["name"]
         self.is_async = inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
         self.max_chars = max_chars
+        self.main_thread = not self.is_async and uses_signals(func)
+        if self.main_thread and self.name not in _SAID_MAIN_THREAD:
+            _SAID_MAIN_THREAD.add(self.name)
+            logger.warning("tool %r uses signals (e.g. a signal.alarm timeout): its calls run on the main thread, "
+                           "one at a time, as in TRL", self.name)  # fmt: skip
         if callable(getattr(func, "check", None)):  # a built-in's start-up check (search server health, ...)
             self.check = func.check
 
@@ -128,7 +140,7 @@ class FunctionTool:
         """Run the sync function in the tool pool; when the caller gives up (deadline), abandon the call."""
         from appo_trl.tools.pool import default_pool
 
-        pool = self.pool or default_pool()
+        pool = MAIN_THREAD if self.main_thread else self.pool or default_pool()
         future = pool.submit(functools.partial(self.func, **arguments))
         try:
             return await asyncio.wrap_future(future)

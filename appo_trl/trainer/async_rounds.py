@@ -12,6 +12,7 @@ import contextlib
 import copy
 import logging
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -22,6 +23,8 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback
+
+from appo_trl.tools.main_thread import MAIN_THREAD
 
 logger = logging.getLogger(__name__)
 
@@ -309,10 +312,11 @@ class AsyncRounds:
 
     @staticmethod
     def _wait_quietly(pending: PendingRound, timeout: float | None = None) -> None:
-        try:
-            pending.future.exception(timeout=timeout)
-        except Exception:  # noqa: BLE001 - a discarded round's own failure or a timeout
-            pass
+        try:  # on the main thread, runs the round's calls of tools that use signals meanwhile
+            MAIN_THREAD.wait(pending.future, timeout)
+        except BaseException:  # noqa: BLE001 - a discarded round's own failure or a timeout
+            if not pending.future.done() and not isinstance(sys.exc_info()[1], Exception):
+                raise  # an interrupt of the main thread itself
 
     @contextlib.contextmanager
     def trainer_forward(self):
