@@ -5,7 +5,8 @@
   naming the function, the completion and the value (TRL would fail later with `too many dimensions 'str'`,
   naming nothing).
 - `NaNRewardGuard` counts training rounds in a row in which every reward function gave None/NaN for every
-  completion (TRL then warns and trains on nothing, and the run exits 0). After `max_steps` such rounds it raises
+  completion. As TRL, such a round logs a warning (one line naming the functions) and training goes on; with
+  `max_steps > 0` (`max_nan_reward_steps`, off by default) the run stops after that many rounds with
   `RewardFunctionError` naming the functions. Rewards are checked after TRL's gather, so every rank counts alike
   and stops at the same round.
 
@@ -16,11 +17,14 @@ group advantages), or check reward models (`nn.Module`s return logits, never str
 from __future__ import annotations
 
 import functools
+import logging
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from trl.trainer.utils import is_async_callable
+
+logger = logging.getLogger(__name__)
 
 
 class RewardFunctionError(RuntimeError):
@@ -74,10 +78,10 @@ def checked_reward_func(func: Callable, name: str) -> Callable:
 
 
 class NaNRewardGuard:
-    """Stop after `max_steps` training rounds in a row without a single reward (see the module docstring).
+    """Warn on each training round without a single reward; stop after `max_steps` in a row (module docstring).
 
     Args:
-        max_steps: rounds in a row allowed to have no reward; 0 disables the check.
+        max_steps: rounds in a row allowed to have no reward; 0 (the default, TRL's behaviour) never stops.
     """
 
     def __init__(self, max_steps: int):
@@ -88,12 +92,18 @@ class NaNRewardGuard:
         """`rewards_per_func`: the gathered (N, F) tensor of one training round."""
         import torch
 
-        if self.max_steps <= 0:
-            return
         if rewards_per_func.numel() and not torch.isnan(rewards_per_func).all():
             self.streak = 0
             return
         self.streak += 1
+        if self.max_steps <= 0 or self.streak < self.max_steps:
+            funcs = ", ".join(repr(n) for n in names)
+            stop = f"; the run stops after {self.max_steps} in a row" if self.max_steps > 0 else ""
+            logger.warning(
+                "step %d: reward function(s) %s returned None/NaN for every completion (round %d in a row), so this "
+                "round trains nothing%s", step, funcs, self.streak, stop,
+            )  # fmt: skip
+            return
         if self.streak >= self.max_steps:
             funcs = ", ".join(repr(n) for n in names)
             raise RewardFunctionError(

@@ -100,3 +100,16 @@ def test_a_reward_that_is_always_none_stops_after_max_nan_reward_steps(tmp_path,
     with pytest.raises(RewardFunctionError, match=r"'broken_reward' returned None/NaN for every completion in 2 "):
         trainer.train()
     assert len(calls) == 2 and trainer.state.global_step == 1  # stopped in the second round, not after 6 steps
+
+
+def test_a_round_without_rewards_warns_and_trains_on_by_default(caplog):
+    """TRL's `test_warning_raised_all_rewards_none` semantics (issue 34): a warning per round, no stop unless
+    `max_nan_reward_steps` is set."""
+    nan = torch.full((4, 1), math.nan)
+    guard = NaNRewardGuard(APPOConfig.max_nan_reward_steps)
+    with caplog.at_level("WARNING", logger="appo_trl.trainer.reward_checks"):
+        for step in range(1, 6):
+            guard.update(nan, ["r"], step)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 5 and lines[4].startswith("step 5: reward function(s) 'r' returned None/NaN")
+    assert "round 5 in a row" in lines[4] and "stops" not in lines[4]

@@ -72,12 +72,13 @@ def test_grpo_config_is_converted_field_by_field(tmp_path, tiny_model_path, tiny
 
 def test_built_configs_take_trls_all_none_reward_behaviour(tmp_path):
     """TRL warns when every reward is None and trains on (its `test_warning_raised_all_rewards_none`): a config
-    appo-trl builds never stops on it; an APPOConfig the user wrote keeps the guard (3 rounds)."""
+    appo-trl builds never stops on it, nor by default an APPOConfig (issue 34: the stop is opt-in, the
+    assertion on the default changed from 3 to 0)."""
     from appo_trl.trainer.trl_compat import resolve_args
 
     assert resolve_args("org/tiny", GRPOConfig(str(tmp_path), **CPU)).max_nan_reward_steps == 0
     mine = APPOConfig(str(tmp_path), **CPU)
-    assert resolve_args("org/tiny", mine) is mine and mine.max_nan_reward_steps == 3
+    assert resolve_args("org/tiny", mine) is mine and mine.max_nan_reward_steps == 0
 
 
 def test_built_configs_take_trls_tool_turn_limit(tmp_path, monkeypatch):

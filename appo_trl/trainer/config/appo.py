@@ -90,10 +90,11 @@ class APPOConfig(GRPOConfig):
         ),
     )
     max_nan_reward_steps: int = field(
-        default=3,
+        default=0,
         metadata=_rollout(
             "Training rounds in a row in which every reward function returns None/NaN for every completion before "
-            "the run stops with an error naming the functions (such rounds train nothing); 0 = never stop.",
+            "the run stops with an error naming the functions (such rounds train nothing; each one logs a "
+            "warning); 0 (default) = never stop, as TRL, which warns and trains on.",
         ),
     )
     rollout_concurrency: int = field(
