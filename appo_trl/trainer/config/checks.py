@@ -224,3 +224,20 @@ def check_batching(cfg) -> None:
             f"steps_per_generation = {spg} micro-batches; raise per_device_train_batch_size or change "
             "initial_rollouts."
         )
+
+
+def bf16_follows_hardware(cfg) -> None:
+    """`bf16` left unset: TRL's default (True) where an accelerator runs it, False on a machine with none.
+
+    TRL's `GRPOConfig` turns an unset `bf16` into True and transformers then refuses a CPU-only machine ("Your
+    setup doesn't support bf16/gpu") unless `use_cpu=True` is given; an `APPOConfig` trains in fp32 there instead,
+    so the README's Python example runs as written on a CPU. An explicit `bf16` is kept (and checked) as in TRL.
+    """
+    if cfg.bf16 is not None or cfg.fp16 or cfg.use_cpu:
+        return
+    import torch
+
+    accelerators = (torch.cuda.is_available(), getattr(torch, "xpu", None) and torch.xpu.is_available(),
+                    torch.backends.mps.is_available(), hasattr(torch, "npu") and torch.npu.is_available())  # fmt: skip
+    if not any(accelerators):
+        cfg.bf16 = False
