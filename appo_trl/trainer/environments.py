@@ -9,6 +9,10 @@ message; its `_tokenize_prompts` renders each row's tool schemas; its reward ste
 the reward functions and calls `get_reward()` on each row's instance.
 
 What this module adds, so that the rollout engine can sample with environments and branch them:
+- `share_group_tasks` (every round, environment-owned data only: no `train_dataset`, TRL's `IncrementEnv`
+  pattern): a branching strategy needs one task per group, so when `reset()` sampled different tasks for the rows
+  of a group, every row takes a deep copy of the group's first instance (just after its reset) and its prompt;
+  an environment that cannot be deep-copied is refused with advice (a dataset that carries the task, or grpo).
 - `check_environments` (start-up): environments are chat-template tools (`tool_format: chat`), every method
   is a valid tool, and for a branching strategy each environment has a branch mode (`appo_trl.rollout.environments`:
   deep copy, or replay of the parent's calls; one clear error otherwise).
@@ -21,6 +25,8 @@ What it does not do: sample, call tools (the engine does), or score (TRL does).
 """
 
 from __future__ import annotations
+
+import copy
 
 from appo_trl.rollout.environments import RoundEnvironments, branch_mode, environment_methods
 from appo_trl.tools.callables import ToolSpecError, tool_schema
@@ -40,6 +46,27 @@ def check_environments(trainer) -> None:
             except ToolSpecError as exc:
                 raise ToolSpecError(f"environment_factory: {exc}") from None
         trainer._env_branch_modes[name] = branch_mode(probe, strategy.name) if strategy.branches else None
+
+
+def share_group_tasks(trainer, strategy, prompts: list, n: int) -> None:
+    """Environment-owned data and a branching strategy: the rows of each group take the first row's task (a deep
+    copy of its instance, just reset, and its prompt; `prompts` is TRL's list, changed in place so that its reward
+    step and logs read the prompt each row was sampled on)."""
+    if not getattr(trainer, "_env_owns_data", False) or not strategy.branches:
+        return
+    envs = trainer.environments
+    for s in range(0, len(prompts), n):
+        if all(prompts[j] == prompts[s] for j in range(s, s + n)):
+            continue
+        if trainer._env_branch_modes.get(trainer._batch_environments[s]) != "deepcopy":
+            raise ValueError(
+                f"environment_factory without a train_dataset and rollout_strategy={strategy.name}: reset() sampled "
+                f"different tasks for the rows of one group, and {type(envs[s]).__name__} cannot be deep-copied to "
+                "share the first one's (branch_mode 'replay'). Pass a train_dataset whose rows carry the task and "
+                "let reset(**row) read it (TRL's 'Providing an external dataset' pattern), or use rollout_strategy: grpo"
+            )
+        for j in range(s + 1, s + n):
+            envs[j], prompts[j] = copy.deepcopy(envs[s]), prompts[s]
 
 
 def _observed_prompt_ids(trainer, row: dict, name, observation) -> list[int]:
@@ -101,9 +128,17 @@ def round_environments(
     size = 1 if per_row else n
     starts = range(0, len(prompt_ids), size)
     modes = trainer._env_branch_modes if strategy.branches else {}
+    shared = getattr(trainer, "_env_owns_data", False) and strategy.branches  # share_group_tasks: copies, no reset
+
+    def make(s: int):
+        if shared and modes.get(names[s]) == "deepcopy":
+            snapshot = copy.deepcopy(rows[s])  # the group's instance just after its reset
+            return lambda: copy.deepcopy(snapshot)
+        return lambda: _fresh(trainer, inputs[s], names[s], prompt_ids[s], s)
+
     return RoundEnvironments(
         instances=[rows[s : s + size] for s in starts],
-        make=[lambda s=s: _fresh(trainer, inputs[s], names[s], prompt_ids[s], s) for s in starts],
+        make=[make(s) for s in starts],
         modes=[modes.get(names[s]) for s in starts],
         snapshots=strategy.env_snapshots,
     ), per_row

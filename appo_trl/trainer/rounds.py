@@ -22,7 +22,7 @@ from appo_trl.reporting.console import canonical_metrics
 from appo_trl.reporting.rollout_dump import dump_round
 from appo_trl.trainer import trl_seams
 from appo_trl.trainer.async_rounds import build_async_rounds, split_cpu_threads
-from appo_trl.trainer.environments import generate_with_environments
+from appo_trl.trainer.environments import generate_with_environments, share_group_tasks
 from appo_trl.trainer.rows import select_rows
 from appo_trl.trainer.setup import build_rollout_engine
 from appo_trl.trainer.sharded import full_weights_for_round
@@ -225,6 +225,8 @@ class RoundRunner:
         mode = rnd.mode
         n = t.num_generations if mode == "train" else t.num_generations_eval
         strategy = self.strategy if mode == "train" else self.eval_strategy
+        if t.environment_factories is not None:  # environment-owned data: one task per group when branching
+            share_group_tasks(t, strategy, prompts, n)
         prompt_ids, _, _ = t._tokenize_prompts(copy.deepcopy(prompts))
         batch, version = self._sample(rnd, strategy, prompt_ids, n)
         rows = batch.rows

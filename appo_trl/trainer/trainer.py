@@ -81,6 +81,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 raise ValueError("environment_factory: environment methods are chat-template tools (as in TRL); "
                                  "set tool_format: chat (tags is ARPO's tag format for built-in tools)")  # fmt: skip
             self.tool_format = "chat"
+        self._env_owns_data = environment_factory is not None and train_dataset is None  # TRL's IncrementEnv pattern
         with prepare_vllm_server(args) as self.vllm_server:  # the servers (a ServerSpec); TRL's weight sync
             super().__init__(
                 model=model,
