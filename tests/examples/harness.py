@@ -38,7 +38,8 @@ def run(model: str, out: str, turn, strategy: str | None, steps: int, config: di
         trainer = GRPOTrainer(model=model, args=GRPOConfig(out, **kw), **trainer_kw)
         trainer._generate_single_turn = functools.partial(script.trl_single_turn, trainer)
     else:
-        args = APPOConfig(out, rollout_strategy=strategy, log_completions=strategy != "grpo", **STRATEGY[strategy], **kw)
+        kw.setdefault("log_completions", strategy != "grpo")
+        args = APPOConfig(out, rollout_strategy=strategy, **STRATEGY[strategy], **kw)
         trainer = APPOTrainer(model=model, args=args, **trainer_kw)
         trainer.rollout_engine.backend = script
     trainer.train()
