@@ -6,9 +6,9 @@ work on a machine with no network and no accounts, and fails early where transfo
 - `wandb` with no credentials (no `WANDB_API_KEY`, no `api.wandb.ai` entry in `~/.netrc`) and no
   `WANDB_MODE` runs offline (`WANDB_MODE=offline`): the run is written under `./wandb` (or `$WANDB_DIR`) and
   can be uploaded later with `wandb sync`. An explicit `WANDB_MODE` (online, offline, disabled) is respected.
-- a tracker whose package is missing fails at start-up with the extra that installs it
-  (`pip install "appo-trl[trackio]"`, `"appo-trl[tensorboard]"`), instead of an error from inside
-  `Trainer.__init__` after the model has loaded.
+- a tracker whose package is missing fails at start-up, in one line (a `ConfigError`), with the extra that
+  installs it from a checkout (`pip install -e ".[trackio]"`, `".[tensorboard]"`; the project is not on the
+  package index), instead of an error from inside `Trainer.__init__` after the model has loaded.
 
 What this does not do: configure the trackers (project names, Spaces, directories): use transformers' own
 settings (`run_name`, `project`, `trackio_space_id`, `$WANDB_PROJECT`, `$TENSORBOARD_LOGGING_DIR`, ...).
@@ -20,6 +20,8 @@ import importlib.util
 import logging
 import netrc
 import os
+
+from appo_trl.configs.errors import ConfigError
 
 logger = logging.getLogger("appo_trl.reporting.trackers")
 
@@ -49,7 +51,7 @@ def wandb_has_credentials() -> bool:
 def prepare_trackers(args) -> None:
     """Check that every tracker of `args.report_to` can be imported; set wandb offline when it has no account.
 
-    Raises `ValueError` naming the missing package and the extra that installs it.
+    Raises `ConfigError` naming the missing package and the extra that installs it.
     """
     names = _report_to(args)
     if names == ["all"]:
@@ -57,7 +59,11 @@ def prepare_trackers(args) -> None:
     for name in names:
         modules, extra = TRACKERS.get(name, ((), ""))
         if modules and not any(importlib.util.find_spec(m) is not None for m in modules):
-            raise ValueError(f'report_to: {name} needs the `{modules[0]}` package: pip install "{extra}".')
+            bracket = extra[extra.find("[") :] if "[" in extra else ""
+            raise ConfigError(
+                f'report_to: {name} needs the `{modules[0]}` package: pip install -e ".{bracket}" in the appo-trl '
+                f"checkout (or pip install {modules[0]})."
+            )
     if "wandb" in names and not os.environ.get("WANDB_MODE") and not wandb_has_credentials():
         os.environ["WANDB_MODE"] = "offline"
         where = os.environ.get("WANDB_DIR", ".")

@@ -45,8 +45,8 @@ def test_missing_tracker_names_the_extra(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trackio" else real(name, *a))
     with pytest.raises(
-        ValueError, match=r'report_to: trackio needs the `trackio` package: pip install "appo-trl\[trackio\]"'
-    ):
+        ValueError, match=r'report_to: trackio needs the `trackio` package: pip install -e "\.\[trackio\]" in the '
+    ):  # issue 34: the extra from a checkout (was "appo-trl[trackio]", a name not on the package index)
         prepare_trackers(SimpleNamespace(report_to=["trackio"]))
 
 
@@ -96,3 +96,16 @@ def test_one_step_writes_to_the_tracker_offline(tracker, tmp_path, tiny_model_pa
         assert list(out.glob("runs/*/events.out.tfevents.*"))
     else:
         assert list((tmp_path / "trackio").glob("*.db"))
+
+
+def test_missing_tensorboard_is_one_config_line_naming_the_checkout_extra(monkeypatch):
+    """Issue 34: a `ConfigError` (the CLI prints one line, exit 2), naming what to install from a checkout."""
+    from appo_trl.configs.errors import ConfigError
+
+    real = importlib.util.find_spec
+    missing = ("tensorboard", "tensorboardX")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a))
+    with pytest.raises(ConfigError) as err:
+        prepare_trackers(SimpleNamespace(report_to="tensorboard"))
+    assert str(err.value) == ('report_to: tensorboard needs the `tensorboard` package: pip install -e ".[tensorboard]" '
+                              "in the appo-trl checkout (or pip install tensorboard).")  # fmt: skip
