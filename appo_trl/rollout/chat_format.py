@@ -179,7 +179,10 @@ class ChatToolFormat:
         end = turn_text.rfind(self.close)
         start = turn_text.rfind(self.open, 0, end) if end >= 0 else -1
         if start < 0:
-            return ParsedCall("unknown", None, f"no {self.open} before {self.close}", turn_text[:end].strip())
+            # the markers are named without their brackets: tool results are escaped, so `<` would read `&lt;`
+            opener, closer = (m.strip("<>/") or m for m in (self.open, self.close))
+            what = f"no opening {opener} marker before the closing {closer} marker"
+            return ParsedCall("unknown", None, what, turn_text[:end].strip())
         body = turn_text[start + len(self.open) : end].strip()
         try:
             obj = json.loads(body)

@@ -69,7 +69,7 @@ class ToolExecutor:
         deadline and metrics (under `tag`)."""
         tool = tool if tool is not None else self.tools.get(tag)
         if tool is None:
-            result = ToolResult(f"Error: unknown tool <{tag}>.", ok=False, error="unknown_tool")
+            result = ToolResult(f"Error: unknown tool {tag!r}.", ok=False, error="unknown_tool")  # no `<`: escaped
             self._record(tag, result)
             return result
         timeout = getattr(tool, "call_timeout_s", None) or self.timeout_s

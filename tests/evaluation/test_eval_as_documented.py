@@ -75,3 +75,19 @@ def test_tiny_eval_runs_as_written(tmp_path, monkeypatch, tiny_model_path):
     assert main(["eval", "--config", str(ROOT / "eval" / "tiny.yaml")]) == 0
     report = json.loads((tmp_path / "eval_results" / "tiny" / "report.json").read_text())
     assert {"gsm8k", "bamboogle"} <= set(json.dumps(report).split('"'))
+
+
+def test_readme_eval_commands_write_to_distinct_folders():
+    """Issue 34: the chat eval command ran after the Evaluation section's found `eval_results/tiny` taken."""
+    dirs = []
+    for argv in _readme_eval_commands():
+        (cfg,) = parse_recipe([EvalConfig], ["--config", str(ROOT / argv[argv.index("--config") + 1]), *argv[2:]])
+        dirs.append((cfg.output_dir, cfg.model))
+    by_dir = {}
+    for out, model in dirs:
+        by_dir.setdefault(out, set()).add(model)
+    assert all(len(models) == 1 for models in by_dir.values()), by_dir
+
+
+def test_eval_results_are_ignored_by_git():
+    assert "eval_results/" in (ROOT / ".gitignore").read_text().split()

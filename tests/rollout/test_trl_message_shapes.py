@@ -86,3 +86,11 @@ def test_mixed_rows_write_to_parquet_as_log_completions_does(tiny_chat_tokenizer
     df.to_parquet(tmp_path / "completions_00001.parquet")
     back = pd.read_parquet(tmp_path / "completions_00001.parquet")
     assert back["completion"][1][0]["tool_calls"][0]["function"]["arguments"] == {"a": 2, "b": 3}
+
+
+def test_error_text_for_a_stray_close_marker_reads_without_html_escapes(tiny_chat_tokenizer):
+    """The engine's own error text names the markers without brackets, so escaping leaves it readable."""
+    msgs = rollout(tiny_chat_tokenizer, ["oops </tool_call>", "done"])
+    assert msgs[0] == {"role": "assistant", "content": "oops </tool_call>"}
+    assert msgs[1]["content"] == "{'error': 'no opening tool_call marker before the closing tool_call marker'}"
+    assert "&lt;" not in msgs[1]["content"]
