@@ -39,6 +39,17 @@ from appo_trl.configs.recipes import PARENT_PID_ENV
 # the pid of the launching `appo` process, once the watchdog has found it gone (read by `run_interruptible`)
 _parent_gone: list[int] = []
 _watchdogs: list[threading.Thread] = []  # at most one per process (a stage may run several times in one)
+_fresh_starts: dict[str, float] = {}  # output_dir -> when a run that resumes nothing started training there
+
+
+def note_fresh_start(output_dir: str) -> None:
+    """A run starts training in `output_dir` without resuming: a checkpoint older than now there is another run's."""
+    _fresh_starts[os.path.abspath(output_dir)] = time.time()
+
+
+def _saved_since(path: str, since: float) -> bool:
+    files = [path, os.path.join(path, "trainer_state.json")]
+    return max((os.path.getmtime(f) for f in files if os.path.exists(f)), default=0.0) >= since
 
 
 class Stopped(KeyboardInterrupt):
@@ -134,7 +145,11 @@ def stop_message(prog: str, signum: int, output_dir: str | None, parent_gone: in
     else:
         stopped = f"stopped because the appo process that launched this rank (pid {parent_gone}) is gone"
     last = last_complete_checkpoint(output_dir, log=False) if output_dir else None
-    if last is None:
+    since = _fresh_starts.get(os.path.abspath(output_dir)) if output_dir else None
+    if last is not None and since is not None and not _saved_since(last, since):
+        kept = (f"no checkpoint was saved by this run ({os.path.basename(last)} in {output_dir} is from an earlier "
+                "run)")  # fmt: skip
+    elif last is None:
         kept = f"no checkpoint was saved in {output_dir} yet" if output_dir else "no checkpoint was saved"
     else:
         kept = f"kept {last} (continue with --resume_from_checkpoint true); the steps after it are lost"

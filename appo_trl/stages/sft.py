@@ -309,6 +309,10 @@ def main(script_args, training_args, model_args, recipe=None, callbacks=None):
     state = trainer.accelerator.state
     logger.info("process %d of world_size=%d (%s)", state.process_index, state.num_processes, state.distributed_type)
     checkpoint = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
+    if checkpoint is None:  # a SIGTERM line must not name another run's checkpoint
+        from appo_trl.stages.interrupts import note_fresh_start
+
+        note_fresh_start(training_args.output_dir)
     trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model(training_args.output_dir)
     training_args.assistant_only_loss = assistant_only_loss

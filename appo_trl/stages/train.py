@@ -112,6 +112,10 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
         getattr(training_args, "rollout_strategy", "grpo"),
     )
     checkpoint = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
+    if checkpoint is None:  # a SIGTERM line must not name another run's checkpoint
+        from appo_trl.stages.interrupts import note_fresh_start
+
+        note_fresh_start(training_args.output_dir)
     trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model(training_args.output_dir)  # also saves the tokenizer; main process only
     trainer.save_state()  # trainer_state.json (the log history `appo plot OUTPUT_DIR` draws)

@@ -280,3 +280,23 @@ def test_kill_9_of_a_launching_appo_train_leaves_no_rank(tiny_model_path, tmp_pa
     assert len(stops) == 1 and stops[0].startswith(
         f"appo train: stopped because the appo process that launched this rank (pid {proc.pid}) is gone; kept "
     ), err[-3000:]
+
+
+def test_stop_line_never_names_an_earlier_runs_checkpoint(tmp_path):
+    """Issue 34: a run that resumed nothing and saved nothing yet does not claim an earlier run's checkpoint."""
+    from appo_trl.stages import interrupts
+
+    old = tmp_path / "checkpoint-1"
+    old.mkdir()
+    (old / "trainer_state.json").write_text("{}")
+    os.utime(old / "trainer_state.json", (1, 1))
+    os.utime(old, (1, 1))
+    assert "kept" in interrupts.stop_message("appo train", signal.SIGTERM, str(tmp_path))  # not known to be fresh
+    interrupts.note_fresh_start(str(tmp_path))
+    line = interrupts.stop_message("appo train", signal.SIGTERM, str(tmp_path))
+    assert line == "appo train: stopped by SIGTERM; no checkpoint was saved by this run (checkpoint-1 in " \
+        f"{tmp_path} is from an earlier run)."  # fmt: skip
+    new = tmp_path / "checkpoint-2"
+    new.mkdir()
+    (new / "trainer_state.json").write_text("{}")  # saved by this run
+    assert f"kept {new} (continue with" in interrupts.stop_message("appo train", signal.SIGTERM, str(tmp_path))
