@@ -48,7 +48,10 @@ with warnings.catch_warnings():  # TRL flags all of `trl.experimental` as unstab
 
 from appo_trl.trainer.sharded import agree_forward_count
 from appo_trl.trainer.tree_attention import tree_forward_active
+from appo_trl.trainer.tree_kernels import TreeLayout
 from appo_trl.trainer.trl_seams import log_metric
+
+MODEL_INPUTS = ("input_ids", "position_ids", "shift_labels")  # the rest of `TreePack.inputs` is the tree layout
 
 
 @dataclass
@@ -170,9 +173,10 @@ def tree_logps_and_entropies(
     index, logps, entropies, padding = [], [], [], None
     for n in range(forwards):
         pack = packs[n] if n < len(packs) else padding_pack()
-        inputs = {k: v.to(device) for k, v in pack.inputs.items()}
+        inputs = {k: pack.inputs[k].to(device) for k in MODEL_INPUTS}
+        layout = TreeLayout(pack.inputs, device)  # once per trie: every layer and the recomputation reuse it
         with autocast(), tree_forward_active():
-            out = model(**inputs, fused_lm_head=True)
+            out = model(**inputs, tree_layout=layout, fused_lm_head=True)
         source = pack.source.to(device)
         if n >= len(packs):  # a padding forward: its finite log-prob times 0 joins the graph, adding exactly 0
             term = out.log_probs[0].index_select(0, source).sum() * 0
