@@ -102,3 +102,78 @@ def test_flex_compiles_at_most_twice_over_five_trie_sizes(flex_on_cpu):
     assert len(set(sizes)) == 5
     compiled = counters["stats"]["unique_graphs"]
     assert 1 <= compiled <= 2, dict(counters["stats"])
+
+
+def _varlen_stand_in(top_left=False, old_signature=False):
+    """A CPU stand-in for `torch.nn.attention.varlen.varlen_attn`: float32 maths per segment, causal aligned
+    bottom-right (FlashAttention 2's convention) or top-left; the newer keyword-only signature (`scale`,
+    `window_size`, `enable_gqa`) or the older one (`is_causal`, default scale, no GQA)."""
+    calls = []
+
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, enable_gqa=False, causal=True):
+        outs = []
+        for s in range(len(cu_q) - 1):
+            qs, ks, vs = q[cu_q[s] : cu_q[s + 1]], k[cu_k[s] : cu_k[s + 1]], v[cu_k[s] : cu_k[s + 1]]
+            lq, lk = qs.size(0), ks.size(0)
+            assert enable_gqa or ks.size(1) == qs.size(1)
+            ks, vs = (x.repeat_interleave(qs.size(1) // x.size(1), dim=1) for x in (ks, vs))
+            shift = 0 if top_left else lk - lq
+            allowed = torch.arange(lk)[None, :] <= shift + torch.arange(lq)[:, None]
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), attn_mask=allowed, scale=scale
+            ).transpose(0, 1))  # fmt: skip
+        calls.append(1)
+        return torch.cat(outs)
+
+    if old_signature:
+
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+            assert is_causal
+            return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
+    else:
+
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                        window_size=(-1, -1), enable_gqa=False):  # fmt: skip
+            assert window_size == (-1, 0)
+            return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, enable_gqa)
+
+    return varlen_attn, calls
+
+
+@pytest.mark.parametrize("old_signature", [False, True])
+def test_torch_varlen_path_is_exact_through_its_adapter(old_signature, flex_on_cpu, monkeypatch):
+    """The varlen dispatch (GQA, scale, causal keyword of either torch signature) on CPU with a bottom-right
+    stand-in, float32 admitted: it passes its probe, serves every layer, and gives the row-wise logps, entropies and
+    gradients within 1e-5 (the same check runs on the real kernel in `test_tree_gpu.py`)."""
+    from appo_trl.trainer.tree_kernels import torch_varlen_params
+    from tests.trainer.test_tree_forward import assert_exact
+
+    fn, calls = _varlen_stand_in(old_signature=old_signature)
+    monkeypatch.setattr(ta, "_torch_varlen", lambda: (fn, torch_varlen_params(fn)))
+    monkeypatch.setattr(ta, "HALF", (torch.float32,))
+    monkeypatch.setattr(ta, "_PROBED", {})
+    monkeypatch.setattr(ta, "_segment_attention", lambda *a, **k: pytest.fail("the per-segment path ran"))
+    monkeypatch.setattr(ta, "_flex", lambda: pytest.fail("FlexAttention ran"))
+    assert_exact(tiny("qwen3"), CASES["mixed"])
+    assert len(calls) > 2
+
+
+def test_torch_varlen_with_a_top_left_convention_is_skipped_with_one_line(flex_on_cpu, monkeypatch, caplog):
+    """A varlen kernel that aligns causal top-left (wrong for a segment shorter than its path) fails the probe:
+    one log line, and the next kernel serves, exactly."""
+    import logging
+
+    from appo_trl.trainer.tree_kernels import torch_varlen_params
+    from tests.trainer.test_tree_forward import assert_exact
+
+    fn, calls = _varlen_stand_in(top_left=True)
+    monkeypatch.setattr(ta, "_torch_varlen", lambda: (fn, torch_varlen_params(fn)))
+    monkeypatch.setattr(ta, "HALF", (torch.float32,))
+    monkeypatch.setattr(ta, "_PROBED", {})
+    monkeypatch.setattr(ta, "_flex", lambda: None)
+    ta._say.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=ta.__name__):
+        assert_exact(tiny("qwen3"), CASES["tool"])
+    lines = [r.getMessage() for r in caplog.records if r.name == ta.__name__]
+    assert len(calls) == 1 and len(lines) == 2, lines  # the probe only; then FlexAttention missing
+    assert "failed its check" in lines[0] and "top-left" in lines[0]
