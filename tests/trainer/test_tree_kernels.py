@@ -177,3 +177,31 @@ def test_torch_varlen_with_a_top_left_convention_is_skipped_with_one_line(flex_o
     lines = [r.getMessage() for r in caplog.records if r.name == ta.__name__]
     assert len(calls) == 1 and len(lines) == 2, lines  # the probe only; then FlexAttention missing
     assert "failed its check" in lines[0] and "top-left" in lines[0]
+
+
+def test_rows_are_packed_once_per_batch_in_any_row_order(monkeypatch):
+    """The old-logp, reference, scoring and loss passes over the same rows pack them once (`PackCache`); the same
+    rows in another order reuse the packs with the targets mapped to that order (results equal the direct pack's);
+    a changed row packs again."""
+    from appo_trl.trainer.tree import PackCache
+
+    cache = PackCache()
+    monkeypatch.setattr(tree_mod, "PACKS", cache)
+    model = tiny("qwen3")
+    install_tree_attention(model)
+    ids, mask, c = batch(CASES["mixed"])
+    with torch.no_grad():
+        first = [tree_logps_and_entropies(model, ids, mask, c, compute_entropy=True, token_budget=14)[:2]
+                 for _ in range(3)]  # fmt: skip
+        assert (cache.packs, cache.hits) == (1, 2)
+        perm = torch.tensor([3, 0, 5, 1, 4, 2])
+        logps, ent, _ = tree_logps_and_entropies(
+            model, ids[perm], mask[perm], c, compute_entropy=True, token_budget=14
+        )
+        assert (cache.packs, cache.hits) == (1, 3)
+        torch.testing.assert_close(logps, first[0][0][perm], atol=1e-6, rtol=0)
+        torch.testing.assert_close(ent, first[0][1][perm], atol=1e-6, rtol=0)
+        changed = ids.clone()
+        changed[0, -1] = 33
+        tree_logps_and_entropies(model, changed, mask, c, compute_entropy=False, token_budget=14)
+        assert cache.packs == 2
