@@ -152,6 +152,8 @@ def timed(fn, repeats: int) -> float:
 
 
 def measure_cell(model, opt, ids, mask, c, tree: bool, repeats: int, cuda: bool) -> dict:
+    from appo_trl.trainer.tree import PACKS
+
     mask_c = mask[:, -c:].float()
     adv = torch.randn(ids.size(0), 1, device=ids.device)
 
@@ -161,6 +163,7 @@ def measure_cell(model, opt, ids, mask, c, tree: bool, repeats: int, cuda: bool)
         model.zero_grad(set_to_none=True)
 
     def step():
+        PACKS.clear()  # a training step packs its rows once: in its first pass
         with torch.no_grad():
             forward(model, ids, mask, c, tree, entropy=False)
         logps, ent = forward(model, ids, mask, c, tree, entropy=True)
@@ -226,6 +229,10 @@ def workload_a(res: Results, quick: bool, cuda: bool, repeats: int, deadline: fl
                     torch.cuda.empty_cache()
                 if path == "row" and isinstance(figures["loss_step_s"], float):
                     figures["tflops"] = 6 * params * ids.numel() / figures["loss_step_s"] / 1e12
+                if path == "torch_varlen":  # its one-time check: None = passed, else why it did not serve
+                    import appo_trl.trainer.tree_attention as ta
+
+                    figures["check"] = "passed" if all(v is None for v in ta._PROBED.values()) else str(ta._PROBED)
                 res.update(**{f"{cell}_{k}": v for k, v in figures.items()})
                 print(f"{cell:28s} " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                                  for k, v in figures.items()), flush=True)  # fmt: skip

@@ -50,7 +50,7 @@ with warnings.catch_warnings():  # TRL flags all of `trl.experimental` as unstab
     from trl.experimental.async_grpo.packing import TreeRow
 
 from appo_trl.trainer.sharded import agree_forward_count
-from appo_trl.trainer.tree_attention import tree_forward_active
+from appo_trl.trainer.tree_attention import prepare_kernels, tree_forward_active
 from appo_trl.trainer.tree_kernels import TreeLayout
 from appo_trl.trainer.trl_seams import log_metric
 
@@ -161,6 +161,9 @@ class PackCache:
         self.size, self.packs, self.hits = size, 0, 0
         self._entries: OrderedDict = OrderedDict()
 
+    def clear(self) -> None:
+        self._entries.clear()
+
     def get(self, input_ids, attention_mask, logits_to_keep: int, token_budget: int) -> list[TreePack]:
         ids, mask = input_ids.cpu(), attention_mask.cpu()
         rows = [ids[i].numpy().tobytes() + mask[i].numpy().tobytes() for i in range(ids.size(0))]
@@ -224,6 +227,7 @@ def tree_logps_and_entropies(
         inputs = {k: pack.inputs[k].to(device) for k in MODEL_INPUTS}
         layout = TreeLayout(pack.inputs, device)  # once per trie: every layer and the recomputation reuse it
         with autocast(), tree_forward_active():
+            prepare_kernels(model, device)  # one-time kernel checks, outside the layers
             out = model(**inputs, tree_layout=layout, fused_lm_head=True)
         source = pack.source.to(device)
         if n >= len(packs):  # a padding forward: its finite log-prob times 0 joins the graph, adding exactly 0

@@ -137,17 +137,44 @@ def _torch_varlen_serves(query, dropout) -> bool:
     if dropout:
         _say(logging.WARNING, "PyTorch's varlen FlashAttention has no attention dropout; trying the next kernel.")
         return False
-    key = (str(query.device), query.dtype)
+    return probe_torch_varlen(query.device, query.dtype, query.size(-1))
+
+
+def probe_torch_varlen(device, dtype, head_dim: int = 64) -> bool:
+    """Check PyTorch's varlen kernel once per device and dtype (`varlen_probe`); whether it serves there. Run by
+    `prepare_kernels` before a tree forward, outside the decoder layers: a check inside a layer would run under
+    activation checkpointing's saved-tensor hooks, or under `no_grad` (it needs a backward)."""
+    varlen = _torch_varlen()
+    key = (str(device), dtype)
+    if varlen is None or dtype not in HALF:
+        return False
     if key not in _PROBED:
         attend = lambda m, q, k, v, layout, s: torch_varlen_attention(varlen, m, q, k, v, layout, s)  # noqa: E731
-        _PROBED[key] = varlen_probe(attend, query.device, query.dtype, query.size(-1))
+        with (
+            torch.inference_mode(False),
+            torch.enable_grad(),
+            torch.autocast(torch.device(device).type, enabled=False),
+        ):
+            _PROBED[key] = varlen_probe(attend, device, dtype, head_dim)
         if _PROBED[key] is not None:
-            _say(
-                logging.WARNING, f"PyTorch's varlen FlashAttention failed its check ({_PROBED[key]}); trying the next."
-            )
+            _say(logging.WARNING, f"PyTorch's varlen FlashAttention failed its check ({_PROBED[key]}); trying next.")
         else:
             _say(logging.INFO, "using PyTorch's varlen FlashAttention (bottom-right causal, checked).")
     return _PROBED[key] is None
+
+
+def prepare_kernels(model, device) -> None:
+    """Before a tree forward on CUDA, in its autocast context: the one-time checks of the kernels it will try."""
+    device = torch.device(device)
+    if device.type != "cuda" or _torch_varlen() is None:
+        return
+    if torch.is_autocast_enabled(device.type):
+        dtype = torch.get_autocast_dtype(device.type)
+    else:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    config = getattr(model, "config", None)
+    head_dim = getattr(config, "head_dim", None) or 64
+    probe_torch_varlen(device, dtype, head_dim if head_dim % 8 == 0 and head_dim <= 256 else 64)
 
 
 def _cuda_attention(module, query, key, value, layout, scaling, dropout):

@@ -164,8 +164,10 @@ def varlen_probe(attend, device, dtype, head_dim: int = 64) -> str | None:
         "tree_seg_anc": torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool),
     }
     layout = TreeLayout(pack, device)
-    q, k, v = (torch.randn(1, 2, 6, head_dim, generator=gen).to(device, dtype).requires_grad_() for _ in range(3))
+    q = torch.randn(1, 4, 6, head_dim, generator=gen).to(device, dtype).requires_grad_()
+    k, v = (torch.randn(1, 2, 6, head_dim, generator=gen).to(device, dtype).requires_grad_() for _ in range(2))
     module = torch.nn.Module()
+    module.num_key_value_groups = 2  # grouped-query attention, as most models the trainer serves
     scaling = head_dim**-0.5
     try:
         out, _ = attend(module, q, k, v, layout, scaling)

@@ -154,6 +154,8 @@ def test_torch_varlen_path_is_exact_through_its_adapter(old_signature, flex_on_c
     monkeypatch.setattr(ta, "_PROBED", {})
     monkeypatch.setattr(ta, "_segment_attention", lambda *a, **k: pytest.fail("the per-segment path ran"))
     monkeypatch.setattr(ta, "_flex", lambda: pytest.fail("FlexAttention ran"))
+    with torch.no_grad():  # the check runs its own backward: under no_grad (TRL's old-logp pass) too
+        assert ta.probe_torch_varlen(torch.device("cpu"), torch.float32, 16) and ta._PROBED
     assert_exact(tiny("qwen3"), CASES["mixed"])
     assert len(calls) > 2
 
