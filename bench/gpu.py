@@ -14,7 +14,8 @@ kernel available (`torch_varlen`: PyTorch's varlen FlashAttention, `flash_attn`,
 - row-wise only: `tflops`, 6 x parameters x tokens / loss step time.
 Each time is the median of 2 timed runs after 1 warm-up run (`--repeats`). An out-of-memory cell is recorded as
 `"oom"`, never fatal. Then the four tiny recipes (`recipes/tiny/{grpo,arpo,aepo,appo}.yaml`) train 3 steps on CUDA
-in bf16, each in its own process, and `recipe_<name>_step_s` is the median TRL `step_time` after the first step.
+in bf16, each in its own process, the four side by side (to fit the budget), and `recipe_<name>_step_s` is the
+median TRL `step_time` after the first step.
 The recipes need TRL and the `datasets` package; without them they are skipped with one line.
 
 Results go to `--out` (JSON, rewritten after every measured cell, so a run cut short keeps what it measured) and,
@@ -119,7 +120,7 @@ def build_model(config: dict, device, dtype):
     torch.set_default_dtype(dtype)  # initialise in the training dtype, on the device: no float32 copy
     try:
         with torch.device(device):
-            model = Qwen3ForCausalLM(Qwen3Config(**config, attn_implementation="sdpa")).to(dtype)
+            model = Qwen3ForCausalLM(Qwen3Config(**config, attn_implementation="sdpa"))  # RoPE buffers stay fp32
     finally:
         torch.set_default_dtype(default)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
@@ -241,8 +242,9 @@ def workload_a(res: Results, quick: bool, cuda: bool, repeats: int, deadline: fl
         torch.cuda.empty_cache()
 
 
-def recipe_steps(res: Results, deadline: float, steps: int = 3) -> None:
-    """The four tiny recipes on CUDA in bf16, `steps` steps each in its own process (one line if they cannot run)."""
+def recipe_steps(res: Results, deadline: float, steps: int = 3, cuda: bool = True) -> None:
+    """The four tiny recipes, `steps` steps each, in bf16 on CUDA; four processes side by side, so that they fit the
+    time budget (tiny models: the per-call overheads on the host dominate). One line if they cannot run."""
     try:
         import datasets  # noqa: F401
         import trl  # noqa: F401
@@ -254,34 +256,35 @@ def recipe_steps(res: Results, deadline: float, steps: int = 3) -> None:
 
     work = tempfile.mkdtemp(prefix="appo-gpu-bench-")
     model_dir = build_tiny_model(os.path.join(work, "tiny-qwen3"))
+    device = ["--use_cpu", "false", "--bf16", "true", "--dtype", "bfloat16"] if cuda else \
+        ["--use_cpu", "true", "--bf16", "false", "--dtype", "float32"]  # fmt: skip
+    procs = {}
+    t0 = time.monotonic()
     for name in RECIPES:
-        left = deadline - time.monotonic()
-        if left < 30:
-            res.update(**{f"recipe_{name}_skipped": "time budget"})
-            print(f"recipe {name}: skipped (time budget)", flush=True)
-            continue
-        out_dir = os.path.join(work, name)
         cmd = [sys.executable, "-m", "appo_trl.cli", "train", "--config", os.path.join(ROOT, "recipes/tiny", f"{name}.yaml"),
-               "--model_name_or_path", model_dir, "--output_dir", out_dir, "--use_cpu", "false", "--bf16", "true",
-               "--dtype", "bfloat16", "--max_steps", str(steps), "--save_strategy", "no", "--report_to", "none",
-               "--logging_steps", "1", "--tool_config", json.dumps({"python": {"isolation": "none"}})]  # fmt: skip
-        t0 = time.monotonic()
+               "--model_name_or_path", model_dir, "--output_dir", os.path.join(work, name), *device,
+               "--max_steps", str(steps), "--save_strategy", "no", "--report_to", "none", "--logging_steps", "1",
+               "--tool_config", json.dumps({"python": {"isolation": "none"}})]  # fmt: skip
+        log = open(os.path.join(work, f"{name}.log"), "w")
+        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=work), log)
+    for name, (proc, log) in procs.items():
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(left, 30), cwd=work)
+            proc.wait(timeout=max(deadline - time.monotonic(), 30))
         except subprocess.TimeoutExpired:
-            res.update(**{f"recipe_{name}_skipped": "time budget (killed)"})
-            print(f"recipe {name}: killed at the time budget", flush=True)
-            continue
+            proc.kill()
+            proc.wait()
+        log.close()
         wall = time.monotonic() - t0
-        state = os.path.join(out_dir, "trainer_state.json")
+        state = os.path.join(work, name, "trainer_state.json")
         if proc.returncode != 0 or not os.path.exists(state):
-            last = (proc.stderr.strip().splitlines() or ["?"])[-1][:300]
-            res.update(**{f"recipe_{name}_error": last})
-            print(f"recipe {name}: failed ({last})", flush=True)
+            with open(log.name) as f:
+                last = ([ln for ln in f.read().splitlines() if ln.strip()] or ["?"])[-1][:300]
+            why = "killed at the time budget" if proc.returncode == -9 else last
+            res.update(**{f"recipe_{name}_error": why})
+            print(f"recipe {name}: failed ({why})", flush=True)
             continue
         with open(state) as f:
-            logs = [e for e in json.load(f)["log_history"] if "step_time" in e]
-        times = [e["step_time"] for e in logs]
+            times = [e["step_time"] for e in json.load(f)["log_history"] if "step_time" in e]
         figures = {"first_step_s": times[0] if times else None, "wall_s": wall,
                    "step_s": statistics.median(times[1:]) if len(times) > 1 else None}  # fmt: skip
         res.update(**{f"recipe_{name}_{k}": v for k, v in figures.items()})
