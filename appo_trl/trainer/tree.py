@@ -24,6 +24,11 @@ same positions (position ids are depths, i.e. what the sampler used); so the res
 to float summation order (float32: 1e-5, `tests/trainer/test_tree_forward.py`). Not supported (a clear error):
 multimodal inputs and MoE auxiliary losses.
 
+Costs paid once: the rows of a batch are packed once (`PACKS`, keyed on the rows' content, in any row order), so
+TRL's reference and old-logp passes (each of TRL's `batch_size` chunks packed on its own), APPO's scoring and the
+loss over the same rows share the tries; each trie's attention layout (`tree_kernels.TreeLayout`) is built once per
+forward and reused by every decoder layer and by the recomputation under activation checkpointing.
+
 Sharded parameters (DeepSpeed ZeRO-3, FSDP): every forward and backward of the policy (or of a sharded reference
 model) gathers parameters collectively, so every rank must run the same number of them, but the number of tries
 depends on the rows (one-token rollouts on one rank fit one trie, long ones on another need several). With
