@@ -235,7 +235,14 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             from appo_trl.trainer.tree import trainer_tree_forward
 
             return trainer_tree_forward(
-                self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, batch_size, **kwargs
+                self,
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                compute_entropy,
+                batch_size=batch_size,
+                **kwargs,
             )
         return super()._get_per_token_logps_and_entropies(
             model,

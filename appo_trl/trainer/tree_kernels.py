@@ -120,6 +120,7 @@ def torch_varlen_attention(varlen, module, query, key, value, layout: TreeLayout
     shorter than its keys: query i of lq sees keys 0..lk-lq+i; checked once per process by `varlen_probe`)."""
     varlen_attn, params = varlen
     q, k, v = (x.transpose(1, 2)[0] for x in (query, key, value))  # (tokens, heads, head_dim)
+    q = q.contiguous()
     k, v = k.index_select(0, layout.kv_index), v.index_select(0, layout.kv_index)
     n_rep = q.size(1) // k.size(1)
     kwargs = {}
@@ -144,7 +145,7 @@ def flash_varlen_attention(flash, module, query, key, value, layout: TreeLayout,
     """The `flash_attn` package's varlen function over the same layout (bottom-right causal, as TRL's)."""
     q, k, v = (x.transpose(1, 2)[0] for x in (query, key, value))
     idx = layout.kv_index
-    out = flash(q, k.index_select(0, idx), v.index_select(0, idx), layout.cu_q, layout.cu_k, layout.max_q,
+    out = flash(q.contiguous(), k.index_select(0, idx), v.index_select(0, idx), layout.cu_q, layout.cu_k, layout.max_q,
                 layout.max_k, dropout_p=dropout, softmax_scale=scaling, causal=True)  # fmt: skip
     return out.unsqueeze(0), None
 
