@@ -177,15 +177,34 @@ def prepare_kernels(model, device) -> None:
     probe_torch_varlen(device, dtype, head_dim if head_dim % 8 == 0 and head_dim <= 256 else 64)
 
 
+def _guarded(name, fn, *args):
+    """`fn(*args)`, or `None` with one log line when it raises (then `name` is not tried again in this process);
+    an out-of-memory error is raised."""
+    try:
+        return fn(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:
+        _FAILED.add(name)
+        _say(logging.WARNING, f"{name} failed ({_first_line(exc)}); trying the next kernel from now on.")
+        return None
+
+
 def _cuda_attention(module, query, key, value, layout, scaling, dropout):
     """PyTorch's varlen FlashAttention, else flash_attn's varlen, else FlexAttention; `None` when none serves (the
     caller runs the segment path)."""
-    if _torch_varlen_serves(query, dropout):
-        return torch_varlen_attention(_torch_varlen(), module, query, key, value, layout, scaling)
-    flash = _flash_varlen()
+    if "torch_varlen" not in _FAILED and _torch_varlen_serves(query, dropout):
+        out = _guarded("torch_varlen", torch_varlen_attention, _torch_varlen(), module, query, key, value, layout,
+                       scaling)  # fmt: skip
+        if out is not None:
+            return out
+    flash = None if "flash_attn" in _FAILED else _flash_varlen()
     if flash is not None and query.dtype in HALF:
-        return flash_varlen_attention(flash, module, query, key, value, layout, scaling, dropout)
-    if flash is not None:
+        out = _guarded("flash_attn", flash_varlen_attention, flash, module, query, key, value, layout, scaling,
+                       dropout)  # fmt: skip
+        if out is not None:
+            return out
+    elif flash is not None:
         _say(logging.INFO, f"flash_attn takes fp16/bf16, not {query.dtype}; trying the next kernel.")
     if "flex" in _FAILED:
         return None

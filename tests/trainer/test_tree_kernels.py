@@ -207,3 +207,31 @@ def test_rows_are_packed_once_per_batch_in_any_row_order(monkeypatch):
         changed[0, -1] = 33
         tree_logps_and_entropies(model, changed, mask, c, compute_entropy=False, token_budget=14)
         assert cache.packs == 2
+
+
+def test_a_varlen_kernel_that_raises_in_a_layer_hands_over_with_one_line(flex_on_cpu, monkeypatch, caplog):
+    """A varlen kernel that passed its check but raises in a layer (a head size it lacks, say): one log line, the
+    next kernel serves that layer and every later one, exactly; it is not tried again."""
+    import logging
+
+    from appo_trl.trainer.tree_kernels import torch_varlen_params
+    from tests.trainer.test_tree_forward import assert_exact
+
+    fn, _ = _varlen_stand_in()
+    calls = []
+
+    def raising(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("FlashAttention only supports head dimension at most 256\n(details)")
+
+    monkeypatch.setattr(ta, "_torch_varlen", lambda: (fn, torch_varlen_params(fn)))
+    monkeypatch.setattr(ta, "HALF", (torch.float32,))
+    monkeypatch.setattr(ta, "_PROBED", {(str(torch.device("cpu")), torch.float32): None})
+    monkeypatch.setattr(ta, "torch_varlen_attention", raising)
+    monkeypatch.setattr(ta, "_flex", lambda: None)
+    ta._say.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=ta.__name__):
+        assert_exact(tiny("qwen3"), CASES["tool"])
+    lines = [r.getMessage() for r in caplog.records if r.name == ta.__name__]
+    assert len(calls) == 1 and "torch_varlen failed (RuntimeError: FlashAttention only supports" in lines[0]
+    assert len(lines) == 2  # and FlexAttention is missing: the per-segment path serves
