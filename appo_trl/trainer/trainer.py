@@ -236,8 +236,9 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             from appo_trl.trainer.tree import trainer_tree_forward
 
             return trainer_tree_forward(
-                self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, **kwargs
-            )
+                self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, **kwargs,
+                batch_size=batch_size,  # TRL's chunks: each packed on its own (and cached), see tree.py
+            )  # fmt: skip
         return super()._get_per_token_logps_and_entropies(
             model,
             input_ids,

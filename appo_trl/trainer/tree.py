@@ -24,6 +24,11 @@ same positions (position ids are depths, i.e. what the sampler used); so the res
 to float summation order (float32: 1e-5, `tests/trainer/test_tree_forward.py`). Not supported (a clear error):
 multimodal inputs and MoE auxiliary losses.
 
+Costs paid once: the rows of a batch are packed once (`PACKS`, keyed on the rows' content, in any row order), so
+TRL's reference and old-logp passes (each of TRL's `batch_size` chunks packed on its own), APPO's scoring and the
+loss over the same rows share the tries; each trie's attention layout (`tree_kernels.TreeLayout`) is built once per
+forward and reused by every decoder layer and by the recomputation under activation checkpointing.
+
 Sharded parameters (DeepSpeed ZeRO-3, FSDP): every forward and backward of the policy (or of a sharded reference
 model) gathers parameters collectively, so every rank must run the same number of them, but the number of tries
 depends on the rows (one-token rollouts on one rank fit one trie, long ones on another need several). With
@@ -36,9 +41,12 @@ one process, and the forwards of a generation round under `full_weights_for_roun
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -47,8 +55,11 @@ with warnings.catch_warnings():  # TRL flags all of `trl.experimental` as unstab
     from trl.experimental.async_grpo.packing import TreeRow
 
 from appo_trl.trainer.sharded import agree_forward_count
-from appo_trl.trainer.tree_attention import tree_forward_active
+from appo_trl.trainer.tree_attention import prepare_kernels, tree_forward_active
+from appo_trl.trainer.tree_kernels import TreeLayout
 from appo_trl.trainer.trl_seams import log_metric
+
+MODEL_INPUTS = ("input_ids", "position_ids", "shift_labels")  # the rest of `TreePack.inputs` is the tree layout
 
 
 @dataclass
@@ -139,9 +150,49 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
     return packs
 
 
+@functools.cache
 def padding_pack() -> TreePack:
     """The smallest trie with one trained target (two tokens): the input of a padding forward."""
     return pack_rows(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), 1, 2)[0]
+
+
+class PackCache:
+    """The tries of recent batches, keyed on their rows' content: TRL's old-logp pass, the reference pass, APPO's
+    scoring and the loss over the same rows pack them once. Order-insensitive: the packs are made for the rows in
+    a canonical order, and each lookup maps their `(row, column)` targets to the caller's row order. `packs` counts
+    the batches packed (misses), `hits` the reuses."""
+
+    def __init__(self, size: int = 32):
+        self.size, self.packs, self.hits = size, 0, 0
+        self._entries: OrderedDict = OrderedDict()
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def get(self, input_ids, attention_mask, logits_to_keep: int, token_budget: int) -> list[TreePack]:
+        ids, mask = input_ids.cpu(), attention_mask.cpu()
+        rows = [ids[i].numpy().tobytes() + mask[i].numpy().tobytes() for i in range(ids.size(0))]
+        perm = sorted(range(len(rows)), key=rows.__getitem__)  # canonical row order
+        digest = hashlib.blake2b(b"".join(rows[i] for i in perm), digest_size=16).digest()
+        key = (tuple(ids.shape), str(ids.dtype), logits_to_keep, token_budget, digest)
+        packs = self._entries.get(key)
+        if packs is None:
+            self.packs += 1
+            packs = pack_rows(ids[perm], mask[perm], logits_to_keep, token_budget)
+            self._entries[key] = packs
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        else:
+            self.hits += 1
+            self._entries.move_to_end(key)
+        to_caller = torch.tensor(perm, dtype=torch.long)
+        if to_caller.equal(torch.arange(len(perm))):
+            return packs
+        c = logits_to_keep
+        return [replace(p, flat_index=to_caller[p.flat_index // c] * c + p.flat_index % c) for p in packs]
+
+
+PACKS = PackCache()  # one per process: rows repeat within a step, not across runs
 
 
 def tree_logps_and_entropies(
@@ -154,25 +205,35 @@ def tree_logps_and_entropies(
     token_budget,
     autocast=contextlib.nullcontext,
     agree_forwards: Callable[[int], int] | None = None,
+    batch_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, int]]:
     """Per-token log-probs and entropies `(B, C)` through the tree forward, plus the token counts it forwarded.
 
     `autocast` makes one context per trie (e.g. `accelerator.autocast`). `model` must carry TRL's fused LM head
     (`add_fused_lm_head`) and tree attention (`install_tree_attention`). `agree_forwards(n)`: the number of forwards
     to run given this rank's n tries (>= n), the rest being padding forwards that change nothing (module doc).
+    `batch_size` (TRL's chunking of a long batch, e.g. its reference and old-logp passes over a generation batch):
+    each chunk of rows is packed on its own, so the loss pass's micro-batch finds its tries in `PACKS`.
     """
     batch = input_ids.size(0)
     device = input_ids.device
-    packs = pack_rows(input_ids, attention_mask, logits_to_keep, token_budget)
+    chunk = batch_size or batch or 1  # TRL's chunks: each packed (and cached) on its own
+    packs = []
+    for start in range(0, batch, chunk):
+        rows = slice(start, start + chunk)
+        for pack in PACKS.get(input_ids[rows], attention_mask[rows], logits_to_keep, token_budget):
+            packs.append(replace(pack, flat_index=pack.flat_index + start * logits_to_keep) if start else pack)
     forwards = agree_forwards(len(packs)) if agree_forwards is not None else len(packs)
     if forwards < len(packs):
         raise RuntimeError(f"tree_forward: {forwards} agreed forwards for {len(packs)} tries")
     index, logps, entropies, padding = [], [], [], None
     for n in range(forwards):
         pack = packs[n] if n < len(packs) else padding_pack()
-        inputs = {k: v.to(device) for k, v in pack.inputs.items()}
+        inputs = {k: pack.inputs[k].to(device) for k in MODEL_INPUTS}
+        layout = TreeLayout(pack.inputs, device)  # once per trie: every layer and the recomputation reuse it
         with autocast(), tree_forward_active():
-            out = model(**inputs, fused_lm_head=True)
+            prepare_kernels(model, device)  # one-time kernel checks, outside the layers
+            out = model(**inputs, tree_layout=layout, fused_lm_head=True)
         source = pack.source.to(device)
         if n >= len(packs):  # a padding forward: its finite log-prob times 0 joins the graph, adding exactly 0
             term = out.log_probs[0].index_select(0, source).sum() * 0
@@ -201,7 +262,9 @@ def tree_logps_and_entropies(
     return out_logps, scatter(entropies) if compute_entropy else None, counts
 
 
-def trainer_tree_forward(trainer, model, input_ids, attention_mask, logits_to_keep, compute_entropy, **kwargs):
+def trainer_tree_forward(
+    trainer, model, input_ids, attention_mask, logits_to_keep, compute_entropy, batch_size=None, **kwargs
+):
     """`APPOTrainer._get_per_token_logps_and_entropies` with `tree_forward`: TRL's return triple, and on the loss
     pass (gradients on) the metric `tree/tokens_ratio` = tokens forwarded / tokens of the row-wise forward."""
     unsupported = [k for k, v in kwargs.items() if v is not None and v is not False]
@@ -216,6 +279,7 @@ def trainer_tree_forward(trainer, model, input_ids, attention_mask, logits_to_ke
         token_budget=trainer.args.tree_token_budget,
         autocast=trainer.accelerator.autocast,  # a fresh context per trie
         agree_forwards=agree_forward_count(trainer),  # ZeRO-3 / FSDP outside a round: the maximum over ranks
+        batch_size=batch_size,
     )
     if torch.is_grad_enabled():
         mode = "train" if trainer.model.training else "eval"

@@ -6,31 +6,31 @@
 
 - a forward *without* the tree keyword arguments (generation in-process, evaluation, anything that is not the
   trainer's tree forward) is handed to the base implementation and its mask builder unchanged;
-- a forward *with* them (`tree_kv_index`, `tree_cu_seqlens_q`, `tree_cu_seqlens_k`, `tree_max_seqlens`,
-  `tree_seg_id`, `tree_seg_anc`, laid out by `appo_trl.trainer.tree.pack_rows`) attends over the prefix
-  tree: the packed token at position `q` sees exactly the tokens on its root-to-`q` path, which are the tokens its
-  own row saw before it, at the same positions (position ids are depths in the tree).
+- a forward *with* a `tree_layout` keyword argument (an `appo_trl.trainer.tree_kernels.TreeLayout`, built once
+  per trie per forward from `appo_trl.trainer.tree.pack_rows`' layout) attends over the prefix tree: the packed
+  token at position `q` sees exactly the tokens on its root-to-`q` path, which are the tokens its own row saw
+  before it, at the same positions (position ids are depths in the tree).
 
 The switch is permanent on purpose: activation checkpointing recomputes a layer's forward during the backward, after
 any context manager around the loss forward has exited, and it must recompute the same tree attention (the
-checkpointing bug of AReaL #889). The tree layout travels in the forward's keyword arguments, which the
-recomputation sees again; the mask builder needs no tree state because the mask is built outside the checkpointed
-layers. The implementation name is not written to `config.json` (transformers keeps `_attn_implementation` out of it).
+checkpointing bug of AReaL #889). The layout travels in the forward's keyword arguments, which the recomputation
+sees again (and reuses what the layout built: no second block mask); the mask builder needs no tree state because
+the mask is built outside the checkpointed layers. The implementation name is not written to `config.json`.
 
-Kernels, chosen once per process:
-- CPU (and the fallback everywhere): one call of the base `sdpa`/eager maths per tree segment, over the segment's
-  root-to-segment path gathered by `tree_kv_index` (TRL's `tree_kv_index` layout), with a bottom-right causal mask
-  inside the segment. Memory is the sum over segments of segment x path, not (unique tokens)^2.
-- CUDA: FlashAttention's `flash_attn_varlen_func` when the `flash_attn` package is installed (bottom-right causal
-  over the same layout, as TRL's `tree_attention`); else PyTorch's FlexAttention with an ancestor block mask
-  (`tree_seg_anc`: a token sees the tokens before it in its own segment and in the segments on its root path),
-  compiled at its first call, with one log line saying that flash_attn is missing; else the per-segment path, with
-  one log line. If FlexAttention raises (its compilation at the first call, or its kernel), the per-segment path
-  serves from then on, with one log line, never an error; an out-of-memory error is not a missing kernel and is
-  raised. Attention dropout (FlexAttention has none) also takes the per-segment path. Nothing is downloaded at run
-  time (TRL's own `tree_attention` fetches a FlashAttention-3 kernel from the Hub, which is why it is not reused
-  here). These CUDA paths have not run on a GPU yet: the FlexAttention forward is tested on CPU (FlexAttention has
-  no CPU backward) and the fallbacks with stand-ins (`tests/trainer/test_tree_forward.py`).
+Kernels, in this order, each one skipped behind one log line per process and reason:
+1. CUDA, fp16/bf16, no attention dropout: PyTorch's built-in varlen FlashAttention (`torch.nn.attention.varlen`),
+   over TRL's `tree_kv_index` layout (each segment's queries against its gathered root-to-segment path, causal
+   aligned bottom-right). Its causal convention is checked once per device and dtype on a small trie, forward and
+   backward (`tree_kernels.varlen_probe`); a disagreement or an error skips it.
+2. CUDA, fp16/bf16: the `flash_attn` package's `flash_attn_varlen_func` over the same layout.
+3. CUDA: PyTorch's FlexAttention with an ancestor block mask (a token sees the tokens before it in its own segment
+   and in the segments on its root path), built once per trie, compiled once with dynamic shapes. If it raises,
+   the next kernel serves from then on; an out-of-memory error is raised, not hidden. No attention dropout.
+4. CPU, and the fallback everywhere: one call of the base `sdpa`/eager maths per tree segment over its gathered
+   path, with a bottom-right causal mask. Memory is the sum over segments of segment x path.
+Nothing is downloaded at run time (TRL's own `tree_attention` fetches a FlashAttention-3 kernel from the Hub).
+The CPU tests drive the CUDA dispatch with `_on_gpu` patched; `tests/trainer/test_tree_gpu.py` runs every kernel
+on a GPU.
 
 Not supported (an error, not a silent difference): sliding-window attention, attention logit soft-capping and
 `output_attentions` inside a tree forward.
@@ -43,30 +43,23 @@ import logging
 import threading
 
 import torch
-from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from appo_trl.trainer.tree_kernels import (
+    TreeLayout,
+    eager_attention,
+    flash_varlen_attention,
+    flex_attention,
+    segment_attention,
+    torch_varlen_attention,
+    torch_varlen_params,
+    varlen_probe,
+)
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "appo_tree:"
-
-
-def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
-
-
-def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Transformers' eager attention (the one the Llama family copies): float32 softmax, additive float mask."""
-    scaling = scaling if scaling is not None else query.size(-1) ** -0.5
-    n_rep = getattr(module, "num_key_value_groups", 1)
-    key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
-    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        weights = weights + attention_mask
-    weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
 def _base_attention(base: str):
@@ -75,28 +68,19 @@ def _base_attention(base: str):
     return AttentionInterface._global_mapping[base]
 
 
-def _segment_attention(base, module, query, key, value, kv_index, cu_q, cu_k, scaling, dropout):
-    """Per segment: its queries attend to its gathered root-to-segment path, causally aligned bottom-right."""
+def _segment_attention(base, module, query, key, value, layout: TreeLayout, scaling, dropout):
     fn = eager_attention if base in (None, "eager") else _base_attention("sdpa")
-    outs = []
-    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
-    for s in range(len(cu_q) - 1):
-        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
-        lq, lk = q1 - q0, k1 - k0
-        idx = kv_index[k0:k1]
-        k, v = key.index_select(2, idx), value.index_select(2, idx)
-        allowed = (
-            torch.arange(lk, device=query.device)[None, :]
-            <= (lk - lq) + torch.arange(lq, device=query.device)[:, None]
-        )
-        if fn is eager_attention:
-            mask = torch.zeros(lq, lk, dtype=query.dtype, device=query.device)
-            mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)[None, None]
-        else:
-            mask = allowed[None, None]
-        out, _ = fn(module, query[:, :, q0:q1], k, v, mask, dropout=dropout, scaling=scaling, is_causal=False)
-        outs.append(out)
-    return torch.cat(outs, dim=1), None
+    return segment_attention(fn, module, query, key, value, layout, scaling, dropout)
+
+
+@functools.cache
+def _torch_varlen():
+    """PyTorch's built-in varlen FlashAttention (`torch.nn.attention.varlen`, torch >= 2.10) and its keywords."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception:
+        return None
+    return varlen_attn, torch_varlen_params(varlen_attn)
 
 
 @functools.cache
@@ -122,7 +106,14 @@ def _say_fallback(what: str, using: str = "the per-segment SDPA path") -> None:
     logger.warning("tree attention: %s; using %s.", what, using)
 
 
+@functools.cache
+def _say(level: int, line: str) -> None:
+    logger.log(level, "tree attention: %s", line)
+
+
 _FAILED: set[str] = set()  # GPU kernels that raised once in this process: not tried again
+_PROBED: dict = {}  # (device, dtype) -> why PyTorch's varlen kernel does not serve there (None: it serves)
+HALF = (torch.float16, torch.bfloat16)
 
 
 def _on_gpu(query: torch.Tensor) -> bool:
@@ -130,39 +121,91 @@ def _on_gpu(query: torch.Tensor) -> bool:
     return query.is_cuda
 
 
-def _flex_attention(flex, module, query, key, value, tree, scaling):
-    create_block_mask, flex_attention = flex
-    seg_id, seg_anc = tree["tree_seg_id"], tree["tree_seg_anc"]
-
-    def ancestor(b, h, q, kv):  # kv precedes q in DFS pre-order and lies on q's root-to-segment path
-        return (kv <= q) & seg_anc[seg_id[q], seg_id[kv]]
-
-    n = query.size(2)
-    block = create_block_mask(ancestor, None, None, n, n, device=query.device)
-    n_rep = getattr(module, "num_key_value_groups", 1)
-    out = flex_attention(query, key, value, block_mask=block, scale=scaling, enable_gqa=n_rep > 1)
-    return out.transpose(1, 2).contiguous(), None
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
 
 
-def _cuda_attention(module, query, key, value, tree, scaling, dropout):
-    """FlashAttention varlen, else FlexAttention; `None` when neither serves (the caller runs the segment path)."""
-    flash = _flash_varlen()
-    if flash is not None:
-        q, k, v = (x.transpose(1, 2)[0] for x in (query, key, value))
-        idx = tree["tree_kv_index"]
-        out = flash(
-            q,
-            k.index_select(0, idx),
-            v.index_select(0, idx),
-            tree["tree_cu_seqlens_q"],
-            tree["tree_cu_seqlens_k"],
-            int(tree["tree_max_seqlens"][0]),
-            int(tree["tree_max_seqlens"][1]),
-            dropout_p=dropout,
-            softmax_scale=scaling,
-            causal=True,
-        )
-        return out.unsqueeze(0), None
+def _torch_varlen_serves(query, dropout) -> bool:
+    """Whether PyTorch's varlen FlashAttention serves this call; one log line per reason it does not."""
+    varlen = _torch_varlen()
+    if varlen is None:
+        _say(logging.INFO, f"PyTorch {torch.__version__} has no torch.nn.attention.varlen; trying the next kernel.")
+        return False
+    if query.dtype not in HALF:
+        _say(logging.INFO, f"PyTorch's varlen FlashAttention takes fp16/bf16, not {query.dtype}; trying the next.")
+        return False
+    if dropout:
+        _say(logging.WARNING, "PyTorch's varlen FlashAttention has no attention dropout; trying the next kernel.")
+        return False
+    return probe_torch_varlen(query.device, query.dtype, query.size(-1))
+
+
+def probe_torch_varlen(device, dtype, head_dim: int = 64) -> bool:
+    """Check PyTorch's varlen kernel once per device and dtype (`varlen_probe`); whether it serves there. Run by
+    `prepare_kernels` before a tree forward, outside the decoder layers: a check inside a layer would run under
+    activation checkpointing's saved-tensor hooks, or under `no_grad` (it needs a backward)."""
+    varlen = _torch_varlen()
+    key = (str(device), dtype)
+    if varlen is None or dtype not in HALF:
+        return False
+    if key not in _PROBED:
+        attend = lambda m, q, k, v, layout, s: torch_varlen_attention(varlen, m, q, k, v, layout, s)  # noqa: E731
+        with (
+            torch.inference_mode(False),
+            torch.enable_grad(),
+            torch.autocast(torch.device(device).type, enabled=False),
+        ):
+            _PROBED[key] = varlen_probe(attend, device, dtype, head_dim)
+        if _PROBED[key] is not None:
+            _say(logging.WARNING, f"PyTorch's varlen FlashAttention failed its check ({_PROBED[key]}); trying next.")
+        else:
+            _say(logging.INFO, "using PyTorch's varlen FlashAttention (bottom-right causal, checked).")
+    return _PROBED[key] is None
+
+
+def prepare_kernels(model, device) -> None:
+    """Before a tree forward on CUDA, in its autocast context: the one-time checks of the kernels it will try."""
+    device = torch.device(device)
+    if device.type != "cuda" or _torch_varlen() is None:
+        return
+    if torch.is_autocast_enabled(device.type):
+        dtype = torch.get_autocast_dtype(device.type)
+    else:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    config = getattr(model, "config", None)
+    head_dim = getattr(config, "head_dim", None) or 64
+    probe_torch_varlen(device, dtype, head_dim if head_dim % 8 == 0 and head_dim <= 256 else 64)
+
+
+def _guarded(name, fn, *args):
+    """`fn(*args)`, or `None` with one log line when it raises (then `name` is not tried again in this process);
+    an out-of-memory error is raised."""
+    try:
+        return fn(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:
+        _FAILED.add(name)
+        _say(logging.WARNING, f"{name} failed ({_first_line(exc)}); trying the next kernel from now on.")
+        return None
+
+
+def _cuda_attention(module, query, key, value, layout, scaling, dropout):
+    """PyTorch's varlen FlashAttention, else flash_attn's varlen, else FlexAttention; `None` when none serves (the
+    caller runs the segment path)."""
+    if "torch_varlen" not in _FAILED and _torch_varlen_serves(query, dropout):
+        out = _guarded("torch_varlen", torch_varlen_attention, _torch_varlen(), module, query, key, value, layout,
+                       scaling)  # fmt: skip
+        if out is not None:
+            return out
+    flash = None if "flash_attn" in _FAILED else _flash_varlen()
+    if flash is not None and query.dtype in HALF:
+        out = _guarded("flash_attn", flash_varlen_attention, flash, module, query, key, value, layout, scaling,
+                       dropout)  # fmt: skip
+        if out is not None:
+            return out
+    elif flash is not None:
+        _say(logging.INFO, f"flash_attn takes fp16/bf16, not {query.dtype}; trying the next kernel.")
     if "flex" in _FAILED:
         return None
     flex = _flex()
@@ -173,13 +216,12 @@ def _cuda_attention(module, query, key, value, tree, scaling, dropout):
         _say_fallback("flash_attn is not installed and FlexAttention has no attention dropout")
         return None
     try:
-        out = _flex_attention(flex, module, query, key, value, tree, scaling)
+        out = flex_attention(flex, module, query, key, value, layout, scaling)
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # compilation (first call) or the kernel failed: the segment path serves from now on
         _FAILED.add("flex")
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
-        _say_fallback(f"flash_attn is not installed and FlexAttention failed ({type(exc).__name__}: {first})")
+        _say_fallback(f"flash_attn is not installed and FlexAttention failed ({_first_line(exc)})")
         return None
     _say_fallback("flash_attn is not installed", "FlexAttention with an ancestor block mask")
     return out
@@ -190,7 +232,8 @@ def tree_attention(base: str):
     base_fn = _base_attention(base)
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        if kwargs.get("tree_kv_index") is None:
+        layout = kwargs.get("tree_layout")
+        if layout is None:
             return base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if getattr(module, "sliding_window", None) or kwargs.get("sliding_window"):
             raise ValueError("tree_forward: sliding-window attention is not supported; set tree_forward=False.")
@@ -200,21 +243,10 @@ def tree_attention(base: str):
             raise ValueError("tree_forward: output_attentions is not supported in a tree forward.")
         dropout = dropout if module.training else 0.0
         if _on_gpu(query):
-            out = _cuda_attention(module, query, key, value, kwargs, scaling, dropout)
+            out = _cuda_attention(module, query, key, value, layout, scaling, dropout)
             if out is not None:
                 return out
-        return _segment_attention(
-            base,
-            module,
-            query,
-            key,
-            value,
-            kwargs["tree_kv_index"],
-            kwargs["tree_cu_seqlens_q"],
-            kwargs["tree_cu_seqlens_k"],
-            scaling,
-            dropout,
-        )
+        return _segment_attention(base, module, query, key, value, layout, scaling, dropout)
 
     return attention
 

@@ -214,6 +214,7 @@ def cuda_dispatch_on_cpu(monkeypatch):
     """The CUDA kernel dispatch (`_cuda_attention`) on CPU: `_on_gpu` says yes, flash_attn is not installed, no
     kernel has failed yet and no log line has been said yet in this process."""
     monkeypatch.setattr(ta, "_on_gpu", lambda query: True)
+    monkeypatch.setattr(ta, "_torch_varlen", lambda: None)
     monkeypatch.setattr(ta, "_flash_varlen", lambda: None)
     monkeypatch.setattr(ta, "_FAILED", set())
     ta._say_fallback.cache_clear()

@@ -208,3 +208,24 @@ def test_small_token_budget_several_tries_per_forward(tiny_model_path, tiny_toke
         torch.testing.assert_close(pair[True][0], pair[False][0], atol=TOL, rtol=0)
         for name, grad in pair[False][1].items():
             torch.testing.assert_close(pair[True][1][name], grad, atol=TOL, rtol=0, msg=name)
+
+
+def test_each_micro_batch_is_packed_once_per_step(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch):
+    """ARPO with `beta > 0`: TRL's reference pass (over the generation batch, in chunks of one micro-batch) and
+    the loss pass of each micro-batch see the same rows, which are packed once (`PackCache`): one pack per distinct
+    batch of rows, the other passes reuse it."""
+    from appo_trl.trainer import tree
+    from appo_trl.trainer.tree import PackCache
+
+    cache = PackCache()
+    monkeypatch.setattr(tree, "PACKS", cache)
+    batches = []
+    inner = cache.get
+
+    def recorded(ids, mask, *args):
+        batches.append(frozenset(zip(map(tuple, ids.tolist()), map(tuple, mask.tolist()))))
+        return inner(ids, mask, *args)
+
+    cache.get = recorded
+    run_one_step(tmp_path, tiny_tokenizer, tiny_model_path, rollout_strategy="arpo", initial_rollouts=2, beta=0.04)
+    assert cache.packs == len(set(batches)) == 2 and cache.hits == len(batches) - 2 >= 2

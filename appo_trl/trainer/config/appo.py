@@ -414,9 +414,9 @@ class APPOConfig(GRPOConfig):
             "branch scoring) folds its rows into prefix tries and sends each shared token through the model once "
             "(TRL's `packing: tree` of AsyncGRPO, here for every strategy). Exact: same logps, entropies, loss and "
             "gradients as the row-by-row forward (float32 on CPU, 1e-5). Micro-batches then hold whole groups. "
-            "On a GPU the attention uses flash_attn's varlen kernel, else FlexAttention, else the CPU path; these "
-            "GPU kernels and bf16 exactness have not been run on a GPU yet (no GPU has been lent to this project "
-            "so far): only the FlexAttention forward is tested, on CPU.",
+            "On a GPU the attention uses PyTorch's varlen FlashAttention (bf16/fp16), else flash_attn's varlen "
+            "kernel, else FlexAttention, else the per-segment SDPA path (also the CPU path), each skipped with one "
+            "log line; `bench/gpu.py` measures them and `tests/trainer/test_tree_gpu.py` checks their exactness.",
         ),
     )
     tree_token_budget: int = field(
