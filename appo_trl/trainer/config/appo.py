@@ -15,6 +15,7 @@ from typing import Literal
 from trl import GRPOConfig
 
 from appo_trl.trainer.config import checks
+from appo_trl.trainer.config.agent import AgentFields
 from appo_trl.trainer.config.script import _loss, _rollout, _strategy, _vllm
 from appo_trl.trainer.strategies import strategy_class
 
@@ -28,7 +29,7 @@ REMOVED_FIELDS = {
 
 
 @dataclass
-class APPOConfig(GRPOConfig):
+class APPOConfig(AgentFields, GRPOConfig):
     """`GRPOConfig` plus the agentic-RL settings of appo-trl.
 
     `num_generations` is the final group size n (rows per prompt that reach the reward functions). Strategies:

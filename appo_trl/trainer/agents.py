@@ -1,0 +1,263 @@
+"""Training the user's own agent: `APPOTrainer(agent=...)` / recipe `agent: module:function`.
+
+The contract: `agent(row, base_url, model) -> float | None` (or `async def`) runs one trajectory of dataset row
+`row` against `base_url`, an OpenAI-compatible base URL of the trainer's endpoint unique to this run
+(`appo_trl.rollout.agent_endpoint`); its return value is the trajectory's reward, None lets the reward functions
+score the captured conversation (TRL's signature: `prompts`, `completions` as messages, the row's columns).
+`AgentRounds.generate` runs `num_generations` agent runs per prompt (sync agents on a thread pool, async ones on an
+event loop of their own, at most `rollout_concurrency` at a time) and turns each run into one row of its group.
+
+Rows: each run's row is its last chain of exact ids (`AgentSession.row`). A run that forked (its agent rewrote its
+history) keeps its earlier chains out of the batch, counted in `agent/forks`, so that exactly `num_generations`
+rows per prompt reach the reward step. Rewards: the agent's number reaches TRL as the `agent_reward` column of
+the reward function `agent_reward` (first in `reward_funcs`); where it is set, the other reward functions' values
+are ignored (`agent_rewards_override`), so a row is never scored twice.
+
+Faults: an agent that raises or runs past `agent_timeout_s` gets reward 0 (`agent/errors`, `agent/timeouts`; each
+distinct error's first line logged once) or, with `agent_errors: raise`, stops the run; an agent that returns
+without any request is an error naming it. `close()` (Ctrl-C included) cancels the async agents, ends every
+session and stops the endpoint, its loop and thread pool.
+
+Not yet: branching by replay (strategies that branch need `initial_rollouts == num_generations`), background
+rounds (`max_staleness >= 1`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import math
+import numbers
+import threading
+
+from appo_trl.rollout.types import Trajectory
+from appo_trl.trainer import trl_seams
+from appo_trl.trainer.strategies import RoundBatch
+
+logger = logging.getLogger(__name__)
+
+
+def agent_label(agent) -> str:
+    return getattr(agent, "__qualname__", None) or getattr(agent, "__name__", None) or type(agent).__name__
+
+
+class AgentError(RuntimeError):
+    """The user's agent failed (raised, timed out, or returned a bad value) under `agent_errors: raise`."""
+
+
+def resolve_agent(args, agent, tool_dirs=(), *, tools=None, rollout_func=None, environment_factory=None):
+    """The agent callable of `APPOTrainer(agent=...)` or `args.agent` (`module:function`, found as tools are), or None;
+    ValueError for what cannot run with it."""
+    if agent is not None and args.agent:
+        raise ValueError("APPOTrainer: pass the agent either as APPOTrainer(agent=...) or APPOConfig(agent=...).")
+    agent = agent if agent is not None else args.agent
+    if agent is None:
+        return None
+    if isinstance(agent, str):
+        from appo_trl.tools.callables import ToolSpecError, load_callable
+
+        try:
+            agent = load_callable(agent, tool_dirs)
+        except ToolSpecError as exc:
+            raise ValueError(f"agent: {exc}") from None
+    if not callable(agent):
+        raise ValueError(f"agent {agent!r} is not callable: give `def agent(row, base_url, model) -> float | None`")
+    name = agent_label(agent)
+    clash = [k for k, v in (("tools", tools or args.tools), ("rollout_func", rollout_func),
+                            ("environment_factory", environment_factory)) if v]  # fmt: skip
+    if clash:
+        raise ValueError(f"agent {name}: the agent runs its own loop and tools; {', '.join(clash)} cannot be set too")
+    if args.strategy_class.branches and args.initial_rollouts != args.num_generations:
+        raise ValueError(
+            f"agent {name} with rollout_strategy={args.rollout_strategy}: branching inside agent runs (by replay) is "
+            f"not implemented yet; set initial_rollouts={args.num_generations} (= num_generations) or use grpo"
+        )
+    if args.max_staleness >= 1:
+        raise ValueError(f"agent {name}: background rounds (max_staleness >= 1) are not supported with an agent yet")
+    return agent
+
+
+class AgentReward:
+    """The reward function that hands TRL each run's own reward (the `agent_reward` column; None: not given)."""
+
+    __name__ = "agent_reward"
+
+    def __call__(self, prompts=None, completions=None, agent_reward=None, **kwargs):
+        return list(agent_reward) if agent_reward is not None else [None] * len(completions)
+
+
+def with_agent_reward(reward_funcs, args, agent):
+    """`reward_funcs` with `AgentReward` first when an agent is set (and a weight of 1 for it)."""
+    if agent is None:
+        return reward_funcs
+    funcs = [] if reward_funcs is None else (reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])
+    if args.reward_weights is not None:
+        args.reward_weights = [1.0, *args.reward_weights]
+    return [AgentReward(), *funcs]
+
+
+def agent_rewards_override(trainer, rewards_per_func):
+    """Rows whose agent returned a number keep that number only (the other reward functions' values become NaN)."""
+    if getattr(trainer, "agent", None) is None:
+        return rewards_per_func
+    given = ~rewards_per_func[:, 0].isnan()
+    rewards_per_func[given, 1:] = math.nan
+    return rewards_per_func
+
+
+class AgentRounds:
+    """The endpoint, the agents' event loop and thread pool of one trainer, and one round's agent runs at a time."""
+
+    def __init__(self, trainer, agent):
+        self.trainer, self.agent, self.name = trainer, agent, agent_label(agent)
+        self.is_async = inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(type(agent).__call__)
+        self.endpoint = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._seen_errors: set[str] = set()
+
+    def _start(self) -> None:
+        from appo_trl.rollout.agent_endpoint import AgentEndpoint
+        from appo_trl.rollout.agent_session import ChatRenderer
+        from appo_trl.rollout.chat_format import ChatTemplateToolError, ChatToolFormat
+
+        t, args = self.trainer, self.trainer.args
+        engine = t.rollout_engine
+        fmt = t.chat_tool_format
+        if fmt is None:
+            try:
+                fmt = ChatToolFormat(t._tokenizer, t.chat_template, t.chat_template_kwargs)
+            except ChatTemplateToolError:
+                fmt = None  # the template cannot express tool calls: answers never carry `tool_calls`
+        renderer = ChatRenderer(t._tokenizer, t.chat_template, t.chat_template_kwargs, fmt)
+        cfg = engine.config
+        from appo_trl.rollout.types import SamplingParams
+
+        params = SamplingParams(max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+                                top_k=cfg.top_k)  # fmt: skip
+        self.endpoint = AgentEndpoint(
+            engine.submit, engine.backend.generate, renderer, params, cfg.max_model_len, model_name=self.model_name,
+            host=args.agent_host, port=args.agent_port, concurrency=args.rollout_concurrency,
+        ).start()  # fmt: skip
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="appo-agents", daemon=True)
+        self._thread.start()
+        self._pool = concurrent.futures.ThreadPoolExecutor(args.rollout_concurrency, thread_name_prefix="appo-agent")
+
+    @property
+    def model_name(self) -> str:
+        return str(getattr(self.trainer.model, "name_or_path", None) or "policy")
+
+    def close(self) -> None:
+        """Cancel the async agents, end every session, stop the endpoint, the loop and the pool (idempotent)."""
+        loop, self._loop = self._loop, None
+        if loop is not None:
+
+            async def _cancel():
+                others = [x for x in asyncio.all_tasks() if x is not asyncio.current_task()]
+                for task in others:
+                    task.cancel()
+                await asyncio.gather(*others, return_exceptions=True)
+
+            asyncio.run_coroutine_threadsafe(_cancel(), loop).result(timeout=30)
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(timeout=30)
+            loop.close()
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    # ---- one round ---------------------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[list[int]], n: int, seed: int, inputs: list[dict], mode: str) -> RoundBatch:
+        """n agent runs per prompt of TRL's generation batch `inputs` (n consecutive rows per prompt); `prompt_ids`:
+        TRL's tokenised prompts (the row of a run that never got an answer)."""
+        if self.endpoint is None:
+            self._start()
+        if len(inputs) != len(prompt_ids):
+            raise RuntimeError(f"{len(inputs)} rows for {len(prompt_ids)} prompts")
+        runs = asyncio.run_coroutine_threadsafe(self._runs(inputs, n, seed), self._loop).result()
+        rows, errors, timeouts, forks = [], 0, 0, 0
+        for i, (session, value, error) in enumerate(runs):
+            row = session.row
+            if row is None and error is None:
+                raise ValueError(
+                    f"agent {self.name} returned without calling its base_url: an agent must send its chat requests "
+                    "to the `base_url` it is given (openai.OpenAI(base_url=base_url, api_key='-'))"
+                )
+            if row is None:  # failed before its first answer: one masked token, reward 0
+                eos = self.trainer._tokenizer.eos_token_id
+                row = Trajectory(prompt_ids=list(prompt_ids[i]), completion_ids=[eos], loss_mask=[0],
+                                 logprobs=[math.nan], finish_reason="error")  # fmt: skip
+            errors += error is not None
+            timeouts += error is not None and error.startswith("timed out")
+            forks += max(len(session.chains) - 1, 0)
+            row.group = i // n
+            row.meta.update(
+                agent_reward=0.0 if error is not None else value,
+                messages=session.completion_messages() or [{"role": "assistant", "content": ""}],
+            )
+            rows.append(row)
+        for key, value in {"agent/errors": errors, "agent/timeouts": timeouts, "agent/forks": forks,
+                           **self.endpoint.metrics()}.items():  # fmt: skip
+            trl_seams.log_metric(self.trainer, mode, key, float(value))
+        self.endpoint.reset_metrics()
+        groups = [rows[g : g + n] for g in range(0, len(rows), n)]
+        return RoundBatch(groups=groups, keep=[True] * len(rows))
+
+    async def _runs(self, inputs: list[dict], n: int, seed: int):
+        sem = asyncio.Semaphore(self.trainer.args.rollout_concurrency)
+        results = await asyncio.gather(*(self._one(sem, dict(row), i, n, seed) for i, row in enumerate(inputs)),
+                                       return_exceptions=True)  # fmt: skip
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
+
+    async def _one(self, sem, row: dict, i: int, n: int, seed: int):
+        args = self.trainer.args
+        base_url, session = self.endpoint.open_session(seed=hash((seed, i)) % (2**31), group=i // n,
+                                                       session_id=f"{seed}-{i // n}")  # fmt: skip
+        value, error = None, None
+        async with sem:
+            try:
+                if self.is_async:
+                    call = self.agent(row, base_url, self.model_name)
+                else:
+                    call = asyncio.get_running_loop().run_in_executor(
+                        self._pool, self.agent, row, base_url, self.model_name)  # fmt: skip
+                value = self._check_value(await asyncio.wait_for(call, args.agent_timeout_s))
+            except asyncio.TimeoutError:
+                error = f"timed out after agent_timeout_s={args.agent_timeout_s}"
+            except AgentError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the user's agent: any error is its trajectory's
+                lines = str(exc).strip().splitlines()
+                error = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+            finally:
+                self.endpoint.end_session(base_url)
+        if error is not None:
+            self._fault(error)
+        return session, value, error
+
+    def _check_value(self, value):
+        if value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool)):
+            return None if value is None else float(value)
+        raise TypeError(f"agent {self.name} returned {type(value).__name__} {value!r}; return a float or None")
+
+    def _fault(self, error: str) -> None:
+        if self.trainer.args.agent_errors == "raise":
+            raise AgentError(f"agent {self.name} failed: {error} (agent_errors: raise)")
+        if error not in self._seen_errors:
+            self._seen_errors.add(error)
+            logger.warning("agent %s failed: %s; its trajectory gets reward 0 (counted in agent/errors; "
+                           "agent_errors: raise stops the run instead)", self.name, error)  # fmt: skip
+
+
+__all__ = ["AgentError", "AgentReward", "AgentRounds", "agent_label", "agent_rewards_override", "resolve_agent",
+           "with_agent_reward"]  # fmt: skip

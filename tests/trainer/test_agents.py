@@ -1,0 +1,173 @@
+"""`APPOTrainer(agent=...)`: the user's own `openai` SDK loop trained through the OpenAI-compatible endpoint.
+
+The sampler is a scripted backend (the random tiny model rarely writes a valid tool call): before a tool result it
+writes two parallel `<tool_call>`s, after one the answer and EOS; every token logprob -0.5. The agent is a plain
+`openai.OpenAI` loop that runs the calls itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+
+import pytest
+from datasets import Dataset
+
+openai = pytest.importorskip("openai")
+
+from appo_trl.rollout import Segment  # noqa: E402
+from appo_trl.trainer.config import APPOConfig  # noqa: E402
+from appo_trl.trainer.trainer import APPOTrainer  # noqa: E402
+from tests.trainer.test_trainer import CPU, spy_loss  # noqa: E402
+
+TOOLS = [{"type": "function", "function": {
+    "name": "multiply", "description": "Multiply two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}]  # fmt: skip
+
+
+class ScriptedBackend:
+    """Two parallel calls, then (after a tool response) the answer; records every prompt it was given."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.prompts = tokenizer, []
+        self.after = tokenizer.convert_tokens_to_ids("</tool_response>")
+        self.calls_text = (
+            '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "multiply", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+        )
+
+    async def generate(self, prompt_ids, params):
+        self.prompts.append(list(prompt_ids))
+        enc = lambda s: self.tok.encode(s, add_special_tokens=False)  # noqa: E731
+        if self.after in prompt_ids:
+            ids = enc("<answer> 42 </answer>")
+        else:
+            ids = enc(self.calls_text)
+        ids = (ids + [self.tok.eos_token_id])[: params.max_tokens]
+        return Segment(ids, [-0.5] * len(ids), None, "eos" if len(ids) < params.max_tokens else "length")
+
+
+def sdk_agent(row, base_url, model):
+    """A hand-written `openai` SDK tool loop (parallel calls answered in order); reward: the answer is 42."""
+    client = openai.OpenAI(base_url=base_url, api_key="-")
+    messages = list(row["prompt"])
+    for _ in range(4):
+        reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, temperature=0.3)
+        msg = reply.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        if not msg.tool_calls:
+            break
+        for call in msg.tool_calls:
+            args = json.loads(call.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(args["a"] * args["b"])})
+    client.close()
+    return float("42" in (msg.content or ""))
+
+
+def prompts(k=2):
+    return Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": f"what is 6 times 7 ({i})"}] for i in range(k)],
+        "answer": ["42"] * k,
+    })  # fmt: skip
+
+
+def make_trainer(tmp_path, path, tok, agent, strategy="grpo", reward_funcs=None, **extra):
+    args = APPOConfig(output_dir=str(tmp_path), **CPU, rollout_strategy=strategy, num_generations=2,
+                      initial_rollouts=2, per_device_train_batch_size=4, max_steps=2, max_completion_length=96,
+                      **extra)  # fmt: skip
+    trainer = APPOTrainer(model=path, reward_funcs=reward_funcs, args=args, train_dataset=prompts(),
+                          processing_class=tok, agent=agent)  # fmt: skip
+    backend = ScriptedBackend(tok)
+    trainer.rollout_engine.backend = backend
+    return trainer, backend
+
+
+@pytest.mark.parametrize("strategy", ["grpo", "appo"])
+def test_openai_sdk_agent_trains_two_steps(tmp_path, strategy, tiny_chat_tokenizer, tiny_chat_model_path):
+    tok = tiny_chat_tokenizer
+    trainer, backend = make_trainer(tmp_path, tiny_chat_model_path, tok, sdk_agent, strategy)
+    seen = spy_loss(trainer)
+    trainer.train()
+    assert len(seen) >= 2 and trainer.state.global_step == 2
+    open_id, resp = tok.convert_tokens_to_ids("<tool_call>"), tok.convert_tokens_to_ids("<tool_response>")
+    for inputs in seen:
+        for ids, mask in zip(inputs["completion_ids"], inputs["tool_mask"]):
+            ids, mask = ids.tolist(), mask.tolist()
+            assert ids.count(open_id) == 2 and ids.count(resp) == 2  # both parallel calls, both results
+            # sampled tokens (the calls, the answer) are trained; the tool turn rendered by the template is not
+            assert all(m == 0 for i, m in zip(ids, mask) if i == resp)
+            assert all(m == 1 for i, m in zip(ids, mask) if i == open_id)
+    # every second request extends the first: its prompt is the recorded ids (prompt + sampled turn) + tool turn
+    after = tok.convert_tokens_to_ids("</tool_response>")
+    firsts = [p for p in backend.prompts if after not in p]
+    turn = tok.encode(backend.calls_text, add_special_tokens=False) + [tok.eos_token_id]
+    seconds = [p for p in backend.prompts if after in p]
+    assert len(seconds) == len(firsts) == 8  # 2 steps x 4 runs
+    assert all(any(p[: len(f)] == f and p[len(f) : len(f) + len(turn)] == turn for f in firsts) for p in seconds)
+    logs = [h for h in trainer.state.log_history if "rewards/agent_reward/mean" in h]
+    assert logs and all(h["rewards/agent_reward/mean"] == 1.0 for h in logs)
+    assert all(h.get("agent/errors", 0) == 0 and h.get("agent/forks", 0) == 0 for h in logs)
+    assert trainer.rounds.agents.endpoint is None  # closed after train()
+
+
+def test_endpoint_rows_are_exact_and_forks_start_new_rows(tiny_chat_tokenizer):
+    """Direct: the endpoint, a session, an extension and a fork (the agent drops its history)."""
+    from appo_trl.rollout.agent_endpoint import AgentEndpoint
+    from appo_trl.rollout.agent_session import ChatRenderer
+    from appo_trl.rollout.chat_format import ChatToolFormat
+    from appo_trl.rollout.types import SamplingParams
+
+    tok = tiny_chat_tokenizer
+    backend = ScriptedBackend(tok)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    renderer = ChatRenderer(tok, tool_format=ChatToolFormat(tok))
+    endpoint = AgentEndpoint(lambda c: asyncio.run_coroutine_threadsafe(c, loop), backend.generate, renderer,
+                             SamplingParams(max_tokens=200), 4096, model_name="tiny").start()  # fmt: skip
+    try:
+        base_url, session = endpoint.open_session(seed=1)
+        assert base_url.endswith("/v1") and endpoint.secret in base_url
+        client = openai.OpenAI(base_url=base_url, api_key="-")
+        assert [m.id for m in client.models.list()] == ["tiny"]
+        messages = [{"role": "user", "content": "6 times 7?"}]
+        first = client.chat.completions.create(model="x", messages=messages, tools=TOOLS, logprobs=True)
+        msg = first.choices[0].message
+        assert first.choices[0].finish_reason == "tool_calls" and len(msg.tool_calls) == 2
+        assert json.loads(msg.tool_calls[1].function.arguments) == {"a": 2, "b": 3}
+        assert first.usage.completion_tokens == len(first.choices[0].logprobs.content)
+        messages += [msg.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "42"},
+                     {"role": "tool", "tool_call_id": msg.tool_calls[1].id, "content": "6"}]  # fmt: skip
+        second = client.chat.completions.create(model="x", messages=messages, tools=TOOLS)
+        assert second.choices[0].message.content.strip() == "<answer> 42 </answer>"
+        [row] = session.chains
+        row.check()
+        assert (
+            backend.prompts[1] == row.prompt_ids + row.completion_ids[: len(backend.prompts[1]) - len(row.prompt_ids)]
+        )
+        sampled = [i for i, m in zip(row.completion_ids, row.loss_mask) if m == 1]
+        assert sum(len(s) for s in [sampled]) == first.usage.completion_tokens + second.usage.completion_tokens
+        assert all(math.isnan(lp) for lp, m in zip(row.logprobs, row.loss_mask) if m == 0)
+        assert all(lp == -0.5 for lp, m in zip(row.logprobs, row.loss_mask) if m == 1)
+        # a compacted history is not an extension: a second row (fork) on the template's rendering
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "6 times 7? (again)"}])
+        assert len(session.chains) == 2 and session.row.meta["origin"] == "fork"
+        assert session.row.prompt_ids == renderer.prompt_ids([{"role": "user", "content": "6 times 7? (again)"}], None)
+        # a wrong secret, and an ended run
+        bad = base_url.replace(endpoint.secret, "x" * len(endpoint.secret))
+        with pytest.raises(openai.NotFoundError):
+            openai.OpenAI(base_url=bad, api_key="-", max_retries=0).models.list()
+        endpoint.end_session(base_url)
+        with pytest.raises(openai.APIStatusError) as err:
+            openai.OpenAI(base_url=base_url, api_key="-", max_retries=0).chat.completions.create(
+                model="x", messages=messages)  # fmt: skip
+        assert err.value.status_code == 410
+        client.close()
+    finally:
+        endpoint.close()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
