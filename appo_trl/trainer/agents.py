@@ -25,7 +25,6 @@ rounds (`max_staleness >= 1`).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import logging
 import math
@@ -116,7 +115,7 @@ class AgentRounds:
         self.endpoint = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._threads: set[threading.Thread] = set()  # sync agents, one thread per run
         self._seen_errors: set[str] = set()
 
     def _start(self) -> None:
@@ -145,7 +144,6 @@ class AgentRounds:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="appo-agents", daemon=True)
         self._thread.start()
-        self._pool = concurrent.futures.ThreadPoolExecutor(args.rollout_concurrency, thread_name_prefix="appo-agent")
 
     @property
     def model_name(self) -> str:
@@ -169,9 +167,8 @@ class AgentRounds:
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        for thread in list(self._threads):  # their requests now fail (the endpoint is closed), so they end
+            thread.join(timeout=10)
 
     # ---- one round ---------------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], n: int, seed: int, inputs: list[dict], mode: str) -> RoundBatch:
@@ -229,8 +226,7 @@ class AgentRounds:
                 if self.is_async:
                     call = self.agent(row, base_url, self.model_name)
                 else:
-                    call = asyncio.get_running_loop().run_in_executor(
-                        self._pool, self.agent, row, base_url, self.model_name)  # fmt: skip
+                    call = self._in_thread(row, base_url)
                 value = self._check_value(await asyncio.wait_for(call, args.agent_timeout_s))
             except asyncio.TimeoutError:
                 error = f"timed out after agent_timeout_s={args.agent_timeout_s}"
@@ -244,6 +240,32 @@ class AgentRounds:
         if error is not None:
             self._fault(error)
         return session, value, error
+
+    def _in_thread(self, row: dict, base_url: str) -> asyncio.Future:
+        """A sync agent run on its own daemon thread; the future of its return value on the agents' loop."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def settle(ok: bool, value) -> None:
+            if not future.done():
+                (future.set_result if ok else future.set_exception)(value)
+
+        def run() -> None:
+            try:
+                out = (True, self.agent(row, base_url, self.model_name))
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting run
+                out = (False, exc)
+            try:
+                loop.call_soon_threadsafe(settle, *out)
+            except RuntimeError:  # the loop was closed (the run was abandoned)
+                pass
+            finally:
+                self._threads.discard(threading.current_thread())
+
+        thread = threading.Thread(target=run, name="appo-agent", daemon=True)
+        self._threads.add(thread)
+        thread.start()
+        return future
 
     def _check_value(self, value):
         if value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool)):

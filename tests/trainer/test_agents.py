@@ -76,8 +76,8 @@ def prompts(k=2):
 
 def make_trainer(tmp_path, path, tok, agent, strategy="grpo", reward_funcs=None, **extra):
     args = APPOConfig(output_dir=str(tmp_path), **CPU, rollout_strategy=strategy, num_generations=2,
-                      initial_rollouts=2, per_device_train_batch_size=4, max_steps=2, max_completion_length=96,
-                      **extra)  # fmt: skip
+                      initial_rollouts=2, per_device_train_batch_size=4, max_completion_length=96,
+                      **{"max_steps": 2, **extra})  # fmt: skip
     trainer = APPOTrainer(model=path, reward_funcs=reward_funcs, args=args, train_dataset=prompts(),
                           processing_class=tok, agent=agent)  # fmt: skip
     backend = ScriptedBackend(tok)
@@ -171,3 +171,129 @@ def test_endpoint_rows_are_exact_and_forks_start_new_rows(tiny_chat_tokenizer):
         endpoint.close()
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
+
+
+class Conversation:
+    """A TRL-signature reward function that records what it was given."""
+
+    __name__ = "conversation_reward"
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, prompts, completions, answer, **kw):
+        self.seen.append((prompts, completions, answer))
+        return [0.5 + 0.1 * i for i in range(len(completions))]
+
+
+async def async_agent(row, base_url, model):
+    """An `async def` agent on `openai.AsyncOpenAI`; returns None: the reward functions score it."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="-")
+    messages = list(row["prompt"])
+    reply = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS)
+    msg = reply.choices[0].message
+    messages.append(msg.model_dump(exclude_none=True))
+    messages += [{"role": "tool", "tool_call_id": c.id, "content": "42"} for c in msg.tool_calls]
+    await client.chat.completions.create(model=model, messages=messages, tools=TOOLS)
+    await client.close()
+    return None
+
+
+def test_async_agent_returning_none_is_scored_by_reward_funcs(tmp_path, tiny_chat_tokenizer, tiny_chat_model_path):
+    reward = Conversation()
+    trainer, _ = make_trainer(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, async_agent,
+                              reward_funcs=[reward], max_steps=1)  # fmt: skip
+    trainer.train()
+    [(prompts, completions, answer)] = reward.seen
+    assert answer == ["42"] * 4 and prompts[0] == [{"role": "user", "content": "what is 6 times 7 (0)"}]
+    assert [m["role"] for m in completions[0]] == ["assistant", "tool", "tool", "assistant"]
+    assert completions[0][0]["tool_calls"][0]["function"]["name"] == "multiply"
+    assert completions[0][-1]["content"].strip() == "<answer> 42 </answer>"
+    [log] = [h for h in trainer.state.log_history if "reward" in h]
+    assert log["rewards/agent_reward/mean"] is None  # no run returned a number (TRL: all None)
+    assert log["rewards/conversation_reward/mean"] == pytest.approx(0.65) == log["reward"]
+
+
+def test_agent_reward_wins_over_reward_funcs(tmp_path, tiny_chat_tokenizer, tiny_chat_model_path):
+    reward = Conversation()
+    trainer, _ = make_trainer(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, sdk_agent,
+                              reward_funcs=[reward], max_steps=1)  # fmt: skip
+    trainer.train()
+    [log] = [h for h in trainer.state.log_history if "reward" in h]
+    assert log["reward"] == 1.0  # the agent's 1.0, not 1.0 + the reward function's 0.5..0.8
+
+
+def failing_agent(row, base_url, model):
+    openai.OpenAI(base_url=base_url, api_key="-").chat.completions.create(model=model, messages=row["prompt"])
+    raise ValueError("the sandbox broke\nsecond line")
+
+
+def test_agent_that_raises_gets_zero_reward_or_stops_the_run(tmp_path, caplog, tiny_chat_tokenizer,
+                                                              tiny_chat_model_path):  # fmt: skip
+    trainer, _ = make_trainer(tmp_path / "a", tiny_chat_model_path, tiny_chat_tokenizer, failing_agent, max_steps=1)
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    [log] = [h for h in trainer.state.log_history if "reward" in h]
+    assert log["reward"] == 0.0 and log["agent/errors"] == 4.0
+    warned = [r.message for r in caplog.records if "the sandbox broke" in r.message]
+    assert len(warned) == 1 and "second line" not in warned[0] and "failing_agent" in warned[0]
+    from appo_trl.trainer.agents import AgentError
+
+    trainer, _ = make_trainer(tmp_path / "b", tiny_chat_model_path, tiny_chat_tokenizer, failing_agent, max_steps=1,
+                              agent_errors="raise")  # fmt: skip
+    with pytest.raises(AgentError, match="failing_agent failed: ValueError: the sandbox broke"):
+        trainer.train()
+    assert not [t for t in threading.enumerate() if t.name.startswith(("appo-agent", "appo-agents"))]
+
+
+async def slow_agent(row, base_url, model):
+    await asyncio.sleep(30)
+
+
+def silent_agent(row, base_url, model):
+    return 1.0
+
+
+def test_timeouts_and_an_agent_without_requests(tmp_path, tiny_chat_tokenizer, tiny_chat_model_path):
+    trainer, _ = make_trainer(tmp_path / "a", tiny_chat_model_path, tiny_chat_tokenizer, slow_agent, max_steps=1,
+                              agent_timeout_s=0.2)  # fmt: skip
+    trainer.train()
+    [log] = [h for h in trainer.state.log_history if "reward" in h]
+    assert log["agent/timeouts"] == 4.0 and log["reward"] == 0.0
+    trainer, _ = make_trainer(tmp_path / "b", tiny_chat_model_path, tiny_chat_tokenizer, silent_agent, max_steps=1)
+    with pytest.raises(ValueError, match="agent silent_agent returned without calling its base_url"):
+        trainer.train()
+
+
+def test_recipe_agent_is_found_beside_the_recipe_and_close_frees_the_port(tmp_path, tiny_chat_tokenizer,
+                                                                          tiny_chat_model_path):  # fmt: skip
+    (tmp_path / "my_agent.py").write_text(
+        "import openai\n\ndef agent(row, base_url, model):\n"
+        "    openai.OpenAI(base_url=base_url, api_key='-').chat.completions.create(model=model, messages=row['prompt'])\n"
+        "    return 0.25\n"
+    )
+    args = APPOConfig(output_dir=str(tmp_path / "out"), **CPU, num_generations=2, per_device_train_batch_size=4,
+                      max_steps=1, max_completion_length=32, agent="my_agent:agent")  # fmt: skip
+    trainer = APPOTrainer(model=tiny_chat_model_path, args=args, train_dataset=prompts(),
+                          processing_class=tiny_chat_tokenizer, tool_dirs=[str(tmp_path)])  # fmt: skip
+    assert trainer.agent.__name__ == "agent"
+    trainer.rollout_engine.backend = ScriptedBackend(tiny_chat_tokenizer)
+    ports = []
+    real_start = trainer.rounds.agents._start
+
+    def start():
+        real_start()
+        ports.append(trainer.rounds.agents.endpoint.port)
+
+    trainer.rounds.agents._start = start
+    trainer.train()
+    [log] = [h for h in trainer.state.log_history if "reward" in h]
+    assert log["reward"] == 0.25
+    import socket
+
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", ports[0]), timeout=2):
+        pass
+    assert not [t for t in threading.enumerate() if t.name.startswith(("appo-agent", "appo-agents"))]
+    with pytest.raises(ValueError, match="agent: .*cannot import module 'nope'"):
+        APPOTrainer(model=tiny_chat_model_path, args=APPOConfig(output_dir=str(tmp_path / "o2"), **CPU, agent="nope:x"),
+                    train_dataset=prompts(), processing_class=tiny_chat_tokenizer)  # fmt: skip
