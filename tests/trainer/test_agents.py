@@ -297,3 +297,40 @@ def test_recipe_agent_is_found_beside_the_recipe_and_close_frees_the_port(tmp_pa
     with pytest.raises(ValueError, match="agent: .*cannot import module 'nope'"):
         APPOTrainer(model=tiny_chat_model_path, args=APPOConfig(output_dir=str(tmp_path / "o2"), **CPU, agent="nope:x"),
                     train_dataset=prompts(), processing_class=tiny_chat_tokenizer)  # fmt: skip
+
+
+CANCELLED = []
+
+
+async def stuck_agent(row, base_url, model):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="-")
+    await client.chat.completions.create(model=model, messages=row["prompt"])
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        CANCELLED.append(base_url)
+        raise
+
+
+def test_ctrl_c_stops_agents_and_endpoint(tmp_path, tiny_chat_tokenizer, tiny_chat_model_path):
+    import os
+    import signal
+    import socket
+
+    trainer, _ = make_trainer(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, stuck_agent, max_steps=1)
+    agents = trainer.rounds.agents
+    real_start, ports = agents._start, []
+
+    def start():
+        real_start()
+        ports.append(agents.endpoint.port)
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C while every agent waits
+
+    agents._start = start
+    CANCELLED.clear()
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert len(CANCELLED) == 4 and agents.endpoint is None
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", ports[0]), timeout=2):
+        pass
+    assert not [t for t in threading.enumerate() if t.name.startswith(("appo-agent", "appo-rollout-loop"))]
