@@ -54,6 +54,10 @@ def resolve_agent(args, agent, tool_dirs=(), *, tools=None, rollout_func=None, e
     agent = agent if agent is not None else args.agent
     if agent is None:
         return None
+    from appo_trl.configs.plan import StartupPlan
+
+    if isinstance(tools, StartupPlan):  # `appo train`: the plan carries the recipe's folder
+        tool_dirs, tools = (*tool_dirs, *tools.tool_dirs), tools.tool_specs
     if isinstance(agent, str):
         from appo_trl.tools.callables import ToolSpecError, load_callable
 

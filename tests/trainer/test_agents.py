@@ -274,8 +274,11 @@ def test_recipe_agent_is_found_beside_the_recipe_and_close_frees_the_port(tmp_pa
     )
     args = APPOConfig(output_dir=str(tmp_path / "out"), **CPU, num_generations=2, per_device_train_batch_size=4,
                       max_steps=1, max_completion_length=32, agent="my_agent:agent")  # fmt: skip
+    from appo_trl.configs.plan import StartupPlan
+
+    plan = StartupPlan.resolve(args, None, [str(tmp_path)])  # as `appo train` passes the recipe's folder
     trainer = APPOTrainer(model=tiny_chat_model_path, args=args, train_dataset=prompts(),
-                          processing_class=tiny_chat_tokenizer, tool_dirs=[str(tmp_path)])  # fmt: skip
+                          processing_class=tiny_chat_tokenizer, tools=plan)  # fmt: skip
     assert trainer.agent.__name__ == "agent"
     trainer.rollout_engine.backend = ScriptedBackend(tiny_chat_tokenizer)
     ports = []
