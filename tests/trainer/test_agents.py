@@ -32,7 +32,7 @@ class ScriptedBackend:
     """Two parallel calls, then (after a tool response) the answer; records every prompt it was given."""
 
     def __init__(self, tokenizer):
-        self.tok, self.prompts = tokenizer, []
+        self.tok, self.prompts, self.answers = tokenizer, [], {}
         self.after = tokenizer.convert_tokens_to_ids("</tool_response>")
         self.calls_text = (
             '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>\n'
@@ -42,8 +42,10 @@ class ScriptedBackend:
     async def generate(self, prompt_ids, params):
         self.prompts.append(list(prompt_ids))
         enc = lambda s: self.tok.encode(s, add_special_tokens=False)  # noqa: E731
-        if self.after in prompt_ids:
-            ids = enc("<answer> 42 </answer>")
+        if self.after in prompt_ids:  # per prompt, answers alternate 42 / 41: every group has both
+            key = "(0)" in self.tok.decode(prompt_ids)
+            self.answers[key] = self.answers.get(key, -1) + 1
+            ids = enc("<answer> 42 </answer>" if self.answers[key] % 2 == 0 else "<answer> 41 </answer>")
         else:
             ids = enc(self.calls_text)
         ids = (ids + [self.tok.eos_token_id])[: params.max_tokens]
@@ -90,8 +92,10 @@ def test_openai_sdk_agent_trains_two_steps(tmp_path, strategy, tiny_chat_tokeniz
     tok = tiny_chat_tokenizer
     trainer, backend = make_trainer(tmp_path, tiny_chat_model_path, tok, sdk_agent, strategy)
     seen = spy_loss(trainer)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
     assert len(seen) >= 2 and trainer.state.global_step == 2
+    assert any(not (a == b.detach()).all() for a, b in zip(before, trainer.model.parameters()))  # it learned
     open_id, resp = tok.convert_tokens_to_ids("<tool_call>"), tok.convert_tokens_to_ids("<tool_response>")
     for inputs in seen:
         for ids, mask in zip(inputs["completion_ids"], inputs["tool_mask"]):
@@ -108,7 +112,7 @@ def test_openai_sdk_agent_trains_two_steps(tmp_path, strategy, tiny_chat_tokeniz
     assert len(seconds) == len(firsts) == 8  # 2 steps x 4 runs
     assert all(any(p[: len(f)] == f and p[len(f) : len(f) + len(turn)] == turn for f in firsts) for p in seconds)
     logs = [h for h in trainer.state.log_history if "rewards/agent_reward/mean" in h]
-    assert logs and all(h["rewards/agent_reward/mean"] == 1.0 for h in logs)
+    assert logs and all(h["rewards/agent_reward/mean"] == 0.5 for h in logs)
     assert all(h.get("agent/errors", 0) == 0 and h.get("agent/forks", 0) == 0 for h in logs)
     assert trainer.rounds.agents.endpoint is None  # closed after train()
 
@@ -208,7 +212,7 @@ def test_async_agent_returning_none_is_scored_by_reward_funcs(tmp_path, tiny_cha
     assert answer == ["42"] * 4 and prompts[0] == [{"role": "user", "content": "what is 6 times 7 (0)"}]
     assert [m["role"] for m in completions[0]] == ["assistant", "tool", "tool", "assistant"]
     assert completions[0][0]["tool_calls"][0]["function"]["name"] == "multiply"
-    assert completions[0][-1]["content"].strip() == "<answer> 42 </answer>"
+    assert {c[-1]["content"].strip() for c in completions} == {"<answer> 42 </answer>", "<answer> 41 </answer>"}
     [log] = [h for h in trainer.state.log_history if "reward" in h]
     assert log["rewards/agent_reward/mean"] is None  # no run returned a number (TRL: all None)
     assert log["rewards/conversation_reward/mean"] == pytest.approx(0.65) == log["reward"]
@@ -220,7 +224,7 @@ def test_agent_reward_wins_over_reward_funcs(tmp_path, tiny_chat_tokenizer, tiny
                               reward_funcs=[reward], max_steps=1)  # fmt: skip
     trainer.train()
     [log] = [h for h in trainer.state.log_history if "reward" in h]
-    assert log["reward"] == 1.0  # the agent's 1.0, not 1.0 + the reward function's 0.5..0.8
+    assert log["reward"] == 0.5  # the agent's 1.0 and 0.0, not plus the reward function's 0.5..0.8
 
 
 def failing_agent(row, base_url, model):
