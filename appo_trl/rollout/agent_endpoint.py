@@ -112,7 +112,8 @@ class AgentEndpoint:
         """A new agent run: its base URL (ends in `/v1`) and its `AgentSession`."""
         key = secrets.token_hex(8)
         params = SamplingParams(max_tokens=self.params.max_tokens, temperature=self.params.temperature,
-                                top_p=self.params.top_p, top_k=self.params.top_k, session_id=session_id)  # fmt: skip
+                                top_p=self.params.top_p, top_k=self.params.top_k, session_id=session_id,
+                                logprobs=self.params.logprobs)  # fmt: skip
         session = AgentSession(self.renderer, self._sample, params, self.max_model_len, seed=seed, group=group)
         self._sessions[key] = session
         return self.base_url(key), session

@@ -18,6 +18,7 @@ What it does not do: serve HTTP (`appo_trl.rollout.agent_endpoint`), run agents 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -25,6 +26,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from appo_trl.rollout.text import topk_entropy
 from appo_trl.rollout.types import SamplingParams, Segment, Trajectory
 
 _SENTINEL = "assistant_sentinel_4c9e1b7d"
@@ -134,6 +136,9 @@ class AgentSession:
         self._tools_key: str | None = None
         self._first: int = 0  # messages of the chain's first request (its prompt)
         self._messages: list[dict] = []  # the current chain's conversation (for reward functions)
+        self.calls: list[dict] = []  # every answered request: the ids it sampled on, its answer, where it went
+        self.replay: Replay | None = None
+        self.replayed, self.diverged = 0, False
 
     @property
     def row(self) -> Trajectory | None:
@@ -171,7 +176,8 @@ class AgentSession:
             chain.append(delta, 0)
             self._messages.extend(dict(m) for m in new)
         else:
-            chain = Trajectory(prompt_ids=self.renderer.prompt_ids(messages, tools), group=self.group)
+            chain = Trajectory(prompt_ids=self.renderer.prompt_ids(messages, tools), group=self.group,
+                               entropies=[] if self.params.logprobs else None)  # fmt: skip
             chain.meta.update(origin="root" if not self.chains else "fork", chain=len(self.chains))
             self.chains.append(chain)
             self._tools_key, self._first, self._messages = tools_key, len(messages), [dict(m) for m in messages]
@@ -182,27 +188,79 @@ class AgentSession:
         c = len(chain.completion_ids)
         return min(self.params.max_tokens - c, self.max_model_len - len(chain.prompt_ids) - c)
 
+    def _recorded(self, k: int, prompt: list[int]) -> dict | None:
+        """The parent's call k when this (replayed) request asks exactly what it asked; a mismatch ends the replay."""
+        replay = self.replay
+        if replay is None or k > replay.branch_call:
+            return None
+        if replay.calls[k]["prompt"] != prompt:
+            self.replay, self.diverged = None, True
+            return None
+        self.replayed += 1
+        return replay.calls[k]
+
     async def _generate(self, chain: Trajectory, request: dict) -> dict:
         room = self._budget(chain)
         if room < 1:
             chain.finish_reason = "length"
             return self._answer([], "length", request, chain)
         asked = request.get("max_completion_tokens") or request.get("max_tokens")
+        full, k = chain.prompt_ids + chain.completion_ids, self.requests
+        rec = self._recorded(k, full)
+        if rec is not None and k < self.replay.branch_call:  # before the branch call: the recorded answer
+            self.requests += 1
+            seg = Segment(list(rec["ids"]), list(rec["logprobs"]), None, rec["finish"])
+            return self._record(chain, full, seg, request, rec["entropies"])
+        cut = self.replay.cut if rec is not None else 0
+        prefix, prefix_lps = (rec["ids"][:cut], rec["logprobs"][:cut]) if rec is not None else ([], [])
+        prefix_ents = rec["entropies"][:cut] if rec is not None and rec["entropies"] is not None else None
+        if rec is not None:  # the branch call: the parent's tokens up to the branch point, then a fresh continuation
+            self.replay = None
+            room, asked = room - len(prefix), (int(asked) - len(prefix) if asked else None)
+            if room < 1 or (asked is not None and asked < 1):
+                self.requests += 1
+                seg = Segment(list(prefix), list(prefix_lps), None, "length")
+                return self._record(chain, full, seg, request, prefix_ents)
         stop = request.get("stop") or []
         params = SamplingParams(
-            max_tokens=min(room, int(asked)) if asked else room, temperature=self.params.temperature,
-            top_p=self.params.top_p, top_k=self.params.top_k, seed=_seed(self.seed, self.requests),
+            max_tokens=max(min(room, int(asked)) if asked else room, 1), temperature=self.params.temperature,
+            top_p=self.params.top_p, top_k=self.params.top_k, seed=_seed(self.seed, self.requests), logprobs=self.params.logprobs,
             stop=[stop] if isinstance(stop, str) else list(stop), session_id=self.params.session_id,
         )  # fmt: skip
         self.requests += 1
         start = time.perf_counter()
-        seg = await self._sample(chain.prompt_ids + chain.completion_ids, params)
+        seg = await self._sample(full + list(prefix), params)
         chain.meta["generation_s"] = chain.meta.get("generation_s", 0.0) + time.perf_counter() - start
         if len(seg.token_ids) > params.max_tokens:
             raise RuntimeError(f"backend returned {len(seg.token_ids)} tokens for max_tokens={params.max_tokens}")
-        chain.append(list(seg.token_ids), 1, list(seg.logprobs))
+        ents = [topk_entropy(t) for t in seg.top_logprobs] if seg.top_logprobs is not None else None
+        if prefix:
+            if ents is not None:
+                ents = (prefix_ents or [math.nan] * len(prefix)) + ents
+            seg = Segment(list(prefix) + list(seg.token_ids), list(prefix_lps) + list(seg.logprobs), None,
+                          seg.finish_reason)  # fmt: skip
+        return self._record(chain, full, seg, request, ents)
+
+    def _record(self, chain: Trajectory, prompt: list[int], seg: Segment, request: dict,
+                entropies: list[float] | None = None) -> dict:  # fmt: skip
+        """Note the answered call (for replays) and append its ids to the chain (mask 1, their logprobs)."""
+        if chain.entropies is not None and entropies is None:
+            entropies = [math.nan] * len(seg.token_ids)
+        self.calls.append({"prompt": prompt, "ids": list(seg.token_ids), "logprobs": list(seg.logprobs),
+                           "entropies": entropies, "finish": seg.finish_reason, "chain": len(self.chains) - 1,
+                           "start": len(chain.completion_ids)})  # fmt: skip
+        chain.append(list(seg.token_ids), 1, list(seg.logprobs), entropies if chain.entropies is not None else None)
         chain.finish_reason = seg.finish_reason
         return self._answer(list(seg.token_ids), seg.finish_reason, request, chain, seg.logprobs)
+
+    def branch_call(self, position: int, resample: bool = True) -> Replay:
+        """How a branch of this run at `position` of its row replays it: the call whose answer holds `position`,
+        and how many of that answer's tokens the branch keeps (`resample`: the token at `position` is sampled anew)."""
+        last = len(self.chains) - 1
+        for k, call in enumerate(self.calls):
+            if call["chain"] == last and call["start"] <= position < call["start"] + len(call["ids"]):
+                return Replay(self.calls, k, position - call["start"] + (0 if resample else 1))
+        raise ValueError(f"position {position} is not in a sampled answer of this run's row")
 
     def _answer(self, ids: list[int], reason: str, request: dict, chain: Trajectory,
                 logprobs: list[float] | None = None) -> dict:  # fmt: skip
@@ -242,8 +300,18 @@ class AgentSession:
         }  # fmt: skip
 
 
+@dataclasses.dataclass
+class Replay:
+    """A branch's replay of its parent's run: `calls` (the parent's `AgentSession.calls`) are answered as recorded
+    before `branch_call`; that call answers the first `cut` tokens of its recorded answer, then samples."""
+
+    calls: list[dict]
+    branch_call: int
+    cut: int
+
+
 def _seed(base: int, k: int) -> int:
     return hash((base, k)) % (2**31)
 
 
-__all__ = ["AgentSession", "ChatRenderer", "normalise", "template_message"]
+__all__ = ["AgentSession", "ChatRenderer", "Replay", "normalise", "template_message"]

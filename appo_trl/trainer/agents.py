@@ -72,10 +72,12 @@ def resolve_agent(args, agent, tool_dirs=(), *, tools=None, rollout_func=None, e
                             ("environment_factory", environment_factory)) if v]  # fmt: skip
     if clash:
         raise ValueError(f"agent {name}: the agent runs its own loop and tools; {', '.join(clash)} cannot be set too")
-    if args.strategy_class.branches and args.initial_rollouts != args.num_generations:
+    cls = args.strategy_class  # branches made after the runs (env_snapshots: appo) replay them; in-loop ones cannot
+    if cls.branches and not cls.env_snapshots and args.initial_rollouts != args.num_generations:
         raise ValueError(
-            f"agent {name} with rollout_strategy={args.rollout_strategy}: branching inside agent runs (by replay) is "
-            f"not implemented yet; set initial_rollouts={args.num_generations} (= num_generations) or use grpo"
+            f"agent {name} with rollout_strategy={args.rollout_strategy}: this strategy branches inside the tool loop, "
+            f"which an agent's own loop does not expose; set initial_rollouts={args.num_generations} "
+            "(= num_generations), or use appo (branching by replay) or grpo"
         )
     if args.max_staleness >= 1:
         raise ValueError(f"agent {name}: background rounds (max_staleness >= 1) are not supported with an agent yet")
@@ -140,7 +142,7 @@ class AgentRounds:
         from appo_trl.rollout.types import SamplingParams
 
         params = SamplingParams(max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                                top_k=cfg.top_k)  # fmt: skip
+                                top_k=cfg.top_k, logprobs=cfg.entropy_topk if cfg.record_entropies else 0)  # fmt: skip
         self.endpoint = AgentEndpoint(
             engine.submit, engine.backend.generate, renderer, params, cfg.max_model_len, model_name=self.model_name,
             host=args.agent_host, port=args.agent_port, concurrency=args.rollout_concurrency,
@@ -175,75 +177,44 @@ class AgentRounds:
             thread.join(timeout=10)
 
     # ---- one round ---------------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[list[int]], n: int, seed: int, inputs: list[dict], mode: str) -> RoundBatch:
-        """n agent runs per prompt of TRL's generation batch `inputs` (n consecutive rows per prompt); `prompt_ids`:
-        TRL's tokenised prompts (the row of a run that never got an answer)."""
+    def generate(self, strategy, prompt_ids: list[list[int]], n: int, seed: int, inputs: list[dict],
+                 mode: str) -> RoundBatch:  # fmt: skip
+        """`strategy.generate` on agent runs: n per prompt of TRL's generation batch `inputs` (n consecutive rows per
+        prompt), branches re-run the agent by replay; `prompt_ids`: TRL's tokenised prompts (for runs that failed
+        before their first answer)."""
         if self.endpoint is None:
             self._start()
         if len(inputs) != len(prompt_ids):
             raise RuntimeError(f"{len(inputs)} rows for {len(prompt_ids)} prompts")
-        runs = asyncio.run_coroutine_threadsafe(self._runs(inputs, n, seed), self._loop).result()
-        rows, errors, timeouts, forks = [], 0, 0, 0
-        for i, (session, value, error) in enumerate(runs):
-            row = session.row
-            if row is None and error is None:
-                raise ValueError(
-                    f"agent {self.name} returned without calling its base_url: an agent must send its chat requests "
-                    "to the `base_url` it is given (openai.OpenAI(base_url=base_url, api_key='-'))"
-                )
-            if row is None:  # failed before its first answer: one masked token, reward 0
-                eos = self.trainer._tokenizer.eos_token_id
-                row = Trajectory(prompt_ids=list(prompt_ids[i]), completion_ids=[eos], loss_mask=[0],
-                                 logprobs=[math.nan], finish_reason="error")  # fmt: skip
-            errors += error is not None
-            timeouts += error is not None and error.startswith("timed out")
-            forks += max(len(session.chains) - 1, 0)
-            row.group = i // n
-            row.meta.update(
-                agent_reward=0.0 if error is not None else value,
-                messages=session.completion_messages() or [{"role": "assistant", "content": ""}],
-            )
-            rows.append(row)
-        for key, value in {"agent/errors": errors, "agent/timeouts": timeouts, "agent/forks": forks,
-                           **self.endpoint.metrics()}.items():  # fmt: skip
+        runs = AgentEngine(self, inputs, n, prompt_ids[::n])
+        strategy.engine_override = runs
+        try:
+            batch = strategy.generate(prompt_ids[::n], n, seed)
+        finally:
+            strategy.engine_override = None
+        for key, value in {**{f"agent/{k}": v for k, v in runs.counts.items()}, **self.endpoint.metrics()}.items():
             trl_seams.log_metric(self.trainer, mode, key, float(value))
         self.endpoint.reset_metrics()
-        groups = [rows[g : g + n] for g in range(0, len(rows), n)]
-        return RoundBatch(groups=groups, keep=[True] * len(rows))
+        return batch
 
-    async def _runs(self, inputs: list[dict], n: int, seed: int):
-        sem = asyncio.Semaphore(self.trainer.args.rollout_concurrency)
-        results = await asyncio.gather(*(self._one(sem, dict(row), i, n, seed) for i, row in enumerate(inputs)),
-                                       return_exceptions=True)  # fmt: skip
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return results
-
-    async def _one(self, sem, row: dict, i: int, n: int, seed: int):
+    async def call(self, row: dict, base_url: str):
+        """Run the agent once on `row` against `base_url`: (its value, None) or (None, the error's first line)."""
         args = self.trainer.args
-        base_url, session = self.endpoint.open_session(seed=hash((seed, i)) % (2**31), group=i // n,
-                                                       session_id=f"{seed}-{i // n}")  # fmt: skip
-        value, error = None, None
-        async with sem:
-            try:
-                if self.is_async:
-                    call = self.agent(row, base_url, self.model_name)
-                else:
-                    call = self._in_thread(row, base_url)
-                value = self._check_value(await asyncio.wait_for(call, args.agent_timeout_s))
-            except asyncio.TimeoutError:
-                error = f"timed out after agent_timeout_s={args.agent_timeout_s}"
-            except AgentError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the user's agent: any error is its trajectory's
-                lines = str(exc).strip().splitlines()
-                error = f"{type(exc).__name__}: {lines[0] if lines else ''}"
-            finally:
-                self.endpoint.end_session(base_url)
-        if error is not None:
-            self._fault(error)
-        return session, value, error
+        try:
+            if self.is_async:
+                call = self.agent(row, base_url, self.model_name)
+            else:
+                call = self._in_thread(row, base_url)
+            return self._check_value(await asyncio.wait_for(call, args.agent_timeout_s)), None
+        except asyncio.TimeoutError:
+            error = f"timed out after agent_timeout_s={args.agent_timeout_s}"
+        except Exception as exc:  # noqa: BLE001 - the user's agent: any error is its trajectory's
+            lines = str(exc).strip().splitlines()
+            error = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+        finally:
+            self.endpoint.end_session(base_url)
+        self._fault(error)
+        return None, error
 
     def _in_thread(self, row: dict, base_url: str) -> asyncio.Future:
         """A sync agent run on its own daemon thread; the future of its return value on the agents' loop."""
@@ -285,5 +256,83 @@ class AgentRounds:
                            "agent_errors: raise stops the run instead)", self.name, error)  # fmt: skip
 
 
-__all__ = ["AgentError", "AgentReward", "AgentRounds", "agent_label", "agent_rewards_override", "resolve_agent",
+class AgentEngine:
+    """The rollout engine's interface (`run`, `rollout`, `branch_many`) over agent runs, for one round's strategy.
+
+    `rollout` runs the agent n times per prompt; `branch_many` re-runs it once per (parent row, position): the
+    branch's session answers the parent's calls before the branch call with the recorded answers while its requests
+    match token for token, and at the branch call the parent's tokens up to `position` then a fresh continuation
+    (`AgentSession.branch_call`). `counts` are the round's `agent/*` metrics.
+    """
+
+    def __init__(self, rounds: AgentRounds, inputs: list[dict], n: int, prompt_ids: list[list[int]]):
+        self.rounds, self.inputs, self.n, self.prompt_ids = rounds, inputs, n, prompt_ids
+        self.sessions: dict[str, object] = {}  # row uid -> its run's session (branches replay it)
+        self.counts = dict.fromkeys(("errors", "timeouts", "forks", "branches", "replay_divergence",
+                                     "replayed_calls"), 0)  # fmt: skip
+        self._sem: asyncio.Semaphore | None = None
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.rounds._loop).result()
+
+    async def rollout(self, prompts, n, *, seed: int, hook=None, group_size=None):
+        if hook is not None:
+            raise RuntimeError("agent runs cannot branch inside the loop (no hook); branching is by replay")
+        rows = await self._gather([self._run(g, (g, j), seed) for g in range(len(prompts)) for j in range(n)])
+        return [rows[g * n : (g + 1) * n] for g in range(len(prompts))]
+
+    async def branch_many(self, requests, *, seed: int, resample: bool = True):
+        jobs = []
+        for b, (parent, position) in enumerate(requests):
+            try:
+                replay = self.sessions[parent.uid].branch_call(position, resample)
+            except (KeyError, ValueError):  # a failed run's placeholder row: nothing to replay
+                replay = None
+            jobs.append(self._run(parent.group, ("branch", b), seed, replay, parent, position))
+        return await self._gather(jobs)
+
+    async def _gather(self, jobs):
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
+
+    async def _run(self, g: int, index, seed: int, replay=None, parent=None, position=None) -> Trajectory:
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.rounds.trainer.args.rollout_concurrency)
+        endpoint = self.rounds.endpoint
+        base_url, session = endpoint.open_session(seed=hash((seed, index)) % (2**31), group=g,
+                                                  session_id=f"{seed}-{g}")  # fmt: skip
+        session.replay = replay
+        async with self._sem:
+            value, error = await self.rounds.call(dict(self.inputs[g * self.n]), base_url)
+        row = session.row
+        if row is None and error is None:
+            raise ValueError(
+                f"agent {self.rounds.name} returned without calling its base_url: an agent must send its chat "
+                "requests to the `base_url` it is given (openai.OpenAI(base_url=base_url, api_key='-'))"
+            )
+        if row is None:  # failed before its first answer: one masked token, reward 0
+            eos = self.rounds.trainer._tokenizer.eos_token_id
+            row = Trajectory(prompt_ids=list(self.prompt_ids[g]), completion_ids=[eos], loss_mask=[0],
+                             logprobs=[math.nan], finish_reason="error")  # fmt: skip
+        c = self.counts
+        c["errors"] += error is not None
+        c["timeouts"] += error is not None and error.startswith("timed out")
+        c["forks"] += max(len(session.chains) - 1, 0)
+        row.group = g
+        row.meta.update(agent_reward=0.0 if error is not None else value,
+                        messages=session.completion_messages() or [{"role": "assistant", "content": ""}])  # fmt: skip
+        if parent is not None:
+            c["branches"] += 1
+            c["replayed_calls"] += session.replayed
+            c["replay_divergence"] += bool(session.diverged or replay is None)
+            row.parent, row.branch_pos = parent.uid, position
+            row.meta["origin"] = "branch"
+        self.sessions[row.uid] = session
+        return row
+
+
+__all__ = ["AgentEngine", "AgentError", "AgentReward", "AgentRounds", "agent_label", "agent_rewards_override", "resolve_agent",
            "with_agent_reward"]  # fmt: skip

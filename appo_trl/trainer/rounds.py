@@ -276,7 +276,7 @@ class RoundRunner:
 
         def sample(seed: int):
             if self.agents is not None:  # the user's agent through the endpoint: n runs per prompt
-                return self.agents.generate(prompt_ids, n, seed, rnd.inputs, rnd.mode)
+                return self.agents.generate(strategy, prompt_ids, n, seed, rnd.inputs, rnd.mode)
             if t.environment_factories is not None:  # TRL's environment_factory: one instance per trajectory
                 return generate_with_environments(t, strategy, prompt_ids, n, seed, rnd.inputs)
             return strategy.generate(prompt_ids[::n], n, seed)

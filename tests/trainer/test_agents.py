@@ -49,7 +49,8 @@ class ScriptedBackend:
         else:
             ids = enc(self.calls_text)
         ids = (ids + [self.tok.eos_token_id])[: params.max_tokens]
-        return Segment(ids, [-0.5] * len(ids), None, "eos" if len(ids) < params.max_tokens else "length")
+        tops = [{i: -0.5, (i + 1) % len(self.tok): -1.0} for i in ids] if params.logprobs else None
+        return Segment(ids, [-0.5] * len(ids), tops, "eos" if len(ids) < params.max_tokens else "length")
 
 
 def sdk_agent(row, base_url, model):
@@ -78,8 +79,8 @@ def prompts(k=2):
 
 def make_trainer(tmp_path, path, tok, agent, strategy="grpo", reward_funcs=None, **extra):
     args = APPOConfig(output_dir=str(tmp_path), **CPU, rollout_strategy=strategy, num_generations=2,
-                      initial_rollouts=2, per_device_train_batch_size=4, max_completion_length=96,
-                      **{"max_steps": 2, **extra})  # fmt: skip
+                      per_device_train_batch_size=4, max_completion_length=96,
+                      **{"max_steps": 2, "initial_rollouts": 2, **extra})  # fmt: skip
     trainer = APPOTrainer(model=path, reward_funcs=reward_funcs, args=args, train_dataset=prompts(),
                           processing_class=tok, agent=agent)  # fmt: skip
     backend = ScriptedBackend(tok)
@@ -341,3 +342,29 @@ def test_ctrl_c_stops_agents_and_endpoint(tmp_path, tiny_chat_tokenizer, tiny_ch
     with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", ports[0]), timeout=2):
         pass
     assert not [t for t in threading.enumerate() if t.name.startswith(("appo-agent", "appo-rollout-loop"))]
+
+
+def test_appo_branches_agent_runs_by_replay(tmp_path, tiny_chat_tokenizer, tiny_chat_model_path):
+    """APPO: 1 initial run per prompt, 1 branch; the branch re-runs the deterministic agent, its calls before the
+    branch call are answered from the record (0 divergence), and its row shares the parent's tokens up to the point."""
+    tok = tiny_chat_tokenizer
+    trainer, backend = make_trainer(tmp_path, tiny_chat_model_path, tok, sdk_agent, "appo", max_steps=1,
+                                    initial_rollouts=1, min_remaining_tokens=2)  # fmt: skip
+    batches, strategy = [], trainer.rounds.strategy
+    real = strategy.generate
+    strategy.generate = lambda *a, **k: batches.append(real(*a, **k)) or batches[-1]
+    seen = spy_loss(trainer)
+    trainer.train()
+    [batch] = batches
+    rows = {r.uid: r for r in batch.rows}
+    for parent, branch in batch.groups:
+        assert branch.parent == parent.uid and branch.meta["origin"] == "branch" and rows[branch.parent] is parent
+        p = branch.branch_pos
+        assert branch.prompt_ids == parent.prompt_ids
+        assert branch.completion_ids[:p] == parent.completion_ids[:p] and branch.loss_mask[:p] == parent.loss_mask[:p]
+        branch.check()
+        # the branch call was sampled on the parent's prompt + completion up to the branch point, exactly
+        assert parent.prompt_ids + parent.completion_ids[:p] in backend.prompts
+    [log] = [h for h in trainer.state.log_history if "reward" in h]
+    assert log["agent/branches"] == 2.0 and log["agent/replay_divergence"] == 0.0
+    assert sum(s["completion_ids"].size(0) for s in seen) == 2  # APPO: branch rows leave the batch
