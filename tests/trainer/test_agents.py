@@ -368,3 +368,22 @@ def test_appo_branches_agent_runs_by_replay(tmp_path, tiny_chat_tokenizer, tiny_
     [log] = [h for h in trainer.state.log_history if "reward" in h]
     assert log["agent/branches"] == 2.0 and log["agent/replay_divergence"] == 0.0
     assert sum(s["completion_ids"].size(0) for s in seen) == 2  # APPO: branch rows leave the batch
+
+
+def nondeterministic_agent(row, base_url, model):
+    """Its first message differs on every run: a branch's replay diverges at once and samples fresh."""
+    import uuid
+
+    client = openai.OpenAI(base_url=base_url, api_key="-")
+    messages = [{"role": "user", "content": row["prompt"][0]["content"] + uuid.uuid4().hex[:6]}]
+    client.chat.completions.create(model=model, messages=messages, tools=TOOLS)
+    client.close()
+    return 0.5
+
+
+def test_replay_divergence_is_counted(tmp_path, tiny_chat_tokenizer, tiny_chat_model_path):
+    trainer, _ = make_trainer(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, nondeterministic_agent, "appo",
+                              max_steps=1, initial_rollouts=1, min_remaining_tokens=2)  # fmt: skip
+    trainer.train()
+    [log] = [h for h in trainer.state.log_history if "reward" in h]
+    assert log["agent/branches"] == 2.0 and log["agent/replay_divergence"] == 2.0 and log["agent/replayed_calls"] == 0
