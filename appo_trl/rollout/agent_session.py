@@ -10,6 +10,10 @@ built from ids, never from the model's text:
 - **fork**: anything else (the agent dropped, edited or compacted its history, or changed its tools). A new chain
   starts on the template's rendering of the whole request; the earlier chains stay in `chains`.
 
+- **replay** (a branch of a recorded run, `Replay`): each call before the branch call is answered with the parent's
+  recorded answer while the ids it would sample on equal the parent's; the branch call answers the parent's tokens up
+  to the branch point plus a continuation sampled on exactly that prefix; a mismatch ends the replay (`diverged`).
+
 Each chain is one `Trajectory` (prompt, completion, mask, logprobs: the row invariants of the rollout layer). Tool
 calls in the sampled text are parsed with the template's tool-call format (`ChatToolFormat`) and returned as
 `message.tool_calls`. Sampling settings are the caller's (`SamplingParams` from the trainer), never the request's.

@@ -18,8 +18,9 @@ distinct error's first line logged once) or, with `agent_errors: raise`, stops t
 without any request is an error naming it. `close()` (Ctrl-C included) cancels the async agents, ends every
 session and stops the endpoint, its loop and thread pool.
 
-Not yet: branching by replay (strategies that branch need `initial_rollouts == num_generations`), background
-rounds (`max_staleness >= 1`).
+Branching (appo) is by replay: the strategy samples through `AgentEngine`, whose `branch_many` re-runs the agent
+with the parent's recorded answers up to the branch call (`AgentSession.branch_call`). Not yet: arpo/aepo's
+in-loop branching with agents, background rounds (`max_staleness >= 1`).
 """
 
 from __future__ import annotations
