@@ -398,3 +398,36 @@ def test_what_an_agent_cannot_run_with_is_refused_before_the_model_loads(tmp_pat
         APPOTrainer(model="missing", args=APPOConfig(**base), train_dataset=prompts(), agent=sdk_agent, tools=[len])
     with pytest.raises(ValueError, match="either as APPOTrainer\\(agent=...\\) or APPOConfig\\(agent=...\\)"):
         APPOTrainer(model="missing", args=APPOConfig(**base, agent="m:a"), train_dataset=prompts(), agent=sdk_agent)
+
+
+async def agents_sdk_agent(row, base_url, model):
+    """The OpenAI Agents SDK: an `Agent` with a `function_tool`, on a chat-completions model at `base_url`."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+
+    @agents.function_tool
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers."""
+        return a * b
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="-")
+    llm = agents.OpenAIChatCompletionsModel(model=model, openai_client=client)
+    agent = agents.Agent(name="calculator", instructions="Use the tool.", model=llm, tools=[multiply])
+    result = await agents.Runner.run(agent, row["prompt"][0]["content"])
+    await client.close()
+    return float("42" in str(result.final_output))
+
+
+@pytest.mark.parametrize("strategy", ["grpo", "appo"])
+def test_openai_agents_sdk_trains_two_steps(tmp_path, strategy, tiny_chat_tokenizer, tiny_chat_model_path):
+    pytest.importorskip("agents")
+    extra = dict(initial_rollouts=1, min_remaining_tokens=2) if strategy == "appo" else {}
+    trainer, backend = make_trainer(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, agents_sdk_agent, strategy,
+                                    **extra)  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 2
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    assert all(h["agent/errors"] == 0 and h["agent/forks"] == 0 for h in logs)  # the SDK's history is extended
+    assert all(h["reward"] == 0.5 for h in logs)  # per group one 42 and one 41
+    if strategy == "appo":
+        assert all(h["agent/branches"] == 2 and h["agent/replay_divergence"] == 0 for h in logs)
