@@ -23,6 +23,7 @@ What it does not do: serve HTTP (`appo_trl.rollout.agent_endpoint`), run agents 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import time
@@ -280,9 +281,9 @@ class AgentSession:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if calls:
             message["tool_calls"] = [
-                {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                {"id": _call_id(self.requests, j, ids), "type": "function",
                  "function": {"name": c.name, "arguments": c.arguments}}
-                for c in calls
+                for j, c in enumerate(calls)
             ]  # fmt: skip
             chain.num_calls += len(calls)
         finish = "tool_calls" if calls else ("length" if reason == "length" else "stop")
@@ -312,6 +313,12 @@ class Replay:
     calls: list[dict]
     branch_call: int
     cut: int
+
+
+def _call_id(k: int, j: int, ids: list[int]) -> str:
+    """A tool call's id from the request count, its index and the answer's ids: a replayed answer gets the recorded
+    ids, so an agent that writes call ids into its history asks a replay exactly what it asked its parent."""
+    return "call_" + hashlib.blake2b(repr((k, j, tuple(ids))).encode(), digest_size=6).hexdigest()
 
 
 def _seed(base: int, k: int) -> int:
