@@ -22,6 +22,7 @@ What it does not do: serve HTTP (`appo_trl.rollout.agent_endpoint`), run agents 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import json
@@ -144,6 +145,7 @@ class AgentSession:
         self.calls: list[dict] = []  # every answered request: the ids it sampled on, its answer, where it went
         self.replay: Replay | None = None
         self.replayed, self.diverged = 0, False
+        self._lock: asyncio.Lock | None = None
 
     @property
     def row(self) -> Trajectory | None:
@@ -155,7 +157,14 @@ class AgentSession:
         return [dict(m) for m in self._messages[self._first :]]
 
     async def complete(self, request: dict) -> dict:
-        """The OpenAI `chat.completion` object answering `request`; the chain records the sampled ids."""
+        """The OpenAI `chat.completion` object answering `request`; the chain records the sampled ids. Requests of one
+        run are answered one at a time, in arrival order (an agent's concurrent calls see each other's answers)."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            return await self._complete(request)
+
+    async def _complete(self, request: dict) -> dict:
         if self.closed:
             raise RuntimeError("this agent run has ended (timed out or the round is over)")
         messages = list(request.get("messages") or [])
