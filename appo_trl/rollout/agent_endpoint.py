@@ -84,7 +84,8 @@ class AgentEndpoint:
 
         route = "/{secret}/{key}/v1/{rest:path}"
         app = Starlette(routes=[Route(route, self._handle, methods=["GET", "POST"])])
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=30)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=30,
+                                timeout_graceful_shutdown=5)  # fmt: skip
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="appo-agent-endpoint", daemon=True)  # fmt: skip

@@ -238,7 +238,8 @@ class AgentSession:
         stop = request.get("stop") or []
         params = SamplingParams(
             max_tokens=max(min(room, int(asked)) if asked else room, 1), temperature=self.params.temperature,
-            top_p=self.params.top_p, top_k=self.params.top_k, seed=_seed(self.seed, self.requests), logprobs=self.params.logprobs,
+            top_p=self.params.top_p, top_k=self.params.top_k, seed=_seed(self.seed, self.requests),
+            logprobs=self.params.logprobs,
             stop=[stop] if isinstance(stop, str) else list(stop), session_id=self.params.session_id,
         )  # fmt: skip
         self.requests += 1

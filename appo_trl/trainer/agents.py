@@ -76,8 +76,8 @@ def resolve_agent(args, agent, tool_dirs=(), *, tools=None, rollout_func=None, e
     cls = args.strategy_class  # branches made after the runs (env_snapshots: appo) replay them; in-loop ones cannot
     if cls.branches and not cls.env_snapshots and args.initial_rollouts != args.num_generations:
         raise ValueError(
-            f"agent {name} with rollout_strategy={args.rollout_strategy}: this strategy branches inside the tool loop, "
-            f"which an agent's own loop does not expose; set initial_rollouts={args.num_generations} "
+            f"agent {name} with rollout_strategy={args.rollout_strategy}: this strategy branches inside the tool "
+            f"loop, which an agent's own loop does not expose; set initial_rollouts={args.num_generations} "
             "(= num_generations), or use appo (branching by replay) or grpo"
         )
     if args.max_staleness >= 1:
@@ -145,7 +145,8 @@ class AgentRounds:
         params = SamplingParams(max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
                                 top_k=cfg.top_k, logprobs=cfg.entropy_topk if cfg.record_entropies else 0)  # fmt: skip
         self.endpoint = AgentEndpoint(
-            engine.submit, engine.backend.generate, renderer, params, cfg.max_model_len, model_name=self.model_name,
+            engine.submit, lambda ids, p: engine.backend.generate(ids, p), renderer, params, cfg.max_model_len,
+            model_name=self.model_name,
             host=args.agent_host, port=args.agent_port, concurrency=args.rollout_concurrency,
         ).start()  # fmt: skip
         self._loop = asyncio.new_event_loop()
@@ -335,5 +336,6 @@ class AgentEngine:
         return row
 
 
-__all__ = ["AgentEngine", "AgentError", "AgentReward", "AgentRounds", "agent_label", "agent_rewards_override", "resolve_agent",
+__all__ = ["AgentEngine", "AgentError", "AgentReward", "AgentRounds", "agent_label", "agent_rewards_override",
+           "resolve_agent",
            "with_agent_reward"]  # fmt: skip

@@ -150,13 +150,13 @@ class RoundRunner:
             finally:
                 if rounds is not None:
                     rounds.closed = True
+                if self.agents is not None:  # agents cancelled, endpoint stopped (a later train() restarts it)
+                    self.agents.close()
                 closer = getattr(self._engine, "close", None)
                 if closer is not None:
                     closer()
                 if rounds is not None:
                     rounds.close()
-                if self.agents is not None:  # agents cancelled, endpoint stopped (a later train() restarts it)
-                    self.agents.close()
 
     @contextlib.contextmanager
     def scoring(self, inputs):

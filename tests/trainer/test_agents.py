@@ -274,7 +274,8 @@ def test_recipe_agent_is_found_beside_the_recipe_and_close_frees_the_port(tmp_pa
                                                                           tiny_chat_model_path):  # fmt: skip
     (tmp_path / "my_agent.py").write_text(
         "import openai\n\ndef agent(row, base_url, model):\n"
-        "    openai.OpenAI(base_url=base_url, api_key='-').chat.completions.create(model=model, messages=row['prompt'])\n"
+        "    client = openai.OpenAI(base_url=base_url, api_key='-')\n"
+        "    client.chat.completions.create(model=model, messages=row['prompt'])\n"
         "    return 0.25\n"
     )
     args = APPOConfig(output_dir=str(tmp_path / "out"), **CPU, num_generations=2, per_device_train_batch_size=4,
@@ -302,9 +303,11 @@ def test_recipe_agent_is_found_beside_the_recipe_and_close_frees_the_port(tmp_pa
     with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", ports[0]), timeout=2):
         pass
     assert not [t for t in threading.enumerate() if t.name.startswith(("appo-agent", "appo-agents"))]
+    bad = APPOConfig(output_dir=str(tmp_path / "o2"), **CPU, agent="nope:x")
     with pytest.raises(ValueError, match="agent: .*cannot import module 'nope'"):
-        APPOTrainer(model=tiny_chat_model_path, args=APPOConfig(output_dir=str(tmp_path / "o2"), **CPU, agent="nope:x"),
-                    train_dataset=prompts(), processing_class=tiny_chat_tokenizer)  # fmt: skip
+        APPOTrainer(
+            model=tiny_chat_model_path, args=bad, train_dataset=prompts(), processing_class=tiny_chat_tokenizer
+        )
 
 
 CANCELLED = []
