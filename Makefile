@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -U pip
 	# CPU torch first: pip takes the local 2.13.0+cpu wheel instead of a CUDA download.
 	$(PIP) install -q "torch>=2.6,<2.14"
-	$(PIP) install -q -e ".[test,deepspeed,dev,trackio,tensorboard,router]"
+	$(PIP) install -q -e ".[test,deepspeed,dev,trackio,tensorboard,router,agents]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -13,6 +13,7 @@ rewards, or sync weights.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import hashlib
 import inspect
@@ -208,6 +209,10 @@ class RolloutEngine(ToolTurns):
             raise RuntimeError("RolloutEngine.run() called from the engine's own loop; await the coroutine instead")
         # the main thread runs the calls of tools that use signals while it waits (tools.main_thread)
         return MAIN_THREAD.wait(asyncio.run_coroutine_threadsafe(coro, loop))
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future:
+        """Schedule a coroutine on the engine's loop from another thread (the agent endpoint's backend calls)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._ensure_loop())
 
     def close(self) -> None:
         """Close the backend's and tools' connections and stop the engine's loop thread (idempotent)."""

@@ -21,6 +21,7 @@ from trl.data_utils import is_conversational
 from appo_trl.reporting.console import canonical_metrics
 from appo_trl.reporting.rollout_dump import dump_round
 from appo_trl.trainer import trl_seams
+from appo_trl.trainer.agents import AgentRounds
 from appo_trl.trainer.async_rounds import build_async_rounds, split_cpu_threads
 from appo_trl.trainer.environments import generate_with_environments, share_group_tasks
 from appo_trl.trainer.rows import select_rows
@@ -109,6 +110,7 @@ class RoundRunner:
         self.tool_idle_rounds = 0
         self.async_rounds = build_async_rounds(trainer)  # None unless max_staleness >= 1 (async_rounds)
         self.sampler = self.async_rounds.sampler if self.async_rounds is not None else None
+        self.agents = AgentRounds(trainer, trainer.agent) if getattr(trainer, "agent", None) is not None else None
         backend = getattr(engine, "backend", None)
         if self.sampler is not None and getattr(backend, "model", None) is trainer.model:
             backend.model, backend.accelerator = self.sampler.model, None  # decode with the copy, not the policy
@@ -148,6 +150,8 @@ class RoundRunner:
             finally:
                 if rounds is not None:
                     rounds.closed = True
+                if self.agents is not None:  # agents cancelled, endpoint stopped (a later train() restarts it)
+                    self.agents.close()
                 closer = getattr(self._engine, "close", None)
                 if closer is not None:
                     closer()
@@ -239,7 +243,9 @@ class RoundRunner:
             if not len(completion_ids[i]) == len(tool_mask[i]) == len(logprobs[i]):
                 raise RuntimeError(f"row {i}: completion_ids, loss_mask and logprobs lengths differ")
         texts = t.processing_class_tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        if t.chat_tool_format is not None:  # TRL's tool-loop shape: assistant (tool_calls), tool, ..., assistant
+        if self.agents is not None:  # the agent's conversation after its prompt (assistant, tool/user, ...)
+            completions = [r.meta["messages"] for r in rows]
+        elif t.chat_tool_format is not None:  # TRL's tool-loop shape: assistant (tool_calls), tool, ..., assistant
             completions = [t.chat_tool_format.completion_messages(r) for r in rows]
         elif is_conversational({"prompt": prompts[0]}):
             completions = [[{"role": "assistant", "content": text}] for text in texts]
@@ -250,6 +256,8 @@ class RoundRunner:
             "branch_origin": [str(r.meta.get("origin", "root")) for r in rows],
             "branch_pos": [-1 if r.branch_pos is None else int(r.branch_pos) for r in rows],
         }
+        if self.agents is not None:
+            extra_fields["agent_reward"] = [r.meta.get("agent_reward") for r in rows]
         row_prompt_ids = [list(r.prompt_ids) for r in rows]
         self._log(mode, strategy, batch, row_prompt_ids, completion_ids, tool_mask)
         rnd.batch, rnd.policy_version = batch, version
@@ -269,6 +277,8 @@ class RoundRunner:
         step = t.state.global_step
 
         def sample(seed: int):
+            if self.agents is not None:  # the user's agent through the endpoint: n runs per prompt
+                return self.agents.generate(strategy, prompt_ids, n, seed, rnd.inputs, rnd.mode)
             if t.environment_factories is not None:  # TRL's environment_factory: one instance per trajectory
                 return generate_with_environments(t, strategy, prompt_ids, n, seed, rnd.inputs)
             return strategy.generate(prompt_ids[::n], n, seed)

@@ -14,6 +14,7 @@ from trl import GRPOTrainer
 
 from appo_trl.reporting.console import install_step_line
 from appo_trl.trainer import trl_seams
+from appo_trl.trainer.agents import agent_rewards_override
 from appo_trl.trainer.async_rounds import check_background_rounds
 from appo_trl.trainer.checkpoints import AtomicCheckpointMixin, read_sampler_state, write_sampler_state
 from appo_trl.trainer.config import APPOConfig
@@ -69,10 +70,16 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         environment_factory=None,
         rollout_engine=None,
         tool_dirs=(),
+        agent=None,
     ):
+        from appo_trl.trainer.agents import resolve_agent, with_agent_reward
         from appo_trl.trainer.trl_compat import check_rollout_func, resolve_args, row_forward_where_tree_cannot
 
         args = resolve_args(model, args)  # None -> APPOConfig("<model>-APPO"); a GRPOConfig -> rollout_strategy grpo
+        # the user's own agent through the OpenAI-compatible endpoint (`trainer.agents`)
+        self.agent = resolve_agent(args, agent, tool_dirs, tools=tools, rollout_func=rollout_func,
+                                   environment_factory=environment_factory)  # fmt: skip
+        reward_funcs = with_agent_reward(reward_funcs, args, self.agent)
         resolve_startup_plan(self, args, tools, tool_dirs, reward_funcs, train_dataset)  # before the model loads
         check_rollout_func(args, rollout_func, bool(self.tool_specs), rollout_engine, environment_factory)
         check_background_rounds(args, rollout_func, environment_factory)  # max_staleness >= 1 with TRL's hooks
@@ -116,6 +123,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             and rollout_engine is None
             and self.environment_factories is None
             and args.max_staleness == 0
+            and self.agent is None
         )
         if args.dump_rollouts and self._trl_sampler:
             raise ValueError(
@@ -295,6 +303,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         finally:
             self.reward_funcs = funcs
+        rewards_per_func = agent_rewards_override(self, rewards_per_func)  # an agent's own reward wins
         if self.model.training:
             self._nan_reward_guard.update(rewards_per_func, self.reward_func_names, self.state.global_step)
         self.rounds.record_rewards(rewards_per_func)  # gathered (N_global, F), for the strategy's advantages

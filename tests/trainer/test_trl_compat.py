@@ -29,7 +29,7 @@ def test_signature_matches_trl_grpo_trainer():
     assert [p.name for p in ours[: len(trl_params)]] == [p.name for p in trl_params]
     for p, q in zip(trl_params, ours):
         assert (q.kind, q.default) == (p.kind, p.default), p.name
-    assert [p.name for p in ours[len(trl_params) :]] == ["rollout_engine", "tool_dirs"]
+    assert [p.name for p in ours[len(trl_params) :]] == ["rollout_engine", "tool_dirs", "agent"]
 
 
 def test_no_args_builds_a_default_appo_config(tmp_path, tiny_model_path, tiny_tokenizer, monkeypatch):

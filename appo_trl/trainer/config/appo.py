@@ -15,6 +15,7 @@ from typing import Literal
 from trl import GRPOConfig
 
 from appo_trl.trainer.config import checks
+from appo_trl.trainer.config.agent import AGENT_HELP
 from appo_trl.trainer.config.script import _loss, _rollout, _strategy, _vllm
 from appo_trl.trainer.strategies import strategy_class
 
@@ -100,6 +101,12 @@ class APPOConfig(GRPOConfig):
     rollout_concurrency: int = field(
         default=64, metadata=_rollout("Maximum sampler requests in flight per rank (async tool loop).")
     )
+    # --- your own agent through the OpenAI-compatible endpoint (appo_trl.trainer.agents) ------------------------
+    agent: str | None = field(default=None, metadata=AGENT_HELP["agent"])
+    agent_errors: Literal["zero", "raise"] = field(default="zero", metadata=AGENT_HELP["agent_errors"])
+    agent_timeout_s: float = field(default=600.0, metadata=AGENT_HELP["agent_timeout_s"])
+    agent_host: str = field(default="127.0.0.1", metadata=AGENT_HELP["agent_host"])
+    agent_port: int = field(default=0, metadata=AGENT_HELP["agent_port"])
     # --- vLLM weight sync (server mode) ---------------------------------------------------------------------
     vllm_weight_sync: Literal["auto", "nccl", "disk"] = field(
         default="auto",

@@ -76,9 +76,11 @@ class RolloutStrategy:
         self.trainer = trainer
         self.args = trainer.args
 
+    engine_override = None  # for one round: an object with the engine's interface (the user's agent runs)
+
     @property
     def engine(self):
-        return self.trainer.rollout_engine
+        return self.engine_override if self.engine_override is not None else self.trainer.rollout_engine
 
     @classmethod
     def needs_sampler_entropies(cls, args) -> bool:

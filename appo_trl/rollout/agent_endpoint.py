@@ -1,0 +1,213 @@
+"""The agent endpoint: an OpenAI-compatible HTTP server in front of a sampler, one base URL per trajectory.
+
+`AgentEndpoint` serves `POST <base>/chat/completions` and `GET <base>/models`, where every agent run gets its own
+`<base> = http://HOST:PORT/<secret>/<session>/v1` (`open_session`), so `openai.OpenAI(base_url=..., api_key="-")`
+works unchanged and each request lands in its run's `AgentSession` (exact ids, forks: `agent_session`). The secret
+is drawn per endpoint (per training run): another local process cannot guess a URL. The server (uvicorn, on its
+own thread and event loop) hands each backend call to `submit` (the rollout engine's loop) and answers when it is
+done; sampling settings are the trainer's, and a request asking for others is answered with the trainer's (one
+warning per endpoint). It binds 127.0.0.1 unless told otherwise; another host keeps the secret in the path.
+
+What it does not do: run agents, build training rows out of sessions or score them (`appo_trl.trainer.agents`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from appo_trl.rollout.agent_session import AgentSession, ChatRenderer
+from appo_trl.rollout.types import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+_BACKEND_S: contextvars.ContextVar[list[float]] = contextvars.ContextVar("agent_backend_s")  # per request
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error"):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+class AgentEndpoint:
+    """An OpenAI-compatible endpoint whose every base URL is one agent run (see the module head).
+
+    Args:
+        submit: `submit(coroutine) -> concurrent.futures.Future`: runs a backend call on the sampler's event loop
+            (`RolloutEngine.submit`).
+        generate: `async (prompt_ids, SamplingParams) -> Segment`, the backend's `generate`.
+        renderer: the policy's `ChatRenderer`.
+        params: the trainer's sampling settings (`max_tokens` = the row budget, `max_completion_length`).
+        max_model_len: the sampler's context length.
+        model_name: the id `GET /v1/models` lists.
+        host, port: where to listen (port 0: any free port).
+        concurrency: most backend calls in flight from this endpoint.
+    """
+
+    def __init__(self, submit: Callable[[Coroutine], concurrent.futures.Future], generate, renderer: ChatRenderer,
+                 params: SamplingParams, max_model_len: int, model_name: str = "policy", host: str = "127.0.0.1",
+                 port: int = 0, concurrency: int = 64):  # fmt: skip
+        self._submit, self._generate, self.renderer = submit, generate, renderer
+        self.params, self.max_model_len, self.model_name = params, max_model_len, model_name
+        self.host, self.secret = host, secrets.token_urlsafe(16)
+        self._sessions: dict[str, AgentSession] = {}
+        self._concurrency = concurrency
+        self._warned = False
+        self.reset_metrics()
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.port = self._sock.getsockname()[1]
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            logger.warning("agent endpoint listens on %s:%d; its URLs carry the run's secret, keep them private",
+                           host, self.port)  # fmt: skip
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self._sem: asyncio.Semaphore | None = None
+
+    # ---- lifetime ----------------------------------------------------------------------------------------------
+    def start(self) -> AgentEndpoint:
+        """Start serving on a daemon thread; returns when the server accepts connections."""
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        route = "/{secret}/{key}/v1/{rest:path}"
+        app = Starlette(routes=[Route(route, self._handle, methods=["GET", "POST"])])
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=30,
+                                timeout_graceful_shutdown=5)  # fmt: skip
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="appo-agent-endpoint", daemon=True)  # fmt: skip
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the agent endpoint did not start")
+            time.sleep(0.005)
+        return self
+
+    def close(self) -> None:
+        """Stop the server, end every session and free the socket (idempotent)."""
+        for session in self._sessions.values():
+            session.closed = True
+        self._sessions.clear()
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+            self._server = None
+        self._sock.close()
+
+    # ---- sessions ----------------------------------------------------------------------------------------------
+    def open_session(self, seed: int = 0, group: int = 0, session_id: str | None = None) -> tuple[str, AgentSession]:
+        """A new agent run: its base URL (ends in `/v1`) and its `AgentSession`."""
+        key = secrets.token_hex(8)
+        params = SamplingParams(max_tokens=self.params.max_tokens, temperature=self.params.temperature,
+                                top_p=self.params.top_p, top_k=self.params.top_k, session_id=session_id,
+                                logprobs=self.params.logprobs)  # fmt: skip
+        session = AgentSession(self.renderer, self._sample, params, self.max_model_len, seed=seed, group=group)
+        self._sessions[key] = session
+        return self.base_url(key), session
+
+    def end_session(self, base_url: str) -> None:
+        """Stop answering the run of `base_url` (its later requests get HTTP 410)."""
+        key = base_url.rstrip("/").split("/")[-2]
+        session = self._sessions.pop(key, None)
+        if session is not None:
+            session.closed = True
+
+    def base_url(self, key: str) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/{self.secret}/{key}/v1"
+
+    # ---- metrics -----------------------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """`agent/requests`, `agent/overhead_ms_mean` (time in the endpoint beyond the backend call)."""
+        m = self._m
+        n = m["requests"]
+        return {"agent/requests": n, "agent/overhead_ms_mean": 1000 * m["overhead_s"] / n if n else 0.0}
+
+    def reset_metrics(self) -> None:
+        self._m = {"requests": 0.0, "overhead_s": 0.0}
+        self.overheads_s: list[float] = []
+
+    # ---- serving -----------------------------------------------------------------------------------------------
+    async def _sample(self, prompt_ids, params):
+        """The backend call on the sampler's loop, at most `concurrency` in flight; its wall time is noted."""
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self._concurrency)
+        async with self._sem:
+            start = time.perf_counter()
+            try:
+                return await asyncio.wrap_future(self._submit(self._generate(prompt_ids, params)))
+            finally:
+                spent = _BACKEND_S.get(None)
+                if spent is not None:
+                    spent[0] += time.perf_counter() - start
+
+    async def _handle(self, request):
+        from starlette.responses import JSONResponse
+
+        p = request.path_params
+        if not secrets.compare_digest(p["secret"], self.secret):
+            return _error(404, "not found", "not_found_error")
+        rest = p["rest"].strip("/")
+        if request.method == "GET" and rest == "models":
+            return JSONResponse({"object": "list", "data": [
+                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "appo-trl"}]})  # fmt: skip
+        if request.method != "POST" or rest != "chat/completions":
+            return _error(404, f"{request.method} /v1/{rest} is not served (only chat/completions and models)")
+        session = self._sessions.get(p["key"])
+        if session is None or session.closed:
+            return _error(410, "this agent run has ended (it timed out, failed, or its round is over)")
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "the request body is not JSON")
+        if body.get("stream"):
+            return _error(400, "stream=true is not supported by the training endpoint; request without streaming")
+        if int(body.get("n") or 1) != 1:
+            return _error(400, "n must be 1 (each agent run is one trajectory)")
+        self._warn_sampling(body)
+        start, backend = time.perf_counter(), [0.0]
+        _BACKEND_S.set(backend)
+        try:
+            answer = await session.complete(body)
+        except (ValueError, TypeError, KeyError) as exc:
+            return _error(400, f"{type(exc).__name__}: {exc}")
+        except RuntimeError as exc:
+            return _error(410 if session.closed else 500, str(exc), "server_error")
+        answer["model"] = self.model_name
+        spent = time.perf_counter() - start
+        overhead = max(spent - backend[0], 0.0)  # the endpoint's own time: parsing, rendering, answering
+        self._m["requests"] += 1
+        self._m["overhead_s"] += overhead
+        self.overheads_s.append(overhead)
+        return JSONResponse(answer)
+
+    def _warn_sampling(self, body: dict[str, Any]) -> None:
+        if self._warned:
+            return
+        asked = {k: body[k] for k in _SAMPLING_KEYS if body.get(k) is not None}
+        mine = {"temperature": self.params.temperature, "top_p": self.params.top_p, "top_k": self.params.top_k}
+        differ = {k: v for k, v in asked.items() if float(v) != float(mine[k])}
+        if differ:
+            self._warned = True
+            logger.warning(
+                "agent requests asked for %s; the training endpoint samples with the trainer's settings (%s), as "
+                "every rollout does (this warning is shown once per run)",
+                ", ".join(f"{k}={v}" for k, v in differ.items()), ", ".join(f"{k}={v}" for k, v in mine.items()),
+            )  # fmt: skip
+
+
+__all__ = ["AgentEndpoint"]

@@ -1,0 +1,341 @@
+"""Training the user's own agent: `APPOTrainer(agent=...)` / recipe `agent: module:function`.
+
+The contract: `agent(row, base_url, model) -> float | None` (or `async def`) runs one trajectory of dataset row
+`row` against `base_url`, an OpenAI-compatible base URL of the trainer's endpoint unique to this run
+(`appo_trl.rollout.agent_endpoint`); its return value is the trajectory's reward, None lets the reward functions
+score the captured conversation (TRL's signature: `prompts`, `completions` as messages, the row's columns).
+`AgentRounds.generate` runs `num_generations` agent runs per prompt (sync agents on a thread pool, async ones on an
+event loop of their own, at most `rollout_concurrency` at a time) and turns each run into one row of its group.
+
+Rows: each run's row is its last chain of exact ids (`AgentSession.row`). A run that forked (its agent rewrote its
+history) keeps its earlier chains out of the batch, counted in `agent/forks`, so that exactly `num_generations`
+rows per prompt reach the reward step. Rewards: the agent's number reaches TRL as the `agent_reward` column of
+the reward function `agent_reward` (first in `reward_funcs`); where it is set, the other reward functions' values
+are ignored (`agent_rewards_override`), so a row is never scored twice.
+
+Faults: an agent that raises or runs past `agent_timeout_s` gets reward 0 (`agent/errors`, `agent/timeouts`; each
+distinct error's first line logged once) or, with `agent_errors: raise`, stops the run; an agent that returns
+without any request is an error naming it. `close()` (Ctrl-C included) cancels the async agents, ends every
+session and stops the endpoint, its loop and thread pool.
+
+Branching (appo) is by replay: the strategy samples through `AgentEngine`, whose `branch_many` re-runs the agent
+with the parent's recorded answers up to the branch call (`AgentSession.branch_call`). Not yet: arpo/aepo's
+in-loop branching with agents, background rounds (`max_staleness >= 1`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import numbers
+import threading
+
+from appo_trl.rollout.types import Trajectory
+from appo_trl.trainer import trl_seams
+from appo_trl.trainer.strategies import RoundBatch
+
+logger = logging.getLogger(__name__)
+
+
+def agent_label(agent) -> str:
+    return getattr(agent, "__qualname__", None) or getattr(agent, "__name__", None) or type(agent).__name__
+
+
+class AgentError(RuntimeError):
+    """The user's agent failed (raised, timed out, or returned a bad value) under `agent_errors: raise`."""
+
+
+def resolve_agent(args, agent, tool_dirs=(), *, tools=None, rollout_func=None, environment_factory=None):
+    """The agent callable of `APPOTrainer(agent=...)` or `args.agent` (`module:function`, found as tools are), or None;
+    ValueError for what cannot run with it."""
+    if agent is not None and args.agent:
+        raise ValueError("APPOTrainer: pass the agent either as APPOTrainer(agent=...) or APPOConfig(agent=...).")
+    agent = agent if agent is not None else args.agent
+    if agent is None:
+        return None
+    from appo_trl.configs.plan import StartupPlan
+
+    if isinstance(tools, StartupPlan):  # `appo train`: the plan carries the recipe's folder
+        tool_dirs, tools = (*tool_dirs, *tools.tool_dirs), tools.tool_specs
+    if isinstance(agent, str):
+        from appo_trl.tools.callables import ToolSpecError, load_callable
+
+        try:
+            agent = load_callable(agent, tool_dirs)
+        except ToolSpecError as exc:
+            raise ValueError(f"agent: {exc}") from None
+    if not callable(agent):
+        raise ValueError(f"agent {agent!r} is not callable: give `def agent(row, base_url, model) -> float | None`")
+    name = agent_label(agent)
+    clash = [k for k, v in (("tools", tools or args.tools), ("rollout_func", rollout_func),
+                            ("environment_factory", environment_factory)) if v]  # fmt: skip
+    if clash:
+        raise ValueError(f"agent {name}: the agent runs its own loop and tools; {', '.join(clash)} cannot be set too")
+    cls = args.strategy_class  # branches made after the runs (env_snapshots: appo) replay them; in-loop ones cannot
+    if cls.branches and not cls.env_snapshots and args.initial_rollouts != args.num_generations:
+        raise ValueError(
+            f"agent {name} with rollout_strategy={args.rollout_strategy}: this strategy branches inside the tool "
+            f"loop, which an agent's own loop does not expose; set initial_rollouts={args.num_generations} "
+            "(= num_generations), or use appo (branching by replay) or grpo"
+        )
+    if args.max_staleness >= 1:
+        raise ValueError(f"agent {name}: background rounds (max_staleness >= 1) are not supported with an agent yet")
+    return agent
+
+
+class AgentReward:
+    """The reward function that hands TRL each run's own reward (the `agent_reward` column; None: not given)."""
+
+    __name__ = "agent_reward"
+
+    def __call__(self, prompts=None, completions=None, agent_reward=None, **kwargs):
+        return list(agent_reward) if agent_reward is not None else [None] * len(completions)
+
+
+def with_agent_reward(reward_funcs, args, agent):
+    """`reward_funcs` with `AgentReward` first when an agent is set (and a weight of 1 for it)."""
+    if agent is None:
+        return reward_funcs
+    funcs = [] if reward_funcs is None else (reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])
+    if args.reward_weights is not None:
+        args.reward_weights = [1.0, *args.reward_weights]
+    return [AgentReward(), *funcs]
+
+
+def agent_rewards_override(trainer, rewards_per_func):
+    """Rows whose agent returned a number keep that number only (the other reward functions' values become NaN)."""
+    if getattr(trainer, "agent", None) is None:
+        return rewards_per_func
+    given = ~rewards_per_func[:, 0].isnan()
+    rewards_per_func[given, 1:] = math.nan
+    return rewards_per_func
+
+
+class AgentRounds:
+    """The endpoint, the agents' event loop and thread pool of one trainer, and one round's agent runs at a time."""
+
+    def __init__(self, trainer, agent):
+        self.trainer, self.agent, self.name = trainer, agent, agent_label(agent)
+        self.is_async = inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(type(agent).__call__)
+        self.endpoint = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._threads: set[threading.Thread] = set()  # sync agents, one thread per run
+        self._seen_errors: set[str] = set()
+
+    def _start(self) -> None:
+        from appo_trl.rollout.agent_endpoint import AgentEndpoint
+        from appo_trl.rollout.agent_session import ChatRenderer
+        from appo_trl.rollout.chat_format import ChatTemplateToolError, ChatToolFormat
+
+        t, args = self.trainer, self.trainer.args
+        engine = t.rollout_engine
+        fmt = t.chat_tool_format
+        if fmt is None:
+            try:
+                fmt = ChatToolFormat(t._tokenizer, t.chat_template, t.chat_template_kwargs)
+            except ChatTemplateToolError:
+                fmt = None  # the template cannot express tool calls: answers never carry `tool_calls`
+        renderer = ChatRenderer(t._tokenizer, t.chat_template, t.chat_template_kwargs, fmt)
+        cfg = engine.config
+        from appo_trl.rollout.types import SamplingParams
+
+        params = SamplingParams(max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+                                top_k=cfg.top_k, logprobs=cfg.entropy_topk if cfg.record_entropies else 0)  # fmt: skip
+        self.endpoint = AgentEndpoint(
+            engine.submit, lambda ids, p: engine.backend.generate(ids, p), renderer, params, cfg.max_model_len,
+            model_name=self.model_name,
+            host=args.agent_host, port=args.agent_port, concurrency=args.rollout_concurrency,
+        ).start()  # fmt: skip
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="appo-agents", daemon=True)
+        self._thread.start()
+
+    @property
+    def model_name(self) -> str:
+        return str(getattr(self.trainer.model, "name_or_path", None) or "policy")
+
+    def close(self) -> None:
+        """Cancel the async agents, end every session, stop the endpoint, the loop and the pool (idempotent)."""
+        loop, self._loop = self._loop, None
+        if loop is not None:
+
+            async def _cancel():
+                others = [x for x in asyncio.all_tasks() if x is not asyncio.current_task()]
+                for task in others:
+                    task.cancel()
+                await asyncio.gather(*others, return_exceptions=True)
+
+            asyncio.run_coroutine_threadsafe(_cancel(), loop).result(timeout=30)
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(timeout=30)
+            loop.close()
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
+        for thread in list(self._threads):  # their requests now fail (the endpoint is closed), so they end
+            thread.join(timeout=10)
+
+    # ---- one round ---------------------------------------------------------------------------------------------
+    def generate(self, strategy, prompt_ids: list[list[int]], n: int, seed: int, inputs: list[dict],
+                 mode: str) -> RoundBatch:  # fmt: skip
+        """`strategy.generate` on agent runs: n per prompt of TRL's generation batch `inputs` (n consecutive rows per
+        prompt), branches re-run the agent by replay; `prompt_ids`: TRL's tokenised prompts (for runs that failed
+        before their first answer)."""
+        if self.endpoint is None:
+            self._start()
+        if len(inputs) != len(prompt_ids):
+            raise RuntimeError(f"{len(inputs)} rows for {len(prompt_ids)} prompts")
+        runs = AgentEngine(self, inputs, n, prompt_ids[::n])
+        strategy.engine_override = runs
+        try:
+            batch = strategy.generate(prompt_ids[::n], n, seed)
+        finally:
+            strategy.engine_override = None
+        for key, value in {**{f"agent/{k}": v for k, v in runs.counts.items()}, **self.endpoint.metrics()}.items():
+            trl_seams.log_metric(self.trainer, mode, key, float(value))
+        self.endpoint.reset_metrics()
+        return batch
+
+    async def call(self, row: dict, base_url: str):
+        """Run the agent once on `row` against `base_url`: (its value, None) or (None, the error's first line)."""
+        args = self.trainer.args
+        try:
+            if self.is_async:
+                call = self.agent(row, base_url, self.model_name)
+            else:
+                call = self._in_thread(row, base_url)
+            return self._check_value(await asyncio.wait_for(call, args.agent_timeout_s)), None
+        except asyncio.TimeoutError:
+            error = f"timed out after agent_timeout_s={args.agent_timeout_s}"
+        except Exception as exc:  # noqa: BLE001 - the user's agent: any error is its trajectory's
+            lines = str(exc).strip().splitlines()
+            error = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+        finally:
+            self.endpoint.end_session(base_url)
+        self._fault(error)
+        return None, error
+
+    def _in_thread(self, row: dict, base_url: str) -> asyncio.Future:
+        """A sync agent run on its own daemon thread; the future of its return value on the agents' loop."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def settle(ok: bool, value) -> None:
+            if not future.done():
+                (future.set_result if ok else future.set_exception)(value)
+
+        def run() -> None:
+            try:
+                out = (True, self.agent(row, base_url, self.model_name))
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting run
+                out = (False, exc)
+            try:
+                loop.call_soon_threadsafe(settle, *out)
+            except RuntimeError:  # the loop was closed (the run was abandoned)
+                pass
+            finally:
+                self._threads.discard(threading.current_thread())
+
+        thread = threading.Thread(target=run, name="appo-agent", daemon=True)
+        self._threads.add(thread)
+        thread.start()
+        return future
+
+    def _check_value(self, value):
+        if value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool)):
+            return None if value is None else float(value)
+        raise TypeError(f"agent {self.name} returned {type(value).__name__} {value!r}; return a float or None")
+
+    def _fault(self, error: str) -> None:
+        if self.trainer.args.agent_errors == "raise":
+            raise AgentError(f"agent {self.name} failed: {error} (agent_errors: raise)")
+        if error not in self._seen_errors:
+            self._seen_errors.add(error)
+            logger.warning("agent %s failed: %s; its trajectory gets reward 0 (counted in agent/errors; "
+                           "agent_errors: raise stops the run instead)", self.name, error)  # fmt: skip
+
+
+class AgentEngine:
+    """The rollout engine's interface (`run`, `rollout`, `branch_many`) over agent runs, for one round's strategy.
+
+    `rollout` runs the agent n times per prompt; `branch_many` re-runs it once per (parent row, position): the
+    branch's session answers the parent's calls before the branch call with the recorded answers while its requests
+    match token for token, and at the branch call the parent's tokens up to `position` then a fresh continuation
+    (`AgentSession.branch_call`). `counts` are the round's `agent/*` metrics.
+    """
+
+    def __init__(self, rounds: AgentRounds, inputs: list[dict], n: int, prompt_ids: list[list[int]]):
+        self.rounds, self.inputs, self.n, self.prompt_ids = rounds, inputs, n, prompt_ids
+        self.sessions: dict[str, object] = {}  # row uid -> its run's session (branches replay it)
+        self.counts = dict.fromkeys(("errors", "timeouts", "forks", "branches", "replay_divergence",
+                                     "replayed_calls"), 0)  # fmt: skip
+        self._sem: asyncio.Semaphore | None = None
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.rounds._loop).result()
+
+    async def rollout(self, prompts, n, *, seed: int, hook=None, group_size=None):
+        if hook is not None:
+            raise RuntimeError("agent runs cannot branch inside the loop (no hook); branching is by replay")
+        rows = await self._gather([self._run(g, (g, j), seed) for g in range(len(prompts)) for j in range(n)])
+        return [rows[g * n : (g + 1) * n] for g in range(len(prompts))]
+
+    async def branch_many(self, requests, *, seed: int, resample: bool = True):
+        jobs = []
+        for b, (parent, position) in enumerate(requests):
+            try:
+                replay = self.sessions[parent.uid].branch_call(position, resample)
+            except (KeyError, ValueError):  # a failed run's placeholder row: nothing to replay
+                replay = None
+            jobs.append(self._run(parent.group, ("branch", b), seed, replay, parent, position))
+        return await self._gather(jobs)
+
+    async def _gather(self, jobs):
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
+
+    async def _run(self, g: int, index, seed: int, replay=None, parent=None, position=None) -> Trajectory:
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.rounds.trainer.args.rollout_concurrency)
+        endpoint = self.rounds.endpoint
+        base_url, session = endpoint.open_session(seed=hash((seed, index)) % (2**31), group=g,
+                                                  session_id=f"{seed}-{g}")  # fmt: skip
+        session.replay = replay
+        async with self._sem:
+            value, error = await self.rounds.call(dict(self.inputs[g * self.n]), base_url)
+        row = session.row
+        if row is None and error is None:
+            raise ValueError(
+                f"agent {self.rounds.name} returned without calling its base_url: an agent must send its chat "
+                "requests to the `base_url` it is given (openai.OpenAI(base_url=base_url, api_key='-'))"
+            )
+        if row is None:  # failed before its first answer: one masked token, reward 0
+            eos = self.rounds.trainer._tokenizer.eos_token_id
+            row = Trajectory(prompt_ids=list(self.prompt_ids[g]), completion_ids=[eos], loss_mask=[0],
+                             logprobs=[math.nan], finish_reason="error")  # fmt: skip
+        c = self.counts
+        c["errors"] += error is not None
+        c["timeouts"] += error is not None and error.startswith("timed out")
+        c["forks"] += max(len(session.chains) - 1, 0)
+        row.group = g
+        row.meta.update(agent_reward=0.0 if error is not None else value,
+                        messages=session.completion_messages() or [{"role": "assistant", "content": ""}])  # fmt: skip
+        if parent is not None:
+            c["branches"] += 1
+            c["replayed_calls"] += session.replayed
+            c["replay_divergence"] += bool(session.diverged or replay is None)
+            row.parent, row.branch_pos = parent.uid, position
+            row.meta["origin"] = "branch"
+        self.sessions[row.uid] = session
+        return row
+
+
+__all__ = ["AgentEngine", "AgentError", "AgentReward", "AgentRounds", "agent_label", "agent_rewards_override",
+           "resolve_agent",
+           "with_agent_reward"]  # fmt: skip
