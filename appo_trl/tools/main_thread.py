@@ -16,7 +16,8 @@ import signal
 import threading
 import time
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def uses_signals(func: Callable, depth: int = 3) -> bool:
@@ -38,7 +39,12 @@ def uses_signals(func: Callable, depth: int = 3) -> bool:
                 return True
             value = inspect.unwrap(value) if callable(value) else value
             inner = getattr(value, "__code__", None)
-            if level > 0 and inner is not None and getattr(value, "__globals__", None) is glb and visit(inner, level - 1):
+            if (
+                level > 0
+                and inner is not None
+                and getattr(value, "__globals__", None) is glb
+                and visit(inner, level - 1)
+            ):
                 return True
         return any(isinstance(c, types.CodeType) and visit(c, level) for c in code.co_consts)
 

@@ -274,7 +274,9 @@ def trainer_kw(dataset):
                 reward_funcs=[correctness_reward, structure_reward, query_reward])  # fmt: skip
 
 
-CONFIG = dict(chat_template_kwargs={"enable_thinking": False}, per_device_train_batch_size=8, max_completion_length=400)
+CONFIG = dict(
+    chat_template_kwargs={"enable_thinking": False}, per_device_train_batch_size=8, max_completion_length=400
+)
 
 
 def test_grpo_matches_trl_tool_calls(qwen3_tiny, tmp_path, biogrid):

@@ -46,7 +46,9 @@ def rollout(tok, turns: list[str]):
 
     chat = ChatToolFormat(tok)
     cfg = RolloutConfig(max_completion_length=400, max_model_len=2048)
-    engine = RolloutEngine(ScriptedPolicy(tok, script), tok, cfg, build_tools([multiply], tool_format="chat"), chat=chat)
+    engine = RolloutEngine(
+        ScriptedPolicy(tok, script), tok, cfg, build_tools([multiply], tool_format="chat"), chat=chat
+    )
     try:
         [[traj]] = engine.run(engine.rollout([enc(PROMPT)], 1, seed=0))
     finally:
