@@ -93,16 +93,21 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
     tokenizer = load_tokenizer(model_args) if tokenizer is None else tokenizer
     push = defer_push(training_args)  # one push of the final model at the end, not from Trainer.__init__
 
-    trainer = APPOTrainer(
-        model=model_args.model_name_or_path,
-        reward_funcs=reward_funcs,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        peft_config=get_peft_config(model_args),
-        tools=plan,  # the tools planned and built above, not again
-    )
+    from appo_trl.vllm import ServerNotReadyError
+
+    try:
+        trainer = APPOTrainer(
+            model=model_args.model_name_or_path,
+            reward_funcs=reward_funcs,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            peft_config=get_peft_config(model_args),
+            tools=plan,  # the tools planned and built above, not again
+        )
+    except ServerNotReadyError as exc:  # a dead vLLM server, or not vLLM: one line naming it and the wait
+        raise preflight.PreflightError(str(exc)) from exc
     state = trainer.accelerator.state
     logger.info(
         "process %d of world_size=%d (%s), strategy=%s",
