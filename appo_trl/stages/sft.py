@@ -266,7 +266,7 @@ def main(script_args, training_args, model_args, recipe=None, callbacks=None):
     from appo_trl.data import load_sft_dataset
     from appo_trl.reporting.hub import defer_push, push_model
     from appo_trl.reporting.trackers import prepare_trackers
-    from appo_trl.trainer.checkpoints import resolve_resume_checkpoint
+    from appo_trl.trainer.checkpoints import resolve_resume_checkpoint, save_final_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prepare_trackers(training_args)  # a missing tracker package fails here; wandb offline without an account
@@ -310,7 +310,7 @@ def main(script_args, training_args, model_args, recipe=None, callbacks=None):
     logger.info("process %d of world_size=%d (%s)", state.process_index, state.num_processes, state.distributed_type)
     checkpoint = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     trainer.train(resume_from_checkpoint=checkpoint)
-    trainer.save_model(training_args.output_dir)
+    save_final_model(trainer, training_args.output_dir, save_state=False)  # a full disk: one line, no half model
     training_args.assistant_only_loss = assistant_only_loss
     logger.info("Saved model to %s", training_args.output_dir)
     if push:

@@ -55,7 +55,7 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
     from appo_trl.reporting.hub import defer_push, push_model, recipe_dict
     from appo_trl.reporting.trackers import prepare_trackers
     from appo_trl.rewards import get_reward_func
-    from appo_trl.trainer.checkpoints import resolve_resume_checkpoint
+    from appo_trl.trainer.checkpoints import resolve_resume_checkpoint, save_final_model
     from appo_trl.trainer.trainer import APPOTrainer
 
     prepare_trackers(training_args)  # a missing tracker package fails here; wandb offline without an account
@@ -118,8 +118,7 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
     )
     checkpoint = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     trainer.train(resume_from_checkpoint=checkpoint)
-    trainer.save_model(training_args.output_dir)  # also saves the tokenizer; main process only
-    trainer.save_state()  # trainer_state.json (the log history `appo plot OUTPUT_DIR` draws)
+    save_final_model(trainer, training_args.output_dir)  # model, tokenizer, trainer_state.json; a full disk: one line
     logger.info("Saved model to %s", training_args.output_dir)
     if push:
         push_model(
