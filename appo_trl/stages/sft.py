@@ -281,6 +281,7 @@ def main(script_args, training_args, model_args, recipe=None, callbacks=None):
         **(training_args.model_init_kwargs or {}),
     }
     preflight.check_quantization(model_args, training_args)  # QLoRA, or a clear error: never ignored
+    preflight.check_output_dir(training_args.output_dir)  # read-only or missing parent: one line, before the model
     preflight.check_hub(training_args)  # before the model loads, not after training
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
     dataset = load_sft_dataset(
