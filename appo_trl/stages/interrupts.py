@@ -20,6 +20,10 @@ the SIGTERM way, and its one line says the launching process is gone; a rank who
 within `grace` seconds (blocked in a C call, a collective whose peer is gone) is ended with `os._exit` after one
 more line. The launcher then exits with its ranks.
 
+A vLLM server or router that fails mid-run (`VLLMServerError`, `WeightSyncError`, `RouterError`, or an error
+caused by one) ends the stage the same way: one line with the server's error and the checkpoint kept, exit code 1
+(`--debug` shows the traceback).
+
 What this does not do: save a checkpoint on SIGTERM (transformers' `enable_jit_checkpoint` does, in the
 trainer), or interrupt a main thread blocked in a C call before that call returns.
 """
@@ -124,21 +128,36 @@ def watch_launching_parent(
     return thread
 
 
+def kept_message(output_dir: str | None) -> str:
+    """Which checkpoint a stopped run keeps and how to resume from it."""
+    from appo_trl.trainer.checkpoints import last_complete_checkpoint
+
+    last = last_complete_checkpoint(output_dir, log=False) if output_dir else None
+    if last is None:
+        return f"no checkpoint was saved in {output_dir} yet" if output_dir else "no checkpoint was saved"
+    return f"kept {last} (continue with --resume_from_checkpoint true); the steps after it are lost"
+
+
 def stop_message(prog: str, signum: int, output_dir: str | None, parent_gone: int | None = None) -> str:
     """The one line printed when a signal stops the stage: the signal (or the launching process gone, pid
     `parent_gone`), the checkpoint kept, how to resume."""
-    from appo_trl.trainer.checkpoints import last_complete_checkpoint
-
     if parent_gone is None:
         stopped = f"stopped by {signal.Signals(signum).name}"
     else:
         stopped = f"stopped because the appo process that launched this rank (pid {parent_gone}) is gone"
-    last = last_complete_checkpoint(output_dir, log=False) if output_dir else None
-    if last is None:
-        kept = f"no checkpoint was saved in {output_dir} yet" if output_dir else "no checkpoint was saved"
-    else:
-        kept = f"kept {last} (continue with --resume_from_checkpoint true); the steps after it are lost"
-    return f"{prog}: {stopped}; {kept}."
+    return f"{prog}: {stopped}; {kept_message(output_dir)}."
+
+
+def lost_server(exc: BaseException) -> BaseException | None:
+    """The vLLM server or router error behind `exc` (itself or a cause), None when there is none."""
+    from appo_trl.vllm import RouterError, VLLMServerError, WeightSyncError
+
+    seen, depth = exc, 0
+    while seen is not None and depth < 8:
+        if isinstance(seen, (VLLMServerError, WeightSyncError, RouterError)):
+            return seen
+        seen, depth = seen.__cause__ or seen.__context__, depth + 1
+    return None
 
 
 def run_interruptible(prog: str, output_dir: str | None, fn: Callable[[], object]) -> int:
@@ -156,4 +175,13 @@ def run_interruptible(prog: str, output_dir: str | None, fn: Callable[[], object
             gone = _parent_gone[0] if _parent_gone and signum == signal.SIGTERM else None
             print(stop_message(prog, signum, output_dir, gone), file=sys.stderr, flush=True)
             return 128 + signum
+        except Exception as exc:
+            from appo_trl.configs.errors import DEBUG_ENV, ConfigError, one_line
+
+            cause = None if isinstance(exc, ConfigError) else lost_server(exc)
+            if cause is None or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+                raise
+            print(f"{prog}: error: {one_line(cause)}; {kept_message(output_dir)} (run with --debug for the "
+                  f"traceback)", file=sys.stderr, flush=True)  # fmt: skip
+            return 1
     return 0
