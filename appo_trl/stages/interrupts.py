@@ -118,14 +118,39 @@ def watch_launching_parent(
         _parent_gone.append(pid)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace)
-        print(f"{prog}: the appo process that launched this rank (pid {pid}) is gone and this rank did not stop "
-              f"within {grace:g} s; exiting now.", file=sys.stderr, flush=True)  # fmt: skip
+        say(f"{prog}: the appo process that launched this rank (pid {pid}) is gone and this rank did not stop "
+            f"within {grace:g} s; exiting now.")  # fmt: skip
         os._exit(128 + signal.SIGTERM)
 
     thread = threading.Thread(target=watch, name="appo-parent-watchdog", daemon=True)
     thread.start()
     _watchdogs.append(thread)
     return thread
+
+
+def attach_stderr(pid: int | None = None) -> bool:
+    """In a launched rank, write stderr to the launching `appo` process's own stderr (`/proc/PID/fd/2`, appended),
+    not to the launcher's: `appo` drops what the launcher prints once it forwarded a signal (torch's traceback),
+    and the ranks' lines must still get through, also after `appo` itself is gone. Returns whether it did."""
+    if pid is None:
+        value = os.environ.get(PARENT_PID_ENV, "")
+        if not value.isdigit():
+            return False
+        pid = int(value)
+    try:
+        fd = os.open(f"/proc/{pid}/fd/2", os.O_WRONLY | os.O_APPEND)
+    except OSError:
+        return False
+    sys.stderr.flush()
+    os.dup2(fd, 2)
+    os.close(fd)
+    return True
+
+
+def say(line: str) -> None:
+    """`line` and its newline on stderr in one write: the lines of ranks stopping together never run together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def kept_message(output_dir: str | None) -> str:
@@ -167,13 +192,14 @@ def run_interruptible(prog: str, output_dir: str | None, fn: Callable[[], object
     (`watch_launching_parent`).
     """
     with sigterm_as_ctrl_c():
+        attach_stderr()
         watch_launching_parent(prog)
         try:
             fn()
         except KeyboardInterrupt as exc:
             signum = getattr(exc, "signum", signal.SIGINT)
             gone = _parent_gone[0] if _parent_gone and signum == signal.SIGTERM else None
-            print(stop_message(prog, signum, output_dir, gone), file=sys.stderr, flush=True)
+            say(stop_message(prog, signum, output_dir, gone))
             return 128 + signum
         except Exception as exc:
             from appo_trl.configs.errors import DEBUG_ENV, ConfigError, one_line
@@ -181,7 +207,6 @@ def run_interruptible(prog: str, output_dir: str | None, fn: Callable[[], object
             cause = None if isinstance(exc, ConfigError) else lost_server(exc)
             if cause is None or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
                 raise
-            print(f"{prog}: error: {one_line(cause)}; {kept_message(output_dir)} (run with --debug for the "
-                  f"traceback)", file=sys.stderr, flush=True)  # fmt: skip
+            say(f"{prog}: error: {one_line(cause)}; {kept_message(output_dir)} (run with --debug for the traceback)")
             return 1
     return 0
