@@ -275,8 +275,11 @@ def save_final_model(trainer, output_dir: str, save_state: bool = True) -> None:
         if not full:
             raise
         last = last_complete_checkpoint(output_dir, log=False)
-        kept = (f"the newest complete checkpoint, {last}, keeps the weights of its step"
-                if last else "no checkpoint was saved, so the trained weights are lost (set save_strategy)")
+        kept = (
+            f"the newest complete checkpoint, {last}, keeps the weights of its step"
+            if last
+            else "no checkpoint was saved, so the trained weights are lost (set save_strategy)"
+        )
         free = shutil.disk_usage(output_dir).free // 2**20
         raise CheckpointSaveError(
             f"saving the final model to {output_dir} failed: No space left on device ({free} MiB free after "

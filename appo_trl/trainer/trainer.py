@@ -73,8 +73,9 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         from appo_trl.trainer.trl_compat import check_rollout_func, resolve_args, row_forward_where_tree_cannot
 
         args = resolve_args(model, args)  # None -> APPOConfig("<model>-APPO"); a GRPOConfig -> rollout_strategy grpo
-        resolve_startup_plan(self, args, tools, tool_dirs, reward_funcs, train_dataset,
-                             environment_factory is not None)  # before the model loads
+        resolve_startup_plan(
+            self, args, tools, tool_dirs, reward_funcs, train_dataset, environment_factory is not None
+        )  # before the model loads
         check_rollout_func(args, rollout_func, bool(self.tool_specs), rollout_engine, environment_factory)
         check_background_rounds(args, rollout_func, environment_factory)  # max_staleness >= 1 with TRL's hooks
         if environment_factory is not None:  # environment methods are chat-template tools, as in TRL

@@ -18,7 +18,6 @@ from appo_trl.vllm.replicas import ReplicaBackend, ReplicaSet, parse_server_urls
 from appo_trl.vllm.router import RouterClient, VLLMRouter
 from appo_trl.vllm.server import VLLMServerBackend
 
-
 logger = logging.getLogger(__name__)
 
 

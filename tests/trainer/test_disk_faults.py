@@ -20,9 +20,13 @@ def small_disk(tmp_path):
     """A 600 KB tmpfs (None where this process cannot mount one); always unmounted."""
     folder = tmp_path / "disk"
     folder.mkdir()
-    mounted = os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(folder)], capture_output=True
-    ).returncode == 0
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(folder)], capture_output=True
+        ).returncode
+        == 0
+    )
     try:
         yield folder if mounted else None
     finally:
@@ -63,7 +67,9 @@ def test_full_disk_at_the_final_save_is_one_line_and_leaves_no_model_folder(
     msg = str(err.value)
     assert "\n" not in msg and "No space left on device" in msg and str(out / "checkpoint-1") in msg
     left = sorted(os.listdir(out))
-    assert "config.json" not in left and "model.safetensors" not in left and not any(n.startswith("_tmp") for n in left)
+    assert (
+        "config.json" not in left and "model.safetensors" not in left and not any(n.startswith("_tmp") for n in left)
+    )
 
 
 def test_final_save_moves_a_complete_model_into_output_dir(tmp_path, tiny_tokenizer, tiny_model_path):
