@@ -69,6 +69,8 @@ class StartupPlan:
         tool_dirs: folders searched first for dotted tool paths, before the working directory.
         tool_config: the parsed `tool_config` (per-tool parameters).
         tools: the built tools (name -> tool), None when there are none or an engine has taken them.
+        environment_timeouts: `tool_config` deadlines (seconds) of names that are not standalone tools: with
+            `environment_factory`, environment methods (checked against them once the environments exist).
     """
 
     tool_specs: list = dataclasses.field(default_factory=list)
@@ -76,14 +78,17 @@ class StartupPlan:
     tool_dirs: tuple[str, ...] = ()
     tool_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     tools: dict[str, Any] | None = None
+    environment_timeouts: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def resolve(cls, args, tools=None, tool_dirs: Sequence[str | os.PathLike] = (), *, reward_funcs=(),
-                dataset=None, answer_column: str = "answer") -> StartupPlan:  # fmt: skip
+                dataset=None, answer_column: str = "answer", environments: bool = False) -> StartupPlan:  # fmt: skip
         """Check the reward columns, then resolve and build the tools of `tools` (TRL's `tools=`) or `args.tools`.
 
         Raises a `ValueError` naming the problem: tools given both ways, an unknown or unimportable tool, a bad
-        `tool_config`, a `tool_config` without tools, a gold-answer reward without an answer column.
+        `tool_config`, a `tool_config` without tools, a gold-answer reward without an answer column. With
+        `environments` (an `environment_factory`), `tool_config` entries that name no standalone tool are
+        environment methods' deadlines (`{method: {timeout: s}}`, `environment_timeouts`).
         """
         from appo_trl.tools.callables import resolve_callables
         from appo_trl.tools.registry import build_tools, default_tool_format
@@ -101,9 +106,16 @@ class StartupPlan:
         tool_format = getattr(args, "tool_format", None) or default_tool_format(specs)
         raw_config = getattr(args, "tool_config", None)
         plan = cls(resolve_callables(specs, dirs), tool_format, dirs, parse_tool_config(raw_config))
+        if environments:
+            from appo_trl.tools.registry import function_timeout
+
+            named = {s if isinstance(s, str) else getattr(s, "__name__", "") for s in plan.tool_specs}
+            rest = {k: v for k, v in plan.tool_config.items() if k not in named}
+            plan.tool_config = {k: v for k, v in plan.tool_config.items() if k in named}
+            plan.environment_timeouts = {k: t for k, v in rest.items() if (t := function_timeout(k, v)) is not None}
         if plan.tool_specs:
             plan.tools = build_tools(plan.tool_specs, plan.tool_config, tool_format, dirs)
-        elif raw_config:
+        elif raw_config and not environments:
             raise ValueError(f"APPOConfig: tool_config is set ({raw_config}) but no tools are configured.")
         return plan
 

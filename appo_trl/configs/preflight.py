@@ -16,7 +16,9 @@
    gold answers needs an answer column; the tools are resolved and built once (names, parameters), then each
    tool's own `check()` runs (the search tool asks its server's `/health` whether it is appo-trl's search server
    and which corpus it serves). The plan goes on to the trainer.
-5. `check_hub`: with `push_to_hub`, the token works, may write, and its owner may write to the repo's
+5. `check_output_dir`: `output_dir` (or, when it does not exist yet, its nearest existing parent) takes a new
+   folder: a read-only disk or a missing permission is found now, not at the first save.
+6. `check_hub`: with `push_to_hub`, the token works, may write, and its owner may write to the repo's
    namespace; the push itself still happens once, at the end (`appo_trl.reporting.hub`).
 
 `configs.recipes` also calls three launch checks, in every launched rank and (the first two) before
@@ -24,14 +26,15 @@
 must be the recipe's), `check_launch_engine` (FSDP on CPU would silently be DDP), and
 `skip_deepspeed_cpu_comm_build` (no JIT build of DeepSpeed's CPU shm comm op, which training never uses).
 
-What this does not do: load weights, or wait for the vLLM server (TRL's client waits for it at start-up; a
-server that does not answer yet only leaves the prompt length to the model's limit here).
+What this does not do: load weights, or wait for the vLLM server (the trainer waits for it at start-up, up to
+`vllm_server_timeout`; a server that does not answer yet only leaves the prompt length to the model's limit here).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from typing import Any
 
 from appo_trl.configs.errors import ModelPathError, PreflightError
@@ -72,6 +75,25 @@ def check_model_source(name_or_path: str | None, revision: str | None = None, tr
             f"Model {name_or_path!r} is not a local folder (no {os.path.abspath(expanded)}) and could not be "
             f"loaded from the Hub: {_first_line(exc)}{hint}"
         ) from exc
+
+
+def check_output_dir(output_dir: str | None) -> None:
+    """Fail with one line unless a folder can be created in `output_dir` (or its nearest existing parent)."""
+    if not output_dir:
+        return
+    folder = os.path.abspath(os.path.expanduser(output_dir))
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise PreflightError(f"output_dir {output_dir!r} cannot be created: {existing} is a file; choose another "
+                             f"--output_dir")  # fmt: skip
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".appo-write-check-", dir=existing))
+    except OSError as exc:
+        where = "" if existing == folder else f" (its nearest existing parent {existing})"
+        raise PreflightError(f"output_dir {output_dir!r} is not writable{where}: {exc.strerror or exc}; choose "
+                             f"another --output_dir, or make it writable") from exc  # fmt: skip
 
 
 def check_quantization(model_args, training_args) -> None:

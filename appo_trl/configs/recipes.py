@@ -323,15 +323,19 @@ def run_launcher(cmd: Sequence[str], env: dict, grace: float = 25.0) -> int:
     The group runs in its own session, so a SIGKILL of this process reaches none of it, and PR_SET_PDEATHSIG
     would only reach the launcher, which passes no signal on. So the ranks get this process's pid in
     `APPO_PARENT_PID` (`PARENT_PID_ENV`), and each rank's stage watches it and stops when it is gone
-    (`appo_trl.stages.interrupts`).
+    (`appo_trl.stages.interrupts`). The launcher's stderr comes through a pipe (`_relay_stderr`) and is dropped once
+    a signal was forwarded; the ranks write to this process's stderr directly, one line each.
     """
     import signal
     import threading
     import time
 
     env = {**env, PARENT_PID_ENV: str(os.getpid())}
-    proc = subprocess.Popen(list(cmd), env=env, start_new_session=True)
+    proc = subprocess.Popen(list(cmd), env=env, start_new_session=True, stderr=subprocess.PIPE)
     received: list[int] = []
+    relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, received), name="appo-launch-stderr",
+                             daemon=True)  # fmt: skip
+    relay.start()
 
     def forward(signum, frame):
         received.append(signum)
@@ -360,4 +364,24 @@ def run_launcher(cmd: Sequence[str], env: dict, grace: float = 25.0) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        relay.join(timeout=5)
     return 128 + received[0] if received else code
+
+
+def _relay_stderr(pipe, received: list[int]) -> None:
+    """Copy the launcher's stderr to ours as it comes, until a signal was forwarded: from then on the launcher's
+    own report of the signal (torch's `SignalException` traceback) is dropped. The ranks write to our stderr
+    directly (`appo_trl.stages.interrupts.attach_stderr`), so their one-line stop messages are not in this pipe."""
+    out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+    while chunk := os.read(pipe.fileno(), 65536):
+        if received:
+            continue
+        try:
+            if out is not None:
+                out.write(chunk)
+                out.flush()
+            else:
+                os.write(sys.stderr.fileno(), chunk)
+        except (OSError, ValueError):
+            pass
+    pipe.close()

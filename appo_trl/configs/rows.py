@@ -21,8 +21,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -110,8 +108,10 @@ def scan_json_file(path: str, skip: bool = False) -> str:
     if not bad:
         return path
     bad.resolve(skip)
-    fd, filtered = tempfile.mkstemp(prefix="appo-rows-", suffix=".jsonl")
-    with os.fdopen(fd, "wb") as fh:
+    from appo_trl.tools.scratch import scratch_path
+
+    filtered = scratch_path("rows", suffix=".jsonl")  # removed at exit; a killed run's at the next start
+    with open(filtered, "wb") as fh:
         fh.writelines(line if line.endswith(b"\n") else line + b"\n" for line in good)
     return filtered
 

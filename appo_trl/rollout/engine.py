@@ -65,6 +65,9 @@ class _Group:
     created: int = 0
     active: int = 0
     trajectories: list[Trajectory] = dataclasses.field(default_factory=list)
+    # fork points parked until every active trajectory of the group is parked (`_fork_point`)
+    parked: list[tuple[Trajectory, int, float, float | None, asyncio.Future]] = dataclasses.field(default_factory=list)
+    deciding: bool = False
 
 
 class _Run:
@@ -338,7 +341,12 @@ class RolloutEngine(ToolTurns):
 
     async def _fork_point(self, run: _Run, group: _Group, traj: Trajectory, hook: Hook,
                           segment_entropy: float) -> Segment | None:  # fmt: skip
-        """Ask the hook how many copies to fork after a result; returns the look-ahead segment, if any."""
+        """Park at a fork point until the group's hook has decided it; returns the look-ahead segment, if any.
+
+        The hook decides the parked fork points of a group only once every active trajectory of the group is
+        parked or finished, in the group's creation order (the round-synchronous order of the released sampler),
+        so which trajectory gets the group's last slots never depends on which reached its tool call first.
+        """
         position, look, look_entropy = len(traj.completion_ids), None, None
         if self.config.hook_mode == "lookahead":
             budget = self._budget(traj)
@@ -347,21 +355,47 @@ class RolloutEngine(ToolTurns):
             look = await self._sample(traj, min(self.config.entropy_window, budget))
             tops = look.top_logprobs or [None] * len(look.token_ids)
             look_entropy = self._window([topk_entropy(t) for t in tops])
+        decided = asyncio.get_running_loop().create_future()
+        group.parked.append((traj, position, segment_entropy, look_entropy, decided))
+        await self._decide_parked(run, group, hook)
+        await decided
+        return look
+
+    async def _decide_parked(self, run: _Run, group: _Group, hook: Hook | None) -> None:
+        """Run the hook on the group's parked fork points once all its active trajectories are parked."""
+        while hook is not None and not group.deciding and group.parked and len(group.parked) == group.active:
+            group.deciding = True
+            order = {id(t): i for i, t in enumerate(group.trajectories)}
+            batch, group.parked = sorted(group.parked, key=lambda e: order[id(e[0])]), []
+            try:
+                for traj, position, segment_entropy, look_entropy, decided in batch:
+                    await self._fork(run, group, traj, hook, position, segment_entropy, look_entropy)
+                    decided.set_result(None)
+            except BaseException as exc:
+                for *_, decided in batch:
+                    if not decided.done():
+                        decided.set_exception(exc)
+                raise
+            finally:
+                group.deciding = False
+
+    async def _fork(self, run: _Run, group: _Group, traj: Trajectory, hook: Hook, position: int,
+                    segment_entropy: float, look_entropy: float | None) -> None:  # fmt: skip
         ctx = BranchContext(traj, position, segment_entropy, traj.meta.get("root_entropy", math.nan), look_entropy,
                             group.created, group.target, group.active)  # fmt: skip
         want = hook(ctx)
         if inspect.isawaitable(want):
             want = await want
         copies = max(0, min(int(want), group.target - group.created))
-        for _ in range(copies):
+        for k in range(copies):
             child = traj.prefix_copy(position)
-            child.meta.update(origin="fork", seed=mix_seed(group.seed, group.created))
+            # keyed on the lineage (parent, fork point, copy), never on the order of creation
+            child.meta.update(origin="fork", seed=mix_seed(traj.meta.get("seed", 0), "fork", position, k))
             if self.environments is not None:
                 await self.environments.fork(child, traj)
             self._m["forks"] += 1
             self._m["prefix_tokens_reused"] += position
             self._register(run, group, child, hook)
-        return look
 
     async def _loop_traj(self, run: _Run, group: _Group | None, traj: Trajectory, hook: Hook | None,
                          pending_tag: str | None) -> None:  # fmt: skip
@@ -397,6 +431,8 @@ class RolloutEngine(ToolTurns):
         finally:
             if group is not None:
                 group.active -= 1
+        if group is not None:  # the siblings parked at their fork points may be waiting only for this one
+            await self._decide_parked(run, group, hook)
         traj.check()
 
     @staticmethod

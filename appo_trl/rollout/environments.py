@@ -100,16 +100,18 @@ class RoundEnvironments:
         modes: per group, `"deepcopy"`, `"replay"`, or None when trajectories of that group are never branched.
         snapshots: keep a deep copy after every call of `deepcopy` groups (needed when branches are made after
             the parent has moved on, as APPO does).
-        tool_template: per tool name, a `FunctionTool` of a probe instance (its schema); calls dispatch to a copy
-            bound to the trajectory's own instance.
+        timeouts: per method name, the deadline of one call in seconds (`tool_config: {method: {timeout: s}}`);
+            other methods get the executor's default, as tools do; a call past it is abandoned like a tool's.
     """
 
     def __init__(self, instances: Sequence[Sequence[Any]], make: Sequence[Callable[[], Any]],
-                 modes: Sequence[str | None], snapshots: bool = False):  # fmt: skip
+                 modes: Sequence[str | None], snapshots: bool = False,
+                 timeouts: dict[str, float] | None = None):  # fmt: skip
         if not len(instances) == len(make) == len(modes):
             raise ValueError("instances, make and modes need one entry per group")
         self._free = [list(group) for group in instances]
         self._make, self._modes, self._snapshots = list(make), list(modes), snapshots
+        self._timeouts = dict(timeouts or {})  # method name -> deadline of one call (else the executor's default)
         self._states: dict[str, _State] = {}
         self._templates: dict[tuple[type, str], FunctionTool] = {}
 
@@ -170,7 +172,7 @@ class RoundEnvironments:
         for name, method in environment_methods(env).items():
             key = (type(env), name)
             if key not in self._templates:
-                self._templates[key] = FunctionTool(method)  # schema checked once per class and method
+                self._templates[key] = FunctionTool(method, call_timeout_s=self._timeouts.get(name))  # schema once
             tool = copy.copy(self._templates[key])
             tool.func = method
             out[name] = tool

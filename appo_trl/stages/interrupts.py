@@ -20,6 +20,10 @@ the SIGTERM way, and its one line says the launching process is gone; a rank who
 within `grace` seconds (blocked in a C call, a collective whose peer is gone) is ended with `os._exit` after one
 more line. The launcher then exits with its ranks.
 
+A vLLM server or router that fails mid-run (`VLLMServerError`, `WeightSyncError`, `RouterError`, or an error
+caused by one) ends the stage the same way: one line with the server's error and the checkpoint kept, exit code 1
+(`--debug` shows the traceback).
+
 What this does not do: save a checkpoint on SIGTERM (transformers' `enable_jit_checkpoint` does, in the
 trainer), or interrupt a main thread blocked in a C call before that call returns.
 """
@@ -125,8 +129,8 @@ def watch_launching_parent(
         _parent_gone.append(pid)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace)
-        print(f"{prog}: the appo process that launched this rank (pid {pid}) is gone and this rank did not stop "
-              f"within {grace:g} s; exiting now.", file=sys.stderr, flush=True)  # fmt: skip
+        say(f"{prog}: the appo process that launched this rank (pid {pid}) is gone and this rank did not stop "
+            f"within {grace:g} s; exiting now.")  # fmt: skip
         os._exit(128 + signal.SIGTERM)
 
     thread = threading.Thread(target=watch, name="appo-parent-watchdog", daemon=True)
@@ -135,25 +139,65 @@ def watch_launching_parent(
     return thread
 
 
+def attach_stderr(pid: int | None = None) -> bool:
+    """In a launched rank, write stderr to the launching `appo` process's own stderr (`/proc/PID/fd/2`, appended),
+    not to the launcher's: `appo` drops what the launcher prints once it forwarded a signal (torch's traceback),
+    and the ranks' lines must still get through, also after `appo` itself is gone. Returns whether it did."""
+    if pid is None:
+        value = os.environ.get(PARENT_PID_ENV, "")
+        if not value.isdigit():
+            return False
+        pid = int(value)
+    try:
+        fd = os.open(f"/proc/{pid}/fd/2", os.O_WRONLY | os.O_APPEND)
+    except OSError:
+        return False
+    sys.stderr.flush()
+    os.dup2(fd, 2)
+    os.close(fd)
+    return True
+
+
+def say(line: str) -> None:
+    """`line` and its newline on stderr in one write: the lines of ranks stopping together never run together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def kept_message(output_dir: str | None) -> str:
+    """Which checkpoint a stopped run keeps and how to resume from it."""
+    from appo_trl.trainer.checkpoints import last_complete_checkpoint
+
+    last = last_complete_checkpoint(output_dir, log=False) if output_dir else None
+    since = _fresh_starts.get(os.path.abspath(output_dir)) if output_dir else None
+    if last is not None and since is not None and not _saved_since(last, since):
+        return (f"no checkpoint was saved by this run ({os.path.basename(last)} in {output_dir} is from an earlier "
+                "run)")  # fmt: skip
+    if last is None:
+        return f"no checkpoint was saved in {output_dir} yet" if output_dir else "no checkpoint was saved"
+    return f"kept {last} (continue with --resume_from_checkpoint true); the steps after it are lost"
+
+
 def stop_message(prog: str, signum: int, output_dir: str | None, parent_gone: int | None = None) -> str:
     """The one line printed when a signal stops the stage: the signal (or the launching process gone, pid
     `parent_gone`), the checkpoint kept, how to resume."""
-    from appo_trl.trainer.checkpoints import last_complete_checkpoint
-
     if parent_gone is None:
         stopped = f"stopped by {signal.Signals(signum).name}"
     else:
         stopped = f"stopped because the appo process that launched this rank (pid {parent_gone}) is gone"
-    last = last_complete_checkpoint(output_dir, log=False) if output_dir else None
-    since = _fresh_starts.get(os.path.abspath(output_dir)) if output_dir else None
-    if last is not None and since is not None and not _saved_since(last, since):
-        kept = (f"no checkpoint was saved by this run ({os.path.basename(last)} in {output_dir} is from an earlier "
-                "run)")  # fmt: skip
-    elif last is None:
-        kept = f"no checkpoint was saved in {output_dir} yet" if output_dir else "no checkpoint was saved"
-    else:
-        kept = f"kept {last} (continue with --resume_from_checkpoint true); the steps after it are lost"
-    return f"{prog}: {stopped}; {kept}."
+    return f"{prog}: {stopped}; {kept_message(output_dir)}."
+
+
+def lost_server(exc: BaseException) -> BaseException | None:
+    """The vLLM server or router error behind `exc` (itself or a cause), None when there is none."""
+    from appo_trl.vllm import RouterError, VLLMServerError, WeightSyncError
+
+    seen, depth = exc, 0
+    while seen is not None and depth < 8:
+        if isinstance(seen, (VLLMServerError, WeightSyncError, RouterError)):
+            return seen
+        seen, depth = seen.__cause__ or seen.__context__, depth + 1
+    return None
 
 
 def run_interruptible(prog: str, output_dir: str | None, fn: Callable[[], object]) -> int:
@@ -163,12 +207,21 @@ def run_interruptible(prog: str, output_dir: str | None, fn: Callable[[], object
     (`watch_launching_parent`).
     """
     with sigterm_as_ctrl_c():
+        attach_stderr()
         watch_launching_parent(prog)
         try:
             fn()
         except KeyboardInterrupt as exc:
             signum = getattr(exc, "signum", signal.SIGINT)
             gone = _parent_gone[0] if _parent_gone and signum == signal.SIGTERM else None
-            print(stop_message(prog, signum, output_dir, gone), file=sys.stderr, flush=True)
+            say(stop_message(prog, signum, output_dir, gone))
             return 128 + signum
+        except Exception as exc:
+            from appo_trl.configs.errors import DEBUG_ENV, ConfigError, one_line
+
+            cause = None if isinstance(exc, ConfigError) else lost_server(exc)
+            if cause is None or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+                raise
+            say(f"{prog}: error: {one_line(cause)}; {kept_message(output_dir)} (run with --debug for the traceback)")
+            return 1
     return 0

@@ -266,7 +266,7 @@ def main(script_args, training_args, model_args, recipe=None, callbacks=None):
     from appo_trl.data import load_sft_dataset
     from appo_trl.reporting.hub import defer_push, push_model
     from appo_trl.reporting.trackers import prepare_trackers
-    from appo_trl.trainer.checkpoints import resolve_resume_checkpoint
+    from appo_trl.trainer.checkpoints import resolve_resume_checkpoint, save_final_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prepare_trackers(training_args)  # a missing tracker package fails here; wandb offline without an account
@@ -281,6 +281,7 @@ def main(script_args, training_args, model_args, recipe=None, callbacks=None):
         **(training_args.model_init_kwargs or {}),
     }
     preflight.check_quantization(model_args, training_args)  # QLoRA, or a clear error: never ignored
+    preflight.check_output_dir(training_args.output_dir)  # read-only or missing parent: one line, before the model
     preflight.check_hub(training_args)  # before the model loads, not after training
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
     dataset = load_sft_dataset(
@@ -314,7 +315,7 @@ def main(script_args, training_args, model_args, recipe=None, callbacks=None):
 
         note_fresh_start(training_args.output_dir)
     trainer.train(resume_from_checkpoint=checkpoint)
-    trainer.save_model(training_args.output_dir)
+    save_final_model(trainer, training_args.output_dir, save_state=False)  # a full disk: one line, no half model
     training_args.assistant_only_loss = assistant_only_loss
     logger.info("Saved model to %s", training_args.output_dir)
     if push:

@@ -55,7 +55,7 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
     from appo_trl.reporting.hub import defer_push, push_model, recipe_dict
     from appo_trl.reporting.trackers import prepare_trackers
     from appo_trl.rewards import get_reward_func
-    from appo_trl.trainer.checkpoints import resolve_resume_checkpoint
+    from appo_trl.trainer.checkpoints import resolve_resume_checkpoint, save_final_model
     from appo_trl.trainer.trainer import APPOTrainer
 
     prepare_trackers(training_args)  # a missing tracker package fails here; wandb offline without an account
@@ -72,6 +72,7 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
         model_args.model_name_or_path, model_args.model_revision, model_init_kwargs["trust_remote_code"]
     )
     preflight.check_quantization(model_args, training_args)
+    preflight.check_output_dir(training_args.output_dir)  # read-only or missing parent: one line, before the model
     try:
         reward_funcs = [get_reward_func(name) for name in script_args.reward_funcs]
     except ValueError as exc:
@@ -93,16 +94,21 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
     tokenizer = load_tokenizer(model_args) if tokenizer is None else tokenizer
     push = defer_push(training_args)  # one push of the final model at the end, not from Trainer.__init__
 
-    trainer = APPOTrainer(
-        model=model_args.model_name_or_path,
-        reward_funcs=reward_funcs,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        peft_config=get_peft_config(model_args),
-        tools=plan,  # the tools planned and built above, not again
-    )
+    from appo_trl.vllm import ServerNotReadyError
+
+    try:
+        trainer = APPOTrainer(
+            model=model_args.model_name_or_path,
+            reward_funcs=reward_funcs,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            peft_config=get_peft_config(model_args),
+            tools=plan,  # the tools planned and built above, not again
+        )
+    except ServerNotReadyError as exc:  # a dead vLLM server, or not vLLM: one line naming it and the wait
+        raise preflight.PreflightError(str(exc)) from exc
     state = trainer.accelerator.state
     logger.info(
         "process %d of world_size=%d (%s), strategy=%s",
@@ -117,8 +123,7 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
 
         note_fresh_start(training_args.output_dir)
     trainer.train(resume_from_checkpoint=checkpoint)
-    trainer.save_model(training_args.output_dir)  # also saves the tokenizer; main process only
-    trainer.save_state()  # trainer_state.json (the log history `appo plot OUTPUT_DIR` draws)
+    save_final_model(trainer, training_args.output_dir)  # model, tokenizer, trainer_state.json; a full disk: one line
     logger.info("Saved model to %s", training_args.output_dir)
     if push:
         push_model(

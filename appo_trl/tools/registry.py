@@ -87,7 +87,7 @@ def build_tools(names: list, config: dict[str, dict[str, Any]] | None = None, to
     builtin = [s for s in specs if isinstance(s, str)]
     config = dict(config or {})
     functions = [FunctionTool(s) for s in specs if not isinstance(s, str)]  # chat format only (checked above)
-    timeouts = {t.name: _function_timeout(t.name, config.pop(t.name)) for t in functions if t.name in config}
+    timeouts = {t.name: function_timeout(t.name, config.pop(t.name)) for t in functions if t.name in config}
     tools = _build_builtin(builtin, config, extra_names=[t.name for t in functions])
     if tool_format == "tags":
         return tools
@@ -104,7 +104,7 @@ def build_tools(names: list, config: dict[str, dict[str, Any]] | None = None, to
 FUNCTION_TOOL_KEYS = ("timeout",)
 
 
-def _function_timeout(name: str, params: Any) -> float | None:
+def function_timeout(name: str, params: Any) -> float | None:
     """The `timeout` of a function tool's `tool_config` block (its only key), checked."""
     if not isinstance(params, dict):
         raise ValueError(f"tool_config[{name!r}] must be a mapping such as {{timeout: 30}}, got {params!r}")

@@ -241,6 +241,52 @@ def is_disk_full(exc: BaseException, folder: str) -> bool:
     return False
 
 
+FINAL_STAGING = "_tmp-final-model"  # the final save's staging folder inside output_dir (left out of Hub uploads)
+
+
+def save_final_model(trainer, output_dir: str, save_state: bool = True) -> None:
+    """`trainer.save_model(output_dir)` (and `save_state()`), never leaving a folder that looks complete but is not.
+
+    The model (weights, config, tokenizer) is written into `output_dir/_tmp-final-model/` first and its files are
+    moved into `output_dir` once all are written, `config.json` last. A failed save removes the staging folder; a
+    full disk raises `CheckpointSaveError` naming the newest complete checkpoint (the trained weights it keeps).
+    """
+    staging, writer = os.path.join(output_dir, FINAL_STAGING), trainer.args.should_save
+    if writer:
+        shutil.rmtree(staging, ignore_errors=True)  # a final save killed earlier
+    try:
+        trainer.save_model(staging)
+        trainer.accelerator.wait_for_everyone()
+        if writer:
+            _fsync_tree(staging)
+            for name in sorted(os.listdir(staging), key=lambda n: n == "config.json"):
+                dest = os.path.join(output_dir, name)
+                if os.path.isdir(dest) and not os.path.islink(dest):
+                    shutil.rmtree(dest)
+                os.replace(os.path.join(staging, name), dest)
+            os.rmdir(staging)
+            _fsync_dir(output_dir)
+        if save_state:
+            trainer.save_state()  # trainer_state.json (the log history `appo plot OUTPUT_DIR` draws)
+    except BaseException as exc:  # also Ctrl-C / SIGTERM: no half-written model stays behind
+        full = writer and is_disk_full(exc, output_dir)
+        if writer:
+            shutil.rmtree(staging, ignore_errors=True)
+        if not full:
+            raise
+        last = last_complete_checkpoint(output_dir, log=False)
+        kept = (
+            f"the newest complete checkpoint, {last}, keeps the weights of its step"
+            if last
+            else "no checkpoint was saved, so the trained weights are lost (set save_strategy)"
+        )
+        free = shutil.disk_usage(output_dir).free // 2**20
+        raise CheckpointSaveError(
+            f"saving the final model to {output_dir} failed: No space left on device ({free} MiB free after "
+            f"removing the unfinished save); {kept}. Free some space, then resume with --resume_from_checkpoint true"
+        ) from exc
+
+
 class AtomicCheckpointMixin:
     """Atomic `_save_checkpoint` for a transformers `Trainer` subclass (put it first among the bases).
 

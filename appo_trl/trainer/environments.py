@@ -38,14 +38,20 @@ def check_environments(trainer) -> None:
     if trainer.environment_factories is None:
         return
     strategy = trainer.args.strategy_class
+    methods = set()
     for name, pool in trainer._environment_pool.items():
         probe = pool[0]  # TRL's probe instance
         for method_name, method in environment_methods(probe).items():
+            methods.add(method_name)
             try:
                 tool_schema(method, f"{type(probe).__name__}.{method_name}")
             except ToolSpecError as exc:
                 raise ToolSpecError(f"environment_factory: {exc}") from None
         trainer._env_branch_modes[name] = branch_mode(probe, strategy.name) if strategy.branches else None
+    unknown = sorted(set(trainer.startup_plan.environment_timeouts) - methods)
+    if unknown:
+        raise ValueError(f"tool_config names {unknown}, which are neither tools nor environment methods "
+                         f"(the environments' methods: {sorted(methods)})")  # fmt: skip
 
 
 def share_group_tasks(trainer, strategy, prompts: list, n: int) -> None:
@@ -141,6 +147,7 @@ def round_environments(
         make=[make(s) for s in starts],
         modes=[modes.get(names[s]) for s in starts],
         snapshots=strategy.env_snapshots,
+        timeouts=trainer.startup_plan.environment_timeouts,  # tool_config: {method: {timeout: s}}
     ), per_row
 
 

@@ -343,6 +343,7 @@ class RoundRunner:
         )
         truncated = gather(torch.tensor([r.finish_reason == "length" for r in rows], device=device))
         calls = gather(torch.tensor([int(r.num_calls) for r in rows], device=device))
+        refused = gather(torch.tensor([r.finish_reason == "call_limit" for r in rows], device=device))
         kept = gather(torch.tensor([float(k) for k in batch.keep], device=device))
         if mode == "train":
             t.state.num_input_tokens_seen += (prompt_len.sum() + full_len.sum()).item()
@@ -358,7 +359,7 @@ class RoundRunner:
         m["completions/max_terminated_length"].append(terminated.max().item())
         m["tools/call_frequency"].append(calls.float().mean().item())  # executed calls: `tools/calls` (engine)
         if mode == "train":
-            self._warn_if_no_tool_calls(int(calls.sum().item()), strategy)
+            self._warn_if_no_tool_calls(int(calls.sum().item()), strategy, int(refused.sum().item()))
         m["rollout/sampled_tokens"].append(new_tokens.sum().item())  # branch prefixes counted once, in the parent
         m["branch/loss_rows_frac"].append(kept.mean().item())
         engine = self._engine
@@ -374,9 +375,10 @@ class RoundRunner:
             for key, value in zip(strategy.metric_keys, agg.nanmean(dim=0).tolist()):
                 m[key].append(value)
 
-    def _warn_if_no_tool_calls(self, total_calls: int, strategy) -> None:
+    def _warn_if_no_tool_calls(self, total_calls: int, strategy, refused: int = 0) -> None:
         """Say so when tools are configured but no rollout of a whole round called one (first idle round of a run
-        of idle rounds, then every 10th): for arpo/aepo/appo that round could not branch after a tool result."""
+        of idle rounds, then every 10th): for arpo/aepo/appo that round could not branch after a tool result.
+        `refused`: rollouts that ended `call_limit` (their calls were refused by the limits, not missing)."""
         t = self.trainer
         if not t.tool_specs:
             return
@@ -390,6 +392,16 @@ class RoundRunner:
             names = ", ".join(sorted(s if isinstance(s, str) else getattr(s, "__name__", tool_label(s))
                                      for s in t.tool_specs))  # fmt: skip
             what = strategy.no_tool_calls_note
+            if refused:
+                a = t.args
+                logger.warning(
+                    "No tool call ran (%s) in %d round(s) in a row (step %d): %d rollout(s) called tools, but the "
+                    "limits refused the calls (tool_call_limit=%s per rollout, max_tool_calling_iterations=%s turns;"
+                    " a turn whose calls would pass either runs none).%s Raise tool_call_limit if the calls are "
+                    "wanted.", names, self.tool_idle_rounds, t.state.global_step, refused,
+                    getattr(a, "tool_call_limit", None), getattr(a, "max_tool_calling_iterations", None), what,
+                )  # fmt: skip
+                return
             logger.warning(
                 "No rollout called a tool (%s) in %d round(s) in a row (step %d, tool_format=%s).%s Check the "
                 "system prompt / chat template, or cold-start the model with `appo sft`.",

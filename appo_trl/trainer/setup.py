@@ -81,7 +81,7 @@ def build_rollout_engine(trainer, sampler_model=None):
     )  # fmt: skip
 
 
-def resolve_startup_plan(trainer, args, tools, tool_dirs, reward_funcs, train_dataset) -> None:
+def resolve_startup_plan(trainer, args, tools, tool_dirs, reward_funcs, train_dataset, environments=False) -> None:
     """`trainer.startup_plan`: the `StartupPlan` `appo train` passed as `tools=`, else one resolved here (reward
     columns checked, every tool resolved and built once), before the model loads; sets `tool_specs`, `tool_format`."""
     from appo_trl.configs.plan import StartupPlan
@@ -89,7 +89,8 @@ def resolve_startup_plan(trainer, args, tools, tool_dirs, reward_funcs, train_da
     plan = tools
     if not isinstance(plan, StartupPlan):
         funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-        plan = StartupPlan.resolve(args, tools, tool_dirs, reward_funcs=funcs, dataset=train_dataset)
+        plan = StartupPlan.resolve(args, tools, tool_dirs, reward_funcs=funcs, dataset=train_dataset,
+                                   environments=environments)  # fmt: skip
     trainer.startup_plan = plan
     trainer.tool_specs, trainer.tool_format = plan.tool_specs, plan.tool_format
 

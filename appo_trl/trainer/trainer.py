@@ -80,7 +80,9 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         self.agent = resolve_agent(args, agent, tool_dirs, tools=tools, rollout_func=rollout_func,
                                    environment_factory=environment_factory)  # fmt: skip
         reward_funcs = with_agent_reward(reward_funcs, args, self.agent)
-        resolve_startup_plan(self, args, tools, tool_dirs, reward_funcs, train_dataset)  # before the model loads
+        resolve_startup_plan(
+            self, args, tools, tool_dirs, reward_funcs, train_dataset, environment_factory is not None
+        )  # before the model loads
         check_rollout_func(args, rollout_func, bool(self.tool_specs), rollout_engine, environment_factory)
         check_background_rounds(args, rollout_func, environment_factory)  # max_staleness >= 1 with TRL's hooks
         if environment_factory is not None:  # environment methods are chat-template tools, as in TRL

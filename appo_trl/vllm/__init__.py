@@ -21,6 +21,7 @@ Public API::
 
 from appo_trl.vllm.client import (
     ServerClient,
+    ServerNotReadyError,
     VLLMAbortedError,
     VLLMRequestError,
     VLLMServerError,
@@ -47,6 +48,7 @@ __all__ = [
     "RouterClient",
     "RouterError",
     "ServerClient",
+    "ServerNotReadyError",
     "ServerSpec",
     "VLLMAbortedError",
     "VLLMColocateBackend",

@@ -42,6 +42,10 @@ class WeightSyncError(RuntimeError):
     """The vLLM server did not take the new weights (unreachable, not in dev mode, or answering an error)."""
 
 
+class ServerNotReadyError(WeightSyncError):
+    """At start-up a vLLM server did not answer `GET /health` within `vllm_server_timeout`, or is not vLLM."""
+
+
 def server_message(resp: httpx.Response) -> str:
     """The error message of a vLLM answer (`{"error": {"message": ...}}`, `{"message": ...}` or `{"detail": ...}`)."""
     try:

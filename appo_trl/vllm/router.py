@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import httpx
@@ -140,8 +139,9 @@ class VLLMRouter:
             self.port = free_port(self.host)
         cmd = self.command()
         if self.log_path is None:
-            fd, self.log_path = tempfile.mkstemp(prefix="appo-vllm-router-", suffix=".log")
-            os.close(fd)
+            from appo_trl.tools.scratch import scratch_path
+
+            self.log_path = scratch_path("vllm-router", suffix=".log")  # a killed run's: removed at the next start
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          preexec_fn=functools.partial(_die_with_parent, os.getpid())

@@ -9,12 +9,35 @@ follow it: `prepare_replicas`), waits for every server's health and reads the se
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 
-from appo_trl.vllm.client import ServerClient, WeightSyncError
+from appo_trl.vllm.client import ServerClient, ServerNotReadyError, WeightSyncError
 from appo_trl.vllm.ranks import broadcast_from_main, is_main_process, several_processes
 from appo_trl.vllm.replicas import ReplicaBackend, ReplicaSet, parse_server_urls
 from appo_trl.vllm.router import RouterClient, VLLMRouter
 from appo_trl.vllm.server import VLLMServerBackend
+
+logger = logging.getLogger(__name__)
+
+
+def wait_for_server(url: str, timeout_s: float, interval_s: float = 2.0) -> None:
+    """Wait at start-up for `GET {url}/health` to answer 200: one line when the first probe fails, then
+    `ServerNotReadyError` after `timeout_s` (TRL's `vllm_server_timeout`), or at once when the port answers
+    404 (an HTTP server that is not vLLM)."""
+    client, deadline, said = ServerClient(url), time.monotonic() + timeout_s, False
+    hint = f"vllm_server_timeout={timeout_s:g} s; change it with --vllm_server_timeout SECONDS"
+    while (reason := client.probe()) is not None:
+        if reason.endswith("HTTP 404"):
+            raise ServerNotReadyError(f"{url} is not a vLLM server (GET /health answered HTTP 404); "
+                                      f"point --vllm_server_base_url at `vllm serve` (or `trl vllm-serve`)")  # fmt: skip
+        if time.monotonic() > deadline:
+            raise ServerNotReadyError(f"vLLM server at {url} not healthy after {timeout_s:g} s ({reason}). Is "
+                                      f"`vllm serve` running there? The wait is {hint}")  # fmt: skip
+        if not said:
+            logger.warning("waiting for the vLLM server at %s (%s); giving up after %s", url, reason, hint)
+            said = True
+        time.sleep(max(0.0, min(interval_s, deadline - time.monotonic())) or 0.05)
 
 
 def server_urls(args) -> list[str]:
@@ -69,9 +92,8 @@ def resolve_servers(args) -> ServerSpec:
     servers = list(replicas.urls) if replicas is not None else urls
     max_model_len = args.vllm_max_model_length
     for url in servers:
-        client = ServerClient(url)
-        client.wait_healthy(args.vllm_server_timeout)
-        _, max_model_len = client.resolve_max_model_len(max_model_len)
+        wait_for_server(url, args.vllm_server_timeout)
+        _, max_model_len = ServerClient(url).resolve_max_model_len(max_model_len)
     return ServerSpec(servers, replicas, max_model_len)
 
 
@@ -90,7 +112,7 @@ def prepare_replicas(args, urls: list[str] | None = None) -> ReplicaSet | None:
         try:
             urls = urls if urls is not None else server_urls(args)
             for url in urls:
-                ServerClient(url).wait_healthy(args.vllm_server_timeout)
+                wait_for_server(url, args.vllm_server_timeout)
             if len(urls) > 1:
                 router = VLLMRouter(urls, policy=args.vllm_router_policy, port=args.vllm_router_port,
                                     request_timeout_s=max(args.vllm_server_timeout, 600.0),
@@ -120,4 +142,4 @@ def prepare_replicas(args, urls: list[str] | None = None) -> ReplicaSet | None:
     return replicas.start_monitor() if main else replicas
 
 
-__all__ = ["ServerSpec", "prepare_replicas", "resolve_servers", "server_urls"]
+__all__ = ["ServerSpec", "prepare_replicas", "resolve_servers", "server_urls", "wait_for_server"]

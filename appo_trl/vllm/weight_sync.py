@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -137,8 +136,10 @@ class DiskWeightSync(VLLMGeneration):
             os.makedirs(self._sync_dir_arg, exist_ok=True)
             self.sync_dir = os.path.abspath(self._sync_dir_arg)
         else:
-            self._tmp = tempfile.TemporaryDirectory(prefix="appo-vllm-weights-")
-            self.sync_dir = self._tmp.name
+            from appo_trl.tools.scratch import scratch_path
+
+            # removed at exit; a killed run's (a full copy of the weights) at the next start
+            self.sync_dir = scratch_path("vllm-weights", directory=True)
         acc.wait_for_everyone()
 
     def _named_cpu_tensors(self, keep: bool) -> Iterator[tuple[str, Any]]:

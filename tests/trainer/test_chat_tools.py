@@ -216,6 +216,32 @@ def test_warns_when_no_rollout_called_a_tool(tmp_path, tiny_chat_model_path, tin
     assert "(multiply) in 1 round(s)" in msg and "ARPO branches only after tool results: no branching happened" in msg
 
 
+@pytest.mark.parametrize("limit,calls", [(0, 1), (2, 3)])
+def test_calls_refused_by_the_limit_are_named_not_called_missing(
+    tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, caplog, limit, calls
+):
+    tok = tiny_chat_tokenizer
+    call = '<tool_call>\n{"name": "multiply", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+    class RefusedCalls:
+        async def generate(self, prompt_ids, params):
+            ids = tok.encode("\n".join([call] * calls), add_special_tokens=False) + [tok.eos_token_id]
+            return Segment(ids[: params.max_tokens], [-0.5] * len(ids[: params.max_tokens]), None, "eos", None)
+
+    args = APPOConfig(output_dir=str(tmp_path), **CPU, rollout_strategy="arpo", initial_rollouts=2,
+                      num_generations=4, per_device_train_batch_size=4, max_steps=1, max_completion_length=96,
+                      tool_call_limit=limit)  # fmt: skip
+    trainer = APPOTrainer(model=tiny_chat_model_path, reward_funcs=[Reward()], args=args, train_dataset=prompts(),
+                          processing_class=tok, tools=[multiply])  # fmt: skip
+    trainer.rollout_engine.backend = RefusedCalls()
+    with caplog.at_level(logging.WARNING, logger="appo_trl.trainer.trainer"):
+        trainer.train()
+    text = [r.getMessage() for r in caplog.records]
+    assert not any("No rollout called a tool" in m for m in text)
+    [msg] = [m for m in text if "the limits refused the calls" in m]
+    assert f"tool_call_limit={limit}" in msg and "4 rollout(s) called tools" in msg
+
+
 def test_config_tool_fields(tmp_path):
     base = dict(output_dir=str(tmp_path), **CPU)
     cfg = APPOConfig(**base, max_tool_calling_iterations=5)  # TRL's turn limit, checked beside the call limit

@@ -613,3 +613,37 @@ def test_two_calls_per_turn_run_in_call_order_and_branches_fork_the_right_state(
         state, parent_now, k = at_fork[child.uid]
         assert k in (0, 2, 4) and state == parent_now[:k]  # the parent's state after the calls before the fork
         assert envs[rows.index(parent)].history[:k] == state
+
+
+class SlowCounter(Counter):
+    """A counter whose `add` hangs until the test ends."""
+
+    release = threading.Event()
+
+    def add(self, k: int) -> str:
+        """Add k to the counter and return the new total.
+
+        Args:
+            k: how much to add.
+        """
+        self.release.wait(60)
+        return super().add(k)
+
+
+def test_environment_methods_take_tool_config_deadlines_and_are_abandoned(tmp_path, tiny_chat_model_path, tok):
+    SlowCounter.release.clear()
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, "grpo", factory=SlowCounter,
+                           tool_config={"add": {"timeout": 0.3}}, tool_call_limit=1)  # fmt: skip
+    trainer.rollout_engine.backend = CounterPolicy(tok)
+    seen = capture_rows(trainer)
+    start = time.monotonic()
+    try:
+        trainer.train()
+    finally:
+        SlowCounter.release.set()
+    assert time.monotonic() - start < 30
+    [(rows, _)] = seen
+    assert all(c.result == "Error: Tool(add) timed out after 0.3 seconds." for t in rows for c in t.tool_calls)
+    assert sum(len(t.tool_calls) for t in rows) == 4
+    with pytest.raises(ValueError, match=r"tool_config names \['sub'\], which are neither tools nor environment"):
+        make_trainer(tmp_path, tiny_chat_model_path, tok, "grpo", tool_config={"sub": {"timeout": 1}})

@@ -130,3 +130,27 @@ def test_a_server_that_accepts_and_goes_silent_fails_the_run_naming_the_timeout(
             trainer.train()
         assert time.monotonic() - start < 60
         server.extra_delay_s = 0.0
+
+
+def test_a_server_that_dies_after_a_checkpoint_is_one_line_naming_it(tmp_path, tiny_tokenizer, tiny_model_path, capfd):
+    """The server dies for good after step 1 (checkpoint-1 saved): one line with the server's error and the kept
+    checkpoint with how to resume, exit code 1, no traceback (as Ctrl-C and SIGTERM)."""
+    from appo_trl.stages.interrupts import run_interruptible
+
+    class KillAfterStep1(TrainerCallback):
+        def on_save(self, args, state, control, **kw):
+            server.kill()
+
+    with fake_vllm.FakeVLLMServer(_policy(tiny_tokenizer), tiny_tokenizer, max_model_len=1024) as server:
+        trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), use_vllm=True,
+                               vllm_mode="server", vllm_server_base_url=server.url, num_generations=4,
+                               per_device_train_batch_size=4, max_steps=3, max_completion_length=16,
+                               vllm_importance_sampling_correction=False, vllm_server_wait_s=0,
+                               vllm_request_timeout_s=1.0, save_strategy="steps", save_steps=1)  # fmt: skip
+        trainer.add_callback(KillAfterStep1())
+        capfd.readouterr()
+        assert run_interruptible("appo train", str(tmp_path), trainer.train) == 1
+    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("appo train")]
+    assert len(err) == 1 and "Traceback" not in capfd.readouterr().err
+    assert "appo train: error: " in err[0] and "vLLM server" in err[0]
+    assert f"kept {tmp_path / 'checkpoint-1'} (continue with --resume_from_checkpoint true)" in err[0]
