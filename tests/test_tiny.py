@@ -1,5 +1,6 @@
 """The tiny offline model: deterministic, tool tags survive decoding, chat template renders."""
 
+import copy
 import hashlib
 from pathlib import Path
 
@@ -51,16 +52,27 @@ def test_model_loads_and_sizes(tiny_model_path, tmp_path):
 
 
 def test_tools_chat_template_variant(tiny_chat_tokenizer, tiny_tokenizer):
-    """`chat_template="tools"`: Qwen-style function calling; the default tags tokenizer has none of its tags."""
-    from trl.chat_template_utils import is_chat_template_prefix_preserving, supports_tool_calling
+    """`chat_template="tools"`: TRL's own Qwen3 template (function calling); the default tags tokenizer has none of
+    its tags. Assistant masks come from TRL's training variant of it, as in `SFTTrainer`."""
+    from trl.chat_template_utils import (
+        add_response_schema,
+        is_chat_template_prefix_preserving,
+        qwen3_chat_template,
+        supports_tool_calling,
+    )
 
+    from appo_trl.stages.sft import training_chat_template
     from appo_trl.tiny import TOOL_CALL_TAGS
 
     tok = tiny_chat_tokenizer
     for tag in TOOL_CALL_TAGS + TOOL_TAGS:
         assert len(tok.encode(tag, add_special_tokens=False)) == 1 and tag not in tok.all_special_tokens
     assert all(tag not in tiny_tokenizer.get_vocab() for tag in TOOL_CALL_TAGS)
-    assert supports_tool_calling(tok) and is_chat_template_prefix_preserving(tok)
+    assert tok.chat_template == qwen3_chat_template and add_response_schema(tok) is tok  # TRL recognises it
+    training = training_chat_template(tok)
+    trains = copy.deepcopy(tok)
+    trains.chat_template = training  # what TRL's GRPOTrainer(tools=...) and SFTTrainer render with
+    assert supports_tool_calling(tok) and is_chat_template_prefix_preserving(trains)
     assert not supports_tool_calling(tiny_tokenizer)
     call = {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
     msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "", "tool_calls": [call]},
@@ -71,9 +83,13 @@ def test_tools_chat_template_variant(tiny_chat_tokenizer, tiny_tokenizer):
         '{"name": "f", "arguments": {"x": 1}}\n</tool_call><|im_end|>\n'
         "<|im_start|>user\n<tool_response>\n2\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     )
-    out = tok.apply_chat_template(msgs[:2], return_dict=True, return_assistant_tokens_mask=True)
+    out = tok.apply_chat_template(
+        msgs[:2], return_dict=True, return_assistant_tokens_mask=True, chat_template=training
+    )
     trained = tok.decode([i for i, m in zip(out["input_ids"], out["assistant_masks"]) if m])
-    assert trained == '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><|im_end|>'
+    assert (
+        trained == '<think>\n\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><|im_end|>\n'
+    )  # TRL's mask ends after the newline
 
 
 def test_defaults_serve_on_vllm_cpu_and_args_are_honoured(tiny_model_path, tmp_path):

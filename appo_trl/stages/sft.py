@@ -146,6 +146,23 @@ def _tool_content_spans(text: str, messages, render) -> list[tuple[int, int]]:
     return spans
 
 
+def training_chat_template(tokenizer, required: bool = True) -> str | None:
+    """The template TRL's trainers render training rows with: None (the tokenizer's own) when it has
+    `{% generation %}` markers and keeps prefixes, else TRL's training variant (`get_training_chat_template`, e.g.
+    its `qwen3_training.jinja`, as `SFTTrainer(assistant_only_loss=True)` and `GRPOTrainer(tools=...)` swap in).
+    A template TRL cannot patch: TRL's `ValueError` when `required` (assistant masks), else None."""
+    from trl.chat_template_utils import get_training_chat_template
+
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        return get_training_chat_template(tokenizer)
+    except ValueError:
+        if required:
+            raise
+        return None
+
+
 def tokenize_conversation(
     messages,
     tokenizer,
@@ -160,10 +177,13 @@ def tokenize_conversation(
     """Token ids of a conversation and its loss mask (`assistant_masks`: 1 = trained).
 
     `tools`: JSON schemas (a list or a JSON string, TRL's `tools` column) rendered by the template.
+    `chat_template` None: `training_chat_template(tokenizer)` (TRL's training variant where it has one).
     Raises `ValueError` when `assistant_only_loss` is set but the template marks no assistant token.
     """
     messages = chat_messages(messages)
     tools = (json.loads(tools) if isinstance(tools, str) else tools) or None
+    if chat_template is None:
+        chat_template = training_chat_template(tokenizer, required=assistant_only_loss)
 
     def render(msgs):
         return tokenizer.apply_chat_template(msgs, chat_template=chat_template, tokenize=False, tools=tools)
@@ -201,11 +221,9 @@ def tokenize_conversation(
 
 def tokenize_sft_dataset(dataset, tokenizer, training_args, messages_column: str = "messages"):
     """Map `messages` rows to pre-tokenised rows (`input_ids`, `assistant_masks`) that `SFTTrainer` accepts."""
-    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
-
-    chat_template = None
-    if training_args.assistant_only_loss and not has_generation_markers(tokenizer.chat_template):
-        chat_template = get_training_chat_template(tokenizer)  # TRL's template with {% generation %} markers
+    chat_template = training_chat_template(tokenizer, required=training_args.assistant_only_loss)
+    if chat_template is None and isinstance(tokenizer.chat_template, str):
+        chat_template = tokenizer.chat_template  # checked once here, not per row
     kwargs = dict(
         chat_template=chat_template,
         assistant_only_loss=training_args.assistant_only_loss,

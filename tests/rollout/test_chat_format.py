@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import trl
+from trl.chat_template_utils import get_training_chat_template
 
 from appo_trl.rollout import RolloutConfig, RolloutEngine
 from appo_trl.rollout.chat_format import ChatTemplateToolError, ChatToolFormat
@@ -144,8 +145,9 @@ def test_one_call_then_answer_matches_the_rendered_conversation(make_engine, tok
     prompt = tok.apply_chat_template(messages, tools=[multiply], add_generation_prompt=True, return_dict=True)[
         "input_ids"
     ]
-    t0 = enc("<think>multiply</think>\n" + call_text("multiply", {"a": 6, "b": 7})) + [tok.eos_token_id]
-    t1 = enc("The answer is \\boxed{42}.") + [tok.eos_token_id]
+    # the turns as TRL's Qwen3 training template renders them (TRL's GRPOTrainer(tools=...) renders with it)
+    t0 = enc("<think>\nmultiply\n</think>\n\n" + call_text("multiply", {"a": 6, "b": 7})) + [tok.eos_token_id]
+    t1 = enc("<think>\n\n</think>\n\nThe answer is \\boxed{42}.") + [tok.eos_token_id]
     engine, policy = make_engine(by_responses(tok, [t0 + enc(" never"), t1]), [multiply])
     [[traj]] = engine.run(engine.rollout([prompt], 1, seed=0))
     inserted = ChatToolFormat(tok).result_ids("multiply", "42", 10_000)
@@ -159,19 +161,21 @@ def test_one_call_then_answer_matches_the_rendered_conversation(make_engine, tok
     assert (rec.start, rec.end) == (len(t0), len(t0) + len(inserted))
     # the row is exactly the conversation the template renders (the template state is right for the next turn)
     full = messages + [
-        {"role": "assistant", "content": "<think>multiply</think>",
+        {"role": "assistant", "content": "<think>\nmultiply\n</think>\n\n",
          "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 6, "b": 7}}}]},
         {"role": "tool", "name": "multiply", "content": "42"},
         {"role": "assistant", "content": "The answer is \\boxed{42}."},
     ]  # fmt: skip
-    rendered = tok.apply_chat_template(full, tools=[multiply], tokenize=False)
+    training = get_training_chat_template(tok)
+    rendered = tok.apply_chat_template(full, tools=[multiply], tokenize=False, chat_template=training)
     assert tok.decode(prompt + traj.completion_ids, skip_special_tokens=False) + "\n" == rendered
     assert [p.stop for _, p in policy.requests] == [[]] * 2
     # TRL-style completion messages for reward functions
     msgs = engine.chat.completion_messages(traj)
     assert [m["role"] for m in msgs] == ["assistant", "tool", "assistant"]
     assert msgs[0]["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": 6, "b": 7}}
-    assert msgs[0]["content"] == "<think>multiply</think>" and msgs[2]["content"] == "The answer is \\boxed{42}."
+    assert msgs[0]["content"] == "<think>\nmultiply\n</think>"
+    assert msgs[2]["content"] == "<think>\n\n</think>\n\nThe answer is \\boxed{42}."
 
 
 @pytest.mark.parametrize("call, expected", [
