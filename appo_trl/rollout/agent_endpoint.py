@@ -7,8 +7,8 @@ is drawn per endpoint (per training run): another local process cannot guess a U
 own thread and event loop) hands each backend call to `submit` (the rollout engine's loop) and answers when it is
 done; sampling settings are the trainer's, and a request asking for others is answered with the trainer's (one
 warning per endpoint). `tool_choice: none` answers text without parsing calls; `required` or a named function
-cannot be forced without constraining the policy, so it is sampled unconstrained (one warning per endpoint). It binds 127.0.0.1 unless told otherwise; another
-host keeps the secret in the path.
+cannot be forced without constraining the policy, so it is sampled unconstrained (one warning per endpoint). It
+binds 127.0.0.1 unless told otherwise; another host keeps the secret in the path.
 
 What it does not do: run agents, build training rows out of sessions or score them (`appo_trl.trainer.agents`).
 """

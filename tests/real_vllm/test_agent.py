@@ -4,8 +4,8 @@ The agent is named in a recipe (`agent: sdk_agent:agent`, a file beside it) and 
 OpenAI-compatible endpoint in front of the server. The model is the tiny chat model (Qwen-style `<tool_call>`
 template; its vocabulary differs from the session server's tiny model), so the test runs on its own server
 (`vllm_chat_server`, stopped at the end of the module). Asserted: both steps trained, every agent call answered
-(no agent errors), and TRL's `sampling/sampling_logp_difference` below 1e-4: the rows the endpoint recorded are the server's exact tokens and
-logprobs, re-scored by the trainer after every weight sync.
+(no agent errors), and TRL's `sampling/sampling_logp_difference` below 1e-4: the rows the endpoint recorded
+are the server's exact tokens and logprobs, re-scored by the trainer after every weight sync.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def test_openai_sdk_agent_trains_two_grpo_steps_through_the_server(vllm_chat_ser
         f"model_name_or_path: {vllm_chat_server.model}\ndtype: float32\ndataset_name: {tmp_path / 'data.jsonl'}\n"
         "agent: sdk_agent:agent\nrollout_strategy: grpo\nmax_steps: 2\nper_device_train_batch_size: 4\n"
         "num_generations: 2\nmax_completion_length: 48\nlearning_rate: 1.0e-3\nbeta: 0.0\nuse_cpu: true\n"
-        "bf16: false\ngradient_checkpointing: false\nreport_to: none\nsave_strategy: steps\nsave_steps: 2\nlogging_steps: 1\n"
+        "bf16: false\ngradient_checkpointing: false\nreport_to: none\nsave_strategy: steps\nsave_steps: 2\n"
+        "logging_steps: 1\n"
     )
     out = tmp_path / "run"
     appo(
