@@ -6,12 +6,16 @@ the assistant answer sent back with a `tool` message, as an `openai` SDK loop do
 waits `--decode-ms` and answers 16 tokens, so the sampler's own time per call is known exactly. For each call,
 added latency = the client's round trip − the sampler call's own duration (paired per trajectory, in order): HTTP,
 JSON, chat-template rendering of the new messages, the hop to the sampler's loop and back, and the queueing of all
-of that behind the other trajectories' calls on one interpreter (client and server share it, as agents and the
-trainer do). Reported: p50 and p99 (ms; the goal is p50 <= 5 ms on this CPU), and the handler's own time per call
-(`agent_handler_ms_p50`: parsing, rendering, answering, without HTTP and without waiting).
+of that behind the other trajectories' calls. `--client thread` (default): clients and endpoint share one
+interpreter, as `APPOTrainer(agent=fn)` runs agents; `--client process`: the clients run in their own process, as
+agents in sandboxes do. Reported: p50 and p99 (ms; the goal is p50 <= 5 ms on this CPU), overall and per turn (turn 1
+opens the connections), the handler's own time per call (`agent_handler_ms_p50`: parsing, rendering, answering,
+without HTTP and without waiting) and this process's CPU per call. With the default 20 ms sampler the calls come
+faster than one interpreter serves them: the numbers are then queueing (docs/benchmarks.md, "Agent endpoint").
 
     python bench/agent_endpoint.py            # 64 trajectories x 4 turns
     python bench/agent_endpoint.py --quick    # 16 x 3
+    python bench/agent_endpoint.py --client process --decode-ms 500
 """
 
 from __future__ import annotations
@@ -67,17 +71,37 @@ async def run_trajectory(client, base_url: str, turns: int) -> list[float]:
     return out
 
 
+async def run_clients(warm_url: str, urls: list[str], turns: int) -> list[list[float]]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(urls), max_keepalive_connections=len(urls))
+    async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+        await run_trajectory(client, warm_url, 1)  # imports, first render, one connection
+        return await asyncio.gather(*(run_trajectory(client, u, turns) for u in urls))
+
+
+def client_process(warm_url: str, urls: list[str], turns: int) -> list[list[float]]:
+    """The clients in their own interpreter (agents in sandboxes or subprocesses)."""
+    return asyncio.run(run_clients(warm_url, urls, turns))
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trajectories", type=int, default=64)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--decode-ms", type=float, default=20.0)
+    ap.add_argument(
+        "--client",
+        choices=["thread", "process"],
+        default="thread",
+        help="thread: clients share the trainer's interpreter (how `agent=` functions run); "
+        "process: clients in their own process (agents in sandboxes or subprocesses)",
+    )
     ap.add_argument("--quick", action="store_true", help="16 trajectories x 3 turns")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
     args = ap.parse_args(argv)
     if args.quick:
         args.trajectories, args.turns = 16, 3
-    import httpx
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(build_tiny_model(tempfile.mkdtemp(), chat_template="tools"))
@@ -89,38 +113,42 @@ def main(argv=None) -> dict:
                              ChatRenderer(tok, tool_format=ChatToolFormat(tok)), SamplingParams(max_tokens=4096),
                              2048, concurrency=args.trajectories).start()  # fmt: skip
 
-    async def all_runs():
-        limits = httpx.Limits(max_connections=args.trajectories, max_keepalive_connections=args.trajectories)
-        async with httpx.AsyncClient(limits=limits, timeout=60) as client:
-            await run_trajectory(client, endpoint.open_session(session_id="warm-up")[0], 1)  # imports, first render
-            sampler.spent.clear()
-            urls = [endpoint.open_session(session_id=f"t{j}")[0] for j in range(args.trajectories)]
-            return await asyncio.gather(*(run_trajectory(client, u, args.turns) for u in urls))
-
+    warm_url = endpoint.open_session(session_id="warm-up")[0]
+    urls = [endpoint.open_session(session_id=f"t{j}")[0] for j in range(args.trajectories)]
     try:
-        start = time.perf_counter()
-        rounds = asyncio.run(all_runs())
-        wall = time.perf_counter() - start
+        start, cpu = time.perf_counter(), time.process_time()
+        if args.client == "thread":
+            rounds = asyncio.run(run_clients(warm_url, urls, args.turns))
+        else:
+            import multiprocessing
+
+            with multiprocessing.get_context("spawn").Pool(1) as pool:  # a fresh interpreter
+                rounds = pool.apply(client_process, (warm_url, urls, args.turns))
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         handler = sorted(1000 * x for x in endpoint.overheads_s[1:])  # the handler's own time (warm-up left out)
     finally:
         endpoint.close()
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
-    added = sorted(
-        1000 * (client_s - own_s)
-        for j, trips in enumerate(rounds)
-        for client_s, own_s in zip(trips, sampler.spent[f"t{j}"])
-    )
-    p = lambda q: added[min(len(added) - 1, int(q * len(added)))]  # noqa: E731
+    per_turn = [
+        [1000 * (trips[t] - sampler.spent[f"t{j}"][t]) for j, trips in enumerate(rounds)] for t in range(args.turns)
+    ]
+    added = sorted(x for turn in per_turn for x in turn)
+    p = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
     figures = {
         "agent_calls": len(added),
         "agent_trajectories": args.trajectories,
-        "agent_added_latency_ms_p50": round(p(0.50), 3),
-        "agent_added_latency_ms_p99": round(p(0.99), 3),
+        "agent_client": args.client,
+        "agent_added_latency_ms_p50": round(p(added, 0.50), 3),
+        "agent_added_latency_ms_p99": round(p(added, 0.99), 3),
+        "agent_added_latency_ms_p50_per_turn": [round(p(turn, 0.50), 3) for turn in per_turn],
+        "agent_added_latency_ms_p99_per_turn": [round(p(turn, 0.99), 3) for turn in per_turn],
         "agent_added_latency_ms_mean": round(statistics.fmean(added), 3),
         "agent_handler_ms_p50": round(handler[len(handler) // 2], 3),
         "agent_sampler_ms": args.decode_ms,
         "agent_wall_s": round(wall, 3),
+        # this process's CPU per call: the endpoint and the fake sampler (with --client thread, the clients too)
+        "agent_process_cpu_ms_per_call": round(1000 * cpu / len(added), 3),
     }
     print(f"{len(added)} calls, {args.trajectories} trajectories at once: added latency p50 "
           f"{figures['agent_added_latency_ms_p50']} ms, p99 {figures['agent_added_latency_ms_p99']} ms "

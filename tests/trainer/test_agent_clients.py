@@ -1,4 +1,5 @@
-"""Real agent clients trained through the endpoint: the OpenAI Agents SDK and smolagents (grpo and appo).
+"""Real agent clients trained through the endpoint: the OpenAI Agents SDK, smolagents and a `verifiers` environment
+(grpo and appo).
 
 Same scripted sampler as `test_agents.py`; smolagents gets one that ends with its `final_answer` tool.
 """
@@ -111,5 +112,56 @@ def test_smolagents_trains_two_steps_with_forked_rows(tmp_path, strategy, long_c
         sampled = [i for i, m in zip(row.completion_ids, row.loss_mask) if m == 1]
         assert sampled == row.completion_ids[: len(sampled)]  # the final_answer call, as sampled
         assert row.prompt_ids in backend.prompts  # the fork's prompt: the template's rendering, as sampled on
+    if strategy == "appo":
+        assert all(h["agent/branches"] == 2 and h["agent/replay_divergence"] == 0 for h in logs)
+
+
+def verifiers_env():
+    """A `verifiers` `ToolEnv` on a small local dataset with a rubric. Built once, on the main thread: verifiers'
+    environments install SIGINT/SIGTERM handlers when constructed (the test puts the previous ones back)."""
+    import signal
+
+    vf = pytest.importorskip("verifiers")
+    from datasets import Dataset
+
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: the first factor.
+            b: the second factor.
+        """
+        return a * b
+
+    def correct(completion, answer, **kw) -> float:
+        return float(answer in str(completion[-1].get("content") or ""))
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    data = Dataset.from_dict({"question": ["what is 6 times 7"], "answer": ["42"]})
+    env = vf.ToolEnv(dataset=data, tools=[multiply], rubric=vf.Rubric(funcs=[correct]), max_turns=3)
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+    async def verifiers_agent(row, base_url, model):
+        """The environment's rollout through its OpenAI chat-completions client at `base_url`; its rubric's reward."""
+        client = vf.OpenAIChatCompletionsClient(openai.AsyncOpenAI(base_url=base_url, api_key="-"))
+        rollout = {"prompt": list(row["prompt"]), "example_id": 0, "answer": row["answer"]}
+        out = await env.run_rollout(rollout, client, model, sampling_args={})
+        assert out.get("error") is None, out.get("error")
+        return float(out["reward"])
+
+    return verifiers_agent
+
+
+@pytest.mark.parametrize("strategy", ["grpo", "appo"])
+def test_verifiers_environment_trains_two_steps(tmp_path, strategy, tiny_chat_tokenizer, tiny_chat_model_path):
+    agent = verifiers_env()
+    extra = dict(initial_rollouts=1, min_remaining_tokens=2) if strategy == "appo" else {}
+    trainer, backend = make_trainer(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, agent, strategy, **extra)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    assert all(h["agent/errors"] == 0 for h in logs), logs
+    assert all(h["reward"] == 0.5 for h in logs)  # per group one 42 and one 41
     if strategy == "appo":
         assert all(h["agent/branches"] == 2 and h["agent/replay_divergence"] == 0 for h in logs)

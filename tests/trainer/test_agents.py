@@ -178,6 +178,41 @@ def test_endpoint_rows_are_exact_and_forks_start_new_rows(tiny_chat_tokenizer):
         thread.join()
 
 
+def test_tool_choice_none_is_text_required_warns_and_others_are_refused(tiny_chat_tokenizer, caplog):
+    from appo_trl.rollout.agent_endpoint import AgentEndpoint
+    from appo_trl.rollout.agent_session import ChatRenderer
+    from appo_trl.rollout.chat_format import ChatToolFormat
+    from appo_trl.rollout.types import SamplingParams
+
+    tok = tiny_chat_tokenizer
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    endpoint = AgentEndpoint(lambda c: asyncio.run_coroutine_threadsafe(c, loop), ScriptedBackend(tok).generate,
+                             ChatRenderer(tok, tool_format=ChatToolFormat(tok)), SamplingParams(max_tokens=200),
+                             4096).start()  # fmt: skip
+    try:
+
+        def ask(choice):
+            client = openai.OpenAI(base_url=endpoint.open_session()[0], api_key="-", max_retries=0)
+            messages = [{"role": "user", "content": "6 times 7?"}]
+            return client.chat.completions.create(model="x", messages=messages, tools=TOOLS, tool_choice=choice)
+
+        none = ask("none").choices[0]
+        assert none.finish_reason == "stop" and not none.message.tool_calls and "multiply" in none.message.content
+        with caplog.at_level("WARNING", logger="appo_trl.rollout.agent_endpoint"):
+            named = {"type": "function", "function": {"name": "multiply"}}
+            for choice in ("required", named, "auto"):
+                assert len(ask(choice).choices[0].message.tool_calls) == 2  # sampled unconstrained, parsed
+        assert sum("tool_choice" in r.getMessage() for r in caplog.records) == 1  # once per endpoint
+        with pytest.raises(openai.BadRequestError, match="tool_choice='always'"):
+            ask("always")
+    finally:
+        endpoint.close()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+
+
 class Conversation:
     """A TRL-signature reward function that records what it was given."""
 
