@@ -36,7 +36,7 @@ Sliding windows (per layer, from the layer's call): a token sees its ancestors f
 in every kernel (the varlen kernels' left window counts path positions, which are depths: a path is contiguous in
 depth). Attention soft-capping follows the base: FlexAttention's `score_mod`, flash_attn's `softcap`, eager maths
 on the segment path; PyTorch's varlen kernel has none and is skipped for such a layer. Not supported (an error):
-`output_attentions` inside a tree forward.
+attention sinks (GPT-OSS: `trl_compat.tree_forward_obstacles` trains it row-wise) and `output_attentions`.
 """
 
 from __future__ import annotations
@@ -258,6 +258,8 @@ def tree_attention(base: str):
             return base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if kwargs.get("output_attentions"):
             raise ValueError("tree_forward: output_attentions is not supported in a tree forward.")
+        if kwargs.get("s_aux") is not None:  # `trl_compat.tree_forward_obstacles` sends such models row-wise
+            raise ValueError("tree_forward: attention sinks are not supported; set tree_forward=False.")
         window, softcap = layer_window(module, kwargs), (None if ignores_softcap else kwargs.get("softcap"))
         dropout = dropout if module.training else 0.0
         if _on_gpu(query):
