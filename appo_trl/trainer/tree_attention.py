@@ -35,8 +35,8 @@ on a GPU.
 Sliding windows (per layer, from the layer's call): a token sees its ancestors fewer than `window` deep above it,
 in every kernel (the varlen kernels' left window counts path positions, which are depths: a path is contiguous in
 depth). Attention soft-capping follows the base: FlexAttention's `score_mod`, flash_attn's `softcap`, eager maths
-on the segment path; PyTorch's varlen kernel has none and is skipped for such a layer. Not supported (an error):
-attention sinks (GPT-OSS: `trl_compat.tree_forward_obstacles` trains it row-wise) and `output_attentions`.
+on the segment path; PyTorch's varlen kernel has none and is skipped for such a layer. Attention sinks (GPT-OSS's
+`s_aux`) run on the per-segment eager maths. Not supported (an error): `output_attentions` in a tree forward.
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ def _base_attention(base: str):
     return AttentionInterface._global_mapping[base]
 
 
-def _segment_attention(base, module, query, key, value, layout: TreeLayout, scaling, dropout, window, softcap):
+def _segment_attention(base, module, query, key, value, layout: TreeLayout, scaling, dropout, window, softcap,
+                       s_aux=None):  # fmt: skip
     fn = eager_attention if base in (None, "eager") else _base_attention("sdpa")
-    return segment_attention(fn, module, query, key, value, layout, scaling, dropout, window, softcap)
+    return segment_attention(fn, module, query, key, value, layout, scaling, dropout, window, softcap, s_aux)
 
 
 @functools.cache
@@ -258,15 +259,16 @@ def tree_attention(base: str):
             return base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if kwargs.get("output_attentions"):
             raise ValueError("tree_forward: output_attentions is not supported in a tree forward.")
-        if kwargs.get("s_aux") is not None:  # `trl_compat.tree_forward_obstacles` sends such models row-wise
-            raise ValueError("tree_forward: attention sinks are not supported; set tree_forward=False.")
         window, softcap = layer_window(module, kwargs), (None if ignores_softcap else kwargs.get("softcap"))
+        s_aux = kwargs.get("s_aux")  # GPT-OSS's attention sinks: the segment path's eager maths only
         dropout = dropout if module.training else 0.0
-        if _on_gpu(query):
+        if _on_gpu(query) and s_aux is not None:
+            _say_fallback("attention sinks (GPT-OSS) run on the eager maths only", "the per-segment eager path")
+        elif _on_gpu(query):
             out = _cuda_attention(module, query, key, value, layout, scaling, dropout, window, softcap)
             if out is not None:
                 return out
-        return _segment_attention(base, module, query, key, value, layout, scaling, dropout, window, softcap)
+        return _segment_attention(base, module, query, key, value, layout, scaling, dropout, window, softcap, s_aux)
 
     return attention
 

@@ -80,9 +80,10 @@ class TreeLayout:
                                                                             device=self.device))  # fmt: skip
 
 
-def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
-    """Transformers' eager attention (the one the Llama family copies, with Gemma 2's soft-capping): float32
-    softmax, additive float mask."""
+def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, s_aux=None,
+                    **kwargs):  # fmt: skip
+    """Transformers' eager attention (the one the Llama family copies, with Gemma 2's soft-capping and GPT-OSS's
+    attention sinks `s_aux`): float32 softmax, additive float mask."""
     scaling = scaling if scaling is not None else query.size(-1) ** -0.5
     n_rep = getattr(module, "num_key_value_groups", 1)
     key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
@@ -91,7 +92,13 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
         weights = torch.tanh(weights / softcap) * softcap
     if attention_mask is not None:
         weights = weights + attention_mask
-    weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    if s_aux is not None:  # GPT-OSS: one sink logit per head joins the softmax, then is dropped
+        sinks = s_aux.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
+        combined = torch.cat([weights, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        weights = torch.nn.functional.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(query.dtype)
+    else:
+        weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
@@ -100,11 +107,13 @@ def _repeat_kv(x: torch.Tensor, n_rep: int, dim: int = 1) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=dim)
 
 
-def segment_attention(fn, module, query, key, value, layout: TreeLayout, scaling, dropout, window=None, softcap=None):
+def segment_attention(fn, module, query, key, value, layout: TreeLayout, scaling, dropout, window=None, softcap=None,
+                      s_aux=None):  # fmt: skip
     """Per segment: its queries attend to its gathered root-to-segment path, causally aligned bottom-right (within a
-    sliding `window`, in depth). `fn` is the base's eager or SDPA attention function; soft-capping takes eager."""
-    fn = eager_attention if softcap else fn
-    extra = {"softcap": softcap} if softcap else {}
+    sliding `window`, in depth). `fn` is the base's eager or SDPA attention function; soft-capping and attention
+    sinks take eager."""
+    fn = eager_attention if softcap or s_aux is not None else fn
+    extra = {k: v for k, v in (("softcap", softcap), ("s_aux", s_aux)) if v is not None}
     outs = []
     for q0, q1, idx, allowed in layout.segments(window):
         k, v = key.index_select(2, idx), value.index_select(2, idx)

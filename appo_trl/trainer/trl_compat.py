@@ -11,10 +11,10 @@
     runs every call of a turn, so `tool_call_limit` (calls, default 3) is None there and only TRL's turn limit
     applies (an `APPOConfig` the user wrote keeps `tool_call_limit`, checked alongside the turn limit).
 - `row_forward_where_tree_cannot(args, model)`: the one place that decides whether the tree forward serves a model
-  exactly (`tree_forward_obstacles`). The tree forward computes sliding windows, soft-capping and the MoE
-  load-balancing loss; a model it still cannot serve exactly (attention sinks, GPT-OSS) trains with TRL's row-wise
-  forward instead, with one log line naming why, whatever config asked for `tree_forward`: a default never refuses
-  a model that TRL trains.
+  exactly (`tree_forward_obstacles`). The tree forward computes sliding windows, soft-capping, attention sinks and
+  the MoE load-balancing loss; a model it still cannot serve (a paged attention implementation) trains with TRL's
+  row-wise forward instead, with one log line naming why, whatever config asked for `tree_forward`: a default never
+  refuses a model that TRL trains.
 
 What this does not do: build the model, or check anything else of the config (`APPOConfig.__post_init__` does).
 """
@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-
-import torch
 
 from trl import GRPOConfig
 
@@ -74,8 +72,8 @@ def resolve_args(model, args) -> APPOConfig:
 def tree_forward_obstacles(model) -> list[str]:
     """What of `model` the tree forward cannot compute exactly (`appo_trl.trainer.tree_attention` refuses each)."""
     found = []
-    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
-        found.append("attention sinks")
+    if str(getattr(model.config, "_attn_implementation", None) or "").startswith("paged|"):
+        found.append("paged attention")  # `install_tree_attention` cannot wrap it
     return found
 
 

@@ -1,6 +1,6 @@
 """The default config (`tree_forward` on) trains one step under `APPOTrainer` on tiny sliding-window, soft-capped and
-MoE models built locally: Gemma 2, Cohere 2 and Qwen3-MoE with the tree forward, GPT-OSS (attention sinks) with
-TRL's row-wise forward after one log line. Never a refusal."""
+MoE models built locally (Gemma 2, Cohere 2, Qwen3-MoE, GPT-OSS with its attention sinks), all with the tree
+forward; a model the tree cannot wrap (a paged attention implementation) trains row-wise after one log line."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def build(arch: str, tok):
     return tf.GptOssForCausalLM(tf.GptOssConfig(**SMALL, **ids, **moe, **window, num_local_experts=4))
 
 
-@pytest.mark.parametrize("arch,tree", [("gemma2", True), ("cohere2", True), ("qwen3_moe", True), ("gpt_oss", False)])
-def test_default_config_trains_one_step(arch, tree, tmp_path, tiny_model_path, caplog):
+@pytest.mark.parametrize("arch", ["gemma2", "cohere2", "qwen3_moe", "gpt_oss"])
+def test_default_config_trains_one_step(arch, tmp_path, tiny_model_path, caplog):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
@@ -47,8 +47,23 @@ def test_default_config_trains_one_step(arch, tree, tmp_path, tiny_model_path, c
                       max_completion_length=4, max_steps=1)  # fmt: skip
     with caplog.at_level(logging.INFO, logger="appo_trl.trainer.trl_compat"):
         trainer = APPOTrainer(path, reward_funcs=length_reward, args=args, train_dataset=dataset(2))
-    assert trainer.args.tree_forward is tree
-    off = [r.getMessage() for r in caplog.records if "tree_forward is off" in r.getMessage()]
-    assert off == ([] if tree else ["APPOTrainer: attention sinks need(s) TRL's row-wise forward, so tree_forward is off."])
+    assert trainer.args.tree_forward is True
+    assert not any("tree_forward is off" in r.getMessage() for r in caplog.records)
     trainer.train()
     assert trainer.state.global_step == 1
+    assert any("tree/tokens_ratio" in h for h in trainer.state.log_history)  # the loss ran the tree forward
+
+
+def test_paged_attention_trains_row_wise_with_one_log_line(caplog):
+    from appo_trl.trainer.trl_compat import row_forward_where_tree_cannot
+
+    class Model:
+        config = type("Config", (), {"_attn_implementation": "paged|sdpa"})()
+
+    args = APPOConfig("out", **CPU)
+    with caplog.at_level(logging.INFO, logger="appo_trl.trainer.trl_compat"):
+        row_forward_where_tree_cannot(args, Model())
+    assert args.tree_forward is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "APPOTrainer: paged attention need(s) TRL's row-wise forward, so tree_forward is off."
+    ]

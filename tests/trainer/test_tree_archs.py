@@ -89,3 +89,26 @@ def test_flex_attention_takes_the_window_and_softcap(arch, monkeypatch, caplog):
         lt, et = tree(model, ids, mask, c)
     torch.testing.assert_close(lt, lr * mask_c, atol=TOL, rtol=0)
     torch.testing.assert_close(et, er * mask_c, atol=TOL, rtol=0)
+
+
+def tiny_gpt_oss(seed: int = 0):
+    from transformers import GptOssConfig, GptOssForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    config = GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                          num_experts_per_tok=2, max_position_embeddings=128, sliding_window=WINDOW,
+                          layer_types=["sliding_attention", "full_attention"], router_aux_loss_coef=0.01,
+                          attn_implementation="eager")  # fmt: skip
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(config).float()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(getattr(m, "sinks", None), torch.nn.Parameter):
+                m.sinks.normal_(0.0, 2.0)  # sinks that matter
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    return model
+
+
+def test_gpt_oss_attention_sinks_and_window_match_rowwise():
+    assert_exact(tiny_gpt_oss(), CASES["mixed"])

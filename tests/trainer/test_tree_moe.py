@@ -1,4 +1,4 @@
-"""The tree forward on a MoE model (tiny Qwen3-MoE, built locally): logps, entropies and the load-balancing loss
+"""The tree forward on MoE models (tiny Qwen3-MoE and GPT-OSS, built locally): logps, entropies and the load-balancing loss
 equal the row-wise forward's (TRL's `_get_per_token_logps_and_entropies` body) within 1e-5 in float32, in one
 trie, in several tries (a token budget) and over TRL's chunks (`batch_size`), and so do the gradients of the loss;
 each packed token's weight is the number of rows through it."""
@@ -12,6 +12,7 @@ import torch
 
 from appo_trl.trainer.tree import pack_rows, tree_logps_and_entropies
 from appo_trl.trainer.tree_attention import install_tree_attention
+from tests.trainer.test_tree_archs import tiny_gpt_oss
 from tests.trainer.test_tree_forward import CASES, TOL, batch
 
 ROWS = CASES["mixed"] + CASES["first"]
@@ -48,12 +49,13 @@ def rowwise(model, ids, mask, c, chunk):
 def router_grads(model, loss):
     model.zero_grad()
     loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None and "gate" in n}
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None and ("gate" in n or "router" in n)}
 
 
-@pytest.mark.parametrize("budget,chunk", [(10_000, 100), (14, 100), (10_000, 4)])
-def test_moe_aux_loss_equals_rowwise(budget, chunk):
-    model = tiny_moe()
+@pytest.mark.parametrize("arch,budget,chunk", [("qwen3_moe", 10_000, 100), ("qwen3_moe", 14, 100),
+                                               ("qwen3_moe", 10_000, 4), ("gpt_oss", 14, 4)])  # fmt: skip
+def test_moe_aux_loss_equals_rowwise(arch, budget, chunk):
+    model = tiny_moe() if arch == "qwen3_moe" else tiny_gpt_oss()
     ids, mask, c = batch(ROWS)
     mask_c = mask[:, -c:].float()
     lr, er, ar = rowwise(model, ids, mask, c, chunk)
