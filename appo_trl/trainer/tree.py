@@ -317,8 +317,8 @@ def moe_aux_loss(model, router_logits: list, weights: list, chunk_of: list) -> t
     losses = []
     for start in sorted(set(chunk_of)):
         tries = [n for n, c in enumerate(chunk_of) if c == start]
-        layers = [torch.cat([router_logits[n][l].reshape(-1, router_logits[n][l].size(-1)) for n in tries])
-                  for l in range(len(router_logits[tries[0]]))]  # fmt: skip
+        layers = [torch.cat([router_logits[n][layer].reshape(-1, router_logits[n][layer].size(-1)) for n in tries])
+                  for layer in range(len(router_logits[tries[0]]))]  # fmt: skip
         w = torch.cat([weights[n] for n in tries]).to(layers[0].device)[None]
         losses.append(load_balancing_loss_func(tuple(layers), experts, config.num_experts_per_tok, w))
     return torch.stack(losses).mean()

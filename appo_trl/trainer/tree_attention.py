@@ -208,11 +208,7 @@ def _torch_varlen_takes(window, softcap) -> bool:
 def _cuda_attention(module, query, key, value, layout, scaling, dropout, window=None, softcap=None):
     """PyTorch's varlen FlashAttention, else flash_attn's varlen, else FlexAttention; `None` when none serves (the
     caller runs the segment path)."""
-    if (
-        "torch_varlen" not in _FAILED
-        and _torch_varlen_serves(query, dropout)
-        and _torch_varlen_takes(window, softcap)
-    ):
+    if "torch_varlen" not in _FAILED and _torch_varlen_serves(query, dropout) and _torch_varlen_takes(window, softcap):
         out = _guarded("torch_varlen", torch_varlen_attention, _torch_varlen(), module, query, key, value, layout,
                        scaling, window)  # fmt: skip
         if out is not None:

@@ -30,7 +30,9 @@ def build(arch: str, tok):
     if arch == "cohere2":
         return tf.Cohere2ForCausalLM(tf.Cohere2Config(**SMALL, **ids, **window))
     if arch == "qwen3_moe":
-        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**SMALL, **ids, **moe, num_experts=4, moe_intermediate_size=16))
+        return tf.Qwen3MoeForCausalLM(
+            tf.Qwen3MoeConfig(**SMALL, **ids, **moe, num_experts=4, moe_intermediate_size=16)
+        )
     return tf.GptOssForCausalLM(tf.GptOssConfig(**SMALL, **ids, **moe, **window, num_local_experts=4))
 
 

@@ -25,7 +25,10 @@ def tiny_windowed(arch: str, attn: str = "sdpa", seed: int = 0):
                   num_key_value_heads=2, max_position_embeddings=128, attn_implementation=attn, head_dim=8,
                   sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
     if arch == "gemma2":  # soft-capping small enough to matter
-        config, cls = Gemma2Config(**common, attn_logit_softcapping=2.0, final_logit_softcapping=5.0), Gemma2ForCausalLM
+        config, cls = (
+            Gemma2Config(**common, attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
+            Gemma2ForCausalLM,
+        )
     else:
         config, cls = Cohere2Config(**common), Cohere2ForCausalLM
     torch.manual_seed(seed)

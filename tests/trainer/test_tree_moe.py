@@ -49,7 +49,9 @@ def rowwise(model, ids, mask, c, chunk):
 def router_grads(model, loss):
     model.zero_grad()
     loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None and ("gate" in n or "router" in n)}
+    return {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None and ("gate" in n or "router" in n)
+    }
 
 
 @pytest.mark.parametrize("arch,budget,chunk", [("qwen3_moe", 10_000, 100), ("qwen3_moe", 14, 100),
