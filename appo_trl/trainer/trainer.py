@@ -132,7 +132,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 "dump_rollouts needs appo-trl's rollout engine, but grpo without tools runs TRL's own sampler: "
                 "enable a tool (tools: [python]) or use TRL's log_completions instead."
             )
-        row_forward_where_tree_cannot(args, self.model, self.aux_loss_enabled)  # built config: TRL's forward
+        row_forward_where_tree_cannot(args, self.model)  # a model the tree cannot serve exactly: TRL's forward
         if args.tree_forward:
             self._setup_tree_forward()
         install_step_line(self)  # one readable console line per step; the trackers still get every metric
@@ -143,8 +143,6 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         """`tree_forward`: tree attention on the policy and the reference model (`appo_trl.trainer.tree_attention`)."""
         from appo_trl.trainer.tree_attention import install_tree_attention
 
-        if self.aux_loss_enabled:
-            raise ValueError("tree_forward=True cannot compute the MoE load-balancing loss; set tree_forward=False.")
         install_tree_attention(self.model)
         if self.ref_model is not None:
             install_tree_attention(self.ref_model)

@@ -21,8 +21,9 @@ the same trie.
 
 Exactness: a token's hidden state depends only on its own root-to-token path, which equals its row's prefix at the
 same positions (position ids are depths, i.e. what the sampler used); so the results equal the row-wise forward up
-to float summation order (float32: 1e-5, `tests/trainer/test_tree_forward.py`). Not supported (a clear error):
-multimodal inputs and MoE auxiliary losses.
+to float summation order (float32: 1e-5, `tests/trainer/test_tree_forward.py`). The MoE load-balancing loss is
+computed over the packed tokens, each weighted by the number of rows that share it (`moe_aux_loss`), which equals
+the row-wise loss. Not supported (a clear error): multimodal inputs.
 
 Costs paid once: the rows of a batch are packed once (`PACKS`, keyed on the rows' content, in any row order), so
 TRL's reference and old-logp passes (each of TRL's `batch_size` chunks packed on its own), APPO's scoring and the
@@ -70,6 +71,7 @@ class TreePack:
     flat_index: torch.Tensor  # (M,) row * C + column of each trained target
     source: torch.Tensor  # (M,) packed position whose prediction is that target
     unique_tokens: int
+    weights: torch.Tensor | None = None  # (N,) how many rows share each packed token (the MoE aux loss's weights)
 
 
 def row_spans(attention_mask: torch.Tensor) -> list[tuple[int, int]]:
@@ -96,6 +98,23 @@ def _segment_ancestry(cu_q: torch.Tensor, kv_index: torch.Tensor, cu_k: torch.Te
     for s in range(len(lengths)):
         anc[s, seg_id[kv_index[cu_k[s] : cu_k[s + 1]]]] = True
     return seg_id, anc
+
+
+def _row_weights(packed: dict, tokens: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
+    """How many of `rows` pass through each packed token: each row ends at a leaf segment whose root path carries
+    exactly its tokens, so a row adds 1 along that path."""
+    ids, kv, cu_k = packed["input_ids"], packed["tree_kv_index"], packed["tree_cu_seqlens_k"].tolist()
+    paths = {}
+    for s in range(len(cu_k) - 1):
+        path = kv[cu_k[s] : cu_k[s + 1]]
+        paths[ids[path].long().numpy().tobytes()] = path
+    weights = torch.zeros(ids.numel())
+    for i in rows:
+        path = paths.get(tokens[i].long().numpy().tobytes())
+        if path is None or path.numel() != tokens[i].numel():
+            raise RuntimeError(f"tree_forward: row {i} has no root-to-leaf path in its trie")
+        weights[path] += 1
+    return weights
 
 
 def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, token_budget: int):
@@ -146,7 +165,8 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
             "tree_seg_id": seg_id,
             "tree_seg_anc": seg_anc,
         }
-        packs.append(TreePack(inputs, flat_index, packed["token_index"], len(trie.tokens)))
+        weights = _row_weights(packed, tokens, rows)
+        packs.append(TreePack(inputs, flat_index, packed["token_index"], len(trie.tokens), weights))
     return packs
 
 
@@ -206,8 +226,10 @@ def tree_logps_and_entropies(
     autocast=contextlib.nullcontext,
     agree_forwards: Callable[[int], int] | None = None,
     batch_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, int]]:
-    """Per-token log-probs and entropies `(B, C)` through the tree forward, plus the token counts it forwarded.
+    compute_aux_loss: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """Per-token log-probs and entropies `(B, C)` through the tree forward, plus the token counts it forwarded (and,
+    with `compute_aux_loss`, `"aux_loss"`: the MoE load-balancing loss of the row-wise forward, `moe_aux_loss`).
 
     `autocast` makes one context per trie (e.g. `accelerator.autocast`). `model` must carry TRL's fused LM head
     (`add_fused_lm_head`) and tree attention (`install_tree_attention`). `agree_forwards(n)`: the number of forwards
@@ -218,11 +240,13 @@ def tree_logps_and_entropies(
     batch = input_ids.size(0)
     device = input_ids.device
     chunk = batch_size or batch or 1  # TRL's chunks: each packed (and cached) on its own
-    packs = []
+    packs, chunk_of = [], []
     for start in range(0, batch, chunk):
         rows = slice(start, start + chunk)
         for pack in PACKS.get(input_ids[rows], attention_mask[rows], logits_to_keep, token_budget):
             packs.append(replace(pack, flat_index=pack.flat_index + start * logits_to_keep) if start else pack)
+            chunk_of.append(start)
+    router_logits: list = []
     forwards = agree_forwards(len(packs)) if agree_forwards is not None else len(packs)
     if forwards < len(packs):
         raise RuntimeError(f"tree_forward: {forwards} agreed forwards for {len(packs)} tries")
@@ -231,9 +255,11 @@ def tree_logps_and_entropies(
         pack = packs[n] if n < len(packs) else padding_pack()
         inputs = {k: pack.inputs[k].to(device) for k in MODEL_INPUTS}
         layout = TreeLayout(pack.inputs, device)  # once per trie: every layer and the recomputation reuse it
-        with autocast(), tree_forward_active():
+        extra = {"output_router_logits": True} if compute_aux_loss else {}
+        hook = _router_logits_hook(model, router_logits) if compute_aux_loss else contextlib.nullcontext()
+        with autocast(), tree_forward_active(), hook:
             prepare_kernels(model, device)  # one-time kernel checks, outside the layers
-            out = model(**inputs, tree_layout=layout, fused_lm_head=True)
+            out = model(**inputs, tree_layout=layout, fused_lm_head=True, **extra)
         source = pack.source.to(device)
         if n >= len(packs):  # a padding forward: its finite log-prob times 0 joins the graph, adding exactly 0
             term = out.log_probs[0].index_select(0, source).sum() * 0
@@ -256,20 +282,57 @@ def tree_logps_and_entropies(
         "tries": len(packs),
         "padding_forwards": forwards - len(packs),
     }
+    if compute_aux_loss:
+        n = len(packs)
+        counts["aux_loss"] = moe_aux_loss(model, router_logits[:n], [p.weights for p in packs], chunk_of)
     out_logps = scatter(logps)
     if padding is not None:
         out_logps = out_logps + padding
     return out_logps, scatter(entropies) if compute_entropy else None, counts
 
 
+@contextlib.contextmanager
+def _router_logits_hook(model, into: list):
+    """Collect the backbone's `router_logits` of each forward (TRL's fused LM head does not return them)."""
+    while hasattr(model, "module"):  # DDP and friends
+        model = model.module
+    handle = model.get_decoder().register_forward_hook(lambda m, args, out: into.append(out.router_logits))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def moe_aux_loss(model, router_logits: list, weights: list, chunk_of: list) -> torch.Tensor:
+    """The load-balancing loss of the row-wise forward from the tries' router logits: TRL's function (Mixtral's)
+    with each packed token weighted by the number of rows that share it, over the tokens of each of TRL's chunks,
+    then the mean over chunks, as TRL averages them. The loss is a product of per-expert means over tokens, so
+    weighting each token by its row count gives the row-wise value exactly (up to float summation order)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    while hasattr(model, "module"):
+        model = model.module
+    config = model.config.get_text_config()
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    losses = []
+    for start in sorted(set(chunk_of)):
+        tries = [n for n, c in enumerate(chunk_of) if c == start]
+        layers = [torch.cat([router_logits[n][layer].reshape(-1, router_logits[n][layer].size(-1)) for n in tries])
+                  for layer in range(len(router_logits[tries[0]]))]  # fmt: skip
+        w = torch.cat([weights[n] for n in tries]).to(layers[0].device)[None]
+        losses.append(load_balancing_loss_func(tuple(layers), experts, config.num_experts_per_tok, w))
+    return torch.stack(losses).mean()
+
+
 def trainer_tree_forward(
-    trainer, model, input_ids, attention_mask, logits_to_keep, compute_entropy, batch_size=None, **kwargs
-):
+    trainer, model, input_ids, attention_mask, logits_to_keep, compute_entropy, batch_size=None,
+    compute_aux_loss=False, **kwargs,
+):  # fmt: skip
     """`APPOTrainer._get_per_token_logps_and_entropies` with `tree_forward`: TRL's return triple, and on the loss
     pass (gradients on) the metric `tree/tokens_ratio` = tokens forwarded / tokens of the row-wise forward."""
     unsupported = [k for k, v in kwargs.items() if v is not None and v is not False]
     if unsupported:
-        raise ValueError(f"tree_forward=True does not support {unsupported} (multimodal or MoE inputs).")
+        raise ValueError(f"tree_forward=True does not support {unsupported} (multimodal inputs).")
     logps, entropies, counts = tree_logps_and_entropies(
         model,
         input_ids,
@@ -280,8 +343,9 @@ def trainer_tree_forward(
         autocast=trainer.accelerator.autocast,  # a fresh context per trie
         agree_forwards=agree_forward_count(trainer),  # ZeRO-3 / FSDP outside a round: the maximum over ranks
         batch_size=batch_size,
+        compute_aux_loss=compute_aux_loss,
     )
     if torch.is_grad_enabled():
         mode = "train" if trainer.model.training else "eval"
         log_metric(trainer, mode, "tree/tokens_ratio", counts["tree_tokens"] / max(counts["row_tokens"], 1))
-    return logps, entropies, None
+    return logps, entropies, counts.get("aux_loss")

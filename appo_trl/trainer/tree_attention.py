@@ -32,8 +32,11 @@ Nothing is downloaded at run time (TRL's own `tree_attention` fetches a FlashAtt
 The CPU tests drive the CUDA dispatch with `_on_gpu` patched; `tests/trainer/test_tree_gpu.py` runs every kernel
 on a GPU.
 
-Not supported (an error, not a silent difference): sliding-window attention, attention logit soft-capping and
-`output_attentions` inside a tree forward.
+Sliding windows (per layer, from the layer's call): a token sees its ancestors fewer than `window` deep above it,
+in every kernel (the varlen kernels' left window counts path positions, which are depths: a path is contiguous in
+depth). Attention soft-capping follows the base: FlexAttention's `score_mod`, flash_attn's `softcap`, eager maths
+on the segment path; PyTorch's varlen kernel has none and is skipped for such a layer. Attention sinks (GPT-OSS's
+`s_aux`) run on the per-segment eager maths. Not supported (an error): `output_attentions` in a tree forward.
 """
 
 from __future__ import annotations
@@ -68,9 +71,10 @@ def _base_attention(base: str):
     return AttentionInterface._global_mapping[base]
 
 
-def _segment_attention(base, module, query, key, value, layout: TreeLayout, scaling, dropout):
+def _segment_attention(base, module, query, key, value, layout: TreeLayout, scaling, dropout, window, softcap,
+                       s_aux=None):  # fmt: skip
     fn = eager_attention if base in (None, "eager") else _base_attention("sdpa")
-    return segment_attention(fn, module, query, key, value, layout, scaling, dropout)
+    return segment_attention(fn, module, query, key, value, layout, scaling, dropout, window, softcap, s_aux)
 
 
 @functools.cache
@@ -190,18 +194,29 @@ def _guarded(name, fn, *args):
         return None
 
 
-def _cuda_attention(module, query, key, value, layout, scaling, dropout):
+def _torch_varlen_takes(window, softcap) -> bool:
+    """Whether PyTorch's varlen kernel takes this layer's sliding window and soft-capping (one log line if not)."""
+    if softcap:
+        _say(logging.INFO, "PyTorch's varlen FlashAttention has no soft-capping; trying the next kernel for it.")
+        return False
+    if window and "window_size" not in _torch_varlen()[1]:
+        _say(logging.INFO, "this PyTorch's varlen FlashAttention has no window_size; trying the next kernel.")
+        return False
+    return True
+
+
+def _cuda_attention(module, query, key, value, layout, scaling, dropout, window=None, softcap=None):
     """PyTorch's varlen FlashAttention, else flash_attn's varlen, else FlexAttention; `None` when none serves (the
     caller runs the segment path)."""
-    if "torch_varlen" not in _FAILED and _torch_varlen_serves(query, dropout):
+    if "torch_varlen" not in _FAILED and _torch_varlen_serves(query, dropout) and _torch_varlen_takes(window, softcap):
         out = _guarded("torch_varlen", torch_varlen_attention, _torch_varlen(), module, query, key, value, layout,
-                       scaling)  # fmt: skip
+                       scaling, window)  # fmt: skip
         if out is not None:
             return out
     flash = None if "flash_attn" in _FAILED else _flash_varlen()
     if flash is not None and query.dtype in HALF:
         out = _guarded("flash_attn", flash_varlen_attention, flash, module, query, key, value, layout, scaling,
-                       dropout)  # fmt: skip
+                       dropout, window, softcap)  # fmt: skip
         if out is not None:
             return out
     elif flash is not None:
@@ -216,7 +231,7 @@ def _cuda_attention(module, query, key, value, layout, scaling, dropout):
         _say_fallback("flash_attn is not installed and FlexAttention has no attention dropout")
         return None
     try:
-        out = flex_attention(flex, module, query, key, value, layout, scaling)
+        out = flex_attention(flex, module, query, key, value, layout, scaling, window, softcap)
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # compilation (first call) or the kernel failed: the segment path serves from now on
@@ -228,27 +243,36 @@ def _cuda_attention(module, query, key, value, layout, scaling, dropout):
 
 
 def tree_attention(base: str):
-    """The `AttentionInterface` function of `appo_tree:<base>`."""
+    """The `AttentionInterface` function of `appo_tree:<base>`. A layer's sliding window and soft-capping come
+    from its call (per layer: Gemma 2 alternates windowed and full layers); soft-capping is applied exactly where
+    the base applies it (transformers' SDPA ignores it, its eager and flash paths apply it)."""
     base_fn = _base_attention(base)
+    ignores_softcap = base == "sdpa"
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         layout = kwargs.get("tree_layout")
         if layout is None:
             return base_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        if getattr(module, "sliding_window", None) or kwargs.get("sliding_window"):
-            raise ValueError("tree_forward: sliding-window attention is not supported; set tree_forward=False.")
-        if kwargs.get("softcap") or getattr(module, "attn_logit_softcapping", None):
-            raise ValueError("tree_forward: attention soft-capping is not supported; set tree_forward=False.")
         if kwargs.get("output_attentions"):
             raise ValueError("tree_forward: output_attentions is not supported in a tree forward.")
+        window, softcap = layer_window(module, kwargs), (None if ignores_softcap else kwargs.get("softcap"))
+        s_aux = kwargs.get("s_aux")  # GPT-OSS's attention sinks: the segment path's eager maths only
         dropout = dropout if module.training else 0.0
-        if _on_gpu(query):
-            out = _cuda_attention(module, query, key, value, layout, scaling, dropout)
+        if _on_gpu(query) and s_aux is not None:
+            _say_fallback("attention sinks (GPT-OSS) run on the eager maths only", "the per-segment eager path")
+        elif _on_gpu(query):
+            out = _cuda_attention(module, query, key, value, layout, scaling, dropout, window, softcap)
             if out is not None:
                 return out
-        return _segment_attention(base, module, query, key, value, layout, scaling, dropout)
+        return _segment_attention(base, module, query, key, value, layout, scaling, dropout, window, softcap, s_aux)
 
     return attention
+
+
+def layer_window(module, kwargs) -> int | None:
+    """A layer's sliding window (tokens, counted in depth), from its call or its module; `None` when it has none."""
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    return int(window) if window else None
 
 
 def tree_mask(base: str):

@@ -10,11 +10,11 @@
   - the tool-call limit: TRL limits tool-calling *turns* (`max_tool_calling_iterations`, None = no limit) and
     runs every call of a turn, so `tool_call_limit` (calls, default 3) is None there and only TRL's turn limit
     applies (an `APPOConfig` the user wrote keeps `tool_call_limit`, checked alongside the turn limit).
-- `row_forward_where_tree_cannot(args, model, aux_loss_enabled)`: where appo-trl built the config (no `args`, or a
-  `GRPOConfig`), the user never chose `tree_forward`. A model the tree forward cannot serve (a MoE load-balancing
-  loss, which TRL turns on by default; sliding-window attention or attention soft-capping, e.g. Gemma 2, Cohere 2)
-  then trains with TRL's row-wise forward instead, with one log line naming why, so TRL's script runs unchanged.
-  An `APPOConfig` the user wrote keeps its `tree_forward`, and such a model is refused as before.
+- `row_forward_where_tree_cannot(args, model)`: the one place that decides whether the tree forward serves a model
+  exactly (`tree_forward_obstacles`). The tree forward computes sliding windows, soft-capping, attention sinks and
+  the MoE load-balancing loss; a model it still cannot serve (a paged attention implementation) trains with TRL's
+  row-wise forward instead, with one log line naming why, whatever config asked for `tree_forward`: a default never
+  refuses a model that TRL trains.
 
 What this does not do: build the model, or check anything else of the config (`APPOConfig.__post_init__` does).
 """
@@ -50,53 +50,38 @@ def grpo_to_appo(args: GRPOConfig) -> APPOConfig:
     return APPOConfig(**values)
 
 
-_BUILT = "_appo_built_from"  # set on the configs that resolve_args builds: "default" or "GRPOConfig"
-
-
 def resolve_args(model, args) -> APPOConfig:
     """The `APPOConfig` for `APPOTrainer(model, args=args)`: `args` itself, a default one, or a converted one."""
     if isinstance(args, APPOConfig):
         return args
     if args is None:
-        built, origin = APPOConfig(f"{_model_name(model)}-APPO"), "default"
+        built = APPOConfig(f"{_model_name(model)}-APPO")
     elif isinstance(args, GRPOConfig):
         logger.info(
             "APPOTrainer: converting the GRPOConfig field by field into an APPOConfig; that means "
             "rollout_strategy: grpo (use an APPOConfig for arpo, aepo or appo)."
         )
-        built, origin = grpo_to_appo(args), "GRPOConfig"
+        built = grpo_to_appo(args)
     else:
         raise TypeError(f"APPOTrainer: args must be an APPOConfig or a GRPOConfig, got {type(args).__name__}.")
-    setattr(built, _BUILT, origin)
     built.max_nan_reward_steps = 0  # TRL warns on all-None rewards and trains on; it never stops the run
     built.tool_call_limit = None  # TRL has no call limit: only max_tool_calling_iterations (turns) applies
     return built
 
 
-def tree_forward_obstacles(model, aux_loss_enabled: bool) -> list[str]:
-    """What of `model` the tree forward cannot compute (`appo_trl.trainer.tree_attention` refuses each)."""
-    found = ["the MoE load-balancing loss"] if aux_loss_enabled else []
-    modules = list(model.modules())
-    if any(getattr(m, "sliding_window", None) for m in modules):
-        found.append("sliding-window attention")
-    if any(getattr(m, "attn_logit_softcapping", None) for m in modules):
-        found.append("attention soft-capping")
+def tree_forward_obstacles(model) -> list[str]:
+    """What of `model` the tree forward cannot compute exactly (`appo_trl.trainer.tree_attention` refuses each)."""
+    found = []
+    if str(getattr(model.config, "_attn_implementation", None) or "").startswith("paged|"):
+        found.append("paged attention")  # `install_tree_attention` cannot wrap it
     return found
 
 
-def row_forward_where_tree_cannot(args: APPOConfig, model, aux_loss_enabled: bool) -> None:
-    """Turn `tree_forward` off for a model it cannot serve, only on a config appo-trl built (see module doc)."""
-    origin = getattr(args, _BUILT, None)
-    if not (args.tree_forward and origin is not None):
-        return
-    obstacles = tree_forward_obstacles(model, aux_loss_enabled)
+def row_forward_where_tree_cannot(args: APPOConfig, model) -> None:
+    """Turn `tree_forward` off, with one log line, for a model it cannot serve exactly (see module doc)."""
+    obstacles = tree_forward_obstacles(model) if args.tree_forward else []
     if obstacles:
-        logger.info(
-            "APPOTrainer: %s need(s) TRL's row-wise forward, so tree_forward is off (the %s config did not choose "
-            "it; an APPOConfig with tree_forward=True refuses this model).",
-            " and ".join(obstacles),
-            origin,
-        )
+        logger.info("APPOTrainer: %s need(s) TRL's row-wise forward, so tree_forward is off.", " and ".join(obstacles))
         args.tree_forward = False
 
 

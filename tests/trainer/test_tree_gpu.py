@@ -25,15 +25,26 @@ SERVES = {"torch_varlen": "torch_varlen_attention", "flash_attn": "flash_varlen_
           "flex": "flex_attention", "segment": "_segment_attention"}  # fmt: skip
 
 
-def model_and_rows(dtype, checkpointing):
-    """A random Qwen3 (head_dim 64, GQA 2:1, 2 layers) and a group of 8 rows: 4 roots with two tool-result spans
-    and 4 branches that copy a root up to one of them, then diverge (ARPO's shape), one shorter prompt row."""
+def model_and_rows(dtype, checkpointing, window=None):
+    """A random Qwen3 (head_dim 64, GQA 2:1, 2 layers; with `window`, a sliding first layer) and a group of 8 rows:
+    4 roots with two tool-result spans and 4 branches that copy a root up to one of them, then diverge (ARPO's
+    shape), one shorter prompt row."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
     config = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
                          attn_implementation="sdpa")  # fmt: skip
+    if window:
+        config = Qwen3Config(
+            **{
+                **config.to_dict(),
+                "use_sliding_window": True,
+                "sliding_window": window,
+                "max_window_layers": 0,
+                "layer_types": ["sliding_attention", "full_attention"],
+            }
+        )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).to(DEVICE, dtype)
     add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
@@ -110,11 +121,12 @@ def _assert_served(calls, kernel):
         assert ta._PROBED and all(why is None for why in ta._PROBED.values()), ta._PROBED
 
 
+@pytest.mark.parametrize("window", [None, 24], ids=["full", "window"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 @pytest.mark.parametrize("kernel", ["flex", "segment"])
-def test_float32_exact(kernel, checkpointing, only):
+def test_float32_exact(kernel, checkpointing, window, only):
     calls = only(kernel)
-    model, ids, mask, c = model_and_rows(torch.float32, checkpointing)
+    model, ids, mask, c = model_and_rows(torch.float32, checkpointing, window)
     lr, er, gr = run(model, ids, mask, c, tree=False)
     lt, et, gt = run(model, ids, mask, c, tree=True)
     _assert_served(calls, kernel)
@@ -131,11 +143,12 @@ def _rel(a: dict, b: dict) -> float:
     return float(num / sum((b[k] ** 2).sum() for k in b) ** 0.5)
 
 
+@pytest.mark.parametrize("window", [None, 24], ids=["full", "window"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_bfloat16_error_no_worse_than_rowwise(kernel, checkpointing, only):
+def test_bfloat16_error_no_worse_than_rowwise(kernel, checkpointing, window, only):
     calls = only(kernel)
-    model, ids, mask, c = model_and_rows(torch.float32, checkpointing)
+    model, ids, mask, c = model_and_rows(torch.float32, checkpointing, window)
     ref = run(model, ids, mask, c, tree=False)  # float32 row-wise: the reference
     model.to(torch.bfloat16)
     row = run(model, ids, mask, c, tree=False)

@@ -257,32 +257,35 @@ def tiny_moe_path(tiny_model_path, tmp_path_factory):
     return out
 
 
-def test_grpo_config_with_a_moe_policy_trains_row_wise_with_the_aux_loss(tmp_path, tiny_moe_path, caplog):
-    """TRL's script with a MoE model runs unchanged: the converted config did not choose tree_forward, so the
-    load-balancing loss (which the tree forward cannot compute) gets TRL's row-wise forward, logged once."""
+def test_grpo_config_with_a_moe_policy_trains_tree_wise_with_the_aux_loss(tmp_path, tiny_moe_path, caplog):
+    """TRL's script with a MoE model runs unchanged, now with the tree forward: the load-balancing loss is computed
+    over the packed tokens (each weighted by its rows; `tests/trainer/test_tree_moe.py` checks it equals row-wise)."""
     grpo = GRPOConfig(str(tmp_path), **CPU, num_generations=2, per_device_train_batch_size=2,
                       max_completion_length=4, max_steps=1)  # fmt: skip
     with caplog.at_level(logging.INFO, logger="appo_trl.trainer.trl_compat"):
         trainer = APPOTrainer(tiny_moe_path, reward_funcs=length_reward, args=grpo, train_dataset=dataset(2))
-    assert trainer.aux_loss_enabled and trainer.args.tree_forward is False
-    assert sum("tree_forward is off" in r.getMessage() for r in caplog.records) == 1
+    assert trainer.aux_loss_enabled and trainer.args.tree_forward is True
+    assert not any("tree_forward is off" in r.getMessage() for r in caplog.records)
     trainer.train()
     assert trainer.state.global_step == 1
     assert any("aux_loss" in h for h in trainer.state.log_history)
 
 
-def test_appo_config_tree_forward_with_a_moe_policy_is_refused(tmp_path, tiny_moe_path):
-    """An APPOConfig's tree_forward is the user's: with a MoE aux loss it is refused, never switched off."""
+def test_appo_config_tree_forward_with_a_moe_policy_trains(tmp_path, tiny_moe_path):
+    """An APPOConfig's tree_forward with a MoE aux loss is no longer refused: it trains, with the aux loss."""
     args = APPOConfig(str(tmp_path), **CPU, num_generations=2, per_device_train_batch_size=2,
                       max_completion_length=4, max_steps=1)  # fmt: skip
     assert args.tree_forward
-    with pytest.raises(ValueError, match="MoE load-balancing loss"):
-        APPOTrainer(tiny_moe_path, reward_funcs=length_reward, args=args, train_dataset=dataset(2))
+    trainer = APPOTrainer(tiny_moe_path, reward_funcs=length_reward, args=args, train_dataset=dataset(2))
+    assert trainer.args.tree_forward is True
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert any("aux_loss" in h for h in trainer.state.log_history)
 
 
-def test_grpo_config_with_a_sliding_window_policy_trains_row_wise(tmp_path, tiny_model_path, caplog):
-    """Sliding-window attention (Gemma 2, Cohere 2, Qwen with use_sliding_window) cannot run a tree forward; with a
-    converted GRPOConfig it trains with TRL's row-wise forward (it used to stop at the first forward)."""
+def test_grpo_config_with_a_sliding_window_policy_trains_tree_wise(tmp_path, tiny_model_path, caplog):
+    """Sliding-window attention (Gemma 2, Cohere 2, Qwen with use_sliding_window) runs in the tree forward (a token
+    sees its ancestors within the window, in depth); a converted GRPOConfig keeps tree_forward and trains."""
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
@@ -299,8 +302,8 @@ def test_grpo_config_with_a_sliding_window_policy_trains_row_wise(tmp_path, tiny
                       max_completion_length=4, max_steps=1)  # fmt: skip
     with caplog.at_level(logging.INFO, logger="appo_trl.trainer.trl_compat"):
         trainer = APPOTrainer(path, reward_funcs=length_reward, args=grpo, train_dataset=dataset(2))
-    assert trainer.args.tree_forward is False
-    assert any("sliding-window attention" in r.getMessage() for r in caplog.records)
+    assert trainer.args.tree_forward is True
+    assert not any("tree_forward is off" in r.getMessage() for r in caplog.records)
     trainer.train()
     assert trainer.state.global_step == 1
 
