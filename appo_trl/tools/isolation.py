@@ -281,6 +281,29 @@ def _started_after(pid: int, when: float) -> bool:
     return boot + ticks / os.sysconf("SC_CLK_TCK") > when + 1.0
 
 
+def stale_pid_entries(folder: str, pattern: re.Pattern) -> list[str]:
+    """The entries of `folder` whose name matches `pattern` (group 1: the pid of the process that made it) and
+    whose process is gone, or was reused by a process started after the entry last changed; never this process's."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    stale = []
+    for name in names:
+        match = pattern.match(name)
+        if not match or int(match.group(1)) == os.getpid():
+            continue
+        pid, path = int(match.group(1)), os.path.join(folder, name)
+        try:
+            changed = os.lstat(path).st_mtime
+        except OSError:
+            continue
+        if os.path.exists(f"/proc/{pid}") and not _started_after(pid, changed):
+            continue
+        stale.append(path)
+    return stale
+
+
 def remove_stale_cgroups(parent: str) -> list[str]:
     """Remove the `appo-sandbox-<pid>-<hex>` cgroups under `parent` that a killed trainer left behind.
 
@@ -288,21 +311,7 @@ def remove_stale_cgroups(parent: str) -> list[str]:
     directory was last changed (the pid was reused). A cgroup that still holds a process cannot be removed
     (the kernel refuses) and is left. Returns the removed directories (each logged)."""
     removed = []
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return removed
-    for name in names:
-        match = _SANDBOX_CGROUP.match(name)
-        if not match or int(match.group(1)) == os.getpid():
-            continue
-        pid, base = int(match.group(1)), os.path.join(parent, name)
-        try:
-            changed = os.stat(base).st_mtime
-        except OSError:
-            continue
-        if os.path.exists(f"/proc/{pid}") and not _started_after(pid, changed):
-            continue
+    for base in stale_pid_entries(parent, _SANDBOX_CGROUP):
         try:
             for child in os.listdir(base):
                 if child.isdigit() and os.path.isdir(os.path.join(base, child)):

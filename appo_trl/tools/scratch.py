@@ -15,7 +15,7 @@ import re
 import shutil
 import tempfile
 
-from appo_trl.tools.isolation import _started_after
+from appo_trl.tools.isolation import stale_pid_entries
 
 logger = logging.getLogger(__name__)
 _OWNED: list[str] = []
@@ -44,21 +44,7 @@ def remove_stale(kinds: tuple[str, ...] = KINDS, folder: str | None = None) -> l
     folder = folder or tempfile.gettempdir()
     pattern = re.compile(rf"^appo-(?:{'|'.join(map(re.escape, kinds))})-(\d+)-")
     removed = []
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return removed
-    for name in names:
-        match = pattern.match(name)
-        if not match or int(match.group(1)) == os.getpid():
-            continue
-        pid, path = int(match.group(1)), os.path.join(folder, name)
-        try:
-            changed = os.lstat(path).st_mtime
-        except OSError:
-            continue
-        if os.path.exists(f"/proc/{pid}") and not _started_after(pid, changed):
-            continue
+    for path in stale_pid_entries(folder, pattern):
         _remove(path)
         removed.append(path)
     if removed:
