@@ -159,7 +159,15 @@ def attach_stderr(pid: int | None = None) -> bool:
 
 
 def say(line: str) -> None:
-    """`line` and its newline on stderr in one write: the lines of ranks stopping together never run together."""
+    """`line` and its newline on stderr in one write: the lines of ranks stopping together never run together.
+    Progress bars still open (the run stopped inside one) are closed first, so the line starts a line of its own."""
+    try:
+        from tqdm import tqdm
+
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()
+    except Exception:  # noqa: BLE001 - a bar that cannot close must not hide the stop line
+        pass
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
 

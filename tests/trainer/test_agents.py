@@ -363,6 +363,7 @@ def test_ctrl_c_stops_agents_and_endpoint(tmp_path, tiny_chat_tokenizer, tiny_ch
     import signal
     import socket
 
+    before = set(threading.enumerate())  # threads other tests left behind are not this run's
     trainer, _ = make_trainer(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, stuck_agent, max_steps=1)
     agents = trainer.rounds.agents
     real_start, ports = agents._start, []
@@ -379,7 +380,8 @@ def test_ctrl_c_stops_agents_and_endpoint(tmp_path, tiny_chat_tokenizer, tiny_ch
     assert len(CANCELLED) == 4 and agents.endpoint is None
     with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", ports[0]), timeout=2):
         pass
-    assert not [t for t in threading.enumerate() if t.name.startswith(("appo-agent", "appo-rollout-loop"))]
+    left = [t for t in set(threading.enumerate()) - before if t.name.startswith(("appo-agent", "appo-rollout-loop"))]
+    assert not left
 
 
 def test_appo_branches_agent_runs_by_replay(tmp_path, tiny_chat_tokenizer, tiny_chat_model_path):
