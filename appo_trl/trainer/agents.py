@@ -18,9 +18,10 @@ distinct error's first line logged once) or, with `agent_errors: raise`, stops t
 without any request is an error naming it. `close()` (Ctrl-C included) cancels the async agents, ends every
 session and stops the endpoint, its loop and thread pool.
 
-Branching (appo) is by replay: the strategy samples through `AgentEngine`, whose `branch_many` re-runs the agent
-with the parent's recorded answers up to the branch call (`AgentSession.branch_call`). Not yet: arpo/aepo's
-in-loop branching with agents, background rounds (`max_staleness >= 1`).
+Branching is by replay, for every strategy whose class has `branches_by_replay`: the strategy samples through
+`AgentEngine`, chooses its points on the recorded runs (appo: after its forward; arpo/aepo: their hook at each fork
+point, `appo_trl.trainer.strategies.arpo_replay`), and `branch_many` re-runs the agent with the parent's recorded
+answers up to the branch call (`AgentSession.branch_call`). Not yet: background rounds (`max_staleness >= 1`).
 """
 
 from __future__ import annotations
@@ -73,12 +74,11 @@ def resolve_agent(args, agent, tool_dirs=(), *, tools=None, rollout_func=None, e
                             ("environment_factory", environment_factory)) if v]  # fmt: skip
     if clash:
         raise ValueError(f"agent {name}: the agent runs its own loop and tools; {', '.join(clash)} cannot be set too")
-    cls = args.strategy_class  # branches made after the runs (env_snapshots: appo) replay them; in-loop ones cannot
-    if cls.branches and not cls.env_snapshots and args.initial_rollouts != args.num_generations:
+    cls = args.strategy_class
+    if cls.branches and not cls.branches_by_replay and args.initial_rollouts != args.num_generations:
         raise ValueError(
-            f"agent {name} with rollout_strategy={args.rollout_strategy}: this strategy branches inside the tool "
-            f"loop, which an agent's own loop does not expose; set initial_rollouts={args.num_generations} "
-            "(= num_generations), or use appo (branching by replay) or grpo"
+            f"agent {name} with rollout_strategy={args.rollout_strategy}: this strategy cannot branch an agent's "
+            f"runs by replay; set initial_rollouts={args.num_generations} (= num_generations)"
         )
     if args.max_staleness >= 1:
         raise ValueError(f"agent {name}: background rounds (max_staleness >= 1) are not supported with an agent yet")
@@ -143,7 +143,7 @@ class AgentRounds:
         from appo_trl.rollout.types import SamplingParams
 
         params = SamplingParams(max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                                top_k=cfg.top_k, logprobs=cfg.entropy_topk if cfg.record_entropies else 0)  # fmt: skip
+                                top_k=cfg.top_k, logprobs=cfg.entropy_topk if self._entropies() else 0)  # fmt: skip
         self.endpoint = AgentEndpoint(
             engine.submit, lambda ids, p: engine.backend.generate(ids, p), renderer, params, cfg.max_model_len,
             model_name=self.model_name,
@@ -152,6 +152,11 @@ class AgentRounds:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="appo-agents", daemon=True)
         self._thread.start()
+
+    def _entropies(self) -> bool:
+        """Whether the runs record top-k sampler entropies (the engine's setting, or the strategy's branch rule)."""
+        args = self.trainer.args
+        return self.trainer.rollout_engine.config.record_entropies or args.strategy_class.needs_agent_entropies(args)
 
     @property
     def model_name(self) -> str:
@@ -261,11 +266,14 @@ class AgentRounds:
 class AgentEngine:
     """The rollout engine's interface (`run`, `rollout`, `branch_many`) over agent runs, for one round's strategy.
 
-    `rollout` runs the agent n times per prompt; `branch_many` re-runs it once per (parent row, position): the
-    branch's session answers the parent's calls before the branch call with the recorded answers while its requests
-    match token for token, and at the branch call the parent's tokens up to `position` then a fresh continuation
-    (`AgentSession.branch_call`). `counts` are the round's `agent/*` metrics.
+    `rollout` runs the agent n times per prompt (or `n[g]` times for prompt g); `branch_many` re-runs it once per
+    (parent row, position): the branch's session answers the parent's calls before the branch call with the recorded
+    answers while its requests match token for token, and at the branch call the parent's tokens up to `position`
+    then a fresh continuation (`AgentSession.branch_call`). `counts` are the round's `agent/*` metrics. `replays_branches` tells a strategy
+    that branches inside the loop to choose its points on the recorded runs instead.
     """
+
+    replays_branches = True
 
     def __init__(self, rounds: AgentRounds, inputs: list[dict], n: int, prompt_ids: list[list[int]]):
         self.rounds, self.inputs, self.n, self.prompt_ids = rounds, inputs, n, prompt_ids
@@ -273,15 +281,18 @@ class AgentEngine:
         self.counts = dict.fromkeys(("errors", "timeouts", "forks", "branches", "replay_divergence",
                                      "replayed_calls"), 0)  # fmt: skip
         self._sem: asyncio.Semaphore | None = None
+        self.config = rounds.trainer.rollout_engine.config  # entropy window, timing (strategies read them)
 
     def run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.rounds._loop).result()
 
-    async def rollout(self, prompts, n, *, seed: int, hook=None, group_size=None):
+    async def rollout(self, prompts, n, *, seed: int, hook=None, group_size=None, tree_seed=None):
         if hook is not None:
             raise RuntimeError("agent runs cannot branch inside the loop (no hook); branching is by replay")
-        rows = await self._gather([self._run(g, (g, j), seed) for g in range(len(prompts)) for j in range(n)])
-        return [rows[g * n : (g + 1) * n] for g in range(len(prompts))]
+        ns = [n] * len(prompts) if isinstance(n, int) else list(n)
+        rows = await self._gather([self._run(g, (g, j), seed) for g, k in enumerate(ns) for j in range(k)])
+        ends = [sum(ns[: g + 1]) for g in range(len(ns))]
+        return [rows[end - k : end] for k, end in zip(ns, ends)]
 
     async def branch_many(self, requests, *, seed: int, resample: bool = True):
         jobs = []

@@ -431,9 +431,6 @@ def test_replay_divergence_is_counted(tmp_path, tiny_chat_tokenizer, tiny_chat_m
 
 def test_what_an_agent_cannot_run_with_is_refused_before_the_model_loads(tmp_path):
     base = dict(output_dir=str(tmp_path), **CPU, num_generations=2, per_device_train_batch_size=4)
-    arpo = APPOConfig(**base, rollout_strategy="arpo", initial_rollouts=1)
-    with pytest.raises(ValueError, match="sdk_agent with rollout_strategy=arpo: this strategy branches inside"):
-        APPOTrainer(model="missing", args=arpo, train_dataset=prompts(), agent=sdk_agent)
     with pytest.raises(ValueError, match="sdk_agent: the agent runs its own loop and tools; tools cannot be set"):
         APPOTrainer(model="missing", args=APPOConfig(**base), train_dataset=prompts(), agent=sdk_agent, tools=[len])
     with pytest.raises(ValueError, match="either as APPOTrainer\\(agent=...\\) or APPOConfig\\(agent=...\\)"):

@@ -3,7 +3,8 @@
 One module per strategy (`grpo`, `arpo`, `aepo`, `appo`), each a `RolloutStrategy` subclass that declares its
 facts (default loss mode, branching, sampler entropies, environment snapshots, async under sharding, paper) and
 its part of the config validation. `STRATEGIES`: name -> class; `register_strategy` adds one, so a new strategy
-is one class (see `tests/trainer/test_fifth_strategy.py`). A strategy orchestrates the rollout engine
+is one class (see `tests/trainer/test_fifth_strategy.py`). `arpo_replay` applies ARPO / AEPO's in-loop rule to
+recorded runs (the user's agent, which branches by replay). A strategy orchestrates the rollout engine
 (`appo_trl.rollout`) and the maths of `appo_trl.algorithms`; it holds no trainer state across rounds.
 
 What this package does not do: tokenise prompts, gather across ranks, log, or compute losses (the trainer does).

@@ -55,15 +55,18 @@ class AEPOStrategy(ARPOStrategy):
         probes = self.engine.run(self.engine.rollout(prompt_ids, 1, seed=seed + 7919, tree_seed=seed))
         cfg = self.engine.config
         norm = math.log(len(self.trainer.processing_class_tokenizer)) if cfg.entropy_normalize else 1.0
+        window, replays = self.entropy_window(), getattr(self.engine, "replays_branches", False)
         counts, kept = [], []
         for (probe,) in probes:
             ents = probe.entropies or []
-            starts = [0] + sorted({c.end for c in probe.tool_calls})  # the calls of one chat turn share `end`
+            # the calls of one chat turn share `end`; an agent's run records no calls: its results end at its fork points
+            ends = [p.position for p in window.fork_points(probe)] if replays else {c.end for c in probe.tool_calls}
+            starts = [0] + sorted(ends)
             seg = [
                 window_entropy(ents[s:], cfg.entropy_window, cfg.entropy_reduce, norm) for s in starts if s < len(ents)
             ]
             h_tool = sum(seg) / len(seg) if seg else math.nan
-            h_root = probe.meta.get("root_entropy", math.nan)
+            h_root = window.root(probe)
             if math.isnan(h_root) or math.isnan(h_tool):  # no entropies recorded: the configured budget
                 k = a.initial_rollouts
             else:

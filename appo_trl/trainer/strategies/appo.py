@@ -38,6 +38,7 @@ class APPOStrategy(RolloutStrategy):
     default_loss_mode = "future_kl"
     drops_branch_rows = True
     env_snapshots = True  # branches start from a prefix after the parent has finished
+    branches_by_replay = True  # agent runs: points on the recorded runs, branches replay them
     # the branch-selection forward would run on a background thread, gathering shards beside the trainer's collectives
     async_under_sharding = False
     no_tool_calls_note = " APPO still branches at high-entropy tokens, but no branch follows a tool result."

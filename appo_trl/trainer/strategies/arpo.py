@@ -1,7 +1,9 @@
 """`arpo`: `initial_rollouts` roots per prompt, entropy-driven branching after tool results inside the tool loop.
 
 The engine calls `BranchHook` after every tool result; forks and refills bring each group to exactly n rows, and
-every row reaches the loss. AEPO (`appo_trl.trainer.strategies.aepo`) is this loop with its penalty and budget.
+every row reaches the loss. The user's agent runs its own loop: the same hook then decides on the recorded runs,
+and forks re-run the agent by replay (`appo_trl.trainer.strategies.arpo_replay`). AEPO
+(`appo_trl.trainer.strategies.aepo`) is this loop with its penalty and budget.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ class ARPOStrategy(RolloutStrategy):
         "}",
     }
     penalty = False
+    branches_by_replay = True
     metric_keys = (
         "branch/points_per_prompt",
         "branch/initial_per_prompt",
@@ -117,6 +120,16 @@ class ARPOStrategy(RolloutStrategy):
         "branch/probability_mean",
         "branch/refill_per_prompt",
     )
+
+    @classmethod
+    def needs_agent_entropies(cls, args) -> bool:
+        return True  # the rule reads the sampler entropies of the recorded runs (the engine records them with a hook)
+
+    def entropy_window(self):
+        """The engine's window entropy over recorded rows (for fork points and budgets measured after the runs)."""
+        from appo_trl.trainer.strategies.arpo_replay import EntropyWindow
+
+        return EntropyWindow(self.engine.config, len(self.trainer.processing_class_tokenizer))
 
     def initial_counts(self, prompt_ids, n, seed) -> tuple[list[int], list[list[Any]]]:
         """Roots per prompt and trajectories already sampled for each group (none for ARPO)."""
@@ -126,7 +139,12 @@ class ARPOStrategy(RolloutStrategy):
         counts, kept = self.initial_counts(prompt_ids, n, seed)
         hook = BranchHook(self.args, seed, self.penalty)
         sizes = [n - len(k) for k in kept]
-        groups = self.engine.run(self.engine.rollout(prompt_ids, counts, seed=seed, hook=hook, group_size=sizes))
+        if getattr(self.engine, "replays_branches", False):  # the user's agent: the rule on its recorded runs
+            from appo_trl.trainer.strategies.arpo_replay import branch_after_runs
+
+            groups = branch_after_runs(self.engine, hook, prompt_ids, counts, sizes, seed, self.entropy_window())
+        else:
+            groups = self.engine.run(self.engine.rollout(prompt_ids, counts, seed=seed, hook=hook, group_size=sizes))
         groups = [list(k) + list(g) for k, g in zip(kept, groups)]
         rows = [t for g in groups for t in g]
         origin = [t.meta.get("origin", "root") for t in rows]

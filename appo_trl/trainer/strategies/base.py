@@ -51,6 +51,9 @@ class RolloutStrategy:
         drops_branch_rows: branch rows leave the batch before the loss (only initial rollouts are optimised).
         env_snapshots: branches start after their parent has moved on, so environments keep a snapshot after
             every call (`appo_trl.rollout.environments.RoundEnvironments(snapshots=...)`).
+        branches_by_replay: the strategy also branches the user's agent runs: it chooses its points on the recorded
+            runs and re-runs the agent by replay (`AgentEngine.branch_many`); without it, agents need
+            initial_rollouts == num_generations.
         async_under_sharding: background rounds (max_staleness >= 1) may run under DeepSpeed / FSDP.
         options: config switches only this strategy reads (refused under another strategy).
         paper: the method's paper for the model card (name, title, arXiv id, BibTeX), `card_title` its line.
@@ -62,6 +65,7 @@ class RolloutStrategy:
     branches: ClassVar[bool] = True
     drops_branch_rows: ClassVar[bool] = False
     env_snapshots: ClassVar[bool] = False
+    branches_by_replay: ClassVar[bool] = False
     async_under_sharding: ClassVar[bool] = True
     options: ClassVar[tuple[str, ...]] = ()
     paper: ClassVar[dict[str, str] | None] = None
@@ -86,6 +90,11 @@ class RolloutStrategy:
     def needs_sampler_entropies(cls, args) -> bool:
         """Whether the rollout engine must record top-k sampler entropies for this strategy under `args`."""
         return False
+
+    @classmethod
+    def needs_agent_entropies(cls, args) -> bool:
+        """Whether the user's agent runs must record top-k sampler entropies (its branch rule reads them)."""
+        return cls.needs_sampler_entropies(args)
 
     @classmethod
     def validate(cls, config) -> None:
