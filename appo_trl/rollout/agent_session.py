@@ -160,7 +160,7 @@ class AgentSession:
     def fork_rows(self) -> list[Trajectory]:
         """The run's other rows: each chain besides `row` that holds a sampled answer, in order. A branch's chains
         made only of replayed answers are copies of its parent's chains (the parent's rows already), so not rows."""
-        sampled = {call["chain"] for call in self.calls if not call["replayed"]}
+        sampled = {call["chain"] for call in self.calls if call["ids"] and not call["replayed"]}
         row = self.row
         return [chain for i, chain in enumerate(self.chains) if i in sampled and chain is not row]
 
