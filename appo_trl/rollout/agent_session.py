@@ -8,13 +8,15 @@ built from ids, never from the model's text:
   same tools. The prompt is the chain's recorded ids (prompt + every token so far) plus the new messages rendered
   by the chat template after the end of the assistant turn (mask 0, logprob NaN).
 - **fork**: anything else (the agent dropped, edited or compacted its history, or changed its tools). A new chain
-  starts on the template's rendering of the whole request; the earlier chains stay in `chains`.
+  starts on the template's rendering of the whole request; the earlier chains stay in `chains`, and each one that
+  holds a sampled answer is a training row of the run too (`fork_rows`).
 
 - **replay** (a branch of a recorded run, `Replay`): each call before the branch call is answered with the parent's
   recorded answer while the ids it would sample on equal the parent's; the branch call answers the parent's tokens up
   to the branch point plus a continuation sampled on exactly that prefix; a mismatch ends the replay (`diverged`).
 
-Each chain is one `Trajectory` (prompt, completion, mask, logprobs: the row invariants of the rollout layer). Tool
+Each chain is one `Trajectory` (prompt, completion, mask, logprobs: the row invariants of the rollout layer); `row`
+is the run's row (the last chain; a branch's: the chain of its branch call), `fork_rows` its other sampled chains. Tool
 calls in the sampled text are parsed with the template's tool-call format (`ChatToolFormat`) and returned as
 `message.tool_calls`. Sampling settings are the caller's (`SamplingParams` from the trainer), never the request's.
 What it does not do: serve HTTP (`appo_trl.rollout.agent_endpoint`), run agents or score (the trainer).
@@ -145,12 +147,22 @@ class AgentSession:
         self.calls: list[dict] = []  # every answered request: the ids it sampled on, its answer, where it went
         self.replay: Replay | None = None
         self.replayed, self.diverged = 0, False
+        self.branch_chain: int | None = None  # a branch: the chain that holds its branch call
         self._lock: asyncio.Lock | None = None
 
     @property
     def row(self) -> Trajectory | None:
-        """The training row of this run: its last chain (None when the agent made no request)."""
+        """The run's row: its last chain, or a branch's chain of the branch call (None: the agent made no request)."""
+        if self.branch_chain is not None:
+            return self.chains[self.branch_chain]
         return self.chains[-1] if self.chains else None
+
+    def fork_rows(self) -> list[Trajectory]:
+        """The run's other rows: each chain besides `row` that holds a sampled answer, in order. A branch's chains
+        made only of replayed answers are copies of its parent's chains (the parent's rows already), so not rows."""
+        sampled = {call["chain"] for call in self.calls if call["ids"] and not call["replayed"]}
+        row = self.row
+        return [chain for i, chain in enumerate(self.chains) if i in sampled and chain is not row]
 
     def completion_messages(self) -> list[dict]:
         """The last chain's conversation after its prompt: assistant, tool/user, ..., assistant (TRL's shape)."""
@@ -174,7 +186,7 @@ class AgentSession:
         check_tool_choice(request.get("tool_choice"))
         tools_key = json.dumps(tools, sort_keys=True)
         norm = [normalise(m) for m in messages]
-        chain = self.row
+        chain = self.chains[-1] if self.chains else None
         extends = (chain is not None and tools_key == self._tools_key and len(norm) > len(self._history)
                    and norm[: len(self._history)] == self._history)  # fmt: skip
         if extends:
@@ -225,12 +237,12 @@ class AgentSession:
         if rec is not None and k < self.replay.branch_call:  # before the branch call: the recorded answer
             self.requests += 1
             seg = Segment(list(rec["ids"]), list(rec["logprobs"]), None, rec["finish"])
-            return self._record(chain, full, seg, request, rec["entropies"])
+            return self._record(chain, full, seg, request, rec["entropies"], replayed=True)
         cut = self.replay.cut if rec is not None else 0
         prefix, prefix_lps = (rec["ids"][:cut], rec["logprobs"][:cut]) if rec is not None else ([], [])
         prefix_ents = rec["entropies"][:cut] if rec is not None and rec["entropies"] is not None else None
         if rec is not None:  # the branch call: the parent's tokens up to the branch point, then a fresh continuation
-            self.replay = None
+            self.replay, self.branch_chain = None, len(self.chains) - 1
             room, asked = room - len(prefix), (int(asked) - len(prefix) if asked else None)
             if room < 1 or (asked is not None and asked < 1):
                 self.requests += 1
@@ -258,23 +270,24 @@ class AgentSession:
         return self._record(chain, full, seg, request, ents)
 
     def _record(self, chain: Trajectory, prompt: list[int], seg: Segment, request: dict,
-                entropies: list[float] | None = None) -> dict:  # fmt: skip
+                entropies: list[float] | None = None, replayed: bool = False) -> dict:  # fmt: skip
         """Note the answered call (for replays) and append its ids to the chain (mask 1, their logprobs)."""
         if chain.entropies is not None and entropies is None:
             entropies = [math.nan] * len(seg.token_ids)
         self.calls.append({"prompt": prompt, "ids": list(seg.token_ids), "logprobs": list(seg.logprobs),
                            "entropies": entropies, "finish": seg.finish_reason, "chain": len(self.chains) - 1,
-                           "start": len(chain.completion_ids)})  # fmt: skip
+                           "start": len(chain.completion_ids), "replayed": replayed})  # fmt: skip
         chain.append(list(seg.token_ids), 1, list(seg.logprobs), entropies if chain.entropies is not None else None)
         chain.finish_reason = seg.finish_reason
         return self._answer(list(seg.token_ids), seg.finish_reason, request, chain, seg.logprobs)
 
     def branch_call(self, position: int, resample: bool = True) -> Replay:
-        """How a branch of this run at `position` of its row replays it: the call whose answer holds `position`,
-        and how many of that answer's tokens the branch keeps (`resample`: the token at `position` is sampled anew)."""
-        last = len(self.chains) - 1
+        """How a branch of this run at `position` of its row (`row`, one chain) replays it: the call whose answer holds
+        `position`, and how many of that answer's tokens the branch keeps (`resample`: the token at `position` is
+        sampled anew). The calls before it, in this chain and in earlier chains, are answered as recorded."""
+        at = next((i for i, chain in enumerate(self.chains) if chain is self.row), None)
         for k, call in enumerate(self.calls):
-            if call["chain"] == last and call["start"] <= position < call["start"] + len(call["ids"]):
+            if call["chain"] == at and call["start"] <= position < call["start"] + len(call["ids"]):
                 return Replay(self.calls, k, position - call["start"] + (0 if resample else 1))
         raise ValueError(f"position {position} is not in a sampled answer of this run's row")
 

@@ -7,11 +7,12 @@ score the captured conversation (TRL's signature: `prompts`, `completions` as me
 `AgentRounds.generate` runs `num_generations` agent runs per prompt (sync agents on a thread pool, async ones on an
 event loop of their own, at most `rollout_concurrency` at a time) and turns each run into one row of its group.
 
-Rows: each run's row is its last chain of exact ids (`AgentSession.row`). A run that forked (its agent rewrote its
-history) keeps its earlier chains out of the batch, counted in `agent/forks`, so that exactly `num_generations`
-rows per prompt reach the reward step. Rewards: the agent's number reaches TRL as the `agent_reward` column of
-the reward function `agent_reward` (first in `reward_funcs`); where it is set, the other reward functions' values
-are ignored (`agent_rewards_override`), so a row is never scored twice.
+Rows: TRL scores one row per run (`AgentSession.row`: its last chain of exact ids; a branch's: the chain of its
+branch call), so rewards and group statistics are over runs. A run whose agent rewrote its history (`agent/forks`)
+also trains on its other sampled chains (`row.meta["forks"]`, `agent/fork_rows`), appended with the run's reward and
+advantage after TRL's scoring (`appo_trl.trainer.forks`). Rewards: the agent's number reaches TRL as the
+`agent_reward` column of the reward function `agent_reward` (first in `reward_funcs`); where it is set, the other
+reward functions' values are ignored (`agent_rewards_override`), so a row is never scored twice.
 
 Faults: an agent that raises or runs past `agent_timeout_s` gets reward 0 (`agent/errors`, `agent/timeouts`; each
 distinct error's first line logged once) or, with `agent_errors: raise`, stops the run; an agent that returns
@@ -278,7 +279,7 @@ class AgentEngine:
     def __init__(self, rounds: AgentRounds, inputs: list[dict], n: int, prompt_ids: list[list[int]]):
         self.rounds, self.inputs, self.n, self.prompt_ids = rounds, inputs, n, prompt_ids
         self.sessions: dict[str, object] = {}  # row uid -> its run's session (branches replay it)
-        self.counts = dict.fromkeys(("errors", "timeouts", "forks", "branches", "replay_divergence",
+        self.counts = dict.fromkeys(("errors", "timeouts", "forks", "fork_rows", "branches", "replay_divergence",
                                      "replayed_calls"), 0)  # fmt: skip
         self._sem: asyncio.Semaphore | None = None
         self.config = rounds.trainer.rollout_engine.config  # entropy window, timing (strategies read them)
@@ -334,8 +335,14 @@ class AgentEngine:
         c["errors"] += error is not None
         c["timeouts"] += error is not None and error.startswith("timed out")
         c["forks"] += max(len(session.chains) - 1, 0)
+        reward = 0.0 if error is not None else value
+        forks = session.fork_rows() if session.row is not None else []
+        for fork in forks:  # the run's earlier (or, in a branch, later) chains: rows of their own, same reward
+            fork.group = g
+            fork.meta.update(agent_reward=reward, origin="fork", run=row.uid)
+        c["fork_rows"] += len(forks)
         row.group = g
-        row.meta.update(agent_reward=0.0 if error is not None else value,
+        row.meta.update(agent_reward=reward, forks=forks, origin="root",  # "fork" is a branch point to arpo's rows
                         messages=session.completion_messages() or [{"role": "assistant", "content": ""}])  # fmt: skip
         if parent is not None:
             c["branches"] += 1

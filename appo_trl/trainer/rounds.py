@@ -24,6 +24,7 @@ from appo_trl.trainer import trl_seams
 from appo_trl.trainer.agents import AgentRounds
 from appo_trl.trainer.async_rounds import build_async_rounds, split_cpu_threads
 from appo_trl.trainer.environments import generate_with_environments, share_group_tasks
+from appo_trl.trainer.forks import add_fork_rows
 from appo_trl.trainer.rows import select_rows
 from appo_trl.trainer.setup import build_rollout_engine
 from appo_trl.trainer.sharded import full_weights_for_round
@@ -309,8 +310,9 @@ class RoundRunner:
         return lambda: strategy.generate(unique, n, seed)
 
     def finish(self, rnd: Round, out: dict) -> dict:
-        """TRL's scored batch, then the strategy's advantages and without the rows that must not reach the loss (with
-        `num_items_in_batch` the global mask sum of the remaining rows). TRL's own sampler: unchanged."""
+        """TRL's scored batch, then the strategy's advantages, an agent's forked rows (`forks.add_fork_rows`) and without
+        the rows that must not reach the loss (with `num_items_in_batch` the global mask sum of the remaining rows).
+        TRL's own sampler: unchanged."""
         t, batch = self.trainer, rnd.batch
         if batch is None:
             return out
@@ -322,9 +324,11 @@ class RoundRunner:
         out["advantages"] = strategy.advantages(batch, rewards, out["advantages"], out["completion_ids"].size(1))
         if rnd.mode == "train" and t.args.dump_rollouts:  # sample groups for `appo rollouts OUTPUT_DIR`
             dump_round(t, rnd.inputs, batch, rewards, out)
-        if not all(batch.keep):
-            keep = torch.tensor([i for i, k in enumerate(batch.keep) if k], dtype=torch.long)
-            out = select_rows(out, keep, num_rows)
+        keep = list(batch.keep)
+        if self.agents is not None:  # each run's forked rows join it, after the advantages over runs
+            out, keep = add_fork_rows(t, out, batch.rows, keep)
+        if self.agents is not None or not all(keep):  # (agents: every rank, whatever its forks)
+            out = select_rows(out, torch.tensor([i for i, k in enumerate(keep) if k], dtype=torch.long), len(keep))
             mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]
             out["num_items_in_batch"] = t.accelerator.gather(mask.sum()).sum()
         return out

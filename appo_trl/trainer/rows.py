@@ -1,4 +1,5 @@
-"""Small tensor helpers shared by the trainer modules (padding ragged rows, selecting rows of TRL's batch dict)."""
+"""Small tensor helpers shared by the trainer modules (padding ragged rows, selecting and splitting rows of TRL's batch
+dict)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,20 @@ def select_rows(batch: dict, index: torch.Tensor, num_rows: int) -> dict:
         else:
             out[key] = value
     return out
+
+
+def split_rows(batch: dict, num_chunks: int) -> list[dict]:
+    """TRL's `split_tensor_dict` without dropping rows: when the row count is not a multiple of `num_chunks` (an
+    agent's forked rows), the first chunks hold one row more. 0-dim tensors and `None` go to every chunk."""
+    rows = len(next(v for v in batch.values() if v is not None and not (isinstance(v, torch.Tensor) and v.ndim == 0)))
+    size, extra = divmod(rows, num_chunks)
+    chunks, start = [], 0
+    for i in range(num_chunks):
+        end = start + size + (i < extra)
+        chunks.append({k: v if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0) else v[start:end]
+                       for k, v in batch.items()})  # fmt: skip
+        start = end
+    return chunks
 
 
 def group_permutation(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.environments import check_environments
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.rounds import RoundRunner
-from appo_trl.trainer.rows import group_permutation, pad_rows, permute_rows
+from appo_trl.trainer.rows import group_permutation, pad_rows, permute_rows, split_rows
 from appo_trl.trainer.setup import resolve_reward_funcs, resolve_startup_plan, setup_chat_tools
 from appo_trl.trainer.weight_sync import prepare_vllm_server
 
@@ -259,16 +259,20 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     def _prepare_inputs(self, generation_batch):
         """TRL's, but with `tree_forward` a generation batch is shuffled by groups, not rows, before it is split
-        into micro-batches (`rows.group_permutation`), so that a group's rows share their prompt in one forward."""
-        if not (self.args.tree_forward and self.model.training):
+        into micro-batches (`rows.group_permutation`), so that a group's rows share their prompt in one forward; and
+        no row is dropped when their count is not a multiple of `steps_per_generation` (an agent's forked rows)."""
+        agent = getattr(self, "agent", None) is not None
+        if not ((self.args.tree_forward or agent) and self.model.training):
             return super()._prepare_inputs(generation_batch)
-        from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
+        from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
 
         def make_batches():
             batch = self._generate_and_score_completions(generation_batch)
             batch = split_pixel_values_by_grid(batch)
-            batch = permute_rows(batch, group_permutation(batch["prompt_ids"], batch["prompt_mask"]))
-            return [unsplit_pixel_values_by_grid(b) for b in split_tensor_dict(batch, self.args.steps_per_generation)]
+            ids, mask = batch["prompt_ids"], batch["prompt_mask"]
+            order = group_permutation(ids, mask) if self.args.tree_forward else torch.randperm(len(ids))
+            batch = permute_rows(batch, order)
+            return [unsplit_pixel_values_by_grid(b) for b in split_rows(batch, self.args.steps_per_generation)]
 
         return trl_seams.buffered_generation(self, make_batches)[self._step % self.args.steps_per_generation]
 
