@@ -615,7 +615,7 @@ def test_two_calls_per_turn_run_in_call_order_and_branches_fork_the_right_state(
         assert envs[rows.index(parent)].history[:k] == state
 
 
-class SlowCounter(Counter):
+class StuckCounter(Counter):
     """A counter whose `add` hangs until the test ends."""
 
     release = threading.Event()
@@ -631,8 +631,8 @@ class SlowCounter(Counter):
 
 
 def test_environment_methods_take_tool_config_deadlines_and_are_abandoned(tmp_path, tiny_chat_model_path, tok):
-    SlowCounter.release.clear()
-    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, "grpo", factory=SlowCounter,
+    StuckCounter.release.clear()
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, "grpo", factory=StuckCounter,
                            tool_config={"add": {"timeout": 0.3}}, tool_call_limit=1)  # fmt: skip
     trainer.rollout_engine.backend = CounterPolicy(tok)
     seen = capture_rows(trainer)
@@ -640,7 +640,7 @@ def test_environment_methods_take_tool_config_deadlines_and_are_abandoned(tmp_pa
     try:
         trainer.train()
     finally:
-        SlowCounter.release.set()
+        StuckCounter.release.set()
     assert time.monotonic() - start < 30
     [(rows, _)] = seen
     assert all(c.result == "Error: Tool(add) timed out after 0.3 seconds." for t in rows for c in t.tool_calls)
