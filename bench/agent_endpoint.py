@@ -2,19 +2,21 @@
 share of replayed calls that match token for token when branches re-run a deterministic agent.
 
 The stack of `APPOTrainer(agent=...)` with `vllm_mode: server`: the fake vLLM server (`bench/fake_vllm.py`) in its own
-process, as `vllm serve` is, whose scripted model answers every turn with one tool call (27 tokens + EOS) at
-`--step-ms` per token; a `RolloutEngine` over `VLLMServerBackend`; `AgentEndpoint` in front of it. `--trajectories`
+process, as `vllm serve` is, whose scripted model answers every turn with some words and one tool call (about 68
+tokens, lengths drawn per call) at `--step-ms` per token; a `RolloutEngine` over `VLLMServerBackend`; `AgentEndpoint` in front of it. `--trajectories`
 agents run at once (default 64), each with its own `httpx.AsyncClient` (the client of the `openai` SDK, one per run),
 `--turns` calls each: the question, then every answer sent back with its `tool` result, as an SDK tool loop does.
 Added latency per call = the agent's round trip - the engine's own call for that request (`VLLMServerBackend.generate`
 on the engine's loop, its HTTP to the fake server included). `--client process` (default): the agents run in their
 own interpreter (sandboxes, subprocesses); `thread`: they share the trainer's (their CPU then competes with the
-endpoint's). `--step-ms 10,2.5,0.75` runs one setting per value (a saturation curve: calls per second offered grow as
-the engine's call shrinks). The run ends with replay: `--branches` per agent run re-run the agent as
+endpoint's). `--step-ms 20,10,5,2.5` runs one setting per value (a saturation curve: the calls per second offered
+grow as the engine's call shrinks; 10 ms per token, a 0.7 s call, is a mid-size model's decode on a busy GPU).
+Also reported per setting: the hop to the engine's loop and back (`hop_ms`), the handler's own time, the trainer
+process's CPU per call (engine and endpoint) and the 1-minute load average. The run ends with replay: `--branches` per agent run re-run the agent as
 `AgentEngine.branch_many` does (`AgentSession.branch_call`, recorded answers before the branch call); the figure is
 the share of the calls up to each branch call that matched the parent's prompt ids exactly (goal 100 %).
 
-    python bench/agent_endpoint.py                  # 64 trajectories x 4 turns at 10, 2.5 and 0.75 ms per token
+    python bench/agent_endpoint.py                  # 64 trajectories x 4 turns at 20, 10, 5 and 2.5 ms per token
     python bench/agent_endpoint.py --quick          # 16 x 3 at 2 ms per token, 1 branch per run
     python bench/agent_endpoint.py --client thread --step-ms 10
 """
@@ -52,11 +54,13 @@ def make_script(tok):
 
     def script(ctx, rng):
         n = ctx.count(start)
-        call = '<tool_call>{"name": "multiply", "arguments": {"a": %d, "b": 7}}</tool_call>' % (n % 10)
+        args = json.dumps({"a": n % 10, "b": 7})
+        call = f'<tool_call>{{"name": "multiply", "arguments": {args}}}</tool_call>'
         filler = [words[i % len(words)] for i in range(int(FILLER * math.exp(rng.gauss(0.0, 0.5))))]
-        answer = filler + tok(call, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        done = 1 + ctx[::-1].index(start) - header
-        return answer[max(done, 0) :]
+        call_ids = tok(call, add_special_tokens=False)["input_ids"]
+        answer = filler + call_ids + [tok.eos_token_id]
+        done = max(1 + ctx[::-1].index(start) - header, 0)
+        return answer[done:] if done < len(answer) else answer[-len(call_ids) - 1 :]
 
     return script
 
@@ -112,7 +116,10 @@ async def run_agents(urls: list[str], turns: int) -> list[list[float]]:
 
 
 def agents_process(urls: list[str], turns: int) -> list[list[float]]:
-    return asyncio.run(run_agents(urls, turns))
+    try:
+        return asyncio.run(run_agents(urls, turns))
+    except Exception as exc:  # as a plain error: the pool cannot hand back one that does not unpickle (httpx's)
+        raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -148,11 +155,20 @@ class Bench:
 
     def run(self, urls: list[str], turns: int) -> list[list[float]]:
         if self.client == "process":
-            return self.pool.apply(agents_process, (urls, turns))
+            return self.pool.apply_async(agents_process, (urls, turns)).get(timeout=600)
         out = []  # on their own thread and loop, as `AgentRounds` runs async agents
-        thread = threading.Thread(target=lambda: out.append(asyncio.run(run_agents(urls, turns))))
+
+        def target():
+            try:
+                out.append(asyncio.run(run_agents(urls, turns)))
+            except Exception as exc:  # noqa: BLE001 - raised below, on the caller's thread
+                out.append(exc)
+
+        thread = threading.Thread(target=target)
         thread.start()
         thread.join()
+        if isinstance(out[0], Exception):
+            raise out[0]
         return out[0]
 
     def latency(self, tag: str, trajectories: int, turns: int) -> tuple[dict, list]:
@@ -186,16 +202,20 @@ class Bench:
         for j, parent in enumerate(parents):
             for b in range(branches):
                 call = parent.calls[(j + b) % len(parent.calls)]
-                replay = parent.branch_call(call["start"] + len(call["ids"]) // 2)
+                position = call["start"] + len(call["ids"]) // 2
                 url, session = self.endpoint.open_session(seed=1000 + j, group=j, session_id=f"branch-{j}-{b}")
-                session.replay = replay
-                jobs.append((url, session, replay.branch_call + 1))
-        self.run([url for url, _, _ in jobs], turns)
-        expected = sum(k for _, _, k in jobs)
-        matched = sum(s.replayed for _, s, _ in jobs)
+                session.replay = parent.branch_call(position)
+                jobs.append((url, session, session.replay.branch_call + 1, parent.row, position))
+        self.run([job[0] for job in jobs], turns)
+        expected = sum(job[2] for job in jobs)
+        matched = sum(job[1].replayed for job in jobs)
+        # the branch's row holds its parent's row up to the branch point, token for token
+        exact = sum(s.row.prompt_ids == p.prompt_ids and s.row.completion_ids[:pos] == p.completion_ids[:pos]
+                    for _, s, _, p, pos in jobs)  # fmt: skip
         return {"agent_replay_branches": len(jobs), "agent_replayed_calls": expected,
                 "agent_replay_matched": matched, "agent_replay_match_rate": round(matched / expected, 4),
-                "agent_replay_diverged_branches": sum(bool(s.diverged) for _, s, _ in jobs)}  # fmt: skip
+                "agent_replay_diverged_branches": sum(bool(job[1].diverged) for job in jobs),
+                "agent_replay_exact_prefix_branches": exact}  # fmt: skip
 
     def close(self) -> None:
         self.endpoint.close()
@@ -206,7 +226,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trajectories", type=int, default=64)
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--step-ms", default="10,2.5,0.75", help="fake decode time per token, comma-separated settings")
+    ap.add_argument("--step-ms", default="20,10,5,2.5", help="fake decode time per token, comma-separated settings")
     ap.add_argument("--client", choices=["process", "thread"], default="process")
     ap.add_argument("--branches", type=int, default=2, help="replay branches per agent run (0: no replay figure)")
     ap.add_argument("--quick", action="store_true", help="16 trajectories x 3 turns at 2 ms per token, 1 branch")
@@ -241,7 +261,8 @@ def main(argv=None) -> dict:
             print(f"replay: {figures['agent_replay_matched']} of {figures['agent_replayed_calls']} replayed calls "
                   f"matched ({100 * figures['agent_replay_match_rate']:.1f} %), "
                   f"{figures['agent_replay_diverged_branches']} of {figures['agent_replay_branches']} branches "
-                  "diverged")  # fmt: skip
+                  f"diverged, {figures['agent_replay_exact_prefix_branches']} hold their parent's tokens up to the "
+                  "branch point")  # fmt: skip
     finally:
         bench.close()
         conn.send(None)
