@@ -1,20 +1,13 @@
 """Agent endpoint benchmark: the latency `AgentEndpoint` adds to each agent call over the engine's own call, and the
 share of replayed calls that match token for token when branches re-run a deterministic agent.
 
-The stack of `APPOTrainer(agent=...)` with `vllm_mode: server`: the fake vLLM server (`bench/fake_vllm.py`) in its own
-process, as `vllm serve` is, whose scripted model answers every turn with some words and one tool call (about 68
-tokens, lengths drawn per call) at `--step-ms` per token; a `RolloutEngine` over `VLLMServerBackend`; `AgentEndpoint` in front of it. `--trajectories`
-agents run at once (default 64), each with its own `httpx.AsyncClient` (the client of the `openai` SDK, one per run),
-`--turns` calls each: the question, then every answer sent back with its `tool` result, as an SDK tool loop does.
-Added latency per call = the agent's round trip - the engine's own call for that request (`VLLMServerBackend.generate`
-on the engine's loop, its HTTP to the fake server included). `--client process` (default): the agents run in their
-own interpreter (sandboxes, subprocesses); `thread`: they share the trainer's (their CPU then competes with the
-endpoint's). `--step-ms 20,10,5,2.5` runs one setting per value (a saturation curve: the calls per second offered
-grow as the engine's call shrinks; 10 ms per token, a 0.7 s call, is a mid-size model's decode on a busy GPU).
-Also reported per setting: the hop to the engine's loop and back (`hop_ms`), the handler's own time, the trainer
-process's CPU per call (engine and endpoint) and the 1-minute load average. The run ends with replay: `--branches` per agent run re-run the agent as
-`AgentEngine.branch_many` does (`AgentSession.branch_call`, recorded answers before the branch call); the figure is
-the share of the calls up to each branch call that matched the parent's prompt ids exactly (goal 100 %).
+The stack of `agent=` training on a vLLM server: `bench/fake_vllm.py` in its own process (a scripted model answering
+each turn with words and a tool call, about 68 tokens, at `--step-ms` per token), `RolloutEngine` over
+`VLLMServerBackend`, `AgentEndpoint`. `--trajectories` agents at once, each with its own `httpx.AsyncClient`, run a
+tool loop of `--turns` calls; added latency = round trip - `VLLMServerBackend.generate`'s own time for that call.
+`--client process`: agents in their own interpreter; `thread`: in the trainer's. One setting per `--step-ms` value (a
+saturation curve). Replay: `--branches` per run re-run the agent as `AgentEngine.branch_many` does. Figures and what
+they mean: docs/benchmarks.md, "Agent endpoint".
 
     python bench/agent_endpoint.py                  # 64 trajectories x 4 turns at 20, 10, 5 and 2.5 ms per token
     python bench/agent_endpoint.py --quick          # 16 x 3 at 2 ms per token, 1 branch per run
@@ -186,7 +179,8 @@ class Bench:
         hops = [(s.row.meta["generation_s"] - sum(o)) / len(o) for (_, s), o in zip(opened, own)]
         figures = {
             "added_ms_p50": round(pct(added, 0.5), 2), "added_ms_p99": round(pct(added, 0.99), 2),
-            "added_ms_p50_after_turn1": round(pct(later, 0.5), 2), "added_ms_p99_after_turn1": round(pct(later, 0.99), 2),
+            "added_ms_p50_after_turn1": round(pct(later, 0.5), 2),
+            "added_ms_p99_after_turn1": round(pct(later, 0.99), 2),
             "engine_call_ms_p50": round(1000 * pct([o for os_ in own for o in os_], 0.5), 1),
             "handler_ms_p50": round(1000 * pct(self.endpoint.overheads_s, 0.5), 3),
             "hop_ms_p50": round(1000 * pct(hops, 0.5), 3), "hop_ms_p99": round(1000 * pct(hops, 0.99), 3),

@@ -95,6 +95,8 @@ class AgentEndpoint:
         config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=30,
                                 timeout_graceful_shutdown=5)  # fmt: skip
         self._server = uvicorn.Server(config)
+        # its own thread and loop (uvloop when installed): serving on the engine's asyncio loop saves the hop between
+        # the loops but measured slower (docs/benchmarks.md, "Agent endpoint")
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="appo-agent-endpoint", daemon=True)  # fmt: skip
         self._thread.start()
