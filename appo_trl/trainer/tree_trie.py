@@ -10,6 +10,8 @@ the host, while the GPU waits). `tests/trainer/test_tree_trie.py` checks it agai
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 
@@ -81,8 +83,7 @@ class SortedTrie:
             "shift_labels": shift_labels,
             "tree_kv_index": torch.cat(paths).long(),
             "tree_cu_seqlens_q": torch.tensor(offsets, dtype=torch.int32),
-            "tree_cu_seqlens_k": torch.tensor([0, *torch.tensor([p.numel() for p in paths]).cumsum(0).tolist()],
-                                              dtype=torch.int32),  # fmt: skip
+            "tree_cu_seqlens_k": torch.tensor([0, *itertools.accumulate(p.numel() for p in paths)], dtype=torch.int32),
             "tree_max_seqlens": torch.tensor([max(lengths), max(p.numel() for p in paths)]),
             "token_index": torch.cat(token_index).long(),
         }

@@ -76,7 +76,7 @@ def test_fixed_cases_pack_as_trl_treerow(case, budget):
 
 def test_random_rows_pack_as_trl_treerow():
     rng = random.Random(0)
-    for trial in range(150):
+    for _ in range(150):
         rows = random_rows(rng, rng.randint(1, 9))
         assert_same(*batch(rows), rng.choice([4, 9, 16, 10_000]))
 
