@@ -244,6 +244,8 @@ def workload_a(res: Results, quick: bool, cuda: bool, repeats: int, deadline: fl
         torch.cuda.empty_cache()
 
 
+PER_STEP = ("step_s", "decode_forwards", "decode_s", "tree_forwards", "tree_s", "host_syncs", "compiles",
+            "triton_kernels")  # fmt: skip
 PROBE = "import sys; sys.path.insert(0, sys.argv[1]); from bench.recipe_probe import run; sys.exit(run(sys.argv[2:]))"
 
 
@@ -275,7 +277,8 @@ def recipe_steps(res: Results, deadline: float, steps: int = 5, cuda: bool = Tru
                "--max_steps", str(steps), "--save_strategy", "no", "--report_to", "none", "--logging_steps", "1",
                "--tool_config", json.dumps({"python": {"isolation": "none"}})]  # fmt: skip
         log = open(os.path.join(work, f"{name}-{tag}.log"), "w")
-        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=work), log, probe)
+        env = {**os.environ, "TRITON_CACHE_DIR": os.path.join(work, f"{name}-{tag}-triton")}  # counted per step
+        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=work, env=env), log, probe)
     for name, (proc, log, probe) in procs.items():
         try:
             proc.wait(timeout=max(deadline - time.monotonic(), 30))
@@ -301,7 +304,7 @@ def recipe_steps(res: Results, deadline: float, steps: int = 5, cuda: bool = Tru
         res.update(**{f"{tag}_{name}_{k}": v for k, v in figures.items()})
         print(f"{tag} {name:5s} " + "  ".join(f"{k}={v:.3g}" for k, v in figures.items() if isinstance(v, float)),
               flush=True)  # fmt: skip
-        for key in ("decode_forwards", "decode_s", "tree_forwards", "tree_s", "host_syncs", "compiles"):
+        for key in PER_STEP:
             print(f"    {key:15s} " + " ".join(f"{v:.3g}" for v in per_step.get(key, [])), flush=True)
         for line in per_step.get("tree_attention", [])[:4]:
             print(f"    tree attention: {line[:160]}", flush=True)

@@ -9,7 +9,9 @@ own). Per optimizer step it records, as lists in OUT.json:
   synchronised around each;
 - `host_syncs`: calls that wait for the device on CUDA (`item`, `tolist`, `cpu`, `nonzero`, `__bool__`, ...) on
   tensors that live there, outside the sampler thread (whose per-token copy is one `cpu` per decoded token);
-- `compiles`: `torch._dynamo` graphs compiled so far (a FlexAttention recompilation shows as a step here).
+- `compiles`: `torch._dynamo` graphs compiled so far (a FlexAttention recompilation shows as a step here);
+- `triton_kernels`: entries in the Triton cache so far (`TRITON_CACHE_DIR`, which `bench/gpu.py` makes fresh per
+  recipe): a kernel compiled for a new specialisation (TRL's fused LM head, FlexAttention) shows as a step here.
 Plus `tree_attention`: the tree attention's log lines (which kernel served, what was skipped and why).
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import threading
 import time
 
@@ -29,6 +32,11 @@ SYNCS = ("item", "tolist", "cpu", "nonzero", "__bool__", "__int__", "__float__")
 def _sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def _triton_kernels() -> int:
+    cache = os.environ.get("TRITON_CACHE_DIR")
+    return len(os.listdir(cache)) if cache and os.path.isdir(cache) else 0
 
 
 def run(argv: list[str]) -> int:
@@ -101,8 +109,8 @@ def run(argv: list[str]) -> int:
             return training_step(self, *a, **k)
         finally:
             _sync()
-            steps.append({"step_s": time.perf_counter() - t0, **now,
-                          "compiles": counters["stats"]["unique_graphs"]})  # fmt: skip
+            steps.append({"step_s": time.perf_counter() - t0, **now, "compiles": counters["stats"]["unique_graphs"],
+                          "triton_kernels": _triton_kernels()})  # fmt: skip
 
     APPOTrainer.training_step = timed_step
 
