@@ -353,6 +353,7 @@ def main(argv=None) -> int:
             recipes_against_cpu(res)
     res.update(total_s=time.monotonic() - start)
     print_table(res.data)
+    print_goals(res.data)
     if opts.json:
         print(json.dumps(res.data))
     return 0
@@ -374,6 +375,26 @@ def print_table(d: dict) -> None:
 
         tokens = f"{d.get(f'{strategy}_tokens_ratio', float('nan')):.3f}"
         print(f"| {cell} | {tokens} | {ratio('loss_step_s')} | {ratio('step_s')} | {ratio('peak_gib')} |")
+
+
+GOALS = {("grpo", "nogc", "loss_step_s"): 0.40, ("arpo", "nogc", "loss_step_s"): 0.32, ("grpo", "nogc", "step_s"): 0.45,
+         ("arpo", "nogc", "step_s"): 0.38, ("grpo", "gc", "loss_step_s"): 0.45, ("arpo", "gc", "loss_step_s"): 0.38}  # fmt: skip
+
+
+def print_goals(d: dict) -> None:
+    """The issue's goals against the best tree kernel of this run (tree / row-wise), and the recipes' CUDA / CPU."""
+    print("\n| goal | best kernel | tree / row-wise | limit | met |\n|---|---|---|---|---|")
+    for (strategy, gc, fig), limit in GOALS.items():
+        row = d.get(f"{strategy}_{gc}_row_{fig}")
+        cells = {k: d.get(f"{strategy}_{gc}_{k}_{fig}") for k in KERNELS}
+        cells = {k: v / row for k, v in cells.items() if isinstance(v, float) and isinstance(row, float) and row > 0}
+        if cells:
+            best = min(cells, key=cells.get)
+            print(f"| {strategy} {gc} {fig} | {best} | {cells[best]:.3f} | {limit} | {cells[best] <= limit} |")
+    for name in RECIPES:
+        ratio = d.get(f"recipe_{name}_cuda_over_cpu")
+        if isinstance(ratio, float):
+            print(f"| recipe {name} CUDA / CPU step | - | {ratio:.2f} | 2 | {ratio <= 2} |")
 
 
 if __name__ == "__main__":
