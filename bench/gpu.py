@@ -13,9 +13,11 @@ kernel available (`torch_varlen`: PyTorch's varlen FlashAttention, `flash_attn`,
 - `peak_gib`: peak CUDA memory of the loss step (weights, gradients and optimizer state included);
 - row-wise only: `tflops`, 6 x parameters x tokens / loss step time.
 Each time is the median of 2 timed runs after 1 warm-up run (`--repeats`). An out-of-memory cell is recorded as
-`"oom"`, never fatal. Then the four tiny recipes (`recipes/tiny/{grpo,arpo,aepo,appo}.yaml`) train 3 steps on CUDA
-in bf16, each in its own process, the four side by side (to fit the budget), and `recipe_<name>_step_s` is the
-median TRL `step_time` after the first step.
+`"oom"`, never fatal. Then the four tiny recipes (`recipes/tiny/{grpo,arpo,aepo,appo}.yaml`) train 5 steps on CUDA
+in bf16, each in its own process, the four side by side (to fit the budget), then (`--recipes-on-cpu`, the default)
+the same on this machine's CPU in float32: `recipe_<name>_step_s` is the median step time after the first step,
+`_step_s_after2` after the first two, `recipe_<name>_cuda_over_cpu` the CUDA / CPU ratio of the latter, and `_steps`
+the per-step breakdown of `bench/recipe_probe.py` (sampler forwards, tree forwards, host syncs, compilations).
 The recipes need TRL and the `datasets` package; without them they are skipped with one line.
 
 Results go to `--out` (JSON, rewritten after every measured cell, so a run cut short keeps what it measured) and,
@@ -242,9 +244,16 @@ def workload_a(res: Results, quick: bool, cuda: bool, repeats: int, deadline: fl
         torch.cuda.empty_cache()
 
 
-def recipe_steps(res: Results, deadline: float, steps: int = 3, cuda: bool = True) -> None:
-    """The four tiny recipes, `steps` steps each, in bf16 on CUDA; four processes side by side, so that they fit the
-    time budget (tiny models: the per-call overheads on the host dominate). One line if they cannot run."""
+PER_STEP = ("step_s", "decode_forwards", "decode_s", "tree_forwards", "tree_s", "host_syncs", "compiles",
+            "triton_kernels")  # fmt: skip
+PROBE = "import sys; sys.path.insert(0, sys.argv[1]); from bench.recipe_probe import run; sys.exit(run(sys.argv[2:]))"
+
+
+def recipe_steps(res: Results, deadline: float, steps: int = 5, cuda: bool = True) -> None:
+    """The four tiny recipes, `steps` steps each, in bf16 on CUDA (or float32 on the CPU: `recipe_cpu_<name>_*`); four
+    processes side by side, so that they fit the time budget (tiny models: the per-call overheads on the host
+    dominate). Each runs under `bench/recipe_probe.py`, which records per step the sampler's sequential forwards,
+    the tree forwards, host syncs and compilations. One line if they cannot run."""
     try:
         import datasets  # noqa: F401
         import trl  # noqa: F401
@@ -258,16 +267,19 @@ def recipe_steps(res: Results, deadline: float, steps: int = 3, cuda: bool = Tru
     model_dir = build_tiny_model(os.path.join(work, "tiny-qwen3"))
     device = ["--use_cpu", "false", "--bf16", "true", "--dtype", "bfloat16"] if cuda else \
         ["--use_cpu", "true", "--bf16", "false", "--dtype", "float32"]  # fmt: skip
+    tag = "recipe" if cuda else "recipe_cpu"
     procs = {}
     t0 = time.monotonic()
     for name in RECIPES:
-        cmd = [sys.executable, "-m", "appo_trl.cli", "train", "--config", os.path.join(ROOT, "recipes/tiny", f"{name}.yaml"),
-               "--model_name_or_path", model_dir, "--output_dir", os.path.join(work, name), *device,
+        probe = os.path.join(work, f"{name}-{tag}.json")
+        cmd = [sys.executable, "-c", PROBE, ROOT, probe, "--config", os.path.join(ROOT, "recipes/tiny", f"{name}.yaml"),
+               "--model_name_or_path", model_dir, "--output_dir", os.path.join(work, f"{name}-{tag}"), *device,
                "--max_steps", str(steps), "--save_strategy", "no", "--report_to", "none", "--logging_steps", "1",
                "--tool_config", json.dumps({"python": {"isolation": "none"}})]  # fmt: skip
-        log = open(os.path.join(work, f"{name}.log"), "w")
-        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=work), log)
-    for name, (proc, log) in procs.items():
+        log = open(os.path.join(work, f"{name}-{tag}.log"), "w")
+        env = {**os.environ, "TRITON_CACHE_DIR": os.path.join(work, f"{name}-{tag}-triton")}  # counted per step
+        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=work, env=env), log, probe)
+    for name, (proc, log, probe) in procs.items():
         try:
             proc.wait(timeout=max(deadline - time.monotonic(), 30))
         except subprocess.TimeoutExpired:
@@ -275,20 +287,36 @@ def recipe_steps(res: Results, deadline: float, steps: int = 3, cuda: bool = Tru
             proc.wait()
         log.close()
         wall = time.monotonic() - t0
-        state = os.path.join(work, name, "trainer_state.json")
-        if proc.returncode != 0 or not os.path.exists(state):
+        if proc.returncode != 0 or not os.path.exists(probe):
             with open(log.name) as f:
                 last = ([ln for ln in f.read().splitlines() if ln.strip()] or ["?"])[-1][:300]
             why = "killed at the time budget" if proc.returncode == -9 else last
-            res.update(**{f"recipe_{name}_error": why})
-            print(f"recipe {name}: failed ({why})", flush=True)
+            res.update(**{f"{tag}_{name}_error": why})
+            print(f"{tag} {name}: failed ({why})", flush=True)
             continue
-        with open(state) as f:
-            times = [e["step_time"] for e in json.load(f)["log_history"] if "step_time" in e]
+        with open(probe) as f:
+            per_step = json.load(f)
+        times = per_step.get("step_s", [])
         figures = {"first_step_s": times[0] if times else None, "wall_s": wall,
-                   "step_s": statistics.median(times[1:]) if len(times) > 1 else None}  # fmt: skip
-        res.update(**{f"recipe_{name}_{k}": v for k, v in figures.items()})
-        print(f"recipe {name:5s} " + "  ".join(f"{k}={v}" for k, v in figures.items()), flush=True)
+                   "step_s": statistics.median(times[1:]) if len(times) > 1 else None,  # as in the first H200 run
+                   "step_s_after2": statistics.median(times[2:]) if len(times) > 2 else None,
+                   "steps": per_step}  # fmt: skip
+        res.update(**{f"{tag}_{name}_{k}": v for k, v in figures.items()})
+        print(f"{tag} {name:5s} " + "  ".join(f"{k}={v:.3g}" for k, v in figures.items() if isinstance(v, float)),
+              flush=True)  # fmt: skip
+        for key in PER_STEP:
+            print(f"    {key:15s} " + " ".join(f"{v:.3g}" for v in per_step.get(key, [])), flush=True)
+        for line in per_step.get("tree_attention", [])[:4]:
+            print(f"    tree attention: {line[:160]}", flush=True)
+
+
+def recipes_against_cpu(res: Results) -> None:
+    """`recipe_<name>_cuda_over_cpu`: the CUDA step after warm-up over the CPU step (the goal: at most 2)."""
+    for name in RECIPES:
+        gpu, cpu = res.data.get(f"recipe_{name}_step_s_after2"), res.data.get(f"recipe_cpu_{name}_step_s_after2")
+        if isinstance(gpu, float) and isinstance(cpu, float) and cpu > 0:
+            res.update(**{f"recipe_{name}_cuda_over_cpu": gpu / cpu})
+            print(f"recipe {name:5s} CUDA / CPU step: {gpu / cpu:.2f} ({gpu:.3g} s vs {cpu:.3g} s)", flush=True)
 
 
 def main(argv=None) -> int:
@@ -300,6 +328,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=280.0, help="start no section after this many seconds")
     ap.add_argument("--strategy", choices=("grpo", "arpo"), action="append", help="only these (repeatable)")
     ap.add_argument("--no-recipes", action="store_true", help="skip the tiny recipes")
+    ap.add_argument("--recipes-on-cpu", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the tiny recipes on this machine's CPU, for the CUDA / CPU step ratio")  # fmt: skip
     opts = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not opts.quick:
@@ -318,8 +348,12 @@ def main(argv=None) -> int:
         print(f"tiny recipes: skipped ({res.data['recipes_skipped']})", flush=True)
     else:
         recipe_steps(res, start + opts.budget_s)
+        if opts.recipes_on_cpu and time.monotonic() < start + opts.budget_s:
+            recipe_steps(res, start + opts.budget_s, cuda=False)
+            recipes_against_cpu(res)
     res.update(total_s=time.monotonic() - start)
     print_table(res.data)
+    print_goals(res.data)
     if opts.json:
         print(json.dumps(res.data))
     return 0
@@ -341,6 +375,26 @@ def print_table(d: dict) -> None:
 
         tokens = f"{d.get(f'{strategy}_tokens_ratio', float('nan')):.3f}"
         print(f"| {cell} | {tokens} | {ratio('loss_step_s')} | {ratio('step_s')} | {ratio('peak_gib')} |")
+
+
+GOALS = {("grpo", "nogc", "loss_step_s"): 0.40, ("arpo", "nogc", "loss_step_s"): 0.32, ("grpo", "nogc", "step_s"): 0.45,
+         ("arpo", "nogc", "step_s"): 0.38, ("grpo", "gc", "loss_step_s"): 0.45, ("arpo", "gc", "loss_step_s"): 0.38}  # fmt: skip
+
+
+def print_goals(d: dict) -> None:
+    """The issue's goals against the best tree kernel of this run (tree / row-wise), and the recipes' CUDA / CPU."""
+    print("\n| goal | best kernel | tree / row-wise | limit | met |\n|---|---|---|---|---|")
+    for (strategy, gc, fig), limit in GOALS.items():
+        row = d.get(f"{strategy}_{gc}_row_{fig}")
+        cells = {k: d.get(f"{strategy}_{gc}_{k}_{fig}") for k in KERNELS}
+        cells = {k: v / row for k, v in cells.items() if isinstance(v, float) and isinstance(row, float) and row > 0}
+        if cells:
+            best = min(cells, key=cells.get)
+            print(f"| {strategy} {gc} {fig} | {best} | {cells[best]:.3f} | {limit} | {cells[best] <= limit} |")
+    for name in RECIPES:
+        ratio = d.get(f"recipe_{name}_cuda_over_cpu")
+        if isinstance(ratio, float):
+            print(f"| recipe {name} CUDA / CPU step | - | {ratio:.2f} | 2 | {ratio <= 2} |")
 
 
 if __name__ == "__main__":

@@ -210,10 +210,10 @@ class TransformersBackend:
                 next_ids[i] = tok
                 out_ids[i].append(tok)
                 out_lp[i].append(float(logp[tok]))
-                if p.logprobs > 0:
+                if p.logprobs > 0:  # two lists, not one 0-d tensor per entry (the host work of each decoded token)
                     vals, idx = torch.topk(logp, min(p.logprobs, logp.numel()))
-                    top = {int(t): float(v) for t, v in zip(idx, vals) if math.isfinite(float(v))}
-                    top.setdefault(tok, float(logp[tok]))
+                    top = {t: v for t, v in zip(idx.tolist(), vals.tolist()) if math.isfinite(v)}
+                    top.setdefault(tok, out_lp[i][-1])
                     out_top[i].append(top)
                 if tok in self.eos_token_ids:
                     finish[i] = ("eos", None)

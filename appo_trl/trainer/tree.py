@@ -8,13 +8,14 @@ scatters the per-token log-probabilities and entropies back into TRL's `(B, C)` 
 forward has no label (padding). TRL's loss code and ours then run unchanged, with per-token advantages in `(B, C)`
 as before; nothing of the loss is moved into the packed layout.
 
-The packer is TRL's `trl.experimental.async_grpo.packing.TreeRow`, reused as is: its nodes are keyed on a token
+The trie is TRL's `trl.experimental.async_grpo.packing.TreeRow` (`tree_trie.SortedTrie` builds the same one per row,
+not per token, from the sorted rows): its nodes are keyed on a token
 *and* the next one, so a node has exactly one next-token label and the trie forks one token before rows diverge.
 That keeps the two traps of a stored-once prefix closed: the last prompt token is duplicated per distinct first
 completion token, so every first completion token is scored (the NeMo Automodel trap), and a row's last token is a
-leaf keyed on `None` that predicts nothing (AReaL #1308's extra logprob at the last node). Its `pack()` carries one
-advantage per sample; here only its layout and `token_index` (the packed position predicting each trained token)
-are used, and the trained positions are mapped back to `(row, column)` here, so per-token advantages stay in TRL's
+leaf keyed on `None` that predicts nothing (AReaL #1308's extra logprob at the last node). Only its layout and
+`token_index` (the packed position predicting each trained token) are used, and the trained positions are mapped
+back to `(row, column)` here, so per-token advantages stay in TRL's
 layout. Each trie is bounded by `token_budget` unique tokens (`TreeRow.fits`); a row longer than the budget gets a
 trie of its own (it cannot be split). Rows are packed in lexicographic order, so rows that share a prefix meet in
 the same trie.
@@ -44,20 +45,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
-with warnings.catch_warnings():  # TRL flags all of `trl.experimental` as unstable; the trie is pinned by our tests
-    warnings.simplefilter("ignore")
-    from trl.experimental.async_grpo.packing import TreeRow
-
 from appo_trl.trainer.sharded import agree_forward_count
 from appo_trl.trainer.tree_attention import prepare_kernels, tree_forward_active
 from appo_trl.trainer.tree_kernels import TreeLayout
+from appo_trl.trainer.tree_trie import SortedTrie
 from appo_trl.trainer.trl_seams import log_metric
 
 MODEL_INPUTS = ("input_ids", "position_ids", "shift_labels")  # the rest of `TreePack.inputs` is the tree layout
@@ -93,28 +90,13 @@ def row_spans(attention_mask: torch.Tensor) -> list[tuple[int, int]]:
 def _segment_ancestry(cu_q: torch.Tensor, kv_index: torch.Tensor, cu_k: torch.Tensor) -> tuple:
     """Segment id of every packed token, and `anc[s, t]` = segment t lies on segment s's root path (or is s)."""
     lengths = (cu_q[1:] - cu_q[:-1]).long()
-    seg_id = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    seg_id = torch.zeros(int(cu_q[-1]), dtype=torch.long)  # segments are never empty: a step at each start
+    seg_id[cu_q[1:-1].long()] = 1
+    seg_id = seg_id.cumsum(0)  # (CPU repeat_interleave takes ~10 ms here)
     anc = torch.zeros(len(lengths), len(lengths), dtype=torch.bool)
     for s in range(len(lengths)):
         anc[s, seg_id[kv_index[cu_k[s] : cu_k[s + 1]]]] = True
     return seg_id, anc
-
-
-def _row_weights(packed: dict, tokens: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
-    """How many of `rows` pass through each packed token: each row ends at a leaf segment whose root path carries
-    exactly its tokens, so a row adds 1 along that path."""
-    ids, kv, cu_k = packed["input_ids"], packed["tree_kv_index"], packed["tree_cu_seqlens_k"].tolist()
-    paths = {}
-    for s in range(len(cu_k) - 1):
-        path = kv[cu_k[s] : cu_k[s + 1]]
-        paths[ids[path].long().numpy().tobytes()] = path
-    weights = torch.zeros(ids.numel())
-    for i in rows:
-        path = paths.get(tokens[i].long().numpy().tobytes())
-        if path is None or path.numel() != tokens[i].numel():
-            raise RuntimeError(f"tree_forward: row {i} has no root-to-leaf path in its trie")
-        weights[path] += 1
-    return weights
 
 
 def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, token_budget: int):
@@ -125,21 +107,16 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
     ids = input_ids.cpu()
     tokens = [ids[i, s:e] for i, (s, e) in enumerate(spans)]
     order = sorted((i for i in range(batch) if spans[i][1] > spans[i][0]), key=lambda i: tokens[i].tolist())
-    tries: list[tuple[TreeRow, list[int]]] = []
+    tries: list[tuple[SortedTrie, list[int]]] = []
     for i in order:
         start, end = spans[i]
         trained = torch.zeros(end - start, dtype=torch.long)
         trained[max(prompt_width - start, 1) :] = 1  # completion positions; position 0 has no predecessor
-        sample = {
-            "input_ids": tokens[i],
-            "completion_mask": trained,
-            "old_log_probs": torch.zeros(end - start),
-            "advantage": 0.0,
-            "group_id": i,
-        }
-        if not tries or (tries[-1][1] and not tries[-1][0].fits(sample, token_budget)):
-            tries.append((TreeRow(), []))
-        tries[-1][0].add(sample)
+        shared = tries[-1][0].shared(tokens[i]) if tries else 0
+        if not tries or (tries[-1][1] and not tries[-1][0].fits(tokens[i], trained, token_budget, shared)):
+            tries.append((SortedTrie(), []))
+            shared = 0
+        tries[-1][0].add(tokens[i], trained, shared)
         tries[-1][1].append(i)
     packs = []
     for trie, rows in tries:
@@ -165,8 +142,7 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
             "tree_seg_id": seg_id,
             "tree_seg_anc": seg_anc,
         }
-        weights = _row_weights(packed, tokens, rows)
-        packs.append(TreePack(inputs, flat_index, packed["token_index"], len(trie.tokens), weights))
+        packs.append(TreePack(inputs, flat_index, packed["token_index"], trie.num_tokens, trie.row_weights()))
     return packs
 
 
@@ -190,7 +166,7 @@ class PackCache:
         self._entries.clear()
 
     def get(self, input_ids, attention_mask, logits_to_keep: int, token_budget: int) -> list[TreePack]:
-        ids, mask = input_ids.cpu(), attention_mask.cpu()
+        ids, mask = (t if t.device.type == "cpu" else t.cpu() for t in (input_ids, attention_mask))
         rows = [ids[i].numpy().tobytes() + mask[i].numpy().tobytes() for i in range(ids.size(0))]
         perm = sorted(range(len(rows)), key=rows.__getitem__)  # canonical row order
         digest = hashlib.blake2b(b"".join(rows[i] for i in perm), digest_size=16).digest()
@@ -241,9 +217,10 @@ def tree_logps_and_entropies(
     device = input_ids.device
     chunk = batch_size or batch or 1  # TRL's chunks: each packed (and cached) on its own
     packs, chunk_of = [], []
+    host_ids, host_mask = input_ids.cpu(), attention_mask.cpu()  # one copy to the host (a sync), not one per chunk
     for start in range(0, batch, chunk):
         rows = slice(start, start + chunk)
-        for pack in PACKS.get(input_ids[rows], attention_mask[rows], logits_to_keep, token_budget):
+        for pack in PACKS.get(host_ids[rows], host_mask[rows], logits_to_keep, token_budget):
             packs.append(replace(pack, flat_index=pack.flat_index + start * logits_to_keep) if start else pack)
             chunk_of.append(start)
     router_logits: list = []

@@ -152,3 +152,21 @@ def test_unwrapped_for_rollout_holds_a_gathered_model(model, tiny_tokenizer, enc
         _run(backend, requests)
         _run(backend, requests)
     assert unwraps == [] and used == [model, model]
+
+
+def test_top_logprobs_cost_no_scalar_per_entry(model, tiny_tokenizer, enc, monkeypatch):
+    """20 top logprobs per decoded token come from two `tolist` calls, not from one 0-d tensor per entry: at most
+    two scalar reads per decoded token (the sampled id and its logprob)."""
+    backend = TransformersBackend(model, tiny_tokenizer)
+    prompt = enc("What is 2+2?")
+    _run(backend, [(prompt, SamplingParams(max_tokens=2, seed=1, logprobs=20))])  # warm-up
+    reads = []
+    for name in ("__float__", "__int__", "item"):
+        orig = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _orig=orig, **k: reads.append(1) or _orig(self, *a, **k)
+        )
+    [seg] = _run(backend, [(prompt, SamplingParams(max_tokens=12, seed=1, logprobs=20))])
+    monkeypatch.undo()
+    assert len(seg.top_logprobs) == len(seg.token_ids) and all(len(t) >= 20 for t in seg.top_logprobs)
+    assert len(reads) <= 2 * len(seg.token_ids), len(reads)
