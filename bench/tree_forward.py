@@ -5,6 +5,7 @@ random Qwen3 model. For each workload and strategy shape the two forwards run in
 
 - `tokens`: tokens sent through the model per step (row-wise: B x padded length, as TRL's forward; tree: unique
   tokens of the tries), and their ratio (the `tree/tokens_ratio` the trainer logs);
+- `pack_ms`: host time to plan the tries of the rows (`pack_rows`, once per batch: the passes reuse them);
 - `loss_step_s`: forward + backward of a policy-gradient loss over per-token logps and entropies (median);
 - `step_s`: TRL's no-grad old-logp pass + the loss step + an AdamW step (median);
 - `saved_mb`: bytes of the tensors autograd saves for the backward (distinct storages) during the loss forward,
@@ -126,7 +127,9 @@ def measure(model, rows, repeats: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     from appo_trl.trainer.tree import pack_rows
 
+    t0 = time.perf_counter()
     tree_tokens = sum(p.unique_tokens for p in pack_rows(ids, mask, c, 1 << 20))
+    pack_ms = 1e3 * (time.perf_counter() - t0)  # the host work of a step's first pass over these rows
 
     def loss_step(tree):
         logps, ent = forward(model, ids, mask, c, tree, entropy=True)
@@ -142,7 +145,8 @@ def measure(model, rows, repeats: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    out = {"tokens_row": int(ids.numel()), "tokens_tree": tree_tokens, "tokens_ratio": tree_tokens / ids.numel()}
+    out = {"tokens_row": int(ids.numel()), "tokens_tree": tree_tokens, "tokens_ratio": tree_tokens / ids.numel(),
+           "pack_ms": pack_ms}  # fmt: skip
     for name, fn in (("loss_step_s", loss_step), ("step_s", step)):
         times = {False: [], True: []}
         for i in range(repeats):

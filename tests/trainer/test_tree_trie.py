@@ -4,7 +4,6 @@ with shared prefixes, budgets that split them), at a fraction of the host time."
 from __future__ import annotations
 
 import random
-import time
 import warnings
 
 import pytest
@@ -81,23 +80,12 @@ def test_random_rows_pack_as_trl_treerow():
         assert_same(*batch(rows), rng.choice([4, 9, 16, 10_000]))
 
 
-def test_sorted_trie_packs_workload_a_in_a_fraction_of_treerow_time():
-    """One ARPO group of 16 x (256 + 512) tokens: the per-row trie takes at most half the time of TRL's per-token one
-    (the host work of each step's first pass, while the GPU waits; about a tenth at workload (a))."""
+def test_sorted_trie_packs_a_workload_a_group_as_trl_treerow():
+    """One ARPO group of 16 x (256 + 512) tokens packs as TRL's per-token trie does (its host time is a figure of
+    `bench/tree_forward.py`, `pack_ms`, never asserted here)."""
     from bench.tree_forward import group_rows, trl_layout
 
     ids, mask, c = trl_layout(group_rows("arpo", 256, 16, 512, 64, 1000, 0))
-
-    def best(fn):
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn(ids, mask, c, 1 << 20)
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    ours, theirs = best(pack_rows), best(trl_packs)
-    assert ours < 0.5 * theirs, (ours, theirs)
     assert_same(ids, mask, c, 1 << 20)
 
 
