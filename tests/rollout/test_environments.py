@@ -1,6 +1,6 @@
 """`RoundEnvironments` in the rollout engine: a branch's environment is its parent's at the fork, in both modes.
 
-A parent rollout makes three `add(k)` calls on a `Counter` (tests/trainer/test_environments.py); branches are then
+A parent rollout makes three `add(k)` calls on a `Counter` (tests/trainer/envs_helpers.py); branches are then
 made after the parent has finished (as APPO does) at positions inside the first turn, right after a call's stop
 tag (the call is re-run on the child's instance), and right after each result. The child's instance is captured
 the moment it is created and compared with the parent's first k calls; the parent's instance must not change.
@@ -16,7 +16,7 @@ import pytest
 from appo_trl.rollout import RolloutConfig, RolloutEngine
 from appo_trl.rollout.chat_format import ChatToolFormat
 from appo_trl.rollout.environments import RoundEnvironments, branch_mode, environment_methods
-from tests.trainer.test_environments import (
+from tests.trainer.envs_helpers import (
     QWEN,
     Counter,
     CounterPolicy,
