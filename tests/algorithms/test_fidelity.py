@@ -1,11 +1,10 @@
 """`reference: arpo | aepo | appo` reproduces the released implementations on fixed inputs (docs/fidelity.md).
 
-Each test takes the numbers of one difference between our defaults and the released ARPO / AEPO / APPO code,
-computes them through the same functions the strategies and the loss step call, with the switch values of a
-config, and checks both sides: our default and the reference preset. The reference rules used as oracles here
-(APPO branch-point selection, the literal u-draw branching rules) are written from their description in
-docs/fidelity.md, independently of the code under test. This file: the preset itself and the APPO items (1-5); ARPO, AEPO
-(items 6-10) and the whole loss step: test_fidelity_arpo_aepo.py.
+Each test takes the numbers of one difference between our defaults and the released code, computes them through
+the same functions the strategies and the loss step call, with the switch values of a config, and checks both
+sides: our default and the reference preset. This file: the preset itself and the APPO items (1-5); the APPO
+branch-point selection used as the oracle is written from its description in docs/fidelity.md, independently of
+the code under test. ARPO / AEPO (items 6-10) and the whole loss step: test_fidelity_arpo_aepo.py.
 """
 
 from __future__ import annotations
