@@ -375,8 +375,13 @@ def test_ctrl_c_stops_agents_and_endpoint(tmp_path, tiny_chat_tokenizer, tiny_ch
 
     agents._start = start
     CANCELLED.clear()
-    with pytest.raises(KeyboardInterrupt):
-        trainer.train()
+    # a shell without job control starts background jobs with SIGINT ignored (`bash .ci/run &`): Ctrl-C's handler
+    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+    finally:
+        signal.signal(signal.SIGINT, sigint)
     assert len(CANCELLED) == 4 and agents.endpoint is None
     with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", ports[0]), timeout=2):
         pass
