@@ -46,17 +46,24 @@ def solve(client, model, messages):
     return client.chat.completions.create(model=model, messages=messages, tools=TOOLS).choices[0].message.content
 
 
+COMPACTS, LOCK = {}, threading.Lock()
+
+
 def compacting_agent(row, base_url, model):
-    """Solves, then compacts: drops its history for one user note and solves again (deterministic: replayable)."""
+    """Solves, then compacts: drops its history for one user note and solves again (deterministic requests:
+    replayable). Reward: 1 for every other run of a prompt, so every group of an even size has both rewards (the
+    scripted answers alternate in the order the concurrent runs reach the sampler, which no run can know)."""
+    with LOCK:
+        k = COMPACTS[row["prompt"][0]["content"]] = COMPACTS.get(row["prompt"][0]["content"], -1) + 1
     client = openai.OpenAI(base_url=base_url, api_key="-")
     solve(client, model, list(row["prompt"]))
     note = [{"role": "user", "content": row["prompt"][0]["content"] + " (notes: multiply said 42)"}]
-    answer = solve(client, model, note)
+    solve(client, model, note)
     client.close()
-    return float("42" in (answer or ""))
+    return float(k % 2 == 0)
 
 
-RUNS, LOCK = {}, threading.Lock()
+RUNS = {}
 
 
 def every_other_run_compacts(row, base_url, model):
