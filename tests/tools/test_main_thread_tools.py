@@ -20,7 +20,7 @@ from bench.fake_vllm import ScriptedPolicy
 
 
 @contextmanager
-def timeout(seconds):  # grpo_agent.py's context manager
+def timeout(seconds):  # grpo_agent.py's, in the tool's own module as in the script (uses_signals reads the module)
     def timeout_handler(signum, frame):
         raise TimeoutError(f"Operation timed out after {seconds} seconds")
 

@@ -209,19 +209,6 @@ def test_bad_input_fails_with_one_clear_line(tmp_path):
     assert row_spans(torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]])) == [(1, 3), (0, 4)]
 
 
-@pytest.fixture
-def cuda_dispatch_on_cpu(monkeypatch):
-    """The CUDA kernel dispatch (`_cuda_attention`) on CPU: `_on_gpu` says yes, flash_attn is not installed, no
-    kernel has failed yet and no log line has been said yet in this process."""
-    monkeypatch.setattr(ta, "_on_gpu", lambda query: True)
-    monkeypatch.setattr(ta, "_torch_varlen", lambda: None)
-    monkeypatch.setattr(ta, "_flash_varlen", lambda: None)
-    monkeypatch.setattr(ta, "_FAILED", set())
-    ta._say_fallback.cache_clear()
-    yield
-    ta._say_fallback.cache_clear()
-
-
 def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == ta.__name__]
 

@@ -17,6 +17,7 @@ import torch
 import appo_trl.trainer.tree_attention as ta
 from appo_trl.trainer.tree import tree_logps_and_entropies
 from appo_trl.trainer.tree_attention import install_tree_attention
+from bench.tree_forward import trl_layout
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -57,12 +58,7 @@ def model_and_rows(dtype, checkpointing, window=None):
     roots = [tok(12) + tok(8) + tok(12) + tok(8) + tok(rng.randint(4, 20)) for _ in range(4)]
     branches = [r[: (20 if j % 2 else 40)] + tok(rng.randint(3, 16)) for j, r in enumerate(roots)]
     rows = [(prompt, c) for c in roots + branches] + [(prompt[:20], tok(30))]
-    width_p, width_c = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
-    ids = torch.zeros(len(rows), width_p + width_c, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, (p, c) in enumerate(rows):
-        ids[i, width_p - len(p) : width_p], mask[i, width_p - len(p) : width_p] = torch.tensor(p), 1
-        ids[i, width_p : width_p + len(c)], mask[i, width_p : width_p + len(c)] = torch.tensor(c), 1
+    ids, mask, width_c = trl_layout(rows)
     return model, ids.to(DEVICE), mask.to(DEVICE), width_c
 
 

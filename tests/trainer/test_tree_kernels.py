@@ -19,18 +19,6 @@ from tests.trainer.test_tree_forward import CASES, batch, tiny
 
 
 @pytest.fixture
-def flex_on_cpu(monkeypatch):
-    """The CUDA dispatch on CPU with FlexAttention serving (no varlen kernel in this process)."""
-    monkeypatch.setattr(ta, "_on_gpu", lambda query: True)
-    monkeypatch.setattr(ta, "_torch_varlen", lambda: None)
-    monkeypatch.setattr(ta, "_flash_varlen", lambda: None)
-    monkeypatch.setattr(ta, "_FAILED", set())
-    ta._say_fallback.cache_clear()
-    yield
-    ta._say_fallback.cache_clear()
-
-
-@pytest.fixture
 def layouts(monkeypatch):
     """Every `TreeLayout` the tree forward builds, in order."""
     built = []
@@ -55,7 +43,7 @@ def _run(model, rows, budget, grad=False):
     return counts
 
 
-def test_flex_block_mask_built_once_per_trie_per_forward(flex_on_cpu, layouts, monkeypatch):
+def test_flex_block_mask_built_once_per_trie_per_forward(cuda_dispatch_on_cpu, layouts, monkeypatch):
     """Four decoder layers, several tries, two forwards: `create_block_mask` runs once per trie per forward (it ran
     once per layer before), and FlexAttention once per layer and trie."""
     create_block_mask, flex_fn = ta._flex()
@@ -84,7 +72,7 @@ def test_segment_layout_reused_by_every_layer_and_the_recomputation(reentrant, l
     assert all(layout.builds == {"segments": 1} for layout in layouts)
 
 
-def test_flex_compiles_at_most_twice_over_five_trie_sizes(flex_on_cpu):
+def test_flex_compiles_at_most_twice_over_five_trie_sizes(cuda_dispatch_on_cpu):
     """Tries of five different sizes through the compiled FlexAttention: at most two compilations in all (the first
     call, and at most one more when the shapes turn dynamic), none after warm-up."""
     from torch._dynamo.utils import counters
@@ -141,7 +129,7 @@ def _varlen_stand_in(top_left=False, old_signature=False):
 
 
 @pytest.mark.parametrize("old_signature", [False, True])
-def test_torch_varlen_path_is_exact_through_its_adapter(old_signature, flex_on_cpu, monkeypatch):
+def test_torch_varlen_path_is_exact_through_its_adapter(old_signature, cuda_dispatch_on_cpu, monkeypatch):
     """The varlen dispatch (GQA, scale, causal keyword of either torch signature) on CPU with a bottom-right
     stand-in, float32 admitted: it passes its probe, serves every layer, and gives the row-wise logps, entropies and
     gradients within 1e-5 (the same check runs on the real kernel in `test_tree_gpu.py`)."""
@@ -160,7 +148,7 @@ def test_torch_varlen_path_is_exact_through_its_adapter(old_signature, flex_on_c
     assert len(calls) > 2
 
 
-def test_torch_varlen_with_a_top_left_convention_is_skipped_with_one_line(flex_on_cpu, monkeypatch, caplog):
+def test_torch_varlen_with_a_top_left_convention_is_skipped_with_one_line(cuda_dispatch_on_cpu, monkeypatch, caplog):
     """A varlen kernel that aligns causal top-left (wrong for a segment shorter than its path) fails the probe:
     one log line, and the next kernel serves, exactly."""
     import logging
@@ -209,7 +197,7 @@ def test_rows_are_packed_once_per_batch_in_any_row_order(monkeypatch):
         assert cache.packs == 2
 
 
-def test_a_varlen_kernel_that_raises_in_a_layer_hands_over_with_one_line(flex_on_cpu, monkeypatch, caplog):
+def test_a_varlen_kernel_that_raises_in_a_layer_hands_over_with_one_line(cuda_dispatch_on_cpu, monkeypatch, caplog):
     """A varlen kernel that passed its check but raises in a layer (a head size it lacks, say): one log line, the
     next kernel serves that layer and every later one, exactly; it is not tried again."""
     import logging
