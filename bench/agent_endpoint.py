@@ -176,7 +176,7 @@ class Bench:
         later = [1000 * (t - o) for ts, os_ in zip(trips, own) for t, o in list(zip(ts, os_))[1:]]
         calls = len(added)
         # the hop to the engine's loop and back, per call (a run's mean): the endpoint's wait minus the engine's call
-        hops = [(s.row.meta["generation_s"] - sum(o)) / len(o) for (_, s), o in zip(opened, own)]
+        hops = [(s.row.generation_s - sum(o)) / len(o) for (_, s), o in zip(opened, own)]
         figures = {
             "added_ms_p50": round(pct(added, 0.5), 2), "added_ms_p99": round(pct(added, 0.99), 2),
             "added_ms_p50_after_turn1": round(pct(later, 0.5), 2),

@@ -109,7 +109,7 @@ async def barrier_rollout(engine: RolloutEngine, prompts: list[list[int]], n: in
     for g, p in enumerate(prompts):
         for j in range(n):
             t = Trajectory(prompt_ids=list(p), group=g)
-            t.meta["seed"] = mix_seed(mix_seed(seed, g), j)  # the engine's seeds: identical token streams
+            t.seed = mix_seed(mix_seed(seed, g), j)  # the engine's seeds: identical token streams
             trajs.append(t)
     active = list(trajs)
     cfg = engine.config

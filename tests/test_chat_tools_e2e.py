@@ -150,7 +150,7 @@ def test_cold_started_chat_model_calls_the_custom_tool_branches_and_trains(strat
             by_uid = {t.uid: t for t in batch.rows}
             for t in batch.rows:
                 parent = by_uid.get(t.parent)
-                if t.meta.get("origin") == "branch" and any(c.end <= t.branch_pos for c in parent.tool_calls):
+                if t.origin == "branch" and any(c.end <= t.branch_pos for c in parent.tool_calls):
                     assert t.completion_ids[: t.branch_pos] == parent.completion_ids[: t.branch_pos]
                     assert t.tool_calls[0] == parent.tool_calls[0] and t.loss_mask[t.branch_pos] == 1  # sampled on
                     after.append(t)

@@ -59,7 +59,7 @@ def group_records(batch, inputs: list[dict], rewards, advantages, completion_mas
                 adv = (adv.float() * m).sum() / m.sum().clamp(min=1)
             bp = t.branch_pos
             rows.append({
-                "index": i, "uid": t.uid, "parent": index.get(t.parent), "origin": str(t.meta.get("origin", "root")),
+                "index": i, "uid": t.uid, "parent": index.get(t.parent), "origin": t.origin,
                 "branch_pos": bp,
                 "fork_context": decode(list(t.completion_ids[max(0, bp - CONTEXT_TOKENS) : bp])) if bp else "",
                 "reward": float(rewards[r]), "advantage": float(adv), "kept": bool(batch.keep[r]),

@@ -7,16 +7,16 @@ built from ids, never from the model's text:
   session returned (compared as messages: role, text, tool calls by name and arguments; call ids ignored), with the
   same tools. The prompt is the chain's recorded ids (prompt + every token so far) plus the new messages rendered
   by the chat template after the end of the assistant turn (mask 0, logprob NaN).
-- **fork**: anything else (the agent dropped, edited or compacted its history, or changed its tools). A new chain
+- **restart**: anything else (the agent dropped, edited or compacted its history, or changed its tools). A new chain
   starts on the template's rendering of the whole request; the earlier chains stay in `chains`, and each one that
-  holds a sampled answer is a training row of the run too (`fork_rows`).
+  holds a sampled answer is a training row of the run too (`chain_rows`).
 
 - **replay** (a branch of a recorded run, `Replay`): each call before the branch call is answered with the parent's
   recorded answer while the ids it would sample on equal the parent's; the branch call answers the parent's tokens up
   to the branch point plus a continuation sampled on exactly that prefix; a mismatch ends the replay (`diverged`).
 
 Each chain is one `Trajectory` (prompt, completion, mask, logprobs: the row invariants of the rollout layer); `row`
-is the run's row (the last chain; a branch's: the chain of its branch call), `fork_rows` its other sampled chains. Tool
+is the run's row (the last chain; a branch's: the chain of its branch call), `chain_rows` its other sampled chains. Tool
 calls in the sampled text are parsed with the template's tool-call format (`ChatToolFormat`) and returned as
 `message.tool_calls`. Sampling settings are the caller's (`SamplingParams` from the trainer), never the request's.
 What it does not do: serve HTTP (`appo_trl.rollout.agent_endpoint`), run agents or score (the trainer).
@@ -157,7 +157,7 @@ class AgentSession:
             return self.chains[self.branch_chain]
         return self.chains[-1] if self.chains else None
 
-    def fork_rows(self) -> list[Trajectory]:
+    def chain_rows(self) -> list[Trajectory]:
         """The run's other rows: each chain besides `row` that holds a sampled answer, in order. A branch's chains
         made only of replayed answers are copies of its parent's chains (the parent's rows already), so not rows."""
         sampled = {call["chain"] for call in self.calls if call["ids"] and not call["replayed"]}
@@ -205,7 +205,7 @@ class AgentSession:
         else:
             chain = Trajectory(prompt_ids=self.renderer.prompt_ids(messages, tools), group=self.group,
                                entropies=[] if self.params.logprobs else None)  # fmt: skip
-            chain.meta.update(origin="root" if not self.chains else "fork", chain=len(self.chains))
+            chain.origin, chain.chain = ("root" if not self.chains else "restart"), len(self.chains)
             self.chains.append(chain)
             self._tools_key, self._first, self._messages = tools_key, len(messages), [dict(m) for m in messages]
             self._history = list(norm)
@@ -258,7 +258,7 @@ class AgentSession:
         self.requests += 1
         start = time.perf_counter()
         seg = await self._sample(full + list(prefix), params)
-        chain.meta["generation_s"] = chain.meta.get("generation_s", 0.0) + time.perf_counter() - start
+        chain.generation_s += time.perf_counter() - start
         if len(seg.token_ids) > params.max_tokens:
             raise RuntimeError(f"backend returned {len(seg.token_ids)} tokens for max_tokens={params.max_tokens}")
         ents = [topk_entropy(t) for t in seg.top_logprobs] if seg.top_logprobs is not None else None

@@ -126,7 +126,7 @@ class RolloutEngine(ToolTurns):
         is capped at `group_size` (default `n`) and refilled from the bare prompt whenever it has no active
         trajectory left, so every group ends with exactly `group_size` trajectories.
 
-        Each group's trajectories share one tree id (`meta["tree"]`, the routing key that keeps a tree on one
+        Each group's trajectories share one tree id (`Trajectory.tree`, the routing key that keeps a tree on one
         vLLM replica), derived from `tree_seed` (default `seed`). A side rollout for the same groups, such as
         AEPO's entropy probe, passes the round's seed as `tree_seed` so that its prompts go to the same replicas.
         """
@@ -289,7 +289,7 @@ class RolloutEngine(ToolTurns):
         traj = Trajectory(prompt_ids=list(group.prompt_ids), group=group.index,
                           entropies=[] if (hook is not None or self.config.record_entropies) else None)  # fmt: skip
         # the tree id (routing key): one per prompt group of one round, kept by forks, refills and branches
-        traj.meta.update(origin=origin, seed=mix_seed(group.seed, group.created), tree=group.tree)
+        traj.origin, traj.seed, traj.tree = origin, mix_seed(group.seed, group.created), group.tree
         if self.environments is not None:
             self.environments.start(traj)
         self._register(run, group, traj, hook)
@@ -307,13 +307,12 @@ class RolloutEngine(ToolTurns):
 
     async def _sample(self, traj: Trajectory, max_tokens: int) -> Segment:
         cfg = self.config
-        k = len(traj.meta.setdefault("requests", []))
-        seed = mix_seed(traj.meta.get("seed", 0), k)
-        traj.meta["requests"].append(seed)
+        seed = mix_seed(traj.seed, len(traj.request_seeds))
+        traj.request_seeds.append(seed)
         params = SamplingParams(max_tokens=max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                 seed=seed, stop=self.stop_strings,
                                 logprobs=cfg.entropy_topk if traj.entropies is not None else 0,
-                                session_id=traj.meta.get("tree"))  # fmt: skip
+                                session_id=traj.tree)  # fmt: skip
         async with self._semaphore():
             start = time.perf_counter()
             seg = await self.backend.generate(traj.prompt_ids + traj.completion_ids, params)
@@ -330,8 +329,8 @@ class RolloutEngine(ToolTurns):
             tops = seg.top_logprobs or [None] * len(seg.token_ids)
             ents = [topk_entropy(t) for t in tops]
         traj.append(seg.token_ids, 1, list(seg.logprobs), ents)
-        if traj.entropies is not None and "root_entropy" not in traj.meta:
-            traj.meta["root_entropy"] = self._window(ents)
+        if traj.entropies is not None and traj.root_entropy is None:
+            traj.root_entropy = self._window(ents)
         return ents
 
     def _window(self, ents: list[float] | None) -> float:
@@ -381,7 +380,7 @@ class RolloutEngine(ToolTurns):
 
     async def _fork(self, run: _Run, group: _Group, traj: Trajectory, hook: Hook, position: int,
                     segment_entropy: float, look_entropy: float | None) -> None:  # fmt: skip
-        ctx = BranchContext(traj, position, segment_entropy, traj.meta.get("root_entropy", math.nan), look_entropy,
+        ctx = BranchContext(traj, position, segment_entropy, math.nan if traj.root_entropy is None else traj.root_entropy, look_entropy,
                             group.created, group.target, group.active)  # fmt: skip
         want = hook(ctx)
         if inspect.isawaitable(want):
@@ -390,7 +389,7 @@ class RolloutEngine(ToolTurns):
         for k in range(copies):
             child = traj.prefix_copy(position)
             # keyed on the lineage (parent, fork point, copy), never on the order of creation
-            child.meta.update(origin="fork", seed=mix_seed(traj.meta.get("seed", 0), "fork", position, k))
+            child.origin, child.seed = "fork", mix_seed(traj.seed, "fork", position, k)
             if self.environments is not None:
                 await self.environments.fork(child, traj)
             self._m["forks"] += 1
@@ -464,7 +463,7 @@ class RolloutEngine(ToolTurns):
                 raise ValueError(f"branch position {p} falls inside the result of tool call {call.tag!r} "
                                  f"(tokens {call.start}..{call.end})")  # fmt: skip
         child = parent.prefix_copy(p)
-        child.meta.update(origin="branch", seed=mix_seed(seed, p, len(parent.completion_ids)))
+        child.origin, child.seed = "branch", mix_seed(seed, p, len(parent.completion_ids))
         if self.environments is not None:
             await self.environments.fork(child, parent)
         self._m["branches"] += 1

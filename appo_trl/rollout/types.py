@@ -45,6 +45,9 @@ class ToolCallRecord:
     end: int
 
 
+Origin = Literal["root", "fork", "refill", "branch", "restart", "chain"]
+
+
 def new_uid() -> str:
     return uuid.uuid4().hex[:16]
 
@@ -69,7 +72,22 @@ class Trajectory:
         uid: unique id of this trajectory.
         parent: uid of the trajectory this one was branched from, None for a root.
         branch_pos: `completion_ids[:branch_pos]` was copied from the parent, never regenerated.
-        meta: free-form extras (`"seed"`, `"origin"`: "root" | "fork" | "refill" | "branch", ...).
+        origin: how the row began: `"root"` (an initial rollout), `"fork"` (an in-loop copy made by a branching
+            hook after a tool result), `"refill"` (a fresh rollout that brings a group to size), `"branch"` (a
+            continuation from a parent's prefix between rounds, or an agent run branched by replay), `"restart"`
+            (an agent chain begun because the agent rewrote its history) or `"chain"` (an agent run's other chain,
+            trained as a row of its own with the run's reward).
+        seed: the row's sampling seed, keyed on its lineage (never on the order of creation).
+        tree: the tree id of its prompt group in its round (the routing key that keeps a tree on one replica).
+        request_seeds: the seed of each sampler request, in order.
+        root_entropy: window entropy of the first sampled segment (inherited by forks and branches); None before
+            it is known or when entropies are not recorded.
+        agent_reward: the reward an agent returned for its run (None: not an agent run, or it returned none).
+        chain_rows: an agent run's other sampled chains (`origin="chain"`), trained with the run's reward.
+        run: for a chain row, the uid of the run row it belongs to.
+        chain: the index of this chain in its agent session.
+        messages: an agent run's assistant messages (what reward functions see as the completion).
+        generation_s: wall time spent sampling this row (agent chains).
     """
 
     prompt_ids: list[int]
@@ -84,7 +102,17 @@ class Trajectory:
     uid: str = dataclasses.field(default_factory=new_uid)
     parent: str | None = None
     branch_pos: int | None = None
-    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    origin: Origin = "root"
+    seed: int = 0
+    tree: str | None = None
+    request_seeds: list[int] = dataclasses.field(default_factory=list)
+    root_entropy: float | None = None
+    agent_reward: float | None = None
+    chain_rows: list[Trajectory] = dataclasses.field(default_factory=list)
+    run: str | None = None
+    chain: int | None = None
+    messages: list[dict[str, Any]] | None = None
+    generation_s: float = 0.0
 
     def check(self) -> None:
         """Raise `AssertionError` if the per-token lists disagree (cheap; the engine calls it on every row)."""
@@ -118,7 +146,8 @@ class Trajectory:
             group=self.group,
             parent=self.uid,
             branch_pos=position,
-            meta={k: v for k, v in self.meta.items() if k in ("root_entropy", "tree")},
+            root_entropy=self.root_entropy,
+            tree=self.tree,
         )
         fields.update(overrides)
         return Trajectory(**fields)
@@ -215,4 +244,4 @@ class BranchContext:
 
 
 __all__ = ["Backend", "BranchContext", "FinishReason", "RolloutConfig", "SamplingParams", "Segment", "ToolCallRecord",
-           "Trajectory", "new_uid"]  # fmt: skip
+           "Origin", "Trajectory", "new_uid"]  # fmt: skip

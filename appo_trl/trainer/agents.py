@@ -8,9 +8,9 @@ score the captured conversation (TRL's signature: `prompts`, `completions` as me
 event loop of their own, at most `rollout_concurrency` at a time) and turns each run into one row of its group.
 
 Rows: TRL scores one row per run (`AgentSession.row`: its last chain of exact ids; a branch's: the chain of its
-branch call), so rewards and group statistics are over runs. A run whose agent rewrote its history (`agent/forks`)
-also trains on its other sampled chains (`row.meta["forks"]`, `agent/fork_rows`), appended with the run's reward and
-advantage after TRL's scoring (`appo_trl.trainer.forks`). Rewards: the agent's number reaches TRL as the
+branch call), so rewards and group statistics are over runs. A run whose agent rewrote its history (`agent/restarts`)
+also trains on its other sampled chains (`row.chain_rows`, `agent/chain_rows`), appended with the run's reward and
+advantage after TRL's scoring (`appo_trl.trainer.chain_rows`). Rewards: the agent's number reaches TRL as the
 `agent_reward` column of the reward function `agent_reward` (first in `reward_funcs`); where it is set, the other
 reward functions' values are ignored (`agent_rewards_override`), so a row is never scored twice.
 
@@ -279,7 +279,7 @@ class AgentEngine:
     def __init__(self, rounds: AgentRounds, inputs: list[dict], n: int, prompt_ids: list[list[int]]):
         self.rounds, self.inputs, self.n, self.prompt_ids = rounds, inputs, n, prompt_ids
         self.sessions: dict[str, object] = {}  # row uid -> its run's session (branches replay it)
-        self.counts = dict.fromkeys(("errors", "timeouts", "forks", "fork_rows", "branches", "replay_divergence",
+        self.counts = dict.fromkeys(("errors", "timeouts", "restarts", "chain_rows", "branches", "replay_divergence",
                                      "replayed_calls"), 0)  # fmt: skip
         self._sem: asyncio.Semaphore | None = None
         self.config = rounds.trainer.rollout_engine.config  # entropy window, timing (strategies read them)
@@ -334,22 +334,21 @@ class AgentEngine:
         c = self.counts
         c["errors"] += error is not None
         c["timeouts"] += error is not None and error.startswith("timed out")
-        c["forks"] += max(len(session.chains) - 1, 0)
+        c["restarts"] += max(len(session.chains) - 1, 0)
         reward = 0.0 if error is not None else value
-        forks = session.fork_rows() if session.row is not None else []
-        for fork in forks:  # the run's earlier (or, in a branch, later) chains: rows of their own, same reward
-            fork.group = g
-            fork.meta.update(agent_reward=reward, origin="fork", run=row.uid)
-        c["fork_rows"] += len(forks)
+        chains = session.chain_rows() if session.row is not None else []
+        for other in chains:  # the run's earlier (or, in a branch, later) chains: rows of their own, same reward
+            other.group, other.agent_reward, other.origin, other.run = g, reward, "chain", row.uid
+        c["chain_rows"] += len(chains)
         row.group = g
-        row.meta.update(agent_reward=reward, forks=forks, origin="root",  # "fork" is a branch point to arpo's rows
-                        messages=session.completion_messages() or [{"role": "assistant", "content": ""}])  # fmt: skip
+        row.agent_reward, row.chain_rows, row.origin = reward, chains, "root"
+        row.messages = session.completion_messages() or [{"role": "assistant", "content": ""}]
         if parent is not None:
             c["branches"] += 1
             c["replayed_calls"] += session.replayed
             c["replay_divergence"] += bool(session.diverged or replay is None)
             row.parent, row.branch_pos = parent.uid, position
-            row.meta["origin"] = "branch"
+            row.origin = "branch"
         self.sessions[row.uid] = session
         return row
 

@@ -23,8 +23,8 @@ from appo_trl.reporting.rollout_dump import dump_round
 from appo_trl.trainer import trl_seams
 from appo_trl.trainer.agents import AgentRounds
 from appo_trl.trainer.async_rounds import build_async_rounds, split_cpu_threads
+from appo_trl.trainer.chain_rows import add_chain_rows
 from appo_trl.trainer.environments import generate_with_environments, share_group_tasks
-from appo_trl.trainer.forks import add_fork_rows
 from appo_trl.trainer.rows import select_rows
 from appo_trl.trainer.setup import build_rollout_engine
 from appo_trl.trainer.sharded import full_weights_for_round
@@ -245,7 +245,7 @@ class RoundRunner:
                 raise RuntimeError(f"row {i}: completion_ids, loss_mask and logprobs lengths differ")
         texts = t.processing_class_tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         if self.agents is not None:  # the agent's conversation after its prompt (assistant, tool/user, ...)
-            completions = [r.meta["messages"] for r in rows]
+            completions = [r.messages for r in rows]
         elif t.chat_tool_format is not None:  # TRL's tool-loop shape: assistant (tool_calls), tool, ..., assistant
             completions = [t.chat_tool_format.completion_messages(r) for r in rows]
         elif is_conversational({"prompt": prompts[0]}):
@@ -254,11 +254,11 @@ class RoundRunner:
             completions = texts
         extra_fields = {
             "num_tool_calls": [int(r.num_calls) for r in rows],
-            "branch_origin": [str(r.meta.get("origin", "root")) for r in rows],
+            "branch_origin": [r.origin for r in rows],
             "branch_pos": [-1 if r.branch_pos is None else int(r.branch_pos) for r in rows],
         }
         if self.agents is not None:
-            extra_fields["agent_reward"] = [r.meta.get("agent_reward") for r in rows]
+            extra_fields["agent_reward"] = [r.agent_reward for r in rows]
         row_prompt_ids = [list(r.prompt_ids) for r in rows]
         self._log(mode, strategy, batch, row_prompt_ids, completion_ids, tool_mask)
         rnd.batch, rnd.policy_version = batch, version
@@ -310,7 +310,7 @@ class RoundRunner:
         return lambda: strategy.generate(unique, n, seed)
 
     def finish(self, rnd: Round, out: dict) -> dict:
-        """TRL's scored batch, then the strategy's advantages, an agent's forked rows (`forks.add_fork_rows`) and without
+        """TRL's scored batch, then the strategy's advantages, an agent's forked rows (`chain_rows.add_chain_rows`) and without
         the rows that must not reach the loss (with `num_items_in_batch` the global mask sum of the remaining rows).
         TRL's own sampler: unchanged."""
         t, batch = self.trainer, rnd.batch
@@ -326,7 +326,7 @@ class RoundRunner:
             dump_round(t, rnd.inputs, batch, rewards, out)
         keep = list(batch.keep)
         if self.agents is not None:  # each run's forked rows join it, after the advantages over runs
-            out, keep = add_fork_rows(t, out, batch.rows, keep)
+            out, keep = add_chain_rows(t, out, batch.rows, keep)
         if self.agents is not None or not all(keep):  # (agents: every rank, whatever its forks)
             out = select_rows(out, torch.tensor([i for i, k in enumerate(keep) if k], dtype=torch.long), len(keep))
             mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]

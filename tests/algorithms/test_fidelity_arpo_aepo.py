@@ -83,7 +83,7 @@ def test_item9_prompt_counter_counts_refills_and_skips_empty_rounds():
 
 
 def _ctx(uid, group, calls, *, parent=None, origin="root", size=2, h=0.0, root=0.0):
-    traj = SimpleNamespace(uid=uid, parent=parent, group=group, num_calls=calls, meta={"origin": origin, "seed": 0})
+    traj = SimpleNamespace(uid=uid, parent=parent, group=group, num_calls=calls, origin=origin, seed=0)
     return SimpleNamespace(
         trajectory=traj,
         position=calls,

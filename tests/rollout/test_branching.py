@@ -105,10 +105,10 @@ def test_hook_forks_to_exact_group_sizes(make_engine, tiny_tokenizer, enc):  # n
     assert [len(g) for g in groups] == [5, 5]
     for g in groups:
         uids = {t.uid: t for t in g}
-        assert [t.meta["origin"] for t in g[:2]] == ["root", "root"]
+        assert [t.origin for t in g[:2]] == ["root", "root"]
         for t in g[2:]:
             parent = uids[t.parent]
-            assert t.meta["origin"] == "fork"
+            assert t.origin == "fork"
             assert t.completion_ids[: t.branch_pos] == parent.completion_ids[: t.branch_pos]
             assert t.loss_mask[: t.branch_pos] == parent.loss_mask[: t.branch_pos]
             assert same(t.logprobs[: t.branch_pos], parent.logprobs[: t.branch_pos])
@@ -124,9 +124,9 @@ def test_hook_forks_to_exact_group_sizes(make_engine, tiny_tokenizer, enc):  # n
 def test_refill_from_bare_prompt(make_engine, tiny_tokenizer, enc):  # noqa: F811
     engine, policy = make_engine(lambda ctx, rng: enc("no tools") + [tiny_tokenizer.eos_token_id])
     groups = engine.run(engine.rollout([enc("q")], 1, seed=0, hook=lambda ctx: 5, group_size=3))
-    assert [t.meta["origin"] for t in groups[0]] == ["root", "refill", "refill"]
+    assert [t.origin for t in groups[0]] == ["root", "refill", "refill"]
     assert all(t.parent is None for t in groups[0])
-    assert len({t.meta["seed"] for t in groups[0]}) == 3
+    assert len({t.seed for t in groups[0]}) == 3
     assert engine.metrics()["rollout/refills"] == 2
 
 

@@ -276,7 +276,7 @@ def test_hook_runs_after_each_tool_result_on_sampled_tokens(make_engine, tok, en
     rec = root.tool_calls[0]
     assert seen[0][0] == rec.end and seen[0][1] == 0  # right after the inserted assistant header
     assert not math.isnan(seen[0][2])  # entropy of the look-ahead tokens, all sampled
-    assert fork.meta["origin"] == "fork" and fork.completion_ids[: rec.end] == root.completion_ids[: rec.end]
+    assert fork.origin == "fork" and fork.completion_ids[: rec.end] == root.completion_ids[: rec.end]
     assert fork.completion_ids == root.completion_ids  # the scripted policy continues the same way
 
 

@@ -227,7 +227,7 @@ def test_run_is_reusable_and_works_inside_a_running_loop(make_engine, tiny_token
     first = engine.run(engine.rollout([enc("q")], 2, seed=1))
     second = engine.run(engine.rollout([enc("q")], 2, seed=1))
     assert [t.completion_ids for t in first[0]] == [t.completion_ids for t in second[0]]
-    assert [t.meta["requests"] for t in first[0]] == [t.meta["requests"] for t in second[0]]
+    assert [t.request_seeds for t in first[0]] == [t.request_seeds for t in second[0]]
 
     async def caller():  # a trainer thread that already runs an event loop
         return engine.run(engine.rollout([enc("q")], 1, seed=2))
@@ -268,8 +268,8 @@ def test_a_side_rollout_with_tree_seed_shares_its_groups_tree_ids(make_engine, t
     main = engine.run(engine.rollout(prompts, 2, seed=3))
     probe = engine.run(engine.rollout(prompts, 1, seed=3 + 7919, tree_seed=3))
     plain = engine.run(engine.rollout(prompts, 1, seed=3 + 7919))
-    trees = [{t.meta["tree"] for t in g} for g in main]
+    trees = [{t.tree for t in g} for g in main]
     assert [len(t) for t in trees] == [1, 1] and trees[0] != trees[1]
-    assert [{t.meta["tree"] for t in g} for g in probe] == trees
-    assert all(not {t.meta["tree"] for t in g} & tree for g, tree in zip(plain, trees))
-    assert [t.meta["seed"] for g in probe for t in g] == [t.meta["seed"] for g in plain for t in g]  # same samples
+    assert [{t.tree for t in g} for g in probe] == trees
+    assert all(not {t.tree for t in g} & tree for g, tree in zip(plain, trees))
+    assert [t.seed for g in probe for t in g] == [t.seed for g in plain for t in g]  # same samples

@@ -20,7 +20,7 @@ def test_a_multi_call_turn_is_one_tool_segment():
         ToolCallRecord("f", "{}", "1", True, 0.0, 2, 6),
         ToolCallRecord("f", "{}", "2", True, 0.0, 4, 6),
     ]
-    probe.meta["root_entropy"] = 0.0
+    probe.root_entropy = 0.0
     calls = []
     engine = SimpleNamespace(config=RolloutConfig(entropy_window=2, entropy_normalize=False),
                              run=lambda coro: (coro.close(), [[probe]])[1],

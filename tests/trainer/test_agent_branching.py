@@ -49,7 +49,7 @@ def test_fork_points_of_a_recorded_row_by_hand():
     # ARPO's rule on them: P = clip(τ + β·(H − H_root)) = 0.5 + 0.2·0.9 = 0.68, then clip(0.5 + 0.2·4.7) = 1
     args = types.SimpleNamespace(branch_probability=0.5, entropy_weight=0.2, beam_size=2, branch_penalty=0.05)
     hook = BranchHook(args, seed=0, penalty=False)
-    row.meta["seed"] = 3
+    row.seed = 3
     copies = [decide(hook, row, p, w.root(row), created=1, target=2, active=1) for p in (a, b)]
     assert hook.calls == 2 and hook.prob_sum == pytest.approx(0.68 + 1.0)
     assert copies[1] == 1  # P = 1: one copy, the group's one free slot
@@ -116,13 +116,13 @@ def test_arpo_and_aepo_branch_agent_runs_by_replay(tmp_path, tiny_chat_tokenizer
         assert batch.keep == [True] * 4  # ARPO / AEPO: branch rows reach the loss
         assert batch.metrics["branch/points_per_prompt"] == 1.0 and batch.metrics["branch/refill_per_prompt"] == 0
         for root, fork in batch.groups:
-            assert root.meta["origin"] == "root" and fork.meta["origin"] == "fork" and fork.parent == root.uid
+            assert root.origin == "root" and fork.origin == "fork" and fork.parent == root.uid
             p = fork.branch_pos
             # the fork point: the answer's first sampled token, right after the masked tool turn
             assert root.loss_mask[p - 1] == 0 and root.loss_mask[p] == 1 and 0 in root.loss_mask[:p]
             assert fork.prompt_ids == root.prompt_ids and fork.completion_ids[:p] == root.completion_ids[:p]
             assert fork.loss_mask[:p] == root.loss_mask[:p] and fork.logprobs[:p] == root.logprobs[:p]
-            assert fork.meta["root_entropy"] == root.meta["root_entropy"] and not math.isnan(root.meta["root_entropy"])
+            assert fork.root_entropy == root.root_entropy and not math.isnan(root.root_entropy)
             fork.check()
             assert root.prompt_ids + root.completion_ids[:p] in backend.prompts  # the branch call sampled on it
     logs = [h for h in trainer.state.log_history if "agent/branches" in h]
@@ -141,7 +141,7 @@ def test_arpo_agent_group_without_a_fork_is_refilled(tmp_path, tiny_chat_tokeniz
     strat.generate = lambda *a, **k: batches.append(real(*a, **k)) or batches[-1]
     trainer.train()
     [batch] = batches
-    assert [[t.meta["origin"] for t in g] for g in batch.groups] == [["root", "refill"]] * 2
+    assert [[t.origin for t in g] for g in batch.groups] == [["root", "refill"]] * 2
     assert all(t.parent is None for t in batch.rows) and batch.metrics["branch/probability_mean"] == 0.0
     [log] = [h for h in trainer.state.log_history if "agent/branches" in h]
     assert log["agent/branches"] == 0.0

@@ -41,7 +41,7 @@ def test_openai_agents_sdk_trains_two_steps(tmp_path, strategy, tiny_chat_tokeni
     trainer.train()
     assert trainer.state.global_step == 2
     logs = [h for h in trainer.state.log_history if "reward" in h]
-    assert all(h["agent/errors"] == 0 and h["agent/forks"] == 0 for h in logs)  # the SDK's history is extended
+    assert all(h["agent/errors"] == 0 and h["agent/restarts"] == 0 for h in logs)  # the SDK's history is extended
     assert all(h["reward"] == 0.5 for h in logs)  # per group one 42 and one 41
     if strategy == "appo":
         assert all(h["agent/branches"] == 2 and h["agent/replay_divergence"] == 0 for h in logs)
@@ -106,7 +106,7 @@ def test_smolagents_trains_two_steps_with_forked_rows(tmp_path, strategy, long_c
     assert trainer.state.global_step == 2
     logs = [h for h in trainer.state.log_history if "reward" in h]
     # each run forks once (smolagents sends its tool call back as text); its row is the last chain, exact
-    assert all(h["agent/errors"] == 0 and h["agent/forks"] >= 2 and h["reward"] == 1.0 for h in logs)
+    assert all(h["agent/errors"] == 0 and h["agent/restarts"] >= 2 and h["reward"] == 1.0 for h in logs)
     for row in batches[-1].rows:
         row.check()
         sampled = [i for i, m in zip(row.completion_ids, row.loss_mask) if m == 1]

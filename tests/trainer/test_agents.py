@@ -114,7 +114,7 @@ def test_openai_sdk_agent_trains_two_steps(tmp_path, strategy, tiny_chat_tokeniz
     assert all(any(p[: len(f)] == f and p[len(f) : len(f) + len(turn)] == turn for f in firsts) for p in seconds)
     logs = [h for h in trainer.state.log_history if "rewards/agent_reward/mean" in h]
     assert logs and all(h["rewards/agent_reward/mean"] == 0.5 for h in logs)
-    assert all(h.get("agent/errors", 0) == 0 and h.get("agent/forks", 0) == 0 for h in logs)
+    assert all(h.get("agent/errors", 0) == 0 and h.get("agent/restarts", 0) == 0 for h in logs)
     assert trainer.rounds.agents.endpoint is None  # closed after train()
 
 
@@ -160,7 +160,7 @@ def test_endpoint_rows_are_exact_and_forks_start_new_rows(tiny_chat_tokenizer):
         assert all(lp == -0.5 for lp, m in zip(row.logprobs, row.loss_mask) if m == 1)
         # a compacted history is not an extension: a second row (fork) on the template's rendering
         client.chat.completions.create(model="x", messages=[{"role": "user", "content": "6 times 7? (again)"}])
-        assert len(session.chains) == 2 and session.row.meta["origin"] == "fork"
+        assert len(session.chains) == 2 and session.row.origin == "restart"
         assert session.row.prompt_ids == renderer.prompt_ids([{"role": "user", "content": "6 times 7? (again)"}], None)
         # a wrong secret, and an ended run
         bad = base_url.replace(endpoint.secret, "x" * len(endpoint.secret))
@@ -403,7 +403,7 @@ def test_appo_branches_agent_runs_by_replay(tmp_path, tiny_chat_tokenizer, tiny_
     [batch] = batches
     rows = {r.uid: r for r in batch.rows}
     for parent, branch in batch.groups:
-        assert branch.parent == parent.uid and branch.meta["origin"] == "branch" and rows[branch.parent] is parent
+        assert branch.parent == parent.uid and branch.origin == "branch" and rows[branch.parent] is parent
         p = branch.branch_pos
         assert branch.prompt_ids == parent.prompt_ids
         assert branch.completion_ids[:p] == parent.completion_ids[:p] and branch.loss_mask[:p] == parent.loss_mask[:p]

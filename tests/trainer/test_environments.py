@@ -49,7 +49,7 @@ def test_every_row_has_its_own_environment_in_the_right_state(tmp_path, strategy
         check_row(traj, env, start=10 if traj.group == 0 else 20)
     # get_reward() once per row, branches included, on each row's own history
     assert sorted(REWARDS) == sorted(tuple(e.history) for e in envs)
-    origins = [t.meta.get("origin") for t in rows]
+    origins = [t.origin for t in rows]
     if strategy in ("arpo", "aepo"):
         assert "fork" in origins
     if strategy == "appo":

@@ -48,7 +48,7 @@ class BranchHook:
         if traj.uid not in self.base:
             if traj.parent is not None and traj.parent in self.base:
                 self.base[traj.uid] = self.base[traj.parent]
-            elif traj.meta.get("origin") == "refill":
+            elif traj.origin == "refill":
                 # the group ran dry at the end of round R = last decision + 1; k refills seen at once were
                 # created in rounds R .. R + k − 1 (the earlier ones ended without a tool call)
                 new = max(ctx.group_size - self.known.get(g, ctx.group_size), 1)
@@ -83,7 +83,7 @@ class BranchHook:
         prob = arpo_branch_probability(
             h_now, h_root, base=a.branch_probability, weight=a.entropy_weight, penalty_factor=factor
         )
-        rng = random.Random(mix_seed(self.seed, traj.meta.get("seed", 0), ctx.position))
+        rng = random.Random(mix_seed(self.seed, traj.seed, ctx.position))
         slots = max(ctx.target - ctx.group_size, 0)
         copies = int(sample_branch_copies(prob, a.beam_size - 1, rng))
         if by_prompt and min(copies, slots):
@@ -147,7 +147,7 @@ class ARPOStrategy(RolloutStrategy):
             groups = self.engine.run(self.engine.rollout(prompt_ids, counts, seed=seed, hook=hook, group_size=sizes))
         groups = [list(k) + list(g) for k, g in zip(kept, groups)]
         rows = [t for g in groups for t in g]
-        origin = [t.meta.get("origin", "root") for t in rows]
+        origin = [t.origin for t in rows]
         metrics = {
             "branch/points_per_prompt": origin.count("fork") / len(groups),
             "branch/initial_per_prompt": sum(counts) / len(groups) + sum(len(k) for k in kept) / len(groups),

@@ -61,8 +61,8 @@ class EntropyWindow:
 
     def root(self, traj) -> float:
         """The row's root entropy: its own first segment's (as the engine records it), or the one it inherited."""
-        if "root_entropy" in traj.meta:
-            return traj.meta["root_entropy"]
+        if traj.root_entropy is not None:
+            return traj.root_entropy
         segs = sampled_segments(traj.loss_mask)
         return self(traj, *segs[0]) if segs else math.nan
 
@@ -94,7 +94,7 @@ def branch_after_runs(engine, hook, prompt_ids: list[list[int]], counts: list[in
 
     def enter(t, g: int, origin: str, row_seed: int, root: float | None = None) -> None:
         t.group = g
-        t.meta.update(origin=origin, seed=row_seed, root_entropy=window.root(t) if root is None else root)
+        t.origin, t.seed, t.root_entropy = origin, row_seed, (window.root(t) if root is None else root)
         queues[t.uid] = window.fork_points(t)
 
     for g, rows in enumerate(groups):
@@ -109,7 +109,7 @@ def branch_after_runs(engine, hook, prompt_ids: list[list[int]], counts: list[in
                 if not queues[t.uid]:
                     continue
                 point, decided = queues[t.uid].pop(0), True
-                copies = decide(hook, t, point, t.meta["root_entropy"], created, sizes[g], active)
+                copies = decide(hook, t, point, t.root_entropy, created, sizes[g], active)
                 for k in range(copies):
                     requests.append((t, point.position))
                     forks.append((g, t, point.position, k))
@@ -118,8 +118,8 @@ def branch_after_runs(engine, hook, prompt_ids: list[list[int]], counts: list[in
         if requests:
             children = engine.run(engine.branch_many(requests, seed=mix_seed(seed, "wave", wave), resample=True))
             for (g, parent, position, k), child in zip(forks, children):
-                fork_seed = mix_seed(parent.meta["seed"], "fork", position, k)  # keyed on the lineage, as in the loop
-                enter(child, g, "fork", fork_seed, parent.meta["root_entropy"])
+                fork_seed = mix_seed(parent.seed, "fork", position, k)  # keyed on the lineage, as in the loop
+                enter(child, g, "fork", fork_seed, parent.root_entropy)
                 groups[g].append(child)
         elif not decided:
             short = [int(len(rows) < size) for rows, size in zip(groups, sizes)]

@@ -1,7 +1,7 @@
 """Forked rows of agent runs: a run's other chains joined to TRL's scored batch, each with its run's advantage.
 
-An agent that rewrites its history leaves one run with several chains of exact ids (`AgentSession.fork_rows`). TRL
-scores one row per run (`num_generations` per prompt: rewards and group statistics are over runs); `add_fork_rows`
+An agent that rewrites its history leaves one run with several chains of exact ids (`AgentSession.chain_rows`). TRL
+scores one row per run (`num_generations` per prompt: rewards and group statistics are over runs); `add_chain_rows`
 then appends each kept run's fork rows to TRL's output dict: their exact ids, tool mask and sampler logprobs, the
 run's advantage (token-level advantages: the run's value at its first token, since a fork precedes every branch
 point of its run), and the per-token logps TRL computed for the batch (old, reference, vLLM's importance ratio)
@@ -22,11 +22,11 @@ _COMPLETION_KEYS = {"completion_ids": None, "completion_mask": 0, "tool_mask": 1
                     "importance_sampling_ratio": 1.0}  # fmt: skip
 
 
-def add_fork_rows(trainer, out: dict, rows: list, keep: list[bool]) -> tuple[dict, list[bool]]:
+def add_chain_rows(trainer, out: dict, rows: list, keep: list[bool]) -> tuple[dict, list[bool]]:
     """`out` (TRL's batch of `rows`, one per run) with every run's fork rows appended, and `keep` extended (a fork
     row follows its run). Under several processes every rank runs the same forwards (a rank with fewer forks pads
     with its first row, then drops it), so no collective depends on local counts."""
-    forks = [(i, f) for i, r in enumerate(rows) for f in r.meta.get("forks", ())]
+    forks = [(i, f) for i, r in enumerate(rows) for f in r.chain_rows]
     needs_forward = "old_per_token_logps" in out or "ref_per_token_logps" in out
     most = len(forks)
     if needs_forward and trainer.accelerator.num_processes > 1:
@@ -145,4 +145,4 @@ def _concat(old: torch.Tensor, new: torch.Tensor, key: str, pad_id: int) -> torc
     return torch.cat([widen(old), widen(new.to(old))], dim=0)
 
 
-__all__ = ["add_fork_rows"]
+__all__ = ["add_chain_rows"]

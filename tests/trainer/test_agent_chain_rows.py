@@ -128,7 +128,7 @@ def test_forked_rows_are_exact_and_share_their_runs_advantage(tmp_path, tiny_cha
     notes = [r for r in rows if "(notes: 42)" in tok.decode(r[0])]
     assert len(notes) == 2 and all(r[3] == pytest.approx(a) for r in notes)
     [log] = [h for h in trainer.state.log_history if "reward" in h]
-    assert log["agent/forks"] == 2.0 and log["agent/fork_rows"] == 2.0 and log["reward"] == 0.5
+    assert log["agent/restarts"] == 2.0 and log["agent/chain_rows"] == 2.0 and log["reward"] == 0.5
     assert all(int(s["num_items_in_batch"]) == sum(sum(m) for *_, m, _ in rows) for s in seen)
     # the fork rows' reference / old logps are their own rows' (a forward of each row alone); old == ref at step 0
     for s in seen:
@@ -165,22 +165,22 @@ def test_compacting_agent_trains_two_steps(tmp_path, strategy, tiny_chat_tokeniz
         assert_exact(prompt, completion, mask, backend.log)
     for batch in batches:
         for row in batch.rows:
-            [fork] = row.meta["forks"] if row.meta["origin"] == "root" else [None]
+            [fork] = row.chain_rows if row.origin == "root" else [None]
             if fork is not None:  # the run's first chain: its own row, on the original prompt
                 assert "(notes:" not in tok.decode(fork.prompt_ids) and "(notes:" in tok.decode(row.prompt_ids)
                 fork.check()
     logs = [h for h in trainer.state.log_history if "reward" in h]
     if strategy == "grpo":
-        assert all(h["agent/forks"] == 4.0 and h["agent/fork_rows"] == 4.0 for h in logs)
+        assert all(h["agent/restarts"] == 4.0 and h["agent/chain_rows"] == 4.0 for h in logs)
         return
     for batch in batches:
         for parent, branch in batch.groups:
             p = branch.branch_pos
-            assert branch.parent == parent.uid and branch.meta["forks"] == []  # the replayed chain is the parent's
+            assert branch.parent == parent.uid and branch.chain_rows == []  # the replayed chain is the parent's
             assert branch.prompt_ids == parent.prompt_ids and "(notes:" in tok.decode(branch.prompt_ids)
             assert branch.completion_ids[:p] == parent.completion_ids[:p]
     # forks: each run and each branch compacts once; rows: the runs' first chains only
-    assert all(h["agent/forks"] == 4.0 and h["agent/fork_rows"] == 2.0 for h in logs)
+    assert all(h["agent/restarts"] == 4.0 and h["agent/chain_rows"] == 2.0 for h in logs)
     assert all(h["agent/replay_divergence"] == 0.0 and h["agent/branches"] == 2.0 for h in logs)
 
 
@@ -208,14 +208,14 @@ def test_a_branch_that_forks_after_its_branch_call_keeps_its_row_on_the_branch_c
     backend = LoggedBackend(tok)
     parent = _session(tok, backend)
     _solve(parent, [{"role": "user", "content": "6 times 7?"}])
-    assert parent.row is parent.chains[-1] and parent.fork_rows() == []
+    assert parent.row is parent.chains[-1] and parent.chain_rows() == []
     answer_start = parent.calls[1]["start"]
     position = answer_start + 2
     branch = _session(tok, backend, parent.branch_call(position))
     _solve(branch, [{"role": "user", "content": "6 times 7?"}])
     _solve(branch, [{"role": "user", "content": "6 times 7? (notes: 42)"}])
     assert len(branch.chains) == 2 and branch.replayed == 2 and not branch.diverged
-    assert branch.row is branch.chains[0] and branch.fork_rows() == [branch.chains[1]]
+    assert branch.row is branch.chains[0] and branch.chain_rows() == [branch.chains[1]]
     assert branch.row.completion_ids[:position] == parent.row.completion_ids[:position]
     assert branch.row.prompt_ids + branch.row.completion_ids[:position] in [a for a, _ in backend.log]
     for chain in branch.chains:
@@ -230,7 +230,7 @@ def test_a_branch_of_a_forked_run_replays_its_earlier_chain(tiny_chat_tokenizer)
     parent = _session(tok, backend)
     _solve(parent, [{"role": "user", "content": "6 times 7?"}])
     _solve(parent, [{"role": "user", "content": "6 times 7? (notes: 42)"}])
-    assert parent.row is parent.chains[1] and parent.fork_rows() == [parent.chains[0]]
+    assert parent.row is parent.chains[1] and parent.chain_rows() == [parent.chains[0]]
     with pytest.raises(ValueError):  # a position in no sampled answer of the row
         parent.branch_call(len(parent.row.completion_ids) + 5)
     position = parent.calls[3]["start"] + 1  # in the answer of the second chain
@@ -241,6 +241,6 @@ def test_a_branch_of_a_forked_run_replays_its_earlier_chain(tiny_chat_tokenizer)
     _solve(branch, [{"role": "user", "content": "6 times 7?"}])
     _solve(branch, [{"role": "user", "content": "6 times 7? (notes: 42)"}])
     assert len(backend.log) == sampled + 1 and branch.replayed == 4 and not branch.diverged
-    assert branch.row is branch.chains[1] and branch.fork_rows() == []
+    assert branch.row is branch.chains[1] and branch.chain_rows() == []
     assert branch.chains[0].completion_ids == parent.chains[0].completion_ids
     assert branch.row.completion_ids[:position] == parent.row.completion_ids[:position]
