@@ -8,7 +8,8 @@ own thread and event loop) hands each backend call to `submit` (the rollout engi
 done; sampling settings are the trainer's, and a request asking for others is answered with the trainer's (one
 warning per endpoint). `tool_choice: none` answers text without parsing calls; `required` or a named function
 cannot be forced without constraining the policy, so it is sampled unconstrained (one warning per endpoint). It
-binds 127.0.0.1 unless told otherwise; another host keeps the secret in the path.
+binds 127.0.0.1 unless told otherwise; another host keeps the secret in the path. `stream: true` is answered with
+OpenAI's server-sent-event chunks once the turn is sampled (`agent_stream`): the row is the sampler's either way.
 
 What it does not do: run agents, build training rows out of sessions or score them (`appo_trl.trainer.agents`).
 """
@@ -28,6 +29,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from appo_trl.rollout.agent_session import AgentSession, ChatRenderer
+from appo_trl.rollout.agent_stream import sse_events
 from appo_trl.rollout.types import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -184,8 +186,6 @@ class AgentEndpoint:
             body = await request.json()
         except ValueError:
             return _error(400, "the request body is not JSON")
-        if body.get("stream"):
-            return _error(400, "stream=true is not supported by the training endpoint; request without streaming")
         if int(body.get("n") or 1) != 1:
             return _error(400, "n must be 1 (each agent run is one trajectory)")
         self._warn_sampling(body)
@@ -203,6 +203,11 @@ class AgentEndpoint:
         self._m["requests"] += 1
         self._m["overhead_s"] += overhead
         self.overheads_s.append(overhead)
+        if body.get("stream"):  # sampled in full above: the stream replays the answer, the row is the sampler's
+            from starlette.responses import StreamingResponse
+
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(iter(sse_events(answer, include_usage)), media_type="text/event-stream")
         return JSONResponse(answer)
 
     def _warn_sampling(self, body: dict[str, Any]) -> None:
