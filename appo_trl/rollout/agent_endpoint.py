@@ -28,13 +28,14 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from appo_trl.rollout.agent_session import AgentSession, ChatRenderer
+from appo_trl.rollout.agent_session import AgentSession, ChatRenderer, RequestTooLong
 from appo_trl.rollout.agent_stream import sse_events
 from appo_trl.rollout.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+_BYTES_PER_TOKEN = 64  # the body cap per token of max_model_len: JSON-escaped text is rarely over 12 bytes a token
 _BACKEND_S: contextvars.ContextVar[list[float]] = contextvars.ContextVar("agent_backend_s")  # per request
 
 
@@ -57,16 +58,19 @@ class AgentEndpoint:
         model_name: the id `GET /v1/models` lists.
         host, port: where to listen (port 0: any free port).
         concurrency: most backend calls in flight from this endpoint.
+        max_body_bytes: the largest request body read (larger: HTTP 413 before parsing); default 64 bytes per token
+            of `max_model_len`, at least 1 MiB.
     """
 
     def __init__(self, submit: Callable[[Coroutine], concurrent.futures.Future], generate, renderer: ChatRenderer,
                  params: SamplingParams, max_model_len: int, model_name: str = "policy", host: str = "127.0.0.1",
-                 port: int = 0, concurrency: int = 64):  # fmt: skip
+                 port: int = 0, concurrency: int = 64, max_body_bytes: int | None = None):  # fmt: skip
         self._submit, self._generate, self.renderer = submit, generate, renderer
         self.params, self.max_model_len, self.model_name = params, max_model_len, model_name
         self.host, self.secret = host, secrets.token_urlsafe(16)
         self._sessions: dict[str, AgentSession] = {}
         self._concurrency = concurrency
+        self.max_body_bytes = max_body_bytes or max(2**20, _BYTES_PER_TOKEN * max_model_len)
         self._warned = self._warned_choice = False
         self.reset_metrics()
         # IPPROTO_TCP spelled out: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say so (uvloop always
@@ -182,8 +186,12 @@ class AgentEndpoint:
         session = self._sessions.get(p["key"])
         if session is None or session.closed:
             return _error(410, "this agent run has ended (it timed out, failed, or its round is over)")
+        raw = await self._read_body(request)
+        if raw is None:
+            return _error(413, f"the request body is over {self.max_body_bytes} bytes, the most the agent endpoint "
+                               f"reads (the model's max_model_len is {self.max_model_len} tokens)")  # fmt: skip
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except ValueError:
             return _error(400, "the request body is not JSON")
         if int(body.get("n") or 1) != 1:
@@ -193,6 +201,8 @@ class AgentEndpoint:
         _BACKEND_S.set(backend)
         try:
             answer = await session.complete(body)
+        except RequestTooLong as exc:
+            return _error(400, str(exc), "context_length_exceeded")
         except (ValueError, TypeError, KeyError) as exc:
             return _error(400, f"{type(exc).__name__}: {exc}")
         except RuntimeError as exc:
@@ -209,6 +219,22 @@ class AgentEndpoint:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(iter(sse_events(answer, include_usage)), media_type="text/event-stream")
         return JSONResponse(answer)
+
+    async def _read_body(self, request) -> bytes | None:
+        """The body, or None once it is over `max_body_bytes` (read no further: a huge body never reaches memory
+        whole, let alone the tokenizer)."""
+        try:
+            if int(request.headers.get("content-length") or 0) > self.max_body_bytes:
+                return None
+        except ValueError:
+            pass
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > self.max_body_bytes:
+                return None
+            parts.append(part)
+        return b"".join(parts)
 
     def _warn_sampling(self, body: dict[str, Any]) -> None:
         choice = body.get("tool_choice")

@@ -190,26 +190,39 @@ class AgentSession:
         extends = (chain is not None and tools_key == self._tools_key and len(norm) > len(self._history)
                    and norm[: len(self._history)] == self._history)  # fmt: skip
         if extends:
-            new, self._history = messages[len(self._history) :], list(norm)
+            new = messages[len(self._history) :]
             if chain.finish_reason == "length":
+                self._history = list(norm)
                 return self._answer([], "length", request, chain)  # the row's budget is spent
             delta = self.renderer.delta_ids(new, tools)
             end = self.renderer.turn_end_ids
             if chain.completion_ids and chain.completion_ids[-len(end) :] != end:
                 delta = list(end) + delta  # the turn was cut (length): closed as the template closes it
+            self._check_length(len(chain.prompt_ids) + len(chain.completion_ids) + len(delta))
+            self._history = list(norm)
             if len(delta) > self._budget(chain):
                 chain.finish_reason = "length"
                 return self._answer([], "length", request, chain)
             chain.append(delta, 0)
             self._messages.extend(dict(m) for m in new)
         else:
-            chain = Trajectory(prompt_ids=self.renderer.prompt_ids(messages, tools), group=self.group,
+            prompt = self.renderer.prompt_ids(messages, tools)
+            self._check_length(len(prompt))
+            chain = Trajectory(prompt_ids=prompt, group=self.group,
                                entropies=[] if self.params.logprobs else None)  # fmt: skip
             chain.origin, chain.chain = ("root" if not self.chains else "restart"), len(self.chains)
             self.chains.append(chain)
             self._tools_key, self._first, self._messages = tools_key, len(messages), [dict(m) for m in messages]
             self._history = list(norm)
         return await self._generate(chain, request)
+
+    def _check_length(self, n: int) -> None:
+        """A prompt of `n` tokens leaves room to sample within `max_model_len`, or the request is refused (400)."""
+        if n >= self.max_model_len:
+            raise RequestTooLong(
+                f"this request is {n} tokens long (the conversation as the chat template renders it); the model's "
+                f"max_model_len is {self.max_model_len} (prompt and answer together): shorten the conversation"
+            )
 
     def _budget(self, chain: Trajectory) -> int:
         c = len(chain.completion_ids)
@@ -329,6 +342,10 @@ class AgentSession:
         }  # fmt: skip
 
 
+class RequestTooLong(ValueError):
+    """A request whose prompt leaves no room to sample within the model's `max_model_len` (nothing is recorded)."""
+
+
 def check_tool_choice(choice: Any) -> None:
     """`tool_choice` is `auto`, `none` (the answer is text: no calls are parsed), `required` or a named function
     (both sampled unconstrained: the policy's own choice is what trains; the endpoint warns once); else an error."""
@@ -360,4 +377,4 @@ def _seed(base: int, k: int) -> int:
     return hash((base, k)) % (2**31)
 
 
-__all__ = ["AgentSession", "ChatRenderer", "Replay", "normalise", "template_message"]
+__all__ = ["AgentSession", "ChatRenderer", "Replay", "RequestTooLong", "normalise", "template_message"]
