@@ -19,6 +19,13 @@ Each chain is one `Trajectory` (prompt, completion, mask, logprobs: the row inva
 is the run's row (the last chain; a branch's: the chain of its branch call), `chain_rows` its other sampled chains. Tool
 calls in the sampled text are parsed with the template's tool-call format (`ChatToolFormat`) and returned as
 `message.tool_calls`. Sampling settings are the caller's (`SamplingParams` from the trainer), never the request's.
+
+Budget: a chain holds at most `params.max_tokens` (`max_completion_length`) completion tokens, its sampled answers
+and the rendered messages between them together, and fits `max_model_len`. A request's `max_tokens` (or
+`max_completion_tokens`) caps that turn only: its answer is at most that many tokens (`finish_reason: length`), the
+next turn closes it with the template's turn end and samples on; it never ends the chain. Once the chain's budget is
+spent, later turns are answered empty (`length`). A request longer than `max_model_len` is refused
+(`RequestTooLong`).
 What it does not do: serve HTTP (`appo_trl.rollout.agent_endpoint`), run agents or score (the trainer).
 """
 
@@ -143,6 +150,7 @@ class AgentSession:
         self._history: list[tuple] = []  # normalised messages of the current chain, the last answer included
         self._tools_key: str | None = None
         self._first: int = 0  # messages of the chain's first request (its prompt)
+        self._full = False  # the current chain's budget is spent: later extensions are answered empty (length)
         self._messages: list[dict] = []  # the current chain's conversation (for reward functions)
         self.calls: list[dict] = []  # every answered request: the ids it sampled on, its answer, where it went
         self.replay: Replay | None = None
@@ -191,17 +199,17 @@ class AgentSession:
                    and norm[: len(self._history)] == self._history)  # fmt: skip
         if extends:
             new = messages[len(self._history) :]
-            if chain.finish_reason == "length":
+            if self._full:  # the row's budget is spent (a turn's own max_tokens only ends that turn)
                 self._history = list(norm)
-                return self._answer([], "length", request, chain)  # the row's budget is spent
+                return self._answer([], "length", request, chain)
             delta = self.renderer.delta_ids(new, tools)
             end = self.renderer.turn_end_ids
             if chain.completion_ids and chain.completion_ids[-len(end) :] != end:
                 delta = list(end) + delta  # the turn was cut (length): closed as the template closes it
             self._check_length(len(chain.prompt_ids) + len(chain.completion_ids) + len(delta))
             self._history = list(norm)
-            if len(delta) > self._budget(chain):
-                chain.finish_reason = "length"
+            if len(delta) > self._budget(chain):  # the new messages do not fit: the row ends here
+                chain.finish_reason, self._full = "length", True
                 return self._answer([], "length", request, chain)
             chain.append(delta, 0)
             self._messages.extend(dict(m) for m in new)
@@ -212,6 +220,7 @@ class AgentSession:
                                entropies=[] if self.params.logprobs else None)  # fmt: skip
             chain.origin, chain.chain = ("root" if not self.chains else "restart"), len(self.chains)
             self.chains.append(chain)
+            self._full = False
             self._tools_key, self._first, self._messages = tools_key, len(messages), [dict(m) for m in messages]
             self._history = list(norm)
         return await self._generate(chain, request)
@@ -242,7 +251,7 @@ class AgentSession:
     async def _generate(self, chain: Trajectory, request: dict) -> dict:
         room = self._budget(chain)
         if room < 1:
-            chain.finish_reason = "length"
+            chain.finish_reason, self._full = "length", True
             return self._answer([], "length", request, chain)
         asked = request.get("max_completion_tokens") or request.get("max_tokens")
         full, k = chain.prompt_ids + chain.completion_ids, self.requests
@@ -292,6 +301,7 @@ class AgentSession:
                            "start": len(chain.completion_ids), "replayed": replayed})  # fmt: skip
         chain.append(list(seg.token_ids), 1, list(seg.logprobs), entropies if chain.entropies is not None else None)
         chain.finish_reason = seg.finish_reason
+        self._full = self._budget(chain) < 1
         return self._answer(list(seg.token_ids), seg.finish_reason, request, chain, seg.logprobs)
 
     def branch_call(self, position: int, resample: bool = True) -> Replay:

@@ -92,3 +92,27 @@ def test_a_huge_body_is_refused_before_it_is_read_whole(tiny_chat_tokenizer):
         reply = httpx.post(base_url + "/chat/completions", content=chunks, timeout=30)
         assert reply.status_code == 413
         assert backend.prompts == [] and session.chains == []
+
+
+def test_max_tokens_caps_its_turn_only(tiny_chat_tokenizer):
+    """A turn capped at 2 tokens ends that turn; the next turn samples on (the row's budget is not spent)."""
+    tok = tiny_chat_tokenizer
+    with serve(tok, max_tokens=200) as (endpoint, backend):
+        base_url, session = endpoint.open_session()
+        client = openai.OpenAI(base_url=base_url, api_key="-", max_retries=0)
+        messages = [{"role": "user", "content": "6 times 7?"}]
+        first = client.chat.completions.create(model="x", messages=messages, max_tokens=2)
+        assert first.choices[0].finish_reason == "length" and first.usage.completion_tokens == 2
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+        second = client.chat.completions.create(model="x", messages=messages, max_completion_tokens=60)
+        assert second.choices[0].finish_reason == "tool_calls" and second.usage.completion_tokens > 2
+        [row] = session.chains
+        row.check()
+        sampled = [m for m in row.loss_mask if m == 1]
+        assert len(sampled) == 2 + second.usage.completion_tokens
+        # the cut turn is closed with the template's turn end (not sampled) before the user turn
+        end = endpoint.renderer.turn_end_ids
+        assert row.completion_ids[2 : 2 + len(end)] == end and row.loss_mask[2] == 0
+        assert len(backend.prompts) == 2 and backend.prompts[1] == row.prompt_ids + row.completion_ids[
+            : len(backend.prompts[1]) - len(row.prompt_ids)]  # fmt: skip
+        client.close()
