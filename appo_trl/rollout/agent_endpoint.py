@@ -5,8 +5,9 @@
 works unchanged and each request lands in its run's `AgentSession` (exact ids, forks: `agent_session`). The secret
 is drawn per endpoint (per training run): another local process cannot guess a URL. The server (uvicorn, on its
 own thread and event loop) hands each backend call to `submit` (the rollout engine's loop) and answers when it is
-done; sampling settings are the trainer's, and a request asking for others is answered with the trainer's (one
-warning per endpoint). `tool_choice: none` answers text without parsing calls; `required` or a named function
+done. A body is checked before anything is rendered (`agent_request`: over `max_body_bytes` a 413, a bad or
+unsupported field a 400 naming it; never a traceback in the log); sampling settings are the trainer's, and a request
+asking for others is answered with the trainer's (one warning per endpoint). `tool_choice: none` answers text without parsing calls; `required` or a named function
 cannot be forced without constraining the policy, so it is sampled unconstrained (one warning per endpoint). It
 binds 127.0.0.1 unless told otherwise; another host keeps the secret in the path. `stream: true` is answered with
 OpenAI's server-sent-event chunks once the turn is sampled (`agent_stream`): the row is the sampler's either way.
@@ -26,15 +27,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
 
+from appo_trl.rollout.agent_request import ChatRequest, RequestError, parse_request
 from appo_trl.rollout.agent_session import AgentSession, ChatRenderer, RequestTooLong
 from appo_trl.rollout.agent_stream import sse_events
 from appo_trl.rollout.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k")
 _BYTES_PER_TOKEN = 64  # the body cap per token of max_model_len: JSON-escaped text is rarely over 12 bytes a token
 _BACKEND_S: contextvars.ContextVar[list[float]] = contextvars.ContextVar("agent_backend_s")  # per request
 
@@ -71,7 +71,7 @@ class AgentEndpoint:
         self._sessions: dict[str, AgentSession] = {}
         self._concurrency = concurrency
         self.max_body_bytes = max_body_bytes or max(2**20, _BYTES_PER_TOKEN * max_model_len)
-        self._warned = self._warned_choice = False
+        self._warned = self._warned_choice = self._warned_unknown = False
         self.reset_metrics()
         # IPPROTO_TCP spelled out: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say so (uvloop always
         # does), and an answer's head and body are two writes: with Nagle on, the body waits out the client's
@@ -175,7 +175,7 @@ class AgentEndpoint:
         from starlette.responses import JSONResponse
 
         p = request.path_params
-        if not secrets.compare_digest(p["secret"], self.secret):
+        if not secrets.compare_digest(p["secret"].encode(), self.secret.encode()):  # bytes: any path text
             return _error(404, "not found", "not_found_error")
         rest = p["rest"].strip("/")
         if request.method == "GET" and rest == "models":
@@ -191,12 +191,13 @@ class AgentEndpoint:
             return _error(413, f"the request body is over {self.max_body_bytes} bytes, the most the agent endpoint "
                                f"reads (the model's max_model_len is {self.max_model_len} tokens)")  # fmt: skip
         try:
-            body = json.loads(raw)
-        except ValueError:
+            req = parse_request(json.loads(raw))
+        except RequestError as exc:
+            return _error(400, str(exc))
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError
             return _error(400, "the request body is not JSON")
-        if int(body.get("n") or 1) != 1:
-            return _error(400, "n must be 1 (each agent run is one trajectory)")
-        self._warn_sampling(body)
+        self._warn_settings(req)
+        body = req.model_dump(exclude_none=True)
         start, backend = time.perf_counter(), [0.0]
         _BACKEND_S.set(backend)
         try:
@@ -207,16 +208,20 @@ class AgentEndpoint:
             return _error(400, f"{type(exc).__name__}: {exc}")
         except RuntimeError as exc:
             return _error(410 if session.closed else 500, str(exc), "server_error")
+        except Exception as exc:  # a backend failure: one line in the log, not a traceback wall; the agent sees 500
+            logger.warning("agent endpoint: a request failed: %s: %s", type(exc).__name__, exc)
+            logger.debug("agent endpoint request failure", exc_info=True)
+            return _error(500, f"{type(exc).__name__}: {exc}", "server_error")
         answer["model"] = self.model_name
         spent = time.perf_counter() - start
         overhead = max(spent - backend[0], 0.0)  # the endpoint's own time: parsing, rendering, answering
         self._m["requests"] += 1
         self._m["overhead_s"] += overhead
         self.overheads_s.append(overhead)
-        if body.get("stream"):  # sampled in full above: the stream replays the answer, the row is the sampler's
+        if req.stream:  # sampled in full above: the stream replays the answer, the row is the sampler's
             from starlette.responses import StreamingResponse
 
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
             return StreamingResponse(iter(sse_events(answer, include_usage)), media_type="text/event-stream")
         return JSONResponse(answer)
 
@@ -236,8 +241,9 @@ class AgentEndpoint:
             parts.append(part)
         return b"".join(parts)
 
-    def _warn_sampling(self, body: dict[str, Any]) -> None:
-        choice = body.get("tool_choice")
+    def _warn_settings(self, req: ChatRequest) -> None:
+        """One warning per run for each kind of request setting the endpoint does not follow."""
+        choice = req.tool_choice
         if not self._warned_choice and (choice == "required" or isinstance(choice, dict)):
             self._warned_choice = True
             logger.warning(
@@ -245,17 +251,24 @@ class AgentEndpoint:
                 "decoding would train on tokens the policy did not choose): it samples unconstrained and answers a "
                 "turn without a call as text (this warning is shown once per run)", json.dumps(choice),
             )  # fmt: skip
+        if req.unknown and not self._warned_unknown:
+            self._warned_unknown = True
+            logger.warning("agent requests carry fields the training endpoint does not know and ignores: %s (this "
+                           "warning is shown once per run)", ", ".join(req.unknown))  # fmt: skip
         if self._warned:
             return
-        asked = {k: body[k] for k in _SAMPLING_KEYS if body.get(k) is not None}
-        mine = {"temperature": self.params.temperature, "top_p": self.params.top_p, "top_k": self.params.top_k}
-        differ = {k: v for k, v in asked.items() if float(v) != float(mine[k])}
+        mine = {"temperature": self.params.temperature, "top_p": self.params.top_p, "top_k": self.params.top_k,
+                "presence_penalty": 0.0, "frequency_penalty": 0.0}  # fmt: skip
+        differ = {k: getattr(req, k) for k in mine if getattr(req, k) is not None and getattr(req, k) != mine[k]}
+        if req.seed is not None:
+            differ["seed"] = req.seed
         if differ:
             self._warned = True
             logger.warning(
-                "agent requests asked for %s; the training endpoint samples with the trainer's settings (%s), as "
-                "every rollout does (this warning is shown once per run)",
-                ", ".join(f"{k}={v}" for k, v in differ.items()), ", ".join(f"{k}={v}" for k, v in mine.items()),
+                "agent requests asked for %s; the training endpoint samples with the trainer's settings (%s) and "
+                "its own per-run seeds, as every rollout does (this warning is shown once per run)",
+                ", ".join(f"{k}={v}" for k, v in differ.items()),
+                ", ".join(f"{k}={v}" for k, v in list(mine.items())[:3]),
             )  # fmt: skip
 
 

@@ -109,10 +109,15 @@ class ChatRenderer:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
     def render(self, messages: list[dict], tools: list | None) -> str:
-        return self.tokenizer.apply_chat_template(
-            [template_message(m) for m in messages], tools=tools or None, chat_template=self.chat_template,
-            tokenize=False, add_generation_prompt=True, **self.kwargs,
-        )  # fmt: skip
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                [template_message(m) for m in messages], tools=tools or None, chat_template=self.chat_template,
+                tokenize=False, add_generation_prompt=True, **self.kwargs,
+            )  # fmt: skip
+        except TemplateError as exc:  # the template refuses these messages (say, a role it does not know)
+            raise ValueError(f"the model's chat template cannot render these messages: {exc}") from None
 
     def prompt_ids(self, messages: list[dict], tools: list | None) -> list[int]:
         return self.encode(self.render(messages, tools))

@@ -116,3 +116,68 @@ def test_max_tokens_caps_its_turn_only(tiny_chat_tokenizer):
         assert len(backend.prompts) == 2 and backend.prompts[1] == row.prompt_ids + row.completion_ids[
             : len(backend.prompts[1]) - len(row.prompt_ids)]  # fmt: skip
         client.close()
+
+
+# fmt: off
+MALFORMED = [  # (body, the field the 400 names)
+    ({"model": "x", "messages": "hi"}, "messages: Input should be a valid list"),
+    ({"model": "x", "messages": []}, "messages: List should have at least 1 item"),
+    ({"model": "x", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "",
+                                                                    "tool_calls": "bad"}]},
+     "messages.1.tool_calls: Input should be a valid list"),
+    ({"model": "x", "messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+     "messages.0.tool_calls.0.function.name: Field required"),
+    ({"model": "x", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
+     "messages.0.content: only text parts are served"),
+    ({"model": "x", "messages": [{"role": "robot", "content": "a"}]}, "messages.0.role: Input should be"),
+    ({"model": "x", "messages": [{"role": "user", "content": "a"}], "n": "abc"}, "n: Input should be a valid integer"),
+    ({"model": "x", "messages": [{"role": "user", "content": "a"}], "n": 2}, "n: n=2 is not served"),
+    ({"model": "x", "messages": [{"role": "user", "content": "a"}], "temperature": "hot"},
+     "temperature: Input should be a valid number"),
+    ({"model": "x", "messages": [{"role": "user", "content": "a"}], "max_tokens": 0},
+     "max_tokens: Input should be greater than or equal to 1"),
+    ({"model": "x", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}},
+     "response_format: 'json_object' is not served"),
+    ({"model": "x", "messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]},
+     "tools.0.function: Field required"),
+    ({"model": "x", "messages": [{"role": "user", "content": "a"}], "functions": [{"name": "f"}]},
+     "functions: the legacy `functions` form is not served"),
+    ({"model": "x", "messages": [{"role": "user", "content": "a"}], "logit_bias": {"5": 10}}, "logit_bias: is not"),
+    ([1, 2], "body: Input should be a valid dictionary"),
+    (b"{not json", "the request body is not JSON"),
+    (b"\xff\xfe", "the request body is not JSON"),
+]
+# fmt: on
+
+
+def test_malformed_requests_get_a_400_naming_the_field_and_no_traceback(tiny_chat_tokenizer, caplog, capfd):
+    with caplog.at_level("DEBUG"), serve(tiny_chat_tokenizer) as (endpoint, backend):
+        base_url, session = endpoint.open_session()
+        for body, expected in MALFORMED:
+            reply = post(base_url, body)
+            assert reply.status_code == 400, (body, reply.text)
+            assert reply.json()["error"]["message"].startswith(expected), (body, reply.json())
+        # the openai SDK (it retries 5xx, not 400): one request, one clear error
+        client = openai.OpenAI(base_url=base_url, api_key="-")
+        with pytest.raises(openai.BadRequestError, match="temperature: Input should be a valid number"):
+            client.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}], temperature="hot")
+        client.close()
+        # a secret with non-ASCII text, and an unknown one: 404
+        wrong = base_url.replace(endpoint.secret, "s\u00e9cr\u00e8t\u2603")
+        assert httpx.get(wrong.rsplit("/v1", 1)[0] + "/v1/models").status_code == 404
+        assert backend.prompts == [] and session.chains == []
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err and "Exception in ASGI" not in out + err
+    assert not [r for r in caplog.records if r.exc_info or r.levelname in ("ERROR", "CRITICAL")]
+
+
+def test_settings_the_endpoint_does_not_follow_are_warned_once(tiny_chat_tokenizer, caplog):
+    with caplog.at_level("WARNING", logger="appo_trl.rollout.agent_endpoint"), serve(tiny_chat_tokenizer) as (ep, _):
+        for _ in range(2):
+            body = {"model": "x", "messages": [{"role": "user", "content": "a"}], "seed": 3, "top_p": 0.5,
+                    "frequency_penalty": 0.2, "user": "me", "parallel_tool_calls": True, "guided_json": {}}  # fmt: skip
+            assert post(ep.open_session()[0], body).status_code == 200
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert any("top_p=0.5, frequency_penalty=0.2, seed=3" in line for line in lines)
+    assert any("does not know and ignores: guided_json (" in line for line in lines)  # `user` and the like: quiet
