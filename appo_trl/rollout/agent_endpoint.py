@@ -35,6 +35,7 @@ from appo_trl.rollout.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+_LIVE: set[str] = set()  # the secrets of endpoints not yet closed (`redact`)
 _BYTES_PER_TOKEN = 64  # the body cap per token of max_model_len: JSON-escaped text is rarely over 12 bytes a token
 _BACKEND_S: contextvars.ContextVar[list[float]] = contextvars.ContextVar("agent_backend_s")  # per request
 
@@ -68,6 +69,7 @@ class AgentEndpoint:
         self._submit, self._generate, self.renderer = submit, generate, renderer
         self.params, self.max_model_len, self.model_name = params, max_model_len, model_name
         self.host, self.secret = host, secrets.token_urlsafe(16)
+        _LIVE.add(self.secret)
         self._sessions: dict[str, AgentSession] = {}
         self._concurrency = concurrency
         self.max_body_bytes = max_body_bytes or max(2**20, _BYTES_PER_TOKEN * max_model_len)
@@ -123,6 +125,7 @@ class AgentEndpoint:
             self._thread.join(timeout=10)
             self._server = None
         self._sock.close()
+        _LIVE.discard(self.secret)
 
     # ---- sessions ----------------------------------------------------------------------------------------------
     def open_session(self, seed: int = 0, group: int = 0, session_id: str | None = None) -> tuple[str, AgentSession]:
@@ -272,4 +275,16 @@ class AgentEndpoint:
             )  # fmt: skip
 
 
-__all__ = ["AgentEndpoint"]
+def live_secrets() -> frozenset[str]:
+    """The per-run secrets of the endpoints in this process that are not closed."""
+    return frozenset(_LIVE)
+
+
+def redact(text: str) -> str:
+    """`text` with every live endpoint secret replaced by `***` (for logs and error lines)."""
+    for secret in _LIVE:
+        text = text.replace(secret, "***")
+    return text
+
+
+__all__ = ["AgentEndpoint", "live_secrets", "redact"]

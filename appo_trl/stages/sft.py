@@ -284,9 +284,10 @@ def main(script_args, training_args, model_args, recipe=None, callbacks=None):
     from appo_trl.data import load_sft_dataset
     from appo_trl.reporting.hub import defer_push, push_model
     from appo_trl.reporting.trackers import prepare_trackers
+    from appo_trl.stages.logs import setup_logging
     from appo_trl.trainer.checkpoints import resolve_resume_checkpoint, save_final_model
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()  # INFO; request loggers at WARNING; agent endpoint secrets redacted
     prepare_trackers(training_args)  # a missing tracker package fails here; wandb offline without an account
     from appo_trl.configs import preflight
 

@@ -55,11 +55,12 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
     from appo_trl.reporting.hub import defer_push, push_model, recipe_dict
     from appo_trl.reporting.trackers import prepare_trackers
     from appo_trl.rewards import get_reward_func
+    from appo_trl.stages.logs import setup_logging
     from appo_trl.trainer.checkpoints import resolve_resume_checkpoint, save_final_model
     from appo_trl.trainer.trainer import APPOTrainer
 
     prepare_trackers(training_args)  # a missing tracker package fails here; wandb offline without an account
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()  # INFO; request loggers at WARNING; agent endpoint secrets redacted
     recipe = recipe if recipe is not None else recipe_dict(script_args, training_args, model_args)
     model_init_kwargs = {
         "revision": model_args.model_revision,
