@@ -84,6 +84,7 @@ class AgentEndpoint:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.port = self._sock.getsockname()[1]
+        self.url_host = _reachable(host)  # the host agents are given: a wildcard bind is no address to connect to
         if host not in ("127.0.0.1", "localhost", "::1"):
             logger.warning("agent endpoint listens on %s:%d; its URLs carry the run's secret, keep them private",
                            host, self.port)  # fmt: skip
@@ -146,7 +147,8 @@ class AgentEndpoint:
             session.closed = True
 
     def base_url(self, key: str) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        host = self.url_host
+        host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{self.port}/{self.secret}/{key}/v1"
 
     # ---- metrics -----------------------------------------------------------------------------------------------
@@ -273,6 +275,22 @@ class AgentEndpoint:
                 ", ".join(f"{k}={v}" for k, v in differ.items()),
                 ", ".join(f"{k}={v}" for k, v in list(mine.items())[:3]),
             )  # fmt: skip
+
+
+def _reachable(host: str) -> str:
+    """`host`, or for a wildcard bind (`0.0.0.0`, `::`, empty) this machine's address on its default route (what
+    agents in sandboxes on other hosts can reach), else loopback."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    family, probe, loopback = ((socket.AF_INET6, ("2001:db8::1", 9), "::1") if host == "::" else
+                               (socket.AF_INET, ("192.0.2.1", 9), "127.0.0.1"))  # fmt: skip
+    try:  # a UDP connect picks the outgoing interface and sends nothing (the probe is a documentation address)
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(probe)
+            address = s.getsockname()[0]
+    except OSError:
+        return loopback
+    return address if address not in ("0.0.0.0", "::") else loopback
 
 
 def live_secrets() -> frozenset[str]:

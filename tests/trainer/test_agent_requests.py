@@ -181,3 +181,14 @@ def test_settings_the_endpoint_does_not_follow_are_warned_once(tiny_chat_tokeniz
     assert len(lines) == 2, lines
     assert any("top_p=0.5, frequency_penalty=0.2, seed=3" in line for line in lines)
     assert any("does not know and ignores: guided_json (" in line for line in lines)  # `user` and the like: quiet
+
+
+def test_a_wildcard_host_hands_agents_a_reachable_url(tiny_chat_tokenizer):
+    with serve(tiny_chat_tokenizer, host="0.0.0.0") as (endpoint, _):
+        base_url, _ = endpoint.open_session()
+        host = httpx.URL(base_url).host
+        assert host not in ("0.0.0.0", "") and endpoint.url_host == host
+        client = openai.OpenAI(base_url=base_url, api_key="-", max_retries=0)
+        reply = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "6 times 7?"}])
+        assert reply.choices[0].finish_reason == "tool_calls"
+        client.close()

@@ -22,7 +22,8 @@ AGENT_HELP = {
     "agent_timeout_s": _rollout("Seconds one agent run may take before it is abandoned (as an error)."),
     "agent_host": _rollout(
         "Address the agent endpoint binds (another host: for agents in remote sandboxes; the per-run secret in "
-        "every URL keeps other clients out)."
+        "every URL keeps other clients out). A wildcard (0.0.0.0, ::) gives agents this machine's address on its "
+        "default route (else loopback) in their base URL."
     ),
     "agent_port": _rollout("Port of the agent endpoint (0: any free port)."),
 }
