@@ -191,7 +191,12 @@ class AgentEndpoint:
         session = self._sessions.get(p["key"])
         if session is None or session.closed:
             return _error(410, "this agent run has ended (it timed out, failed, or its round is over)")
-        raw = await self._read_body(request)
+        from starlette.requests import ClientDisconnect
+
+        try:
+            raw = await self._read_body(request)
+        except ClientDisconnect:  # the agent went away mid-body (cancelled, timed out): nobody reads an answer
+            return _error(400, "the client disconnected before sending the whole body")
         if raw is None:
             return _error(413, f"the request body is over {self.max_body_bytes} bytes, the most the agent endpoint "
                                f"reads (the model's max_model_len is {self.max_model_len} tokens)")  # fmt: skip

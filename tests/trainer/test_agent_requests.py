@@ -192,3 +192,20 @@ def test_a_wildcard_host_hands_agents_a_reachable_url(tiny_chat_tokenizer):
         reply = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "6 times 7?"}])
         assert reply.choices[0].finish_reason == "tool_calls"
         client.close()
+
+
+def test_a_client_gone_mid_body_leaves_no_traceback(tiny_chat_tokenizer, capfd):
+    """An agent cancelled while sending its request (a timeout, Ctrl-C): the endpoint drops it without a traceback."""
+    import socket
+    import time
+
+    with serve(tiny_chat_tokenizer) as (endpoint, backend):
+        base_url, session = endpoint.open_session()
+        path = base_url.split(f":{endpoint.port}", 1)[1] + "/chat/completions"
+        with socket.create_connection(("127.0.0.1", endpoint.port)) as s:
+            s.sendall(f'POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{{"model'.encode())
+            time.sleep(0.2)
+        time.sleep(0.5)  # the server notices the disconnect
+        assert post(base_url, {"model": "x", "messages": [{"role": "user", "content": "a"}]}).status_code == 200
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err and "Exception in ASGI" not in out + err, err
