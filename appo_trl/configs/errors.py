@@ -48,9 +48,12 @@ class PreflightError(ConfigError):
 
 
 def one_line(message: object) -> str:
-    """The message on one line: inner newlines become '; ' (indentation dropped)."""
+    """The message on one line: inner newlines become '; ' (indentation dropped); an agent endpoint's secret (an
+    agent's error quoting its base URL) written as `***`."""
     parts = [part.strip() for part in str(message).splitlines() if part.strip()]
-    return "; ".join(parts).replace(":;", ":")
+    text = "; ".join(parts).replace(":;", ":")
+    endpoint = sys.modules.get("appo_trl.rollout.agent_endpoint")  # loaded only where an endpoint was made
+    return endpoint.redact(text) if endpoint is not None else text
 
 
 def pop_debug(argv: Sequence[str]) -> tuple[list[str], bool]:

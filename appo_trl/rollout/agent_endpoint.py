@@ -35,7 +35,7 @@ from appo_trl.rollout.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_LIVE: set[str] = set()  # the secrets of endpoints not yet closed (`redact`)
+_SECRETS: set[str] = set()  # every endpoint secret drawn in this process, a closed endpoint's too (`redact`)
 _BYTES_PER_TOKEN = 64  # the body cap per token of max_model_len: JSON-escaped text is rarely over 12 bytes a token
 _BACKEND_S: contextvars.ContextVar[list[float]] = contextvars.ContextVar("agent_backend_s")  # per request
 
@@ -69,7 +69,7 @@ class AgentEndpoint:
         self._submit, self._generate, self.renderer = submit, generate, renderer
         self.params, self.max_model_len, self.model_name = params, max_model_len, model_name
         self.host, self.secret = host, secrets.token_urlsafe(16)
-        _LIVE.add(self.secret)
+        _SECRETS.add(self.secret)
         self._sessions: dict[str, AgentSession] = {}
         self._concurrency = concurrency
         self.max_body_bytes = max_body_bytes or max(2**20, _BYTES_PER_TOKEN * max_model_len)
@@ -126,7 +126,6 @@ class AgentEndpoint:
             self._thread.join(timeout=10)
             self._server = None
         self._sock.close()
-        _LIVE.discard(self.secret)
 
     # ---- sessions ----------------------------------------------------------------------------------------------
     def open_session(self, seed: int = 0, group: int = 0, session_id: str | None = None) -> tuple[str, AgentSession]:
@@ -298,16 +297,16 @@ def _reachable(host: str) -> str:
     return address if address not in ("0.0.0.0", "::") else loopback
 
 
-def live_secrets() -> frozenset[str]:
-    """The per-run secrets of the endpoints in this process that are not closed."""
-    return frozenset(_LIVE)
+def drawn_secrets() -> frozenset[str]:
+    """The per-run secrets of every endpoint made in this process (an error quoting a URL may outlive its endpoint)."""
+    return frozenset(_SECRETS)
 
 
 def redact(text: str) -> str:
-    """`text` with every live endpoint secret replaced by `***` (for logs and error lines)."""
-    for secret in _LIVE:
+    """`text` with every endpoint secret of this process replaced by `***` (for logs and error lines)."""
+    for secret in _SECRETS:
         text = text.replace(secret, "***")
     return text
 
 
-__all__ = ["AgentEndpoint", "live_secrets", "redact"]
+__all__ = ["AgentEndpoint", "drawn_secrets", "redact"]

@@ -3,7 +3,7 @@ request, and no agent endpoint secret in any line.
 
 `setup_logging()` is what `appo train` and `appo sft` call first. httpx (and httpx2), openai and uvicorn log each request
 at INFO with its URL, and an agent run's base URL carries the endpoint's per-run secret; those loggers stay at WARNING,
-and a filter on the root handlers replaces every live secret (`agent_endpoint.redact`) in whatever else is logged
+and a filter on the root handlers replaces every endpoint secret (`agent_endpoint.redact`) in whatever else is logged
 (an agent's error message quoting its URL, a traceback).
 """
 
@@ -19,11 +19,11 @@ REQUEST_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "openai", "openai
 
 
 class RedactSecrets(logging.Filter):
-    """Replaces the agent endpoints' live secrets in a record's message and traceback (a handler filter)."""
+    """Replaces the agent endpoints' secrets in a record's message and traceback (a handler filter)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         endpoint = sys.modules.get("appo_trl.rollout.agent_endpoint")
-        if endpoint is None or not endpoint.live_secrets():
+        if endpoint is None or not endpoint.drawn_secrets():
             return True
         message = record.getMessage()
         clean = endpoint.redact(message)

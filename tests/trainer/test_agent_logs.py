@@ -59,3 +59,32 @@ def test_appo_train_logs_no_secret(tmp_path, tiny_chat_model_path):
     assert "HTTP Request" not in log  # httpx's per-request INFO line, with the URL
     # no URL path segment that looks like the secret (22 url-safe characters) anywhere
     assert not re.search(r"127\.0\.0\.1:\d+/[A-Za-z0-9_-]{22}/", log), log[-3000:]
+
+
+def test_error_lines_and_log_records_write_the_secret_as_stars(tiny_chat_tokenizer):
+    """`appo train: error: ...` lines (`one_line`) and log records through the CLI's handler filter, also after the
+    endpoint closed (an error raised out of `train()` is printed after its `finally` closed the endpoint)."""
+    import logging
+
+    from appo_trl.configs.errors import one_line
+    from appo_trl.rollout.agent_endpoint import AgentEndpoint
+    from appo_trl.rollout.agent_session import ChatRenderer
+    from appo_trl.rollout.types import SamplingParams
+    from appo_trl.stages.logs import RedactSecrets
+
+    endpoint = AgentEndpoint(None, None, ChatRenderer(tiny_chat_tokenizer), SamplingParams(max_tokens=8), 64)
+    url = endpoint.base_url("k")
+    endpoint.close()
+    line = one_line(f"RuntimeError: agent failed\n  at {url}")
+    assert (
+        endpoint.secret not in line and line == f"RuntimeError: agent failed; at {url.replace(endpoint.secret, '***')}"
+    )
+    try:
+        raise RuntimeError(f"refused by {url}")
+    except RuntimeError:
+        import sys
+
+        record = logging.LogRecord("x", logging.WARNING, __file__, 1, "agent at %s failed", (url,), sys.exc_info())
+    assert RedactSecrets().filter(record)
+    text = logging.Formatter().format(record)
+    assert endpoint.secret not in text and text.count("/***/k/v1") == 2, text
