@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import field
 
+from appo_trl.trainer.config.checks import fail
 from appo_trl.trainer.config.script import _strategy
 
 CREDIT_HELP = {
@@ -46,8 +47,6 @@ DEFAULTS = {"tree_credit_global_weight": 1.0, "tree_credit_local_weight": 1.0, "
 
 def check_credit(cfg, strategy) -> None:
     """Refuse a tree-credit setting that cannot be honoured; resolve `tree_credit_branch_rows` (appo only)."""
-    from appo_trl.trainer.strategies.base import fail
-
     tree = cfg.advantage_estimator == "tree"
     if not tree:
         changed = [k for k, v in DEFAULTS.items() if getattr(cfg, k) != v] + (
