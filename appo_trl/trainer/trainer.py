@@ -153,8 +153,10 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
         from appo_trl.trainer.reward_checks import NaNRewardGuard, checked_reward_func
 
+        tree = self.args.advantage_estimator == "tree"  # per-turn lists go to the round (built after this)
+        turns = (lambda *a: self.rounds.record_turn_rewards(*a)) if tree else None
         self._checked_reward_funcs = [  # used by _calculate_rewards only: `reward_funcs` stays the user's
-            f if isinstance(f, nn.Module) else checked_reward_func(f, name)
+            f if isinstance(f, nn.Module) else checked_reward_func(f, name, turns)
             for f, name in zip(self.reward_funcs, self.reward_func_names)
         ]
         self._nan_reward_guard = NaNRewardGuard(self.args.max_nan_reward_steps)

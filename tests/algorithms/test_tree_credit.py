@@ -143,3 +143,14 @@ def test_runs():
     assert runs([0.5, 0.5, -1.0, -1.0, 0.5]) == [[0, 2, 0.5], [2, 4, -1.0], [4, 5, 0.5]]
     assert runs([1.0, 2.0, 3.0], 2) == [[0, 1, 1.0], [1, 2, 2.0]]
     assert runs([]) == []
+
+
+def test_per_turn_rewards_with_a_branch():
+    # A: turns end at 1 (reward 1) and 3 (reward 2): G = [3, 3, 2, 2]. B = A@2 (shares turn 1), its turn 2 gives −1:
+    # G = [0, 0, −1, −1]. V(root) = mean(3, 0) = 1.5. Shared node [0, 2): Q = mean(3, 0) = 1.5 -> 0.
+    # A[2, 4): Q = 2, parent V 1.5 -> (.5 + .5) = 1; B[2, 4): Q = −1 -> (−2.5 − 2.5) = −5
+    tr = torch.tensor([[0.0, 1.0, 0.0, 2.0], [0.0, 1.0, 0.0, -1.0]])
+    out = tree_credit([-1, 0], [0, 2], [4, 4], token_rewards=tr)
+    assert out.advantages[0].tolist() == pytest.approx([0, 0, 1, 1])
+    assert out.advantages[1].tolist() == pytest.approx([0, 0, -5, -5])
+    assert out.node_values.flatten().tolist() == pytest.approx([1.5, 1.5, 2, 2, 1.5, 1.5, -1, -1])

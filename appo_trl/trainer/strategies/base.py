@@ -127,7 +127,7 @@ class RolloutStrategy:
         recomputed as (r − mean_g)/(std_g + ε) with TRL's unbiased group std (`scale_rewards: group` only).
         `advantage_estimator: tree`: (B, length) token advantages from the groups' trees (`appo_trl.trainer.credit`).
         """
-        if getattr(self.args, "advantage_estimator", "group") == "tree":
+        if self.branches and getattr(self.args, "advantage_estimator", "group") == "tree":  # (not grpo's eval rounds)
             from appo_trl.trainer.credit import tree_advantages
 
             return tree_advantages(batch, rewards, length, self.args).to(default.device)
