@@ -77,7 +77,7 @@ def build_model(hidden: int, layers: int, vocab: int, max_len: int):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from appo_trl.trainer.tree_attention import install_tree_attention
+    from appo_trl.tree.attention import install_tree_attention
 
     heads = max(1, hidden // 64)
     config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
@@ -91,7 +91,7 @@ def build_model(hidden: int, layers: int, vocab: int, max_len: int):
 
 
 def forward(model, ids, mask, c, tree: bool, entropy: bool):
-    from appo_trl.trainer.tree import tree_logps_and_entropies
+    from appo_trl.tree.forward import tree_logps_and_entropies
 
     if tree:
         logps, ent, _ = tree_logps_and_entropies(
@@ -125,7 +125,7 @@ def measure(model, rows, repeats: int) -> dict:
     mask_c = mask[:, -c:].float()
     adv = torch.randn(len(rows), 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    from appo_trl.trainer.tree import pack_rows
+    from appo_trl.tree.forward import pack_rows
 
     t0 = time.perf_counter()
     tree_tokens = sum(p.unique_tokens for p in pack_rows(ids, mask, c, 1 << 20))

@@ -140,9 +140,11 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         self.rounds = RoundRunner(self, rollout_engine)
 
     def _setup_tree_forward(self) -> None:
-        """`tree_forward`: tree attention on the policy and the reference model (`appo_trl.trainer.tree_attention`)."""
-        from appo_trl.trainer.tree_attention import install_tree_attention
+        """`tree_forward`: tree attention on the policy and the reference model (`appo_trl.tree.attention`)."""
+        from appo_trl.tree.attention import install_tree_attention
+        from appo_trl.tree.forward import PackCache
 
+        self.tree_packs = PackCache()  # rows packed once per batch, for every pass over them (this trainer's)
         install_tree_attention(self.model)
         if self.ref_model is not None:
             install_tree_attention(self.ref_model)
