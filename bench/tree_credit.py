@@ -6,9 +6,12 @@ result). One round here is one group (workload (a)'s generation batch per rank).
 
 - `credit_ms`: the whole advantage step of `advantage_estimator: tree` for the round: `GroupTree.of` over the
   trajectories (lineage checked token by token) and `tree_credit` (median of `--repeats`);
-- `step_s`: the tree forward's training step on the same rows (`bench/tree_forward.py:measure`, `step_s_tree`: TRL's
-  no-grad old-logp pass, the loss forward and backward, an AdamW step; one run);
-- `credit_fraction`: credit_ms / 1000 / step_s.
+- `step_s`: the tree forward's training step on the same rows (as `bench/tree_forward.py:measure`'s `step_s_tree`:
+  TRL's no-grad old-logp pass, the loss forward and backward, an AdamW step; one run after a warm-up);
+- `credit_fraction`: credit_ms / 1000 / step_s;
+- `credit_ms_one_thread`, `credit_fraction_one_thread`: the same with torch on one thread. The estimator is ~30 small
+  tensor ops on a (16, 512) grid; on a busy machine torch's intra-op threads spend more time synchronising than
+  computing them, so the process's thread count can make it 10-50x slower than one thread.
 
 `--quick` uses workload (a)'s scaled-down shape (`a_quick`). The figures go to docs/benchmarks.md.
 """
@@ -27,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from bench.tree_forward import WORKLOADS, build_model, group_rows, measure  # noqa: E402
+from bench.tree_forward import WORKLOADS, build_model, forward, group_rows, trl_layout  # noqa: E402
 
 
 def arpo_group(prompt: int, n: int, comp: int, tool: int, vocab: int):
@@ -68,16 +71,41 @@ def credit_ms(trajectories, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def step_s(model, rows) -> float:
+    """One training step through the tree forward (the second of two: the first warms up)."""
+    ids, mask, c = trl_layout(rows)
+    mask_c, adv = mask[:, -c:].float(), torch.randn(len(rows), 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    from appo_trl.tree.forward import PackCache
+
+    packs, times = PackCache(), []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            forward(model, ids, mask, c, True, entropy=False, packs=packs)
+        logps, _ = forward(model, ids, mask, c, True, entropy=True, packs=packs)
+        (-((logps * adv) * mask_c).sum() / mask_c.sum()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return times[-1]
+
+
 def figures(quick: bool, repeats: int) -> dict:
     workload = "a_quick" if quick else "a"
     prompt, n, comp, tool, hidden, layers, vocab = WORKLOADS[workload]
     rows, trajectories = arpo_group(prompt, n, comp, tool, vocab)
     ms = credit_ms(trajectories, repeats)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ms_one = credit_ms(trajectories, repeats)
+    torch.set_num_threads(threads)
     model = build_model(hidden, layers, vocab, prompt + comp + 8)
-    step = measure(model, rows, 1)["step_s_tree"]
+    step = step_s(model, rows)
     tokens = sum(len(p) + len(c) for p, c in rows)
     return {"workload": workload, "rows": n, "row_tokens": tokens, "credit_ms": ms, "step_s": step,
-            "credit_fraction": ms / 1e3 / step}  # fmt: skip
+            "credit_fraction": ms / 1e3 / step, "threads": threads, "credit_ms_one_thread": ms_one,
+            "credit_fraction_one_thread": ms_one / 1e3 / step}  # fmt: skip
 
 
 def main(argv=None):
