@@ -20,13 +20,16 @@ that holds it), so every row holding it gets the same value. With no branch, eve
 A = (w_global + w_local)·(r − mean r): twice GRPO's centred advantage by default, exactly it with w = (1, 0).
 
 Cost: one pass over the rows in lineage order plus a few gathers over the (R, T) grid: O(R·T), linear in the
-group's row tokens. Pure maths: tensors in, tensors out; the trainer's adapter builds the inputs from trajectories.
+group's row tokens, on the host. Pure maths: tensors (or lists) in, tensors out; the trainer's adapter builds the
+inputs from trajectories. It computes in numpy (float64): its ~30 small array operations would each pay torch's
+intra-op thread synchronisation, which on a busy host costs more than the work (`bench/tree_credit.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 SCALES = ("sqrt_rows", "none")
@@ -100,68 +103,68 @@ def tree_credit(
         raise ValueError(f"tree credit: scale must be one of {SCALES}, got {scale!r}")
     if (rewards is None) == (token_rewards is None):
         raise ValueError("tree credit: pass exactly one of rewards (one per row) or token_rewards (R, T)")
-    par = [int(p) for p in torch.as_tensor(parents).tolist()]
+    par = [int(p) for p in _array(parents, np.int64).reshape(-1)]
     R = len(par)
-    L = torch.as_tensor(lengths, dtype=torch.long).view(-1)
-    bp = torch.as_tensor(branch_pos, dtype=torch.long).view(-1).clamp(min=0)
+    L = _array(lengths, np.int64).reshape(-1)
+    bp = _array(branch_pos, np.int64).reshape(-1).clip(min=0)
     T = int(max_length if max_length is not None else (int(L.max()) if R else 0))
-    if L.numel() != R or bp.numel() != R or (R and int(L.max()) > T):
-        raise ValueError(f"tree credit: {R} parents, {L.numel()} lengths, {bp.numel()} branch positions, T={T}")
-    roots = torch.tensor([p < 0 for p in par], dtype=torch.bool)
-    bp = torch.where(roots, torch.zeros_like(bp), bp)
+    if L.size != R or bp.size != R or (R and int(L.max()) > T):
+        raise ValueError(f"tree credit: {R} parents, {L.size} lengths, {bp.size} branch positions, T={T}")
+    bp = np.where(np.array(par, dtype=np.int64) < 0, 0, bp)
     order = lineage_order(par)
     for i, p in enumerate(par):
-        if p >= 0 and bp[i] > min(int(L[i]), int(L[p])):
+        if p >= 0 and bp[i] > min(L[i], L[p]):
             raise ValueError(
-                f"tree credit: row {i} branches at {int(bp[i])}, past its own length {int(L[i])} or its parent's "
-                f"({int(L[p])})"
+                f"tree credit: row {i} branches at {bp[i]}, past its own length {L[i]} or its parent's ({L[p]})"
             )
-    pos = torch.arange(T)
-    valid = pos.unsqueeze(0) < L.unsqueeze(1)  # (R, T)
+    pos = np.arange(T)
+    valid = pos[None, :] < L[:, None]  # (R, T)
     if token_rewards is None:
-        r = torch.as_tensor(rewards, dtype=torch.float64).view(-1)
-        G = r.unsqueeze(1).expand(R, T) * valid
+        r = _array(rewards, np.float64).reshape(-1)
+        G = np.broadcast_to(r[:, None], (R, T)) * valid
         total = r
     else:
-        tr = torch.as_tensor(token_rewards, dtype=torch.float64)[:, :T] * valid
-        G = tr.flip(1).cumsum(1).flip(1)
+        tr = _array(token_rewards, np.float64)[:, :T] * valid
+        G = np.flip(np.flip(tr, 1).cumsum(1), 1)
         total = tr.sum(1)
     # canonical owner of (row, t): the highest row of the lineage that holds the token (parents first)
-    owner = torch.arange(R).unsqueeze(1).repeat(1, T)
+    owner = np.repeat(np.arange(R)[:, None], T, axis=1)
     for i in order:
         if par[i] >= 0 and bp[i] > 0:
             owner[i, : bp[i]] = owner[par[i], : bp[i]]
-    flat = (owner * T + pos).view(-1)
-    v = valid.view(-1)
-    count = torch.zeros(R * T, dtype=torch.float64).index_add_(
-        0, flat[v], torch.ones(int(v.sum()), dtype=torch.float64)
-    )
-    q = torch.zeros(R * T, dtype=torch.float64).index_add_(0, flat[v], G.reshape(-1)[v]) / count.clamp(min=1)
-    count, q = count.view(R, T), q.view(R, T)
+    flat = (owner * T + pos)[valid]
+    count = np.bincount(flat, minlength=R * T).astype(np.float64).reshape(R, T)
+    q = np.bincount(flat, weights=G[valid], minlength=R * T).reshape(R, T) / np.maximum(count, 1)
     # node starts on each row's own range [bp, L): its first position, and wherever the rows through it change
-    own = valid & (pos.unsqueeze(0) >= bp.unsqueeze(1))
-    changed = count != torch.cat([torch.full((R, 1), -1.0, dtype=count.dtype), count[:, :-1]], 1)
-    boundary = own & ((pos.unsqueeze(0) == bp.unsqueeze(1)) | changed)
-    start = torch.where(boundary, pos.expand(R, T), torch.full_like(owner, -1)).cummax(1).values.clamp(min=0)
-    node_v = q.gather(1, start)  # V of the node holding canonical (o, t)
+    own = valid & (pos[None, :] >= bp[:, None])
+    changed = count != np.concatenate([np.full((R, 1), -1.0), count[:, :-1]], 1)
+    boundary = own & ((pos[None, :] == bp[:, None]) | changed)
+    start = np.maximum.accumulate(np.where(boundary, pos[None, :], -1), axis=1).clip(min=0)
+    rows = np.arange(R)[:, None]
+    node_v = q[rows, start]  # V of the node holding canonical (o, t)
     root_v = float(total.mean()) if R else 0.0
     # parent node of the node starting at s > 0 on row o: the node holding o's token s − 1 (canonical), else the root
-    prev = (start - 1).clamp(min=0)
-    prev_owner = owner.gather(1, prev)
-    parent_v = torch.where(start > 0, node_v[prev_owner, prev], torch.full_like(node_v, root_v))
+    prev = (start - 1).clip(min=0)
+    parent_v = np.where(start > 0, node_v[owner[rows, prev], prev], root_v)
     # read everything at each token's canonical position
     Q, Vn, Vp, n = q[owner, pos], node_v[owner, pos], parent_v[owner, pos], count[owner, pos]
     w_global, w_local = (float(w) for w in weights)
     adv = w_global * (Q - root_v) + w_local * (Q - Vp)
     if scale == "sqrt_rows":
-        adv = adv / n.clamp(min=1).sqrt()
-    zero = torch.zeros((), dtype=torch.float64)
+        adv = adv / np.sqrt(np.maximum(n, 1))
     return TreeCredit(
-        advantages=torch.where(valid, adv, zero).float(),
-        node_values=torch.where(valid, Vn, zero).float(),
-        rows_through=torch.where(valid, n, zero).long(),
+        advantages=torch.from_numpy(np.where(valid, adv, 0.0)).float(),
+        node_values=torch.from_numpy(np.where(valid, Vn, 0.0)).float(),
+        rows_through=torch.from_numpy(np.where(valid, n, 0.0)).long(),
         root_value=root_v,
     )
+
+
+def _array(x, dtype) -> np.ndarray:
+    """A host numpy copy of a tensor, array or list."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x, dtype=dtype)
 
 
 def runs(values: list[float], length: int | None = None) -> list[list]:
