@@ -16,7 +16,7 @@ With `dump_rollouts: K` the trainer writes the first K groups of every training 
 
 `parent` and `branch_pos` are the group's `GroupTree` (`appo_trl.rollout.group_tree`): the rows that really share
 tokens, the same tree tree credit used, so a reader can recompute the tree advantages from `parent`, `branch_pos`,
-`length` and `reward` alone (outcome rewards; `tests/reporting/test_advantage_runs.py` does).
+`length` and `reward` alone (outcome rewards; `tests/trainer/test_tree_credit_trainer.py` does).
 
 A step's file holds that step's rounds of the current run only: the first round a process dumps for a step
 replaces the file (a step re-run after a resume, or after a kill, does not keep the killed run's records);

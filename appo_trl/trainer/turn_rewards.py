@@ -8,8 +8,10 @@ that returns one number for the completion puts it on the row's last token. Each
 `reward_weights`. The estimator (`appo_trl.algorithms.tree_credit`) then credits token t with the return-to-go from
 t, against baselines that depend only on the prompt or on a tree node, never on the turn index.
 
-Not yet: an environment reporting a reward after each tool call, an agent returning one reward per model call (there
-is no way to report either yet; an agent's return value must be one number).
+An environment (TRL's `environment_factory`) reports a reward after each tool call the same way: its `get_reward()`
+(which TRL turns into a reward function named after its class) returns the rewards it recorded per call turn, then
+the answer turn's (`tests/trainer/test_turn_rewards.py`). Not yet: an agent returning one reward per model call (its
+return value must be one number).
 """
 
 from __future__ import annotations

@@ -87,3 +87,50 @@ def test_wrong_turn_count_and_no_tree_estimator_are_one_line(tiny_chat_model_pat
     trainer = make(tmp_path / "b", tiny_chat_tokenizer, tiny_chat_model_path, TurnReward())
     with pytest.raises(RewardFunctionError, match="per-turn rewards: set advantage_estimator=tree"):
         trainer.train()
+
+
+def test_an_environment_reports_a_reward_after_each_tool_call(tiny_chat_model_path, tok, tmp_path):
+    """TRL's `environment_factory`: `get_reward()` returns the rewards its tool recorded after each call, then the
+    answer turn's; each lands on the last sampled token of the turn that made the call (ARPO branches included)."""
+    import json
+
+    import torch
+
+    from appo_trl.rollout.group_tree import turn_ends
+    from tests.trainer.envs_helpers import Counter, CounterPolicy, make_trainer
+
+    class StepCounter(Counter):
+        def add(self, k: int) -> str:
+            """Add k to the counter and return the new total.
+
+            Args:
+                k: how much to add.
+            """
+            self.steps = getattr(self, "steps", []) + [0.1 * int(k)]  # the reward of this call
+            return super().add(k)
+
+        def get_reward(self) -> list[float]:
+            return list(getattr(self, "steps", [])) + [1.0]  # one per call turn, then the answer turn
+
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, "arpo", factory=StepCounter,
+                           advantage_estimator="tree")  # fmt: skip
+    trainer.rollout_engine.backend = CounterPolicy(tok)
+    seen = []
+    finish = trainer.rounds.finish
+
+    def recorded(rnd, out):
+        result = finish(rnd, out)
+        seen.append((rnd.rows, rnd.batch.info["token_rewards"].clone()))
+        return result
+
+    trainer.rounds.finish = recorded
+    trainer.train()
+    ((rows, placed),) = seen
+    assert any(r.parent is not None for r in rows), "the case is not trivial: ARPO branched"
+    for i, r in enumerate(rows):
+        ks = [json.loads(c.query)["k"] for c in r.tool_calls]
+        ends = turn_ends(r.loss_mask)
+        assert len(ends) == len(ks) + 1
+        want = torch.zeros(placed.size(1), dtype=placed.dtype)
+        want[ends] = torch.tensor([0.1 * k for k in ks] + [1.0], dtype=placed.dtype)
+        assert torch.allclose(placed[i], want), (i, ks)
