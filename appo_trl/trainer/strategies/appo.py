@@ -167,7 +167,7 @@ class APPOStrategy(RolloutStrategy):
             "branch/fallback_frac": sum(not p.strict for p in all_pts) / max(len(all_pts), 1),
             "branch/no_candidates": float((~valid_any).float().mean()),
         }
-        if a.tree_credit_branch_rows:  # tree credit: branch rows train too; TRL's old-logp pass scores every row
+        if getattr(a, "tree_credit_branch_rows", False):  # tree credit: branch rows train; TRL's old-logp pass runs
             return RoundBatch(groups=groups, keep=[True] * (len(init) * n), info={"points": points}, metrics=metrics)
         keep = ([True] * N + [False] * (n - N)) * len(init)
         # step 2's logps are θ_old's: the trainer reuses them as old logps instead of a second forward
@@ -178,7 +178,8 @@ class APPOStrategy(RolloutStrategy):
     def advantages(self, batch, rewards, default, length):
         """(B_local, T) advantages: initial rows get dual-group credit; branch rows keep TRL's value (dropped later)."""
         a = self.args
-        if a.advantage_estimator == "tree" or a.advantage_mode == "group" or a.initial_rollouts == a.num_generations:
+        tree = getattr(a, "advantage_estimator", "group") == "tree"
+        if tree or a.advantage_mode == "group" or a.initial_rollouts == a.num_generations:
             return super().advantages(batch, rewards, default, length)
         from appo_trl.algorithms.advantages import appo_dual_group_advantages
 
