@@ -81,7 +81,7 @@ def sync():
 @contextlib.contextmanager
 def kernel(name: str):
     """Force one tree kernel (the ones before it in the order absent); `row` changes nothing."""
-    import appo_trl.trainer.tree_attention as ta
+    import appo_trl.tree.attention as ta
 
     saved = {k: getattr(ta, k) for k in ("_torch_varlen", "_flash_varlen", "_on_gpu")}
     try:
@@ -99,7 +99,7 @@ def kernel(name: str):
 
 def available_kernels(cuda: bool) -> list[str]:
     """The tree kernels this machine has, in the dispatch order; one line for each one it lacks."""
-    import appo_trl.trainer.tree_attention as ta
+    import appo_trl.tree.attention as ta
 
     if not cuda:
         return ["segment"]
@@ -115,7 +115,7 @@ def build_model(config: dict, device, dtype):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from appo_trl.trainer.tree_attention import install_tree_attention
+    from appo_trl.tree.attention import install_tree_attention
 
     torch.manual_seed(0)
     default = torch.get_default_dtype()
@@ -130,11 +130,13 @@ def build_model(config: dict, device, dtype):
     return model
 
 
-def forward(model, ids, mask, c, tree: bool, entropy: bool):
-    from appo_trl.trainer.tree import tree_logps_and_entropies
+def forward(model, ids, mask, c, tree: bool, entropy: bool, packs=None):
+    from appo_trl.tree.forward import tree_logps_and_entropies
 
     if tree:
-        logps, ent, _ = tree_logps_and_entropies(model, ids, mask, c, compute_entropy=entropy, token_budget=1 << 20)
+        logps, ent, _ = tree_logps_and_entropies(
+            model, ids, mask, c, compute_entropy=entropy, token_budget=1 << 20, packs=packs
+        )
         return logps, ent
     labels = ids.masked_fill(mask == 0, -100)
     labels[:, :-c] = -100
@@ -155,21 +157,23 @@ def timed(fn, repeats: int) -> float:
 
 
 def measure_cell(model, opt, ids, mask, c, tree: bool, repeats: int, cuda: bool) -> dict:
-    from appo_trl.trainer.tree import PACKS
+    from appo_trl.tree.forward import PackCache
+
+    packs = PackCache()  # the trainer's own cache: a step's passes over its rows share the tries
 
     mask_c = mask[:, -c:].float()
     adv = torch.randn(ids.size(0), 1, device=ids.device)
 
     def loss_step():
-        logps, ent = forward(model, ids, mask, c, tree, entropy=True)
+        logps, ent = forward(model, ids, mask, c, tree, entropy=True, packs=packs)
         (-((logps.float() * adv + 1e-3 * ent.float()) * mask_c).sum() / mask_c.sum()).backward()
         model.zero_grad(set_to_none=True)
 
     def step():
-        PACKS.clear()  # a training step packs its rows once: in its first pass
+        packs.clear()  # a training step packs its rows once: in its first pass
         with torch.no_grad():
-            forward(model, ids, mask, c, tree, entropy=False)
-        logps, ent = forward(model, ids, mask, c, tree, entropy=True)
+            forward(model, ids, mask, c, tree, entropy=False, packs=packs)
+        logps, ent = forward(model, ids, mask, c, tree, entropy=True, packs=packs)
         (-((logps.float() * adv) * mask_c).sum() / mask_c.sum()).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -185,7 +189,7 @@ def measure_cell(model, opt, ids, mask, c, tree: bool, repeats: int, cuda: bool)
 
 
 def workload_a(res: Results, quick: bool, cuda: bool, repeats: int, deadline: float, strategies) -> None:
-    from appo_trl.trainer.tree import pack_rows
+    from appo_trl.tree.forward import pack_rows
 
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -233,7 +237,7 @@ def workload_a(res: Results, quick: bool, cuda: bool, repeats: int, deadline: fl
                 if path == "row" and isinstance(figures["loss_step_s"], float):
                     figures["tflops"] = 6 * params * ids.numel() / figures["loss_step_s"] / 1e12
                 if path == "torch_varlen":  # its one-time check: None = passed, else why it did not serve
-                    import appo_trl.trainer.tree_attention as ta
+                    import appo_trl.tree.attention as ta
 
                     figures["check"] = "passed" if all(v is None for v in ta._PROBED.values()) else str(ta._PROBED)
                 res.update(**{f"{cell}_{k}": v for k, v in figures.items()})

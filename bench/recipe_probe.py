@@ -118,7 +118,7 @@ def run(argv: list[str]) -> int:
         def emit(self, record):
             lines.append(record.getMessage())
 
-    tree_log = logging.getLogger("appo_trl.trainer.tree_attention")
+    tree_log = logging.getLogger("appo_trl.tree.attention")
     tree_log.addHandler(Lines())
     tree_log.setLevel(logging.INFO)
     try:

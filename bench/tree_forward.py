@@ -77,7 +77,7 @@ def build_model(hidden: int, layers: int, vocab: int, max_len: int):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from appo_trl.trainer.tree_attention import install_tree_attention
+    from appo_trl.tree.attention import install_tree_attention
 
     heads = max(1, hidden // 64)
     config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
@@ -90,13 +90,15 @@ def build_model(hidden: int, layers: int, vocab: int, max_len: int):
     return model
 
 
-def forward(model, ids, mask, c, tree: bool, entropy: bool):
-    from appo_trl.trainer.tree import tree_logps_and_entropies
+def forward(model, ids, mask, c, tree: bool, entropy: bool, packs=None):
+    """`packs`: the `PackCache` the passes over these rows share (as the trainer's `tree_packs`); None packs afresh."""
+    from appo_trl.tree.forward import tree_logps_and_entropies
 
     if tree:
         logps, ent, _ = tree_logps_and_entropies(
-            model, ids, mask, c, compute_entropy=entropy, token_budget=1 << 20, autocast=contextlib.nullcontext
-        )
+            model, ids, mask, c, compute_entropy=entropy, token_budget=1 << 20, autocast=contextlib.nullcontext,
+            packs=packs,
+        )  # fmt: skip
         return logps, ent
     labels = ids.masked_fill(mask == 0, -100)
     labels[:, :-c] = -100
@@ -125,22 +127,23 @@ def measure(model, rows, repeats: int) -> dict:
     mask_c = mask[:, -c:].float()
     adv = torch.randn(len(rows), 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    from appo_trl.trainer.tree import pack_rows
+    from appo_trl.tree.forward import PackCache, pack_rows
 
+    packs = PackCache()  # packed once, as the trainer's cache does for a step's passes
     t0 = time.perf_counter()
     tree_tokens = sum(p.unique_tokens for p in pack_rows(ids, mask, c, 1 << 20))
     pack_ms = 1e3 * (time.perf_counter() - t0)  # the host work of a step's first pass over these rows
 
     def loss_step(tree):
-        logps, ent = forward(model, ids, mask, c, tree, entropy=True)
+        logps, ent = forward(model, ids, mask, c, tree, entropy=True, packs=packs)
         loss = -((logps * adv + 1e-3 * ent) * mask_c).sum() / mask_c.sum()
         loss.backward()
         model.zero_grad(set_to_none=True)
 
     def step(tree):
         with torch.no_grad():
-            forward(model, ids, mask, c, tree, entropy=False)
-        logps, ent = forward(model, ids, mask, c, tree, entropy=True)
+            forward(model, ids, mask, c, tree, entropy=False, packs=packs)
+        logps, ent = forward(model, ids, mask, c, tree, entropy=True, packs=packs)
         (-((logps * adv) * mask_c).sum() / mask_c.sum()).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -23,6 +23,7 @@ FLOORS = {
     "rollout": 2,
     "vllm": 2,
     "algorithms": 2,
+    "tree": 2,
     "rewards": 2,
     "configs": 3,
     "data": 4,

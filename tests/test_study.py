@@ -24,7 +24,9 @@ def test_quick_is_the_demo_shape_and_full_is_the_papers():
     assert args("--full", "--sft_steps", "10", "--sft_lr", "0.1").sft_steps == 10
     chains = args("--families", "python", "chain")  # a quick study with chains gets their budgets
     assert (chains.tool_call_limit, chains.max_completion_length, chains.sft_max_length) == (5, 384, 512)
-    assert full.strategies[-3:] == ["arpo+ref", "aepo+ref", "appo+ref"] and "chain" in full.families
+    assert full.strategies[4:] == ["arpo+ref", "aepo+ref", "appo+ref", "arpo+tree", "aepo+tree", "appo+tree"]
+    assert "chain" in full.families
+    assert variant_overrides("appo+tree", full)[:2] == ["--advantage_estimator", "tree"]
     assert variant_overrides("grpo", full) == [
         "--num_generations",
         "16",
@@ -41,6 +43,17 @@ def test_quick_is_the_demo_shape_and_full_is_the_papers():
         "--dynamic_rollouts_source", "probe",
         "--num_generations", "16", "--per_device_train_batch_size", "64",
         "--initial_rollouts", "8", "--tool_call_limit", "5", "--max_completion_length", "384"]  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", ["arpo+tree", "aepo+tree", "appo+tree"])
+def test_each_tree_variant_builds_its_config(variant, tmp_path):
+    from appo_trl.synthetic.pipeline import rl_arguments
+
+    _, training, _ = rl_arguments(f"recipes/demo/{variant.partition('+')[0]}.yaml", str(tmp_path / "m"),
+                                  str(tmp_path / "d"), str(tmp_path / "o"), "http://127.0.0.1:1", steps=2, seed=0,
+                                  overrides=variant_overrides(variant, args("--full")))  # fmt: skip
+    assert training.advantage_estimator == "tree" and training.num_generations == 16
+    assert training.tree_credit_branch_rows is (True if variant == "appo+tree" else None)
 
 
 @pytest.mark.parametrize("variant", ["arpo+ref", "aepo+ref", "appo+ref"])

@@ -35,6 +35,12 @@ are (B, T); masks float or bool.
   lengths=None, max_length, discount=0.9, m_scaling="advantage", eps=1e-6) -> Tensor (P·N, T)`.
 - `entropy_aware_advantage(advantages, entropies, mask, *, weight=0.2, clamp=(0, 2)) -> Tensor (B, T)`.
 
+`tree_credit` (TreeRL, arXiv 2506.11902)
+- `tree_credit(parents, branch_pos, lengths, rewards=None, *, token_rewards=None, max_length=None, weights=(1, 1),
+  scale="sqrt_rows") -> TreeCredit(advantages, node_values, rows_through (R, T), root_value)`: per-token node-value
+  advantages on one group's branch tree, outcome or per-turn (return-to-go) rewards.
+- `runs(values, length=None) -> [[start, end, value], ...]`: equal-value stretches (the dump's `advantage_runs`).
+
 `losses` (verl dual clip, AEPO paper, APPO paper / FIPO)
 - `POLICY_LOSSES[name](logps, old_logps, advantages, mask, **params) -> PolicyLossOutput(per_token_loss,
   keep_mask, metrics)`, names `clip` (eps_low, eps_high), `dual_clip` (+ clip_ratio_c), `entropy_balanced`

@@ -3,7 +3,8 @@
 Reads what a run wrote with `dump_rollouts: K` (`OUTPUT_DIR/rollouts/step_<N>.jsonl`, see
 `appo_trl.reporting.rollout_dump`) and prints, for each group, the prompt and a tree of its rows: every root rollout
 with the rows branched from it underneath, each with where it forked (token position and the text just before
-the fork), its reward and advantage, its tool calls (tag, ok/failed, query), how it ended, and whether it
+the fork), its reward and advantage, with tree credit the values of the tree's nodes along its own tokens
+(`V [start, end) value ×rows`, a branch's from its fork on) and the advantage runs, its tool calls (tag, ok/failed, query), how it ended, and whether it
 reached the loss (APPO drops branch rows). `--full` prints the whole completions.
 
 What this does not do: re-run or score anything; it shows what the trainer saw.
@@ -43,6 +44,7 @@ def _label(row: dict, chars: int):
     label.append(f"  {row['finish_reason']}, {row['length']} tok", style="dim")
     if not row.get("kept", True):
         label.append("  (not in loss)", style="dim italic")
+    label.append(_credit(row), style="cyan")
     if chars:
         if row.get("continuation") is not None:  # a branch: only what it wrote after the fork
             label.append("\n…" + _short(row["continuation"], chars), style="white")
@@ -51,6 +53,17 @@ def _label(row: dict, chars: int):
         for c in calls:
             label.append(f"\n  <{c['tag']}> {_short(c['query'], 80)}  → {_short(c['result'], 60)}", style="dim")
     return label
+
+
+def _credit(row: dict) -> str:
+    """With tree credit: the node values and advantages along the row's own tokens (a branch's from its fork)."""
+    nodes, start = row.get("node_runs"), row.get("branch_pos") or 0
+    if not nodes:
+        return ""
+    own = [n for n in nodes if n[1] > start]
+    values = " ".join(f"[{max(s, start)},{e}) {v:+.2f}×{k}" for s, e, v, k in own)
+    advs = " ".join(f"{a:+.2f}" for s, e, a in row.get("advantage_runs") or [] if e > start)
+    return f"\n  V {values}  ·  A {advs}"
 
 
 def group_tree(record: dict, chars: int = 160):

@@ -15,7 +15,8 @@ where the cheapest strategy finished K steps, linearly interpolated between its 
 - quick (the default, `make study`): n = 4 with 2 initial rollouts, the demo's three families.
 - `--full`: the papers' shape, n = 16 with 8 initial rollouts (GRPO at n = 16), the chain family added (3-5
   dependent calls; tool-call limit 5, completions up to 384 tokens, SFT traces up to 512), and each `reference:`
-  preset beside our defaults (`arpo+ref`, `aepo+ref`, `appo+ref`). Far longer; it resumes from `study.json`, so
+  preset beside our defaults (`arpo+ref`, `aepo+ref`, `appo+ref`), and tree credit (`arpo+tree`, `aepo+tree`,
+  `appo+tree`: `advantage_estimator: tree`, TreeRL's defaults). Far longer; it resumes from `study.json`, so
   it can run in parts.
 
 Writes `<workdir>/study.json` (everything), `<workdir>/study.md` (the tables), `<workdir>/study.png` (curves
@@ -37,6 +38,7 @@ from appo_trl.synthetic.task import ALL_FAMILIES, FAMILIES
 
 STRATEGIES = ("grpo", "arpo", "aepo", "appo")
 REFERENCES = ("arpo+ref", "aepo+ref", "appo+ref")  # `reference: <algo>` on the same recipe
+TREE = ("arpo+tree", "aepo+tree", "appo+tree")  # `advantage_estimator: tree` on the same recipe (tree credit)
 # --full: the papers' group shape and the long chains
 # A 5-call chain solution is up to 295 completion tokens (tool results included) and 424 with its prompt
 # (`tests/test_study.py` checks both against the generated traces), so neither budget truncates one.
@@ -57,8 +59,10 @@ QUICK_SFT = {"sft_steps": 2000, "sft_lr": 3e-3}
 def variant_overrides(variant: str, a) -> list[str]:
     """Command-line overrides of `recipes/demo/<strategy>.yaml` for one variant of the study."""
     out = []
-    strategy, _, ref = variant.partition("+")
-    if ref:
+    strategy, _, suffix = variant.partition("+")
+    if suffix == "tree":  # TreeRL's default weights and scaling, fixed before any run (appo: branch rows trained)
+        out += ["--advantage_estimator", "tree"]
+    if suffix == "ref":
         import yaml
 
         from appo_trl.configs.recipes import REPO_ROOT
@@ -90,8 +94,8 @@ def parser() -> argparse.ArgumentParser:
         "--strategies",
         nargs="+",
         default=None,
-        choices=STRATEGIES + REFERENCES,
-        help="variants to run (default: the four strategies; with --full also the reference presets)",
+        choices=STRATEGIES + REFERENCES + TREE,
+        help="variants to run (default: the four strategies; with --full also the reference presets and tree credit)",
     )
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="RL seeds (default: %(default)s)")
     p.add_argument("--task_seed", type=int, default=0, help="task, model and SFT seed (default: %(default)s)")
@@ -132,7 +136,7 @@ def resolve(a):
     if a.full:
         _fill(a, FULL)
     _fill(a, FULL_SFT if a.full else QUICK_SFT)
-    a.strategies = a.strategies or list(STRATEGIES + (REFERENCES if a.full else ()))
+    a.strategies = a.strategies or list(STRATEGIES + (REFERENCES + TREE if a.full else ()))
     a.families = a.families or list(FAMILIES + (("chain",) if a.full else ()))
     if "chain" in a.families:  # the chains' budgets, also in a quick study that adds the family
         _fill(a, {key: FULL[key] for key in CHAIN_BUDGETS})

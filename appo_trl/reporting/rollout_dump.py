@@ -4,11 +4,19 @@ With `dump_rollouts: K` the trainer writes the first K groups of every training 
 `output_dir/rollouts/step_<N>.jsonl` (N = the optimizer step the round trains), one JSON object per group:
 
     {"step", "group", "strategy", "prompt", "answer",
-     "rows": [{"index", "uid", "parent" (row index or null), "origin" (root | fork | refill | branch),
-               "branch_pos" (tokens copied from the parent), "fork_context" (text just before the fork),
+     "rows": [{"index", "uid", "parent" (row index or null), "origin" (root | fork | refill | branch | ...),
+               "branch_pos" (tokens shared with the parent), "fork_context" (text just before the fork),
                "reward", "advantage" (mean over the row's tokens), "kept" (reaches the loss),
+               "advantage_runs": [[start, end, value], ...] (covering [0, length): the advantage each token
+                   carries into the loss, masked tokens included; AEPO's entropy-aware factor applies on top),
+               "node_runs": [[start, end, V, rows], ...] (tree credit only: V of the deepest node holding the
+                   token and how many rows hold it; else null),
                "num_calls", "tool_calls": [{"tag", "query", "ok", "result"}], "finish_reason", "length",
                "completion", "continuation" (a branch's text after its fork, else null)}]}
+
+`parent` and `branch_pos` are the group's `GroupTree` (`appo_trl.rollout.group_tree`): the rows that really share
+tokens, the same tree tree credit used, so a reader can recompute the tree advantages from `parent`, `branch_pos`,
+`length` and `reward` alone (outcome rewards; `tests/trainer/test_tree_credit_trainer.py` does).
 
 A step's file holds that step's rounds of the current run only: the first round a process dumps for a step
 replaces the file (a step re-run after a resume, or after a kill, does not keep the killed run's records);
@@ -44,29 +52,42 @@ def _cut(text: str, n: int = MAX_CHARS) -> str:
 def group_records(batch, inputs: list[dict], rewards, advantages, completion_mask, tokenizer, *, step: int,
                   strategy: str, max_groups: int) -> list[dict]:  # fmt: skip
     """One record per group (the first `max_groups`) of a `RoundBatch` whose rows line up with `inputs`."""
+    from appo_trl.algorithms.tree_credit import runs
+    from appo_trl.rollout.group_tree import GroupTree
+
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    credits = (getattr(batch, "info", None) or {}).get("tree_credit")
     records, row = [], 0
     for g, group in enumerate(batch.groups):
         if g >= max_groups:
             break
-        index = {t.uid: i for i, t in enumerate(group)}
+        tree = GroupTree.of(group)
         rows = []
         for i, t in enumerate(group):
-            r = row + i
+            r, n = row + i, len(t.completion_ids)
             adv = advantages[r]
             if getattr(adv, "dim", lambda: 0)() > 0:  # (T,) token advantages: mean over the row's tokens
+                token_adv = [float(x) for x in adv[:n].tolist()] + [0.0] * max(0, n - adv.numel())
                 m = completion_mask[r].float()
                 adv = (adv.float() * m).sum() / m.sum().clamp(min=1)
-            bp = t.branch_pos
+            else:
+                token_adv = [float(adv)] * n
+            node_runs = None
+            if credits is not None:
+                c = credits[g]
+                pairs = list(zip(c.node_values[i, :n].tolist(), c.rows_through[i, :n].tolist()))
+                node_runs = [[s, e, v, k] for s, e, (v, k) in runs(pairs)]
+            parent = tree.parents[i] if tree.parents[i] >= 0 else None
+            bp = tree.branch_pos[i] if parent is not None else None
             rows.append({
-                "index": i, "uid": t.uid, "parent": index.get(t.parent), "origin": t.origin,
-                "branch_pos": bp,
+                "index": i, "uid": t.uid, "parent": parent, "origin": t.origin,
+                "branch_pos": bp, "advantage_runs": runs(token_adv), "node_runs": node_runs,
                 "fork_context": decode(list(t.completion_ids[max(0, bp - CONTEXT_TOKENS) : bp])) if bp else "",
                 "reward": float(rewards[r]), "advantage": float(adv), "kept": bool(batch.keep[r]),
                 "num_calls": int(t.num_calls),
                 "tool_calls": [{"tag": c.tag, "query": _cut(c.query, 300), "ok": bool(c.ok), "result": _cut(c.result, 300)}
                                for c in t.tool_calls],
-                "finish_reason": t.finish_reason, "length": len(t.completion_ids),
+                "finish_reason": t.finish_reason, "length": n,
                 "completion": _cut(decode(list(t.completion_ids))),
                 "continuation": _cut(decode(list(t.completion_ids[bp:]))) if bp else None,
             })  # fmt: skip

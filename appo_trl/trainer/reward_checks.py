@@ -4,6 +4,10 @@
   a list of numbers or None, one per completion. A string, a list or any other value raises `RewardFunctionError`
   naming the function, the completion and the value (TRL would fail later with `too many dimensions 'str'`,
   naming nothing).
+- Per-turn rewards (with `advantage_estimator: tree`): a function may return, for a completion, a list with one
+  reward per assistant turn; `checked_reward_func(..., turns=record)` hands each list to `record(name, index,
+  values)` and gives TRL their sum (the completion's return), so TRL's logs and statistics see one number per row.
+  Where they land: `appo_trl.trainer.turn_rewards`. Without the tree estimator a list is refused, naming the setting.
 - `NaNRewardGuard` counts training rounds in a row in which every reward function gave None/NaN for every
   completion. As TRL, such a round logs a warning (one line naming the functions) and training goes on; with
   `max_steps > 0` (`max_nan_reward_steps`, off by default) the run stops after that many rounds with
@@ -45,10 +49,38 @@ def check_rewards(name: str, output: Any) -> None:
         )
     for i, value in enumerate(output):
         if not _is_reward(value):
+            hint = (
+                " (a list per completion is per-turn rewards: set advantage_estimator=tree)"
+                if _is_turns(value)
+                else ""
+            )
             raise RewardFunctionError(
                 f"reward function {name!r} returned {type(value).__name__} {_short(value)} for completion {i}; "
-                "a reward must be a number (or None to skip it)"
+                f"a reward must be a number (or None to skip it){hint}"
             )
+
+
+def _is_turns(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) or getattr(value, "ndim", None) == 1
+
+
+def take_turn_rewards(name: str, output: Any, record: Callable) -> Any:
+    """`output` with each per-turn list replaced by its sum, after `record(name, index, [floats])`."""
+    if isinstance(output, (str, bytes)) or not isinstance(output, Sequence):
+        return output
+    out = list(output)
+    for i, value in enumerate(out):
+        if not _is_turns(value):
+            continue
+        turns = list(value.tolist() if hasattr(value, "tolist") else value)
+        if not all(isinstance(x, numbers.Number) and x == x for x in turns):  # no None / NaN / text inside
+            raise RewardFunctionError(
+                f"reward function {name!r} returned per-turn rewards {_short(value)} for completion {i}; each turn's "
+                "reward must be a number"
+            )
+        record(name, i, [float(x) for x in turns])
+        out[i] = float(sum(turns))
+    return out
 
 
 def _short(value: Any) -> str:
@@ -56,23 +88,27 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def checked_reward_func(func: Callable, name: str) -> Callable:
-    """`func` with its output checked by `check_rewards` (async stays async; TRL's name is kept)."""
+def checked_reward_func(func: Callable, name: str, turns: Callable | None = None) -> Callable:
+    """`func` with its output checked by `check_rewards` (async stays async; TRL's name is kept); with `turns`,
+    per-turn lists go to `turns(name, index, values)` and TRL gets their sums."""
+
+    def check(output):
+        if turns is not None:
+            output = take_turn_rewards(name, output, turns)
+        check_rewards(name, output)
+        return output
+
     if is_async_callable(func):
 
         @functools.wraps(func)
         async def checked_async(*args, **kwargs):
-            output = await func(*args, **kwargs)
-            check_rewards(name, output)
-            return output
+            return check(await func(*args, **kwargs))
 
         return checked_async
 
     @functools.wraps(func)
     def checked(*args, **kwargs):
-        output = func(*args, **kwargs)
-        check_rewards(name, output)
-        return output
+        return check(func(*args, **kwargs))
 
     return checked
 

@@ -29,6 +29,7 @@ from appo_trl.trainer.rows import select_rows
 from appo_trl.trainer.setup import build_rollout_engine
 from appo_trl.trainer.sharded import full_weights_for_round
 from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RolloutStrategy, RoundBatch
+from appo_trl.trainer.turn_rewards import token_rewards
 from appo_trl.trainer.weight_sync import generate_round
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class Round:
     policy_version: int | None = None
     rewards: torch.Tensor | None = None
     old_logps: list[torch.Tensor] | None = None
+    turn_rewards: dict = field(default_factory=dict)  # (reward function, local row) -> one reward per turn
 
     @property
     def groups(self) -> list[list[Any]]:
@@ -222,6 +224,10 @@ class RoundRunner:
         if self.current is not None:
             self.current.rewards = rewards_per_func  # gathered (N_global, F), for the strategy's advantages
 
+    def record_turn_rewards(self, name: str, row: int, values: list[float]) -> None:
+        if self.current is not None:
+            self.current.turn_rewards[(name, row)] = values
+
     def generate(self, prompts: list) -> tuple:
         """TRL's `_generate` contract: (prompt ids, completion ids, tool mask, completions, sampler logprobs, extra
         fields, None, []) with the exact sampled ids; the current round keeps the rows, ids and version."""
@@ -321,6 +327,8 @@ class RoundRunner:
         start = t.accelerator.process_index * num_rows
         local = rnd.rewards[start : start + num_rows]
         rewards = (local * t.reward_weights.to(local.device).unsqueeze(0)).nansum(dim=1)
+        if rnd.turn_rewards:  # per-turn rewards: each on its turn's last token (the tree estimator reads them)
+            batch.info["token_rewards"] = token_rewards(t, batch.rows, local, rnd.turn_rewards, out)
         out["advantages"] = strategy.advantages(batch, rewards, out["advantages"], out["completion_ids"].size(1))
         if rnd.mode == "train" and t.args.dump_rollouts:  # sample groups for `appo rollouts OUTPUT_DIR`
             dump_round(t, rnd.inputs, batch, rewards, out)

@@ -140,9 +140,11 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         self.rounds = RoundRunner(self, rollout_engine)
 
     def _setup_tree_forward(self) -> None:
-        """`tree_forward`: tree attention on the policy and the reference model (`appo_trl.trainer.tree_attention`)."""
-        from appo_trl.trainer.tree_attention import install_tree_attention
+        """`tree_forward`: tree attention on the policy and the reference model (`appo_trl.tree.attention`)."""
+        from appo_trl.tree.attention import install_tree_attention
+        from appo_trl.tree.forward import PackCache
 
+        self.tree_packs = PackCache()  # rows packed once per batch, for every pass over them (this trainer's)
         install_tree_attention(self.model)
         if self.ref_model is not None:
             install_tree_attention(self.ref_model)
@@ -153,8 +155,10 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
         from appo_trl.trainer.reward_checks import NaNRewardGuard, checked_reward_func
 
+        tree = self.args.advantage_estimator == "tree"  # per-turn lists go to the round (built after this)
+        turns = (lambda *a: self.rounds.record_turn_rewards(*a)) if tree else None
         self._checked_reward_funcs = [  # used by _calculate_rewards only: `reward_funcs` stays the user's
-            f if isinstance(f, nn.Module) else checked_reward_func(f, name)
+            f if isinstance(f, nn.Module) else checked_reward_func(f, name, turns)
             for f, name in zip(self.reward_funcs, self.reward_func_names)
         ]
         self._nan_reward_guard = NaNRewardGuard(self.args.max_nan_reward_steps)

@@ -70,7 +70,7 @@ def resolve_args(model, args) -> APPOConfig:
 
 
 def tree_forward_obstacles(model) -> list[str]:
-    """What of `model` the tree forward cannot compute exactly (`appo_trl.trainer.tree_attention` refuses each)."""
+    """What of `model` the tree forward cannot compute exactly (`appo_trl.tree.attention` refuses each)."""
     found = []
     if str(getattr(model.config, "_attn_implementation", None) or "").startswith("paged|"):
         found.append("paged attention")  # `install_tree_attention` cannot wrap it

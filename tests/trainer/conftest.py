@@ -22,7 +22,7 @@ def tok(tiny_chat_model_path):
 def cuda_dispatch_on_cpu(monkeypatch):
     """The CUDA kernel dispatch (`_cuda_attention`) on CPU: `_on_gpu` says yes, no varlen kernel in this process
     (FlexAttention serves), no kernel has failed yet and no log line has been said yet in this process."""
-    import appo_trl.trainer.tree_attention as ta
+    import appo_trl.tree.attention as ta
 
     monkeypatch.setattr(ta, "_on_gpu", lambda query: True)
     monkeypatch.setattr(ta, "_torch_varlen", lambda: None)

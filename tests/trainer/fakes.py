@@ -14,6 +14,8 @@ import asyncio
 import math
 from dataclasses import dataclass, field
 
+from appo_trl.rollout.types import new_uid
+
 
 @dataclass
 class FakeTrajectory:
@@ -26,9 +28,10 @@ class FakeTrajectory:
     num_calls: int = 0
     finish_reason: str = "stop"
     group: int = 0
-    uid: str = ""
-    parent: object = None
+    uid: str = field(default_factory=new_uid)
+    parent: str | None = None
     branch_pos: int | None = None
+    origin: str = "root"
     meta: dict = field(default_factory=dict)
 
 
@@ -83,7 +86,8 @@ class ScriptedEngine:
             cut = pos if resample else pos + 1
             prefix = [(parent.completion_ids[:cut], None)]
             cont = self._ids("<answer> 1 </answer>") + [self.tok.convert_tokens_to_ids("<|im_end|>")]
-            t = self._traj(parent.prompt_ids, [(cont, 1)], num_calls=parent.num_calls, parent=parent, branch_pos=pos)
+            t = self._traj(parent.prompt_ids, [(cont, 1)], num_calls=parent.num_calls, parent=parent.uid, branch_pos=pos,
+                           origin="branch")  # fmt: skip
             t.completion_ids = parent.completion_ids[:cut] + t.completion_ids
             t.loss_mask = [0] * cut + t.loss_mask
             t.logprobs = parent.logprobs[:cut] + t.logprobs

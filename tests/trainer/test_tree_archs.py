@@ -10,8 +10,8 @@ import logging
 import pytest
 import torch
 
-import appo_trl.trainer.tree_attention as ta
-from appo_trl.trainer.tree import pack_rows
+import appo_trl.tree.attention as ta
+from appo_trl.tree.forward import pack_rows
 from tests.trainer.test_tree_forward import CASES, TOL, assert_exact, batch, rowwise, tree
 
 WINDOW = 3  # shorter than every row of CASES

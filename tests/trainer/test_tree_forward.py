@@ -40,9 +40,9 @@ import logging
 import pytest
 import torch
 
-import appo_trl.trainer.tree_attention as ta
-from appo_trl.trainer.tree import pack_rows, tree_logps_and_entropies
-from appo_trl.trainer.tree_attention import install_tree_attention
+import appo_trl.tree.attention as ta
+from appo_trl.tree.attention import install_tree_attention
+from appo_trl.tree.forward import pack_rows, tree_logps_and_entropies
 
 TOL = 1e-5
 P = [1, 2, 3, 4, 5, 6]  # a prompt
@@ -200,7 +200,7 @@ def test_packer_scores_every_completion_token_and_no_leaf():
 
 def test_bad_input_fails_with_one_clear_line(tmp_path):
     from appo_trl.trainer.config import APPOConfig
-    from appo_trl.trainer.tree import row_spans
+    from appo_trl.tree.forward import row_spans
 
     with pytest.raises(ValueError, match="tree_token_budget=0 must be >= 1"):
         APPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", tree_token_budget=0)

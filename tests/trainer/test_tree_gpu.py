@@ -14,9 +14,9 @@ import random
 import pytest
 import torch
 
-import appo_trl.trainer.tree_attention as ta
-from appo_trl.trainer.tree import tree_logps_and_entropies
-from appo_trl.trainer.tree_attention import install_tree_attention
+import appo_trl.tree.attention as ta
+from appo_trl.tree.attention import install_tree_attention
+from appo_trl.tree.forward import tree_logps_and_entropies
 from bench.tree_forward import trl_layout
 
 pytestmark = pytest.mark.gpu

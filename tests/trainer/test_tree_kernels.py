@@ -10,11 +10,11 @@ import contextlib
 import pytest
 import torch
 
-import appo_trl.trainer.tree as tree_mod
-import appo_trl.trainer.tree_attention as ta
-from appo_trl.trainer.tree import pack_rows, tree_logps_and_entropies
-from appo_trl.trainer.tree_attention import install_tree_attention
-from appo_trl.trainer.tree_kernels import TreeLayout
+import appo_trl.tree.attention as ta
+import appo_trl.tree.forward as tree_mod
+from appo_trl.tree.attention import install_tree_attention
+from appo_trl.tree.forward import pack_rows, tree_logps_and_entropies
+from appo_trl.tree.kernels import TreeLayout
 from tests.trainer.test_tree_forward import CASES, batch, tiny
 
 
@@ -133,7 +133,7 @@ def test_torch_varlen_path_is_exact_through_its_adapter(old_signature, cuda_disp
     """The varlen dispatch (GQA, scale, causal keyword of either torch signature) on CPU with a bottom-right
     stand-in, float32 admitted: it passes its probe, serves every layer, and gives the row-wise logps, entropies and
     gradients within 1e-5 (the same check runs on the real kernel in `test_tree_gpu.py`)."""
-    from appo_trl.trainer.tree_kernels import torch_varlen_params
+    from appo_trl.tree.kernels import torch_varlen_params
     from tests.trainer.test_tree_forward import assert_exact
 
     fn, calls = _varlen_stand_in(old_signature=old_signature)
@@ -153,7 +153,7 @@ def test_torch_varlen_with_a_top_left_convention_is_skipped_with_one_line(cuda_d
     one log line, and the next kernel serves, exactly."""
     import logging
 
-    from appo_trl.trainer.tree_kernels import torch_varlen_params
+    from appo_trl.tree.kernels import torch_varlen_params
     from tests.trainer.test_tree_forward import assert_exact
 
     fn, calls = _varlen_stand_in(top_left=True)
@@ -173,28 +173,29 @@ def test_rows_are_packed_once_per_batch_in_any_row_order(monkeypatch):
     """The old-logp, reference, scoring and loss passes over the same rows pack them once (`PackCache`); the same
     rows in another order reuse the packs with the targets mapped to that order (results equal the direct pack's);
     a changed row packs again."""
-    from appo_trl.trainer.tree import PackCache
+    from appo_trl.tree.forward import PackCache
 
-    cache = PackCache()
-    monkeypatch.setattr(tree_mod, "PACKS", cache)
+    cache = PackCache()  # its owner's (the trainer's `tree_packs`), passed to every call
     model = tiny("qwen3")
     install_tree_attention(model)
     ids, mask, c = batch(CASES["mixed"])
     with torch.no_grad():
-        first = [tree_logps_and_entropies(model, ids, mask, c, compute_entropy=True, token_budget=14)[:2]
+        first = [tree_logps_and_entropies(model, ids, mask, c, compute_entropy=True, token_budget=14, packs=cache)[:2]
                  for _ in range(3)]  # fmt: skip
         assert (cache.packs, cache.hits) == (1, 2)
         perm = torch.tensor([3, 0, 5, 1, 4, 2])
         logps, ent, _ = tree_logps_and_entropies(
-            model, ids[perm], mask[perm], c, compute_entropy=True, token_budget=14
+            model, ids[perm], mask[perm], c, compute_entropy=True, token_budget=14, packs=cache
         )
         assert (cache.packs, cache.hits) == (1, 3)
         torch.testing.assert_close(logps, first[0][0][perm], atol=1e-6, rtol=0)
         torch.testing.assert_close(ent, first[0][1][perm], atol=1e-6, rtol=0)
         changed = ids.clone()
         changed[0, -1] = 33
-        tree_logps_and_entropies(model, changed, mask, c, compute_entropy=False, token_budget=14)
+        tree_logps_and_entropies(model, changed, mask, c, compute_entropy=False, token_budget=14, packs=cache)
         assert cache.packs == 2
+        tree_logps_and_entropies(model, ids, mask, c, compute_entropy=False, token_budget=14)  # no cache: packs afresh
+        assert (cache.packs, cache.hits) == (2, 3)
 
 
 def test_a_varlen_kernel_that_raises_in_a_layer_hands_over_with_one_line(cuda_dispatch_on_cpu, monkeypatch, caplog):
@@ -202,7 +203,7 @@ def test_a_varlen_kernel_that_raises_in_a_layer_hands_over_with_one_line(cuda_di
     next kernel serves that layer and every later one, exactly; it is not tried again."""
     import logging
 
-    from appo_trl.trainer.tree_kernels import torch_varlen_params
+    from appo_trl.tree.kernels import torch_varlen_params
     from tests.trainer.test_tree_forward import assert_exact
 
     fn, _ = _varlen_stand_in()

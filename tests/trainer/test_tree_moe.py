@@ -10,8 +10,8 @@ import contextlib
 import pytest
 import torch
 
-from appo_trl.trainer.tree import pack_rows, tree_logps_and_entropies
-from appo_trl.trainer.tree_attention import install_tree_attention
+from appo_trl.tree.attention import install_tree_attention
+from appo_trl.tree.forward import pack_rows, tree_logps_and_entropies
 from tests.trainer.test_tree_archs import tiny_gpt_oss
 from tests.trainer.test_tree_forward import CASES, TOL, batch
 

@@ -195,7 +195,7 @@ def test_two_process_gloo(tiny_model_path, tmp_path):
 def test_small_token_budget_several_tries_per_forward(tiny_model_path, tiny_tokenizer, tmp_path):
     """A budget below one group's unique tokens: every forward runs several tries (each in its own autocast
     context), still exact."""
-    from appo_trl.trainer.tree import pack_rows
+    from appo_trl.tree.forward import pack_rows
 
     trainer, _, seen, compared = run_one_step(
         tmp_path, tiny_tokenizer, tiny_model_path, compare=True, tree_token_budget=64, **STRATEGIES["arpo"]
@@ -212,20 +212,19 @@ def test_small_token_budget_several_tries_per_forward(tiny_model_path, tiny_toke
 
 def test_each_micro_batch_is_packed_once_per_step(tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch):
     """ARPO with `beta > 0`: TRL's reference pass (over the generation batch, in chunks of one micro-batch) and
-    the loss pass of each micro-batch see the same rows, which are packed once (`PackCache`): one pack per distinct
-    batch of rows, the other passes reuse it."""
-    from appo_trl.trainer import tree
-    from appo_trl.trainer.tree import PackCache
+    the loss pass of each micro-batch see the same rows, which are packed once in the trainer's own `PackCache`
+    (`trainer.tree_packs`): one pack per distinct batch of rows, the other passes reuse it."""
+    from appo_trl.tree.forward import PackCache
 
-    cache = PackCache()
-    monkeypatch.setattr(tree, "PACKS", cache)
     batches = []
-    inner = cache.get
+    inner = PackCache.get
 
-    def recorded(ids, mask, *args):
+    def recorded(self, ids, mask, *args):
         batches.append(frozenset(zip(map(tuple, ids.tolist()), map(tuple, mask.tolist()))))
-        return inner(ids, mask, *args)
+        return inner(self, ids, mask, *args)
 
-    cache.get = recorded
-    run_one_step(tmp_path, tiny_tokenizer, tiny_model_path, rollout_strategy="arpo", initial_rollouts=2, beta=0.04)
+    monkeypatch.setattr(PackCache, "get", recorded)
+    trainer, *_ = run_one_step(tmp_path, tiny_tokenizer, tiny_model_path, rollout_strategy="arpo", initial_rollouts=2,
+                               beta=0.04)  # fmt: skip
+    cache = trainer.tree_packs
     assert cache.packs == len(set(batches)) == 2 and cache.hits == len(batches) - 2 >= 2

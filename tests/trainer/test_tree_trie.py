@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from appo_trl.trainer.tree import pack_rows, row_spans
-from appo_trl.trainer.tree_trie import SortedTrie
+from appo_trl.tree.forward import pack_rows, row_spans
+from appo_trl.tree.trie import SortedTrie
 from tests.trainer.test_tree_forward import CASES, batch
 
 with warnings.catch_warnings():
@@ -100,15 +100,16 @@ def test_row_weights_are_the_rows_through_each_token():
 def test_a_chunked_forward_copies_its_rows_to_the_host_once(monkeypatch):
     """TRL's chunked passes (`batch_size`): the rows come to the host once per forward (a device sync each on a GPU),
     not once per chunk; the packs are already cached, as in every pass after a batch's first."""
-    from appo_trl.trainer.tree import tree_logps_and_entropies
-    from appo_trl.trainer.tree_attention import install_tree_attention
+    from appo_trl.tree.attention import install_tree_attention
+    from appo_trl.tree.forward import PackCache, tree_logps_and_entropies
     from tests.trainer.test_tree_forward import tiny
 
     model = tiny("qwen3")
     install_tree_attention(model)
     ids, mask, c = batch(CASES["mixed"])
+    cache = PackCache()
     run = lambda: tree_logps_and_entropies(model, ids, mask, c, compute_entropy=True, token_budget=10_000,  # noqa: E731
-                                           batch_size=2)  # fmt: skip
+                                           batch_size=2, packs=cache)  # fmt: skip
     with torch.no_grad():
         run()
         copies = []

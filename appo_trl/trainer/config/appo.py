@@ -16,6 +16,7 @@ from trl import GRPOConfig
 
 from appo_trl.trainer.config import checks
 from appo_trl.trainer.config.agent import AGENT_HELP
+from appo_trl.trainer.config.credit import credit_field
 from appo_trl.trainer.config.script import _loss, _rollout, _strategy, _vllm
 from appo_trl.trainer.strategies import strategy_class
 
@@ -98,9 +99,7 @@ class APPOConfig(GRPOConfig):
             "warning); 0 (default) = never stop, as TRL, which warns and trains on.",
         ),
     )
-    rollout_concurrency: int = field(
-        default=64, metadata=_rollout("Maximum sampler requests in flight per rank (async tool loop).")
-    )
+    rollout_concurrency: int = field(default=64, metadata=_rollout("Most sampler requests in flight per rank."))
     # --- your own agent through the OpenAI-compatible endpoint (appo_trl.trainer.agents) ------------------------
     agent: str | None = field(default=None, metadata=AGENT_HELP["agent"])
     agent_errors: Literal["zero", "raise"] = field(default="zero", metadata=AGENT_HELP["agent_errors"])
@@ -358,6 +357,11 @@ class APPOConfig(GRPOConfig):
             "source's prefix) or `group` (TRL's single group over all n rows).",
         ),
     )
+    advantage_estimator: Literal["group", "tree"] = credit_field("advantage_estimator", "group")
+    tree_credit_global_weight: float = credit_field("tree_credit_global_weight", 1.0)
+    tree_credit_local_weight: float = credit_field("tree_credit_local_weight", 1.0)
+    tree_credit_scale: Literal["sqrt_rows", "none"] = credit_field("tree_credit_scale", "sqrt_rows")
+    tree_credit_branch_rows: bool | None = credit_field("tree_credit_branch_rows", None)
     m_scaling: Literal["advantage", "reward_noop"] = field(
         default="advantage",
         metadata=_strategy(
@@ -475,8 +479,9 @@ class APPOConfig(GRPOConfig):
 
     @property
     def drops_branch_rows(self) -> bool:
-        """True when branch rows leave the batch before the loss (appo with at least one branch)."""
-        return self.strategy_class.drops_branch_rows and self.branch_rows_per_prompt > 0
+        """True when branch rows leave the batch before the loss (appo with a branch, unless tree credit keeps them)."""
+        kept = self.tree_credit_branch_rows
+        return self.strategy_class.drops_branch_rows and self.branch_rows_per_prompt > 0 and not kept
 
     def _validate_appo(self):
         """The strategy's part first (defaults such as initial_rollouts and loss_mode), then the config's own."""

@@ -1,6 +1,8 @@
 """`appo`: `initial_rollouts` per prompt, one trainer forward on them, branch points by BS = Z(H)·Z(FV), n − N
 branch rollouts from those prefixes, dual-group advantages credited to the source prefix; branch rows leave the
-batch before the loss (`RoundBatch.keep`). The maths is `appo_trl.algorithms.branching` / `.advantages`."""
+batch before the loss (`RoundBatch.keep`). The maths is `appo_trl.algorithms.branching` / `.advantages`.
+With `advantage_estimator: tree` the whole group's tree gives token credit instead, and the branch rows reach the
+loss (no cached old logps then: TRL's old-logp pass scores every row) unless `tree_credit_branch_rows: false`."""
 
 from __future__ import annotations
 
@@ -165,6 +167,8 @@ class APPOStrategy(RolloutStrategy):
             "branch/fallback_frac": sum(not p.strict for p in all_pts) / max(len(all_pts), 1),
             "branch/no_candidates": float((~valid_any).float().mean()),
         }
+        if getattr(a, "tree_credit_branch_rows", False):  # tree credit: branch rows train; TRL's old-logp pass runs
+            return RoundBatch(groups=groups, keep=[True] * (len(init) * n), info={"points": points}, metrics=metrics)
         keep = ([True] * N + [False] * (n - N)) * len(init)
         # step 2's logps are θ_old's: the trainer reuses them as old logps instead of a second forward
         old = [scored["logps"][i, : len(t.completion_ids)] for i, t in enumerate(flat)]
@@ -173,7 +177,9 @@ class APPOStrategy(RolloutStrategy):
 
     def advantages(self, batch, rewards, default, length):
         """(B_local, T) advantages: initial rows get dual-group credit; branch rows keep TRL's value (dropped later)."""
-        if self.args.advantage_mode == "group" or self.args.initial_rollouts == self.args.num_generations:
+        a = self.args
+        tree = getattr(a, "advantage_estimator", "group") == "tree"
+        if tree or a.advantage_mode == "group" or a.initial_rollouts == a.num_generations:
             return super().advantages(batch, rewards, default, length)
         from appo_trl.algorithms.advantages import appo_dual_group_advantages
 

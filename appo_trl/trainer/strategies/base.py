@@ -113,6 +113,9 @@ class RolloutStrategy:
                 if getattr(config, flag):
                     fail(f"{flag}=True is an {other.name.upper()} option; set rollout_strategy={other.name}.")
                 setattr(config, flag, False)
+        from appo_trl.trainer.config.credit import check_credit
+
+        check_credit(config, cls)  # advantage_estimator=tree and its options
 
     def generate(self, prompt_ids: list[list[int]], n: int, seed: int) -> RoundBatch:
         raise NotImplementedError
@@ -122,7 +125,12 @@ class RolloutStrategy:
 
         With `advantage_std_eps` other than TRL's 1e-4 (the released code: 1e-6) the group advantages are
         recomputed as (r − mean_g)/(std_g + ε) with TRL's unbiased group std (`scale_rewards: group` only).
+        `advantage_estimator: tree`: (B, length) token advantages from the groups' trees (`appo_trl.trainer.credit`).
         """
+        if self.branches and getattr(self.args, "advantage_estimator", "group") == "tree":  # (not grpo's eval rounds)
+            from appo_trl.trainer.credit import tree_advantages
+
+            return tree_advantages(batch, rewards, length, self.args).to(default.device)
         eps = getattr(self.args, "advantage_std_eps", TRL_STD_EPS)
         if eps == TRL_STD_EPS:
             return default

@@ -1,6 +1,6 @@
-"""The tree attention's layout and kernel bodies; `appo_trl.trainer.tree_attention` dispatches between them.
+"""The tree attention's layout and kernel bodies; `appo_trl.tree.attention` dispatches between them.
 
-`TreeLayout` is built once per trie per forward (`appo_trl.trainer.tree.tree_logps_and_entropies`) and travels in
+`TreeLayout` is built once per trie per forward (`appo_trl.tree.forward.tree_logps_and_entropies`) and travels in
 the forward's keyword arguments (`tree_layout`), so every decoder layer and the recomputation under activation
 checkpointing reuse what a kernel needs: the varlen `cu_seqlens` and maxima (host integers, no device sync per
 layer), the per-segment gathered indices and masks, and FlexAttention's block mask. A kernel's piece is made at
@@ -15,7 +15,7 @@ import torch
 
 
 class TreeLayout:
-    """One trie's attention layout on one device (see the module doc). `pack` holds `appo_trl.trainer.tree`'s tree
+    """One trie's attention layout on one device (see the module doc). `pack` holds `appo_trl.tree.forward`'s tree
     tensors; the CPU copies give the host integers, the device copies the kernels' operands."""
 
     def __init__(self, pack: dict[str, torch.Tensor], device):

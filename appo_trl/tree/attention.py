@@ -6,8 +6,8 @@
 
 - a forward *without* the tree keyword arguments (generation in-process, evaluation, anything that is not the
   trainer's tree forward) is handed to the base implementation and its mask builder unchanged;
-- a forward *with* a `tree_layout` keyword argument (an `appo_trl.trainer.tree_kernels.TreeLayout`, built once
-  per trie per forward from `appo_trl.trainer.tree.pack_rows`' layout) attends over the prefix tree: the packed
+- a forward *with* a `tree_layout` keyword argument (an `appo_trl.tree.kernels.TreeLayout`, built once
+  per trie per forward from `appo_trl.tree.forward.pack_rows`' layout) attends over the prefix tree: the packed
   token at position `q` sees exactly the tokens on its root-to-`q` path, which are the tokens its own row saw
   before it, at the same positions (position ids are depths in the tree).
 
@@ -21,7 +21,7 @@ Kernels, in this order, each one skipped behind one log line per process and rea
 1. CUDA, fp16/bf16, no attention dropout: PyTorch's built-in varlen FlashAttention (`torch.nn.attention.varlen`),
    over TRL's `tree_kv_index` layout (each segment's queries against its gathered root-to-segment path, causal
    aligned bottom-right). Its causal convention is checked once per device and dtype on a small trie, forward and
-   backward (`tree_kernels.varlen_probe`); a disagreement or an error skips it.
+   backward (`appo_trl.tree.kernels.varlen_probe`); a disagreement or an error skips it.
 2. CUDA, fp16/bf16: the `flash_attn` package's `flash_attn_varlen_func` over the same layout.
 3. CUDA: PyTorch's FlexAttention with an ancestor block mask (a token sees the tokens before it in its own segment
    and in the segments on its root path), built once per trie, compiled once with dynamic shapes. If it raises,
@@ -49,7 +49,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from appo_trl.trainer.tree_kernels import (
+from appo_trl.tree.kernels import (
     TreeLayout,
     eager_attention,
     flash_varlen_attention,

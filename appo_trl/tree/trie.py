@@ -1,6 +1,6 @@
 """`SortedTrie`: TRL's `TreeRow` trie for rows added in lexicographic order, built per row instead of per token.
 
-`appo_trl.trainer.tree.pack_rows` adds its rows sorted, so a row shares with the trie exactly what it shares with the
+`appo_trl.tree.forward.pack_rows` adds its rows sorted, so a row shares with the trie exactly what it shares with the
 row before it: its longest common prefix `l` less one token (nodes are keyed on a token and the next one, so the trie
 forks one token before rows diverge), or all of it for an identical row. Then DFS pre-order is the rows' new
 suffixes in row order, and every field of `TreeRow.pack()` that the tree forward reads follows from tensor slices:

@@ -1,0 +1,69 @@
+"""`APPOConfig`'s tree-credit fields: their help and their one check (`check_credit`).
+
+The fields are declared on `APPOConfig`; the maths is `appo_trl.algorithms.tree_credit`, the adapter from a round's
+trajectories `appo_trl.trainer.credit`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import field
+
+from appo_trl.trainer.config.checks import fail
+from appo_trl.trainer.config.script import _strategy
+
+CREDIT_HELP = {
+    "advantage_estimator": _strategy(
+        "`group` (default): the strategy's own advantages (TRL's group advantage; APPO's dual group). `tree`: "
+        "TreeRL's step-level credit on the group's branch tree (arpo, aepo, appo): each token gets "
+        "(w_global·(V(n) − V(root)) + w_local·(V(n) − V(parent(n)))) / sqrt(rows through n), n the deepest node "
+        "holding it, V(n) the mean reward (return-to-go with per-turn rewards) of the rows through n, V(root) the "
+        "group mean; no std normalisation. Tokens shared by several rows get one value. Refused for grpo (no "
+        "branch: it would be 2·(r − mean), TRL's `scale_rewards: none` doubled)."
+    ),
+    "tree_credit_global_weight": _strategy("advantage_estimator=tree: w_global, weight of V(n) − V(root)."),
+    "tree_credit_local_weight": _strategy(
+        "advantage_estimator=tree: w_local, weight of V(n) − V(parent(n)) (0: the global term alone, which "
+        "without branches is exactly GRPO's centred advantage r − mean)."
+    ),
+    "tree_credit_scale": _strategy(
+        "advantage_estimator=tree: `sqrt_rows` (TreeRL) divides a token's advantage by sqrt(rows through its "
+        "node), so a prefix shared by k rows, trained k times, weighs like sqrt(k) rows; `none` does not."
+    ),
+    "tree_credit_branch_rows": _strategy(
+        "appo with advantage_estimator=tree: the branch rows reach the loss too (default true: their tokens after "
+        "the branch point carry their own node values); false keeps APPO's rule (initial rollouts only)."
+    ),
+}
+
+
+def credit_field(name: str, default):
+    """The dataclass field `name` of `APPOConfig`, with its help."""
+    return field(default=default, metadata=CREDIT_HELP[name])
+
+
+DEFAULTS = {"tree_credit_global_weight": 1.0, "tree_credit_local_weight": 1.0, "tree_credit_scale": "sqrt_rows"}
+
+
+def check_credit(cfg, strategy) -> None:
+    """Refuse a tree-credit setting that cannot be honoured; resolve `tree_credit_branch_rows` (appo only)."""
+    tree = cfg.advantage_estimator == "tree"
+    if not tree:
+        changed = [k for k, v in DEFAULTS.items() if getattr(cfg, k) != v] + (
+            ["tree_credit_branch_rows"] if cfg.tree_credit_branch_rows is not None else []
+        )
+        if changed:
+            fail(f"{', '.join(changed)} only apply with advantage_estimator=tree (it is {cfg.advantage_estimator!r}).")
+        return
+    if not strategy.branches:
+        fail(
+            f"advantage_estimator=tree needs a branching strategy (arpo, aepo, appo): {strategy.name}'s groups have "
+            "no branch, where tree credit is 2·(r − mean), TRL's `scale_rewards: none` doubled."
+        )
+    w = (cfg.tree_credit_global_weight, cfg.tree_credit_local_weight)
+    if not all(math.isfinite(x) and x >= 0 for x in w) or not any(w):
+        fail(f"tree_credit weights (global, local) = {w} must be finite, >= 0 and not both 0.")
+    if cfg.tree_credit_branch_rows is not None and not strategy.drops_branch_rows:
+        fail(f"tree_credit_branch_rows is an appo option; {strategy.name} trains every row already.")
+    if strategy.drops_branch_rows and cfg.tree_credit_branch_rows is None:
+        cfg.tree_credit_branch_rows = True
