@@ -327,10 +327,11 @@ class AgentEngine:
                 f"agent {self.rounds.name} returned without calling its base_url: an agent must send its chat "
                 "requests to the `base_url` it is given (openai.OpenAI(base_url=base_url, api_key='-'))"
             )
-        if row is None:  # failed before its first answer: one masked token, reward 0
+        if row is None:  # failed before its first answer: one masked token (no entropy), reward 0
             eos = self.rounds.trainer._tokenizer.eos_token_id
             row = Trajectory(prompt_ids=list(self.prompt_ids[g]), completion_ids=[eos], loss_mask=[0],
-                             logprobs=[math.nan], finish_reason="error")  # fmt: skip
+                             logprobs=[math.nan], finish_reason="error",
+                             entropies=[math.nan] if self.rounds._entropies() else None)  # fmt: skip
         c = self.counts
         c["errors"] += error is not None
         c["timeouts"] += error is not None and error.startswith("timed out")
