@@ -36,6 +36,7 @@ import threading
 
 from appo_trl.rollout.types import Trajectory
 from appo_trl.trainer import trl_seams
+from appo_trl.trainer.reward_checks import REWARD_LIMIT, non_finite_note, usable_reward
 from appo_trl.trainer.strategies import RoundBatch
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class AgentRounds:
         self._thread: threading.Thread | None = None
         self._threads: set[threading.Thread] = set()  # sync agents, one thread per run
         self._seen_errors: set[str] = set()
+        self._warned_non_finite = False
 
     def _start(self) -> None:
         from appo_trl.rollout.agent_endpoint import AgentEndpoint
@@ -251,9 +253,17 @@ class AgentRounds:
         return future
 
     def _check_value(self, value):
-        if value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool)):
+        if not (value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool))):
+            raise TypeError(f"agent {self.name} returned {type(value).__name__} {value!r}; return a float or None")
+        if usable_reward(value):
             return None if value is None else float(value)
-        raise TypeError(f"agent {self.name} returned {type(value).__name__} {value!r}; return a float or None")
+        if not self._warned_non_finite:  # inf, NaN, 1e308: as None (TRL's NaN), one warning per run
+            self._warned_non_finite = True
+            logger.warning("agent %s returned %s; a reward that is not finite (or over %g) is handled as None (the "
+                           "reward functions score the run; none: it is not scored), here and for the rest of the run "
+                           "without another warning", self.name, non_finite_note(float(value)),
+                           REWARD_LIMIT)  # fmt: skip
+        return None
 
     def _fault(self, error: str) -> None:
         if self.trainer.args.agent_errors == "raise":

@@ -8,6 +8,10 @@
   reward per assistant turn; `checked_reward_func(..., turns=record)` hands each list to `record(name, index,
   values)` and gives TRL their sum (the completion's return), so TRL's logs and statistics see one number per row.
   Where they land: `appo_trl.trainer.turn_rewards`. Without the tree estimator a list is refused, naming the setting.
+- A reward that is not finite (inf, -inf, NaN) or beyond `REWARD_LIMIT` in size (1e308: the float32 group mean and
+  std TRL computes overflow, and the whole group's gradient is dropped) is handled like None (TRL's NaN: this
+  function does not score that completion), with one warning per function naming it (`finite_rewards`; the user's
+  agent's own reward goes through the same rule, `appo_trl.trainer.agents`).
 - `NaNRewardGuard` counts training rounds in a row in which every reward function gave None/NaN for every
   completion. As TRL, such a round logs a warning (one line naming the functions) and training goes on; with
   `max_steps > 0` (`max_nan_reward_steps`, off by default) the run stops after that many rounds with
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -88,15 +93,52 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+# Beyond this size a reward's float32 group statistics are meaningless: its square overflows float32 (3.4e38) from
+# about 1.8e19, and next to it every other reward of its group is lost in rounding.
+REWARD_LIMIT = 1e15
+
+
+def usable_reward(value: Any) -> bool:
+    """None, or a finite number of size at most `REWARD_LIMIT`."""
+    if value is None:
+        return True
+    number = float(value)
+    return math.isfinite(number) and abs(number) <= REWARD_LIMIT
+
+
+def non_finite_note(value: float) -> str:
+    """How a reward that is not `usable_reward` is named in its warning."""
+    return "NaN" if math.isnan(value) else f"{value:g}" + ("" if math.isinf(value) else f" (over {REWARD_LIMIT:g})")
+
+
+def finite_rewards(name: str, output: Any, warned: set[str]) -> Any:
+    """`output` (already `check_rewards`-checked) with each reward that is not `usable_reward` as None; the first
+    such reward of `name` logs one warning (`warned` holds the names already warned about)."""
+    values = output.tolist() if hasattr(output, "tolist") else list(output)
+    bad = [i for i, v in enumerate(values) if not usable_reward(v)]
+    if not bad:
+        return output
+    if name not in warned:
+        warned.add(name)
+        logger.warning(
+            "reward function %r returned %s for completion %d; a reward that is not finite (or over %g) is handled "
+            "as None (NaN: not scored), here and for the rest of the run without another warning",
+            name, non_finite_note(float(values[bad[0]])), bad[0], REWARD_LIMIT,
+        )  # fmt: skip
+    return [None if i in bad else v for i, v in enumerate(values)]
+
+
 def checked_reward_func(func: Callable, name: str, turns: Callable | None = None) -> Callable:
-    """`func` with its output checked by `check_rewards` (async stays async; TRL's name is kept); with `turns`,
-    per-turn lists go to `turns(name, index, values)` and TRL gets their sums."""
+    """`func` with its output checked by `check_rewards` and non-finite rewards made None (`finite_rewards`); async
+    stays async; TRL's name is kept. With `turns`, per-turn lists go to `turns(name, index, values)` and TRL gets
+    their sums (a sum that is not finite is None too)."""
+    warned: set[str] = set()
 
     def check(output):
         if turns is not None:
             output = take_turn_rewards(name, output, turns)
         check_rewards(name, output)
-        return output
+        return finite_rewards(name, output, warned)
 
     if is_async_callable(func):
 

@@ -5,11 +5,16 @@ Same scripted sampler and `openai` SDK agents as `test_agents.py`; every check i
 
 from __future__ import annotations
 
+import math
+import threading
+
 import pytest
+import torch
 
 openai = pytest.importorskip("openai")
 
 from tests.trainer.test_agents import make_trainer, sdk_agent  # noqa: E402
+from tests.trainer.test_trainer import spy_loss  # noqa: E402
 
 
 def raises_at_once(row, base_url, model):
@@ -38,3 +43,37 @@ def test_a_run_that_fails_before_its_first_request_gets_reward_0(tmp_path, strat
         assert log["reward"] == 0.0 and log["agent/errors"] >= 4
     else:
         assert log["agent/errors"] >= 2 and 0.0 <= log["reward"] < 0.5
+
+
+class Returns:
+    """An agent whose runs return `values` in turn (after one request each)."""
+
+    __name__ = "returns_inf"
+
+    def __init__(self, values):
+        self.values, self.i, self.lock = list(values), 0, threading.Lock()
+
+    def __call__(self, row, base_url, model):
+        openai.OpenAI(base_url=base_url, api_key="-").chat.completions.create(model=model, messages=row["prompt"])
+        with self.lock:
+            self.i += 1
+            return self.values[(self.i - 1) % len(self.values)]
+
+
+def test_non_finite_agent_rewards_are_none_with_one_warning(tmp_path, caplog, tiny_chat_tokenizer,
+                                                             tiny_chat_model_path):  # fmt: skip
+    """inf, -inf, 1e308 (its float32 group std overflows) and NaN: as None (TRL's NaN), one warning naming the agent;
+    the group's other runs keep finite advantages (before: `reward inf`, and the group's gradient was dropped)."""
+    agent = Returns([math.inf, 1.0, -math.inf, 0.0, 1e308, 1.0, math.nan, 0.0])
+    trainer, _ = make_trainer(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, agent, max_steps=2,
+                              num_generations=4, initial_rollouts=4, per_device_train_batch_size=4)  # fmt: skip
+    seen = spy_loss(trainer)
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    warned = [r.getMessage() for r in caplog.records if "not finite" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("agent returns_inf returned ")
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    assert len(logs) == 2 and all(math.isfinite(h["reward"]) and h["reward"] == 0.5 for h in logs)
+    assert all(h["rewards/agent_reward/mean"] == 0.5 for h in logs)  # TRL's nanmean: over the finite runs
+    for inputs in seen:
+        assert torch.isfinite(inputs["advantages"]).all() and inputs["advantages"].abs().sum() > 0

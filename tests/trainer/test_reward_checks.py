@@ -113,3 +113,37 @@ def test_a_round_without_rewards_warns_and_trains_on_by_default(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 5 and lines[4].startswith("step 5: reward function(s) 'r' returned None/NaN")
     assert "round 5 in a row" in lines[4] and "stops" not in lines[4]
+
+
+def test_non_finite_rewards_are_none_with_one_warning_per_function(caplog):
+    """inf, -inf, 1e308 (float32 overflow in the group std), NaN: None, as TRL's None; one warning naming the function."""
+
+    def log_reward(completions, **kw):
+        return [math.inf, -math.inf, 1e308, math.nan, 1.0, None, np.float64(1e15)]
+
+    async def async_log_reward(completions, **kw):
+        return torch.tensor([-math.inf, 2.0])
+
+    wrapped = checked_reward_func(log_reward, "log_reward")
+    with caplog.at_level("WARNING", logger="appo_trl.trainer.reward_checks"):
+        assert wrapped(completions=[]) == [None, None, None, None, 1.0, None, 1e15]  # 1e15: REWARD_LIMIT, kept
+        assert wrapped(completions=[]) == [None, None, None, None, 1.0, None, 1e15]
+        assert asyncio.run(checked_reward_func(async_log_reward, "async_log_reward")(completions=[])) == [None, 2.0]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and lines[0].startswith("reward function 'log_reward' returned inf for completion 0;")
+    assert lines[1].startswith("reward function 'async_log_reward' returned -inf for completion 0;")
+    assert checked_reward_func(log_reward, "f")(completions=[])[4] == 1.0
+    finite = [0.5, None]
+    assert checked_reward_func(lambda **kw: finite, "g")() is finite  # nothing to change: the very list
+
+
+def test_an_infinite_reward_function_trains_with_finite_rewards(tmp_path, tiny_tokenizer, tiny_model_path, caplog):
+    def log_zero_reward(completions, **kw):
+        return [-math.inf] + [float(i % 2) for i in range(1, len(completions))]
+
+    trainer = _trainer(tmp_path, tiny_tokenizer, tiny_model_path, log_zero_reward, max_steps=2)
+    with caplog.at_level("WARNING", logger="appo_trl.trainer.reward_checks"):
+        trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    assert len(logs) == 2 and all(h["reward"] == 1.0 for h in logs)  # the other row's (before: -inf)
+    assert sum("log_zero_reward" in r.getMessage() for r in caplog.records) == 1
