@@ -4,8 +4,9 @@ The contract: `agent(row, base_url, model) -> float | None` (or `async def`) run
 `row` against `base_url`, an OpenAI-compatible base URL of the trainer's endpoint unique to this run
 (`appo_trl.rollout.agent_endpoint`); its return value is the trajectory's reward, None lets the reward functions
 score the captured conversation (TRL's signature: `prompts`, `completions` as messages, the row's columns).
-`AgentRounds.generate` runs `num_generations` agent runs per prompt (sync agents on a thread pool, async ones on an
-event loop of their own, at most `rollout_concurrency` at a time) and turns each run into one row of its group.
+`AgentRounds.generate` runs `num_generations` agent runs per prompt (each on a daemon thread of its own, an async agent
+on its own event loop there: `appo_trl.trainer.agent_threads`; at most `rollout_concurrency` at a time) and turns
+each run into one row of its group.
 
 Rows: TRL scores one row per run (`AgentSession.row`: its last chain of exact ids; a branch's: the chain of its
 branch call), so rewards and group statistics are over runs. A run whose agent rewrote its history (`agent/restarts`)
@@ -16,8 +17,10 @@ reward functions' values are ignored (`agent_rewards_override`), so a row is nev
 
 Faults: an agent that raises or runs past `agent_timeout_s` gets reward 0 (`agent/errors`, `agent/timeouts`; each
 distinct error's first line logged once) or, with `agent_errors: raise`, stops the run; an agent that returns
-without any request is an error naming it. `close()` (Ctrl-C included) cancels the async agents, ends every
-session and stops the endpoint, its loop and thread pool.
+without any request is an error naming it. A reward that is not finite (inf, NaN, over 1e15) is None, with one
+warning naming the agent; an async agent that blocks its loop is named in one warning. `close()` (Ctrl-C included)
+cancels the runs, ends every session, stops the endpoint and its loop, and waits for the runs' threads at most
+`EXIT_GRACE_S` in all; runs still going are abandoned (their threads are daemons).
 
 Branching is by replay, for every strategy whose class has `branches_by_replay`: the strategy samples through
 `AgentEngine`, chooses its points on the recorded runs (appo: after its forward; arpo/aepo: their hook at each fork
@@ -28,18 +31,25 @@ answers up to the branch call (`AgentSession.branch_call`). Not yet: background 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import inspect
 import logging
 import math
 import numbers
 import threading
+import time
 
 from appo_trl.rollout.types import Trajectory
 from appo_trl.trainer import trl_seams
+from appo_trl.trainer.agent_threads import AgentRun, join_within
 from appo_trl.trainer.reward_checks import REWARD_LIMIT, non_finite_note, usable_reward
 from appo_trl.trainer.strategies import RoundBatch
 
 logger = logging.getLogger(__name__)
+
+EXIT_GRACE_S = 3.0  # at close (the end, Ctrl-C, an error): how long all agent runs together get to stop
+BLOCKED_LOOP_S = 1.0  # an async agent whose own loop was blocked this long is named in a warning
 
 
 def agent_label(agent) -> str:
@@ -124,7 +134,8 @@ class AgentRounds:
         self.endpoint = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._threads: set[threading.Thread] = set()  # sync agents, one thread per run
+        self._runs: set[AgentRun] = set()  # one thread per agent run (agent_threads); abandoned ones until close
+        self._warned_blocked, self._lock = False, threading.Lock()
         self._seen_errors: set[str] = set()
         self._warned_non_finite = False
 
@@ -166,7 +177,10 @@ class AgentRounds:
         return str(getattr(self.trainer.model, "name_or_path", None) or "policy")
 
     def close(self) -> None:
-        """Cancel the async agents, end every session, stop the endpoint, the loop and the pool (idempotent)."""
+        """Cancel the agent runs, end every session, stop the endpoint and the loop, and wait for the runs' threads,
+        all within `EXIT_GRACE_S` together (idempotent). Runs still going then are abandoned (`agent_threads`)."""
+        deadline = time.monotonic() + EXIT_GRACE_S
+        left = lambda: max(deadline - time.monotonic(), 0.0)  # noqa: E731
         loop, self._loop = self._loop, None
         if loop is not None:
 
@@ -176,15 +190,24 @@ class AgentRounds:
                     task.cancel()
                 await asyncio.gather(*others, return_exceptions=True)
 
-            asyncio.run_coroutine_threadsafe(_cancel(), loop).result(timeout=30)
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                asyncio.run_coroutine_threadsafe(_cancel(), loop).result(timeout=left())
             loop.call_soon_threadsafe(loop.stop)
-            self._thread.join(timeout=30)
-            loop.close()
-        if self.endpoint is not None:
+            self._thread.join(timeout=left())
+            if not self._thread.is_alive():
+                loop.close()
+        if self.endpoint is not None:  # later requests of running agents fail at once
             self.endpoint.close()
             self.endpoint = None
-        for thread in list(self._threads):  # their requests now fail (the endpoint is closed), so they end
-            thread.join(timeout=10)
+        for run in list(self._runs):
+            run.cancel()
+        stuck = join_within(list(self._runs), left())
+        self._runs.clear()
+        if stuck:
+            logger.warning("%d run(s) of agent %s did not stop within %g s of the end (blocked in a call that cannot be "
+                           "cancelled); abandoned: their threads end when that call returns (later requests fail, "
+                           "results are dropped) or with the process", len(stuck), self.name,
+                           EXIT_GRACE_S)  # fmt: skip
 
     # ---- one round ---------------------------------------------------------------------------------------------
     def generate(self, strategy, prompt_ids: list[list[int]], n: int, seed: int, inputs: list[dict],
@@ -208,49 +231,40 @@ class AgentRounds:
         return batch
 
     async def call(self, row: dict, base_url: str):
-        """Run the agent once on `row` against `base_url`: (its value, None) or (None, the error's first line)."""
+        """Run the agent once on `row` against `base_url` on a thread of its own (`agent_threads`): (its value, None)
+        or (None, the error's first line)."""
         args = self.trainer.args
+        run = AgentRun(lambda: self.agent(row, base_url, self.model_name), self.is_async, asyncio.get_running_loop(),
+                       self._warn_if_blocked)  # fmt: skip
+        self._runs = {r for r in self._runs if not r.thread_done} | {run}
         try:
-            if self.is_async:
-                call = self.agent(row, base_url, self.model_name)
-            else:
-                call = self._in_thread(row, base_url)
-            return self._check_value(await asyncio.wait_for(call, args.agent_timeout_s)), None
+            return self._check_value(await asyncio.wait_for(run.future, args.agent_timeout_s)), None
         except asyncio.TimeoutError:
             error = f"timed out after agent_timeout_s={args.agent_timeout_s}"
         except Exception as exc:  # noqa: BLE001 - the user's agent: any error is its trajectory's
             lines = str(exc).strip().splitlines()
             error = f"{type(exc).__name__}: {lines[0] if lines else ''}"
         finally:
+            run.cancel()  # an async agent past its time (or the round cancelled): CancelledError in its own loop
             self.endpoint.end_session(base_url)
+            self._warn_if_blocked(run.blocked_s)  # a block in progress (the run's end reports the rest)
+            if run.thread_done:
+                self._runs.discard(run)
         self._fault(error)
         return None, error
 
-    def _in_thread(self, row: dict, base_url: str) -> asyncio.Future:
-        """A sync agent run on its own daemon thread; the future of its return value on the agents' loop."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-
-        def settle(ok: bool, value) -> None:
-            if not future.done():
-                (future.set_result if ok else future.set_exception)(value)
-
-        def run() -> None:
-            try:
-                out = (True, self.agent(row, base_url, self.model_name))
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting run
-                out = (False, exc)
-            try:
-                loop.call_soon_threadsafe(settle, *out)
-            except RuntimeError:  # the loop was closed (the run was abandoned)
-                pass
-            finally:
-                self._threads.discard(threading.current_thread())
-
-        thread = threading.Thread(target=run, name="appo-agent", daemon=True)
-        self._threads.add(thread)
-        thread.start()
-        return future
+    def _warn_if_blocked(self, blocked: float) -> None:
+        """One warning per trainer when an async agent blocked its own event loop `BLOCKED_LOOP_S` or more (called
+        from the runner's loop and from the runs' threads)."""
+        with self._lock:
+            if blocked < BLOCKED_LOOP_S or self._warned_blocked:
+                return
+            self._warned_blocked = True
+        logger.warning("async agent %s blocked its event loop for %.1f s (a blocking call inside `async def`, such as "
+                       "time.sleep or a sync HTTP client): each run has a loop of its own, so this delays that run only "
+                       "and agent_timeout_s still applies, but its own tasks and timeouts stall meanwhile; await "
+                       "asyncio.sleep / async clients, or make the agent a plain `def`", self.name,
+                       blocked)  # fmt: skip
 
     def _check_value(self, value):
         if not (value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool))):

@@ -6,7 +6,10 @@ Same scripted sampler and `openai` SDK agents as `test_agents.py`; every check i
 from __future__ import annotations
 
 import math
+import os
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -77,3 +80,87 @@ def test_non_finite_agent_rewards_are_none_with_one_warning(tmp_path, caplog, ti
     assert all(h["rewards/agent_reward/mean"] == 0.5 for h in logs)  # TRL's nanmean: over the finite runs
     for inputs in seen:
         assert torch.isfinite(inputs["advantages"]).all() and inputs["advantages"].abs().sum() > 0
+
+
+STUCK = threading.Semaphore(0)
+
+
+def stuck_sync_agent(row, base_url, model):
+    """A sync agent that hangs after its first request (a tool or socket without a timeout)."""
+    openai.OpenAI(base_url=base_url, api_key="-").chat.completions.create(model=model, messages=row["prompt"])
+    STUCK.release()
+    time.sleep(60)
+
+
+def test_ctrl_c_with_64_stuck_sync_agents_exits_within_10_s(tmp_path, tiny_chat_tokenizer, tiny_chat_model_path):
+    """Before: each stuck thread was joined for 10 s, one after another (4 agents: 43 s; 64: over 10 minutes)."""
+    trainer, _ = make_trainer(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, stuck_sync_agent, max_steps=1,
+                              num_generations=32, initial_rollouts=32, per_device_train_batch_size=64)  # fmt: skip
+    stopped = []
+
+    def ctrl_c_once_all_are_stuck():
+        for _ in range(64):
+            STUCK.acquire(timeout=120)
+        stopped.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_once_all_are_stuck, daemon=True).start()
+    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)  # as test_agents' Ctrl-C test
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+    assert stopped and time.monotonic() - stopped[0] <= 10.0
+    assert trainer.rounds.agents.endpoint is None
+
+
+def timing_out_agent(row, base_url, model):
+    openai.OpenAI(base_url=base_url, api_key="-").chat.completions.create(model=model, messages=row["prompt"])
+    time.sleep(30)
+
+
+def test_train_returns_promptly_after_done_with_abandoned_agents(tmp_path, tiny_chat_tokenizer, tiny_chat_model_path,
+                                                                   caplog):  # fmt: skip
+    """Runs past agent_timeout_s are abandoned, not waited for: the end (`close`) takes at most `EXIT_GRACE_S` for
+    all of them together (before: 10 s per stuck thread, one after another: 80 s for these 8)."""
+    from appo_trl.trainer.agents import EXIT_GRACE_S
+
+    trainer, _ = make_trainer(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, timing_out_agent, max_steps=2,
+                              agent_timeout_s=0.5)  # fmt: skip
+    agents, closing = trainer.rounds.agents, []
+    real_close = agents.close
+
+    def close():
+        start = time.monotonic()
+        real_close()
+        closing.append(time.monotonic() - start)
+
+    agents.close = close
+    with caplog.at_level("WARNING", logger="appo_trl.trainer.agents"):
+        trainer.train()
+    assert trainer.state.global_step == 2 and closing[0] <= EXIT_GRACE_S + 1.0
+    assert any("8 run(s) of agent timing_out_agent did not stop within" in r.getMessage() for r in caplog.records)
+
+
+async def blocking_async_agent(row, base_url, model):
+    """`async def` with a blocking call inside: before, it held the agents' shared loop (no timeout could fire)."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="-")
+    await client.chat.completions.create(model=model, messages=row["prompt"])
+    time.sleep(2.5)
+    return 1.0
+
+
+def test_an_async_agent_that_blocks_its_loop_times_out_and_is_named(tmp_path, tiny_chat_tokenizer,
+                                                                      tiny_chat_model_path, caplog):  # fmt: skip
+    trainer, _ = make_trainer(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, blocking_async_agent, max_steps=1,
+                              agent_timeout_s=1.0)  # fmt: skip
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="appo_trl.trainer.agents"):
+        trainer.train()
+    took = time.monotonic() - start
+    [log] = [h for h in trainer.state.log_history if "reward" in h]
+    assert log["agent/timeouts"] == 4.0 and log["reward"] == 0.0  # before: 0 timeouts, reward 1.0
+    blocked = [r.getMessage() for r in caplog.records if "blocked its event loop" in r.getMessage()]
+    assert len(blocked) == 1 and blocked[0].startswith("async agent blocking_async_agent blocked its event loop for")
+    assert took < 4 * 2.5  # the 4 runs block side by side, not one after another
