@@ -18,7 +18,9 @@
    and which corpus it serves). The plan goes on to the trainer.
 5. `check_output_dir`: `output_dir` (or, when it does not exist yet, its nearest existing parent) takes a new
    folder: a read-only disk or a missing permission is found now, not at the first save.
-6. `check_hub`: with `push_to_hub`, the token works, may write, and its owner may write to the repo's
+6. `check_agent_port`: with an agent and a fixed `agent_port`, the endpoint's port can be bound (one line naming
+   `agent_port`, not a socket traceback after the model loaded).
+7. `check_hub`: with `push_to_hub`, the token works, may write, and its owner may write to the repo's
    namespace; the push itself still happens once, at the end (`appo_trl.reporting.hub`).
 
 `configs.recipes` also calls three launch checks, in every launched rank and (the first two) before
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import tempfile
 from typing import Any
 
@@ -94,6 +97,29 @@ def check_output_dir(output_dir: str | None) -> None:
         where = "" if existing == folder else f" (its nearest existing parent {existing})"
         raise PreflightError(f"output_dir {output_dir!r} is not writable{where}: {exc.strerror or exc}; choose "
                              f"another --output_dir, or make it writable") from exc  # fmt: skip
+
+
+def agent_port_problem(host: str, port: int) -> str | None:
+    """Why the agent endpoint cannot listen on `host`:`port` (a port in use, an address not of this machine), or
+    None; port 0 (any free port) is always fine."""
+    if not port:
+        return None
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        socket.create_server((host, port), family=family).close()  # SO_REUSEADDR, as uvicorn binds it
+    except OSError as exc:
+        return (f"agent_port={port} cannot be used on agent_host={host!r}: {exc.strerror or exc}; choose a free "
+                "port, or agent_port: 0 for any free one")  # fmt: skip
+    return None
+
+
+def check_agent_port(training_args) -> None:
+    """With an agent and a fixed `agent_port`: one line when the endpoint could not listen there, before the
+    model loads (the trainer checks it again for `APPOTrainer(agent=...)`)."""
+    if getattr(training_args, "agent", None):
+        problem = agent_port_problem(training_args.agent_host, training_args.agent_port)
+        if problem:
+            raise PreflightError(problem)
 
 
 def check_quantization(model_args, training_args) -> None:

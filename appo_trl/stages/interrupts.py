@@ -21,8 +21,9 @@ within `grace` seconds (blocked in a C call, a collective whose peer is gone) is
 more line. The launcher then exits with its ranks.
 
 A vLLM server or router that fails mid-run (`VLLMServerError`, `WeightSyncError`, `RouterError`, or an error
-caused by one) ends the stage the same way: one line with the server's error and the checkpoint kept, exit code 1
-(`--debug` shows the traceback).
+caused by one), and the user's agent stopping the run (`AgentError`: `agent_errors: raise`, a taken `agent_port`,
+every run failing round after round) end the stage the same way: one line with the error and the checkpoint kept,
+exit code 1 (`--debug` shows the traceback).
 
 What this does not do: save a checkpoint on SIGTERM (transformers' `enable_jit_checkpoint` does, in the
 trainer), or interrupt a main thread blocked in a C call before that call returns.
@@ -196,13 +197,21 @@ def stop_message(prog: str, signum: int, output_dir: str | None, parent_gone: in
     return f"{prog}: {stopped}; {kept_message(output_dir)}."
 
 
-def lost_server(exc: BaseException) -> BaseException | None:
-    """The vLLM server or router error behind `exc` (itself or a cause), None when there is none."""
+def ending_errors() -> tuple[type[BaseException], ...]:
+    """The errors that end a stage with one line and exit code 1 (module docstring): a vLLM server or router that
+    failed mid-run, and the user's agent stopping the run (`agent_errors: raise`, or every run failing for
+    `max_failed_agent_rounds` rounds in a row)."""
+    from appo_trl.trainer.agents import AgentError
     from appo_trl.vllm import RouterError, VLLMServerError, WeightSyncError
 
-    seen, depth = exc, 0
+    return (VLLMServerError, WeightSyncError, RouterError, AgentError)
+
+
+def ending_error(exc: BaseException) -> BaseException | None:
+    """The `ending_errors` error behind `exc` (itself or a cause), None when there is none."""
+    kinds, seen, depth = ending_errors(), exc, 0
     while seen is not None and depth < 8:
-        if isinstance(seen, (VLLMServerError, WeightSyncError, RouterError)):
+        if isinstance(seen, kinds):
             return seen
         seen, depth = seen.__cause__ or seen.__context__, depth + 1
     return None
@@ -227,7 +236,7 @@ def run_interruptible(prog: str, output_dir: str | None, fn: Callable[[], object
         except Exception as exc:
             from appo_trl.configs.errors import DEBUG_ENV, ConfigError, one_line
 
-            cause = None if isinstance(exc, ConfigError) else lost_server(exc)
+            cause = None if isinstance(exc, ConfigError) else ending_error(exc)
             if cause is None or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
                 raise
             say(f"{prog}: error: {one_line(cause)}; {kept_message(output_dir)} (run with --debug for the traceback)")

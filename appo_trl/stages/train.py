@@ -74,6 +74,7 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
     )
     preflight.check_quantization(model_args, training_args)
     preflight.check_output_dir(training_args.output_dir)  # read-only or missing parent: one line, before the model
+    preflight.check_agent_port(training_args)  # a taken agent_port: one line, before the model
     try:
         reward_funcs = [get_reward_func(name) for name in script_args.reward_funcs]
     except ValueError as exc:

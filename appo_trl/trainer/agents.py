@@ -94,6 +94,11 @@ def resolve_agent(args, agent, tool_dirs=(), *, tools=None, rollout_func=None, e
         )
     if args.max_staleness >= 1:
         raise ValueError(f"agent {name}: background rounds (max_staleness >= 1) are not supported with an agent yet")
+    from appo_trl.configs.preflight import agent_port_problem
+
+    problem = agent_port_problem(args.agent_host, args.agent_port)  # before the model loads
+    if problem:
+        raise ValueError(f"agent {name}: {problem}")
     return agent
 
 
@@ -158,11 +163,15 @@ class AgentRounds:
 
         params = SamplingParams(max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
                                 top_k=cfg.top_k, logprobs=cfg.entropy_topk if self._entropies() else 0)  # fmt: skip
-        self.endpoint = AgentEndpoint(
-            engine.submit, lambda ids, p: engine.backend.generate(ids, p), renderer, params, cfg.max_model_len,
-            model_name=self.model_name,
-            host=args.agent_host, port=args.agent_port, concurrency=args.rollout_concurrency,
-        ).start()  # fmt: skip
+        try:
+            self.endpoint = AgentEndpoint(
+                engine.submit, lambda ids, p: engine.backend.generate(ids, p), renderer, params, cfg.max_model_len,
+                model_name=self.model_name,
+                host=args.agent_host, port=args.agent_port, concurrency=args.rollout_concurrency,
+            ).start()  # fmt: skip
+        except OSError as exc:  # taken since the check at start-up
+            raise AgentError(f"agent {self.name}: agent_port={args.agent_port} cannot be used on agent_host="
+                             f"{args.agent_host!r}: {exc.strerror or exc}") from exc  # fmt: skip
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="appo-agents", daemon=True)
         self._thread.start()

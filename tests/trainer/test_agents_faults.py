@@ -164,3 +164,27 @@ def test_an_async_agent_that_blocks_its_loop_times_out_and_is_named(tmp_path, ti
     blocked = [r.getMessage() for r in caplog.records if "blocked its event loop" in r.getMessage()]
     assert len(blocked) == 1 and blocked[0].startswith("async agent blocking_async_agent blocked its event loop for")
     assert took < 4 * 2.5  # the 4 runs block side by side, not one after another
+
+
+def test_a_taken_agent_port_is_named_before_the_model_loads_and_at_start(tmp_path, tiny_chat_tokenizer,
+                                                                          tiny_chat_model_path):  # fmt: skip
+    import socket
+
+    from appo_trl.trainer.agents import AgentError
+    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.trainer.trainer import APPOTrainer
+    from tests.trainer.test_agents import prompts
+    from tests.trainer.test_trainer import CPU
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        args = APPOConfig(output_dir=str(tmp_path / "a"), **CPU, num_generations=2, per_device_train_batch_size=4,
+                          agent_port=port)  # fmt: skip
+        with pytest.raises(ValueError, match=f"agent sdk_agent: agent_port={port} cannot be used on agent_host="):
+            APPOTrainer(model="missing", args=args, train_dataset=prompts(), agent=sdk_agent)
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    trainer, _ = make_trainer(tmp_path / "b", tiny_chat_model_path, tiny_chat_tokenizer, sdk_agent, max_steps=1,
+                              agent_port=port)  # fmt: skip
+    with socket.create_server(("127.0.0.1", port)), pytest.raises(AgentError, match=f"agent_port={port} cannot be"):
+        trainer.train()  # taken after the check: the endpoint's own bind names it too
