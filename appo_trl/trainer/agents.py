@@ -31,6 +31,7 @@ answers up to the branch call (`AgentSession.branch_call`). Not yet: background 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import inspect
@@ -143,6 +144,7 @@ class AgentRounds:
         self._warned_blocked, self._lock = False, threading.Lock()
         self._seen_errors: set[str] = set()
         self._warned_non_finite = False
+        self.failed_rounds = 0  # training rounds in a row in which every run failed
 
     def _start(self) -> None:
         from appo_trl.rollout.agent_endpoint import AgentEndpoint
@@ -237,7 +239,31 @@ class AgentRounds:
         for key, value in {**{f"agent/{k}": v for k, v in runs.counts.items()}, **self.endpoint.metrics()}.items():
             trl_seams.log_metric(self.trainer, mode, key, float(value))
         self.endpoint.reset_metrics()
+        if mode == "train":
+            self._check_failed_round(runs)
         return batch
+
+    def _check_failed_round(self, runs: AgentEngine) -> None:
+        """A training round in which every run (of every rank) failed trains nothing: one warning at the first of
+        a streak; `max_failed_agent_rounds` in a row stop the run with the most common error (every rank alike)."""
+        import torch
+
+        t = self.trainer
+        counts = t.accelerator.gather(torch.tensor([[runs.counts["errors"], runs.runs]], device=t.accelerator.device))
+        failed, total = (int(x) for x in counts.sum(dim=0).tolist())
+        if total == 0 or failed < total:
+            self.failed_rounds = 0
+            return
+        self.failed_rounds += 1
+        limit = t.args.max_failed_agent_rounds
+        error, times = runs.errors.most_common(1)[0] if runs.errors else ("?", 0)
+        what = f"every run of agent {self.name} failed ({total} runs; most common error, {times}x: {error})"
+        if limit and self.failed_rounds >= limit:
+            raise AgentError(f"{what} in {self.failed_rounds} training rounds in a row (max_failed_agent_rounds="
+                             f"{limit}): nothing trains; fix the agent, or set max_failed_agent_rounds: 0 to go on")  # fmt: skip
+        if self.failed_rounds == 1:
+            stop = f"; after {limit} such rounds in a row the run stops" if limit else ""
+            logger.warning("step %d: %s, so this round trains nothing%s", t.state.global_step, what, stop)
 
     async def call(self, row: dict, base_url: str):
         """Run the agent once on `row` against `base_url` on a thread of its own (`agent_threads`): (its value, None)
@@ -314,6 +340,7 @@ class AgentEngine:
         self.sessions: dict[str, object] = {}  # row uid -> its run's session (branches replay it)
         self.counts = dict.fromkeys(("errors", "timeouts", "restarts", "chain_rows", "branches", "replay_divergence",
                                      "replayed_calls"), 0)  # fmt: skip
+        self.runs, self.errors = 0, collections.Counter()  # runs made, and each error's first line: how often
         self._sem: asyncio.Semaphore | None = None
         self.config = rounds.trainer.rollout_engine.config  # entropy window, timing (strategies read them)
 
@@ -366,6 +393,9 @@ class AgentEngine:
                              logprobs=[math.nan], finish_reason="error",
                              entropies=[math.nan] if self.rounds._entropies() else None)  # fmt: skip
         c = self.counts
+        self.runs += 1
+        if error is not None:
+            self.errors[error] += 1
         c["errors"] += error is not None
         c["timeouts"] += error is not None and error.startswith("timed out")
         c["restarts"] += max(len(session.chains) - 1, 0)

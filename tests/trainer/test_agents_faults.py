@@ -188,3 +188,42 @@ def test_a_taken_agent_port_is_named_before_the_model_loads_and_at_start(tmp_pat
                               agent_port=port)  # fmt: skip
     with socket.create_server(("127.0.0.1", port)), pytest.raises(AgentError, match=f"agent_port={port} cannot be"):
         trainer.train()  # taken after the check: the endpoint's own bind names it too
+
+
+def test_rounds_in_which_every_run_failed_warn_then_stop_the_run(tmp_path, tiny_chat_tokenizer, tiny_chat_model_path,
+                                                                   caplog):  # fmt: skip
+    """Before: every run failing (e.g. a framework that streams) trained nothing, and the run said `done` and exit 0."""
+    from appo_trl.trainer.agents import AgentError
+
+    trainer, _ = make_trainer(tmp_path / "a", tiny_chat_model_path, tiny_chat_tokenizer, raises_at_once, max_steps=5,
+                              num_generations=4, initial_rollouts=4)  # fmt: skip
+    with caplog.at_level("WARNING", logger="appo_trl.trainer.agents"), pytest.raises(AgentError) as err:
+        trainer.train()
+    assert str(err.value) == (
+        "every run of agent raises_at_once failed (4 runs; most common error, 4x: RuntimeError: no sandbox) in 3 "
+        "training rounds in a row (max_failed_agent_rounds=3): nothing trains; fix the agent, or set "
+        "max_failed_agent_rounds: 0 to go on"
+    )
+    assert trainer.state.global_step == 2  # stopped in the third round
+    said = [r.getMessage() for r in caplog.records if "so this round trains nothing" in r.getMessage()]
+    assert said == ["step 0: every run of agent raises_at_once failed (4 runs; most common error, 4x: RuntimeError: "
+                    "no sandbox), so this round trains nothing; after 3 such rounds in a row the run stops"]  # fmt: skip
+    caplog.clear()
+    trainer, _ = make_trainer(tmp_path / "b", tiny_chat_model_path, tiny_chat_tokenizer, raises_on_prompt_1,
+                              max_steps=3, max_failed_agent_rounds=1)  # fmt: skip
+    trainer.train()  # half the runs fail: training
+    assert trainer.state.global_step == 3 and not [r for r in caplog.records if "trains nothing" in r.getMessage()]
+    trainer, _ = make_trainer(tmp_path / "c", tiny_chat_model_path, tiny_chat_tokenizer, raises_at_once, max_steps=4,
+                              max_failed_agent_rounds=0)  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 4
+
+
+def test_agent_config_ranges(tmp_path):
+    from appo_trl.trainer.config import APPOConfig
+    from tests.trainer.test_trainer import CPU
+
+    with pytest.raises(ValueError, match=r"max_failed_agent_rounds=-1 must be >= 0 \(0 = never stop\)"):
+        APPOConfig(output_dir=str(tmp_path), **CPU, max_failed_agent_rounds=-1)
+    with pytest.raises(ValueError, match=r"agent_timeout_s=0 must be > 0"):
+        APPOConfig(output_dir=str(tmp_path), **CPU, agent_timeout_s=0)

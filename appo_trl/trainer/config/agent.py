@@ -20,6 +20,10 @@ AGENT_HELP = {
         "distinct error logged once); `raise` stops the run."
     ),
     "agent_timeout_s": _rollout("Seconds one agent run may take before it is abandoned (as an error)."),
+    "max_failed_agent_rounds": _rollout(
+        "Training rounds in a row in which every agent run fails (raises or times out) before the run stops with the "
+        "most common error; such a round trains nothing (a warning at its first). 0: never stop."
+    ),
     "agent_host": _rollout(
         "Address the agent endpoint binds (another host: for agents in remote sandboxes; the per-run secret in "
         "every URL keeps other clients out). A wildcard (0.0.0.0, ::) gives agents this machine's address on its "

@@ -104,6 +104,7 @@ class APPOConfig(GRPOConfig):
     agent: str | None = field(default=None, metadata=AGENT_HELP["agent"])
     agent_errors: Literal["zero", "raise"] = field(default="zero", metadata=AGENT_HELP["agent_errors"])
     agent_timeout_s: float = field(default=600.0, metadata=AGENT_HELP["agent_timeout_s"])
+    max_failed_agent_rounds: int = field(default=3, metadata=AGENT_HELP["max_failed_agent_rounds"])
     agent_host: str = field(default="127.0.0.1", metadata=AGENT_HELP["agent_host"])
     agent_port: int = field(default=0, metadata=AGENT_HELP["agent_port"])
     # --- vLLM weight sync (server mode) ---------------------------------------------------------------------

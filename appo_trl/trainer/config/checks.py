@@ -72,6 +72,10 @@ def check_ranges(cfg) -> None:
         fail(f"vllm_request_timeout_s={cfg.vllm_request_timeout_s} must be > 0 (seconds per request).")
     if cfg.max_nan_reward_steps < 0:
         fail(f"max_nan_reward_steps={cfg.max_nan_reward_steps} must be >= 0 (0 = never stop).")
+    if cfg.max_failed_agent_rounds < 0:
+        fail(f"max_failed_agent_rounds={cfg.max_failed_agent_rounds} must be >= 0 (0 = never stop).")
+    if not cfg.agent_timeout_s > 0:
+        fail(f"agent_timeout_s={cfg.agent_timeout_s} must be > 0 (seconds per agent run).")
     if cfg.dump_rollouts < 0:
         fail(f"dump_rollouts={cfg.dump_rollouts} must be >= 0 (groups written per step).")
     for name in ("branch_probability", "reward_scale_discount", "future_kl_clip_ratio"):
