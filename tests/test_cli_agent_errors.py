@@ -50,5 +50,5 @@ def test_agent_errors_raise_ends_in_one_line_naming_the_error_and_the_checkpoint
     err = capfd.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("appo train: error:")]
     assert "Traceback" not in err and len(errors) == 1
-    assert errors[0] == ("appo train: error: agent agent failed: ValueError: the sandbox broke (agent_errors: raise); "
+    assert errors[0] == ("appo train: error: agent 'agent' failed: ValueError: the sandbox broke (agent_errors: raise); "
                          "no checkpoint was saved in out yet (run with --debug for the traceback)")  # fmt: skip

@@ -54,7 +54,8 @@ BLOCKED_LOOP_S = 1.0  # an async agent whose own loop was blocked this long is n
 
 
 def agent_label(agent) -> str:
-    return getattr(agent, "__qualname__", None) or getattr(agent, "__name__", None) or type(agent).__name__
+    """The agent as messages name it, quoted: `agent 'agent' failed`, not `agent agent failed`."""
+    return repr(getattr(agent, "__qualname__", None) or getattr(agent, "__name__", None) or type(agent).__name__)
 
 
 class AgentError(RuntimeError):

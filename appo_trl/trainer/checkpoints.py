@@ -9,7 +9,7 @@ writing process fsyncs them and renames the folder to `output_dir/checkpoint-N` 
 POSIX filesystem), then rotates old checkpoints (`save_total_limit`) and pushes (`hub_strategy`) as
 transformers would. A save that fails removes its `_tmp-checkpoint-N`; one that is killed leaves it, and the
 next save of the run removes it. A full disk raises `CheckpointSaveError`: "No space left on device", the
-folder, and that the earlier checkpoints are intact (transformers' message is torch's
+folder, and which earlier checkpoint is intact, if any (transformers' message is torch's
 `unexpected pos 1763584 vs 1763472`).
 
 Resuming (`resolve_resume_checkpoint`). `resume_from_checkpoint: true` (YAML) or `--resume_from_checkpoint true`
@@ -59,7 +59,7 @@ class CheckpointError(ConfigError, FileNotFoundError):
 
 
 class CheckpointSaveError(ConfigError, OSError):
-    """A checkpoint could not be written (a full disk); the earlier checkpoints are intact."""
+    """A checkpoint could not be written (a full disk); the earlier checkpoints, if any, are intact."""
 
     def __init__(self, message: str):
         super().__init__(message)
@@ -283,8 +283,13 @@ def save_final_model(trainer, output_dir: str, save_state: bool = True) -> None:
         free = shutil.disk_usage(output_dir).free // 2**20
         raise CheckpointSaveError(
             f"saving the final model to {output_dir} failed: No space left on device ({free} MiB free after "
-            f"removing the unfinished save); {kept}. Free some space, then resume with --resume_from_checkpoint true"
+            f"removing the unfinished save); {kept}. Free some space, then {_next_step(last)}"
         ) from exc
+
+
+def _next_step(last: str | None) -> str:
+    """What to do after a full disk: resume from `last`, or (no checkpoint) run again."""
+    return "resume with --resume_from_checkpoint true" if last else "run again (there is no checkpoint to resume)"
 
 
 class AtomicCheckpointMixin:
@@ -336,10 +341,13 @@ class AtomicCheckpointMixin:
                 shutil.rmtree(staging_root, ignore_errors=True)
             if full:
                 free = shutil.disk_usage(run_dir).free // 2**20
+                last = last_complete_checkpoint(run_dir, log=False)
+                kept = (
+                    f"the earlier checkpoints are intact (newest: {last})" if last else "no checkpoint was saved yet"
+                )
                 raise CheckpointSaveError(
                     f"saving {final} failed: No space left on device ({run_dir}: {free} MiB free after removing "
-                    f"the unfinished save); the earlier checkpoints are intact. Free some space, then resume with "
-                    f"--resume_from_checkpoint true",
+                    f"the unfinished save); {kept}. Free some space, then {_next_step(last)}",
                 ) from exc
             raise
         finally:

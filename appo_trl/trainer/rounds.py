@@ -376,7 +376,10 @@ class RoundRunner:
         m["branch/loss_rows_frac"].append(kept.mean().item())
         engine = self._engine
         if engine is not None and hasattr(engine, "metrics"):  # local engine/tool statistics (no collective)
-            for key, value in canonical_metrics(engine.metrics()).items():  # one name per quantity
+            metrics = canonical_metrics(engine.metrics())
+            if self.agents is not None:  # the agent runs its own tools: count the calls its model made (its rows')
+                metrics["tools/calls"] = float(sum(int(r.num_calls) for r in rows))
+            for key, value in metrics.items():  # one name per quantity
                 if isinstance(value, (int, float)):
                     m[key if "/" in key else f"rollout/{key}"].append(float(value))
             if hasattr(engine, "reset_metrics"):

@@ -164,7 +164,7 @@ def test_a_strategy_without_replay_is_refused_with_agents(tmp_path, monkeypatch)
     monkeypatch.setattr(ARPOStrategy, "branches_by_replay", False)
     args = APPOConfig(output_dir=str(tmp_path), **CPU, num_generations=2, per_device_train_batch_size=4,
                       rollout_strategy="arpo", initial_rollouts=1)  # fmt: skip
-    with pytest.raises(ValueError, match="sdk_agent with rollout_strategy=arpo: this strategy cannot branch"):
+    with pytest.raises(ValueError, match="'sdk_agent' with rollout_strategy=arpo: this strategy cannot branch"):
         APPOTrainer(model="missing", args=args, train_dataset=prompts(), agent=sdk_agent)
 
 

@@ -115,6 +115,7 @@ def test_openai_sdk_agent_trains_two_steps(tmp_path, strategy, tiny_chat_tokeniz
     logs = [h for h in trainer.state.log_history if "rewards/agent_reward/mean" in h]
     assert logs and all(h["rewards/agent_reward/mean"] == 0.5 for h in logs)
     assert all(h.get("agent/errors", 0) == 0 and h.get("agent/restarts", 0) == 0 for h in logs)
+    assert all(h["tools/calls"] == 8 and h["tools/call_frequency"] == 2 for h in logs)  # the calls the model made
     assert trainer.rounds.agents.endpoint is None  # closed after train()
 
 
@@ -275,13 +276,13 @@ def test_agent_that_raises_gets_zero_reward_or_stops_the_run(tmp_path, caplog, t
         trainer.train()
     [log] = [h for h in trainer.state.log_history if "reward" in h]
     assert log["reward"] == 0.0 and log["agent/errors"] == 4.0
-    warned = [r.message for r in caplog.records if "the sandbox broke" in r.message]
+    warned = [r.message for r in caplog.records if "the sandbox broke; its trajectory gets reward 0" in r.message]
     assert len(warned) == 1 and "second line" not in warned[0] and "failing_agent" in warned[0]
     from appo_trl.trainer.agents import AgentError
 
     trainer, _ = make_trainer(tmp_path / "b", tiny_chat_model_path, tiny_chat_tokenizer, failing_agent, max_steps=1,
                               agent_errors="raise")  # fmt: skip
-    with pytest.raises(AgentError, match="failing_agent failed: ValueError: the sandbox broke"):
+    with pytest.raises(AgentError, match="'failing_agent' failed: ValueError: the sandbox broke"):
         trainer.train()
     assert not [t for t in threading.enumerate() if t.name.startswith(("appo-agent", "appo-agents"))]
 
@@ -301,7 +302,7 @@ def test_timeouts_and_an_agent_without_requests(tmp_path, tiny_chat_tokenizer, t
     [log] = [h for h in trainer.state.log_history if "reward" in h]
     assert log["agent/timeouts"] == 4.0 and log["reward"] == 0.0
     trainer, _ = make_trainer(tmp_path / "b", tiny_chat_model_path, tiny_chat_tokenizer, silent_agent, max_steps=1)
-    with pytest.raises(ValueError, match="agent silent_agent returned without calling its base_url"):
+    with pytest.raises(ValueError, match="agent 'silent_agent' returned without calling its base_url"):
         trainer.train()
 
 
@@ -436,7 +437,7 @@ def test_replay_divergence_is_counted(tmp_path, tiny_chat_tokenizer, tiny_chat_m
 
 def test_what_an_agent_cannot_run_with_is_refused_before_the_model_loads(tmp_path):
     base = dict(output_dir=str(tmp_path), **CPU, num_generations=2, per_device_train_batch_size=4)
-    with pytest.raises(ValueError, match="sdk_agent: the agent runs its own loop and tools; tools cannot be set"):
+    with pytest.raises(ValueError, match="'sdk_agent': the agent runs its own loop and tools; tools cannot be set"):
         APPOTrainer(model="missing", args=APPOConfig(**base), train_dataset=prompts(), agent=sdk_agent, tools=[len])
     with pytest.raises(ValueError, match="either as APPOTrainer\\(agent=...\\) or APPOConfig\\(agent=...\\)"):
         APPOTrainer(model="missing", args=APPOConfig(**base, agent="m:a"), train_dataset=prompts(), agent=sdk_agent)

@@ -74,7 +74,7 @@ def test_non_finite_agent_rewards_are_none_with_one_warning(tmp_path, caplog, ti
     with caplog.at_level("WARNING"):
         trainer.train()
     warned = [r.getMessage() for r in caplog.records if "not finite" in r.getMessage()]
-    assert len(warned) == 1 and warned[0].startswith("agent returns_inf returned ")
+    assert len(warned) == 1 and warned[0].startswith("agent 'returns_inf' returned ")
     logs = [h for h in trainer.state.log_history if "reward" in h]
     assert len(logs) == 2 and all(math.isfinite(h["reward"]) and h["reward"] == 0.5 for h in logs)
     assert all(h["rewards/agent_reward/mean"] == 0.5 for h in logs)  # TRL's nanmean: over the finite runs
@@ -140,7 +140,7 @@ def test_train_returns_promptly_after_done_with_abandoned_agents(tmp_path, tiny_
     with caplog.at_level("WARNING", logger="appo_trl.trainer.agents"):
         trainer.train()
     assert trainer.state.global_step == 2 and closing[0] <= EXIT_GRACE_S + 1.0
-    assert any("8 run(s) of agent timing_out_agent did not stop within" in r.getMessage() for r in caplog.records)
+    assert any("8 run(s) of agent 'timing_out_agent' did not stop within" in r.getMessage() for r in caplog.records)
 
 
 async def blocking_async_agent(row, base_url, model):
@@ -162,7 +162,7 @@ def test_an_async_agent_that_blocks_its_loop_times_out_and_is_named(tmp_path, ti
     [log] = [h for h in trainer.state.log_history if "reward" in h]
     assert log["agent/timeouts"] == 4.0 and log["reward"] == 0.0  # before: 0 timeouts, reward 1.0
     blocked = [r.getMessage() for r in caplog.records if "blocked its event loop" in r.getMessage()]
-    assert len(blocked) == 1 and blocked[0].startswith("async agent blocking_async_agent blocked its event loop for")
+    assert len(blocked) == 1 and blocked[0].startswith("async agent 'blocking_async_agent' blocked its event loop for")
     assert took < 4 * 2.5  # the 4 runs block side by side, not one after another
 
 
@@ -180,7 +180,7 @@ def test_a_taken_agent_port_is_named_before_the_model_loads_and_at_start(tmp_pat
         port = taken.getsockname()[1]
         args = APPOConfig(output_dir=str(tmp_path / "a"), **CPU, num_generations=2, per_device_train_batch_size=4,
                           agent_port=port)  # fmt: skip
-        with pytest.raises(ValueError, match=f"agent sdk_agent: agent_port={port} cannot be used on agent_host="):
+        with pytest.raises(ValueError, match=f"agent 'sdk_agent': agent_port={port} cannot be used on agent_host="):
             APPOTrainer(model="missing", args=args, train_dataset=prompts(), agent=sdk_agent)
     with socket.create_server(("127.0.0.1", 0)) as probe:
         port = probe.getsockname()[1]
@@ -200,13 +200,13 @@ def test_rounds_in_which_every_run_failed_warn_then_stop_the_run(tmp_path, tiny_
     with caplog.at_level("WARNING", logger="appo_trl.trainer.agents"), pytest.raises(AgentError) as err:
         trainer.train()
     assert str(err.value) == (
-        "every run of agent raises_at_once failed (4 runs; most common error, 4x: RuntimeError: no sandbox) in 3 "
+        "every run of agent 'raises_at_once' failed (4 runs; most common error, 4x: RuntimeError: no sandbox) in 3 "
         "training rounds in a row (max_failed_agent_rounds=3): nothing trains; fix the agent, or set "
         "max_failed_agent_rounds: 0 to go on"
     )
     assert trainer.state.global_step == 2  # stopped in the third round
     said = [r.getMessage() for r in caplog.records if "so this round trains nothing" in r.getMessage()]
-    assert said == ["step 0: every run of agent raises_at_once failed (4 runs; most common error, 4x: RuntimeError: "
+    assert said == ["step 0: every run of agent 'raises_at_once' failed (4 runs; most common error, 4x: RuntimeError: "
                     "no sandbox), so this round trains nothing; after 3 such rounds in a row the run stops"]  # fmt: skip
     caplog.clear()
     trainer, _ = make_trainer(tmp_path / "b", tiny_chat_model_path, tiny_chat_tokenizer, raises_on_prompt_1,

@@ -125,7 +125,8 @@ def test_failed_save_leaves_earlier_checkpoints_and_says_why(tiny_model_path, tm
     if full:
         message = str(info.value)
         assert "No space left on device" in message and str(out / "checkpoint-2") in message
-        assert "earlier checkpoints are intact" in message and info.value.errno == errno.ENOSPC
+        assert f"earlier checkpoints are intact (newest: {out / 'checkpoint-1'})" in message
+        assert message.endswith("resume with --resume_from_checkpoint true") and info.value.errno == errno.ENOSPC
     assert _folders(out) == ["checkpoint-1"]  # no checkpoint-2, no staging folder left
     assert checkpoint_problem(str(out / "checkpoint-1")) is None
     monkeypatch.undo()
@@ -210,3 +211,16 @@ def test_multi_process_cpu_resume_loads_the_optimizer(tiny_model_path, tmp_path,
     loaded = trainer.optimizer.state_dict()["state"]
     assert loaded.keys() == saved.keys() and loaded
     torch.testing.assert_close(loaded[0]["exp_avg"], saved[0]["exp_avg"])
+
+
+def test_a_full_disk_at_the_first_checkpoint_names_no_earlier_one(tiny_model_path, tmp_path, monkeypatch):
+    """Before: "the earlier checkpoints are intact ... resume with --resume_from_checkpoint true" with none saved."""
+    out = tmp_path / "out"
+    trainer = _sft_trainer(tiny_model_path, out, max_steps=2)
+    _fail_optimizer_save_at(monkeypatch, "checkpoint-1", OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(CheckpointSaveError) as info:
+        trainer.train()
+    message = str(info.value)
+    assert "no checkpoint was saved yet" in message and "intact" not in message
+    assert message.endswith("Free some space, then run again (there is no checkpoint to resume)")
+    assert _folders(out) == []

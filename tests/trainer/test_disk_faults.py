@@ -80,3 +80,20 @@ def test_final_save_moves_a_complete_model_into_output_dir(tmp_path, tiny_tokeni
     assert not any(n.startswith("_tmp") for n in os.listdir(tmp_path))
     assert (tmp_path / "trainer_state.json").exists()
     AutoModelForCausalLM.from_pretrained(str(tmp_path))
+
+
+def test_full_disk_at_the_final_save_without_a_checkpoint_does_not_say_resume(tmp_path, tiny_tokenizer,
+                                                                              tiny_model_path, monkeypatch):  # fmt: skip
+    trainer = _trainer(tmp_path, tiny_tokenizer, tiny_model_path)
+    real = trainer.save_model
+
+    def save_model(folder):
+        real(folder)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trainer, "save_model", save_model)
+    with pytest.raises(CheckpointSaveError) as err:
+        save_final_model(trainer, str(tmp_path))
+    msg = str(err.value)
+    assert "no checkpoint was saved, so the trained weights are lost" in msg and "--resume_from_checkpoint" not in msg
+    assert msg.endswith("Free some space, then run again (there is no checkpoint to resume)")
