@@ -25,7 +25,8 @@ cancels the runs, ends every session, stops the endpoint and its loop, and waits
 Branching is by replay, for every strategy whose class has `branches_by_replay`: the strategy samples through
 `AgentEngine`, chooses its points on the recorded runs (appo: after its forward; arpo/aepo: their hook at each fork
 point, `appo_trl.trainer.strategies.arpo_replay`), and `branch_many` re-runs the agent with the parent's recorded
-answers up to the branch call (`AgentSession.branch_call`). Not yet: background rounds (`max_staleness >= 1`).
+answers up to the branch call (`AgentSession.branch_call`). Background rounds (`max_staleness >= 1`): `generate`
+runs on the round's thread, `report` logs the round's counts at its hand-over on the trainer's thread.
 """
 
 from __future__ import annotations
@@ -94,8 +95,6 @@ def resolve_agent(args, agent, tool_dirs=(), *, tools=None, rollout_func=None, e
             f"agent {name} with rollout_strategy={args.rollout_strategy}: this strategy cannot branch an agent's "
             f"runs by replay; set initial_rollouts={args.num_generations} (= num_generations)"
         )
-    if args.max_staleness >= 1:
-        raise ValueError(f"agent {name}: background rounds (max_staleness >= 1) are not supported with an agent yet")
     from appo_trl.configs.preflight import agent_port_problem
 
     problem = agent_port_problem(args.agent_host, args.agent_port)  # before the model loads
@@ -222,11 +221,11 @@ class AgentRounds:
                            EXIT_GRACE_S)  # fmt: skip
 
     # ---- one round ---------------------------------------------------------------------------------------------
-    def generate(self, strategy, prompt_ids: list[list[int]], n: int, seed: int, inputs: list[dict],
-                 mode: str) -> RoundBatch:  # fmt: skip
+    def generate(self, strategy, prompt_ids: list[list[int]], n: int, seed: int, inputs: list[dict]) -> RoundBatch:
         """`strategy.generate` on agent runs: n per prompt of TRL's generation batch `inputs` (n consecutive rows per
         prompt), branches re-run the agent by replay; `prompt_ids`: TRL's tokenised prompts (for runs that failed
-        before their first answer)."""
+        before their first answer). On any thread (a background round's too): the round's counts ride in
+        `batch.info["agent"]` until `report` logs them on the trainer's thread."""
         if self.endpoint is None:
             self._start()
         if len(inputs) != len(prompt_ids):
@@ -237,12 +236,19 @@ class AgentRounds:
             batch = strategy.generate(prompt_ids[::n], n, seed)
         finally:
             strategy.engine_override = None
-        for key, value in {**{f"agent/{k}": v for k, v in runs.counts.items()}, **self.endpoint.metrics()}.items():
-            trl_seams.log_metric(self.trainer, mode, key, float(value))
+        metrics = {**{f"agent/{k}": v for k, v in runs.counts.items()}, **self.endpoint.metrics()}
         self.endpoint.reset_metrics()
+        batch.info["agent"] = (runs, metrics)
+        return batch
+
+    def report(self, batch: RoundBatch, mode: str) -> None:
+        """On the trainer's thread, once per round handed to TRL: its `agent/*` metrics, and (training) the check
+        for a round in which every run failed (a collective: every rank calls it at the same round)."""
+        runs, metrics = batch.info.pop("agent")
+        for key, value in metrics.items():
+            trl_seams.log_metric(self.trainer, mode, key, float(value))
         if mode == "train":
             self._check_failed_round(runs)
-        return batch
 
     def _check_failed_round(self, runs: AgentEngine) -> None:
         """A training round in which every run (of every rank) failed trains nothing: one warning at the first of

@@ -240,6 +240,8 @@ class RoundRunner:
             share_group_tasks(t, strategy, prompts, n)
         prompt_ids, _, _ = t._tokenize_prompts(copy.deepcopy(prompts))
         batch, version = self._sample(rnd, strategy, prompt_ids, n)
+        if self.agents is not None:  # the round's agent/* metrics, here on the trainer's thread (background rounds)
+            self.agents.report(batch, mode)
         rows = batch.rows
         if len(rows) != len(prompts) or any(len(g) != n for g in batch.groups):
             raise RuntimeError(f"strategy {strategy.name} returned {len(rows)} rows for {len(prompts)} prompts")
@@ -285,7 +287,7 @@ class RoundRunner:
 
         def sample(seed: int):
             if self.agents is not None:  # the user's agent through the endpoint: n runs per prompt
-                return self.agents.generate(strategy, prompt_ids, n, seed, rnd.inputs, rnd.mode)
+                return self.agents.generate(strategy, prompt_ids, n, seed, rnd.inputs)
             if t.environment_factories is not None:  # TRL's environment_factory: one instance per trajectory
                 return generate_with_environments(t, strategy, prompt_ids, n, seed, rnd.inputs)
             return strategy.generate(prompt_ids[::n], n, seed)
@@ -313,6 +315,8 @@ class RoundRunner:
         n, strategy = self.trainer.num_generations, self.strategy
         prompt_ids, _, _ = self.trainer._tokenize_prompts(copy.deepcopy([x["prompt"] for x in inputs]))
         unique, seed = prompt_ids[::n], self.next_seed()
+        if self.agents is not None:  # the user's agent through the endpoint, on the round's thread
+            return lambda: self.agents.generate(strategy, prompt_ids, n, seed, inputs)
         return lambda: strategy.generate(unique, n, seed)
 
     def finish(self, rnd: Round, out: dict) -> dict:

@@ -77,11 +77,11 @@ def prompts(k=2):
     })  # fmt: skip
 
 
-def make_trainer(tmp_path, path, tok, agent, strategy="grpo", reward_funcs=None, **extra):
+def make_trainer(tmp_path, path, tok, agent, strategy="grpo", reward_funcs=None, num_prompts=2, **extra):
     args = APPOConfig(output_dir=str(tmp_path), **CPU, rollout_strategy=strategy, max_completion_length=96,
                       **{"max_steps": 2, "initial_rollouts": 2, "num_generations": 2,
                          "per_device_train_batch_size": 4, **extra})  # fmt: skip
-    trainer = APPOTrainer(model=path, reward_funcs=reward_funcs, args=args, train_dataset=prompts(),
+    trainer = APPOTrainer(model=path, reward_funcs=reward_funcs, args=args, train_dataset=prompts(num_prompts),
                           processing_class=tok, agent=agent)  # fmt: skip
     backend = ScriptedBackend(tok)
     trainer.rollout_engine.backend = backend
