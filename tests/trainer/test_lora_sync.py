@@ -105,3 +105,28 @@ def test_never_syncs_merged_weights_and_rank_above_the_servers_stops(tmp_path, t
     with fake_vllm.FakeVLLMServer(varied_policy(tiny_tokenizer), tiny_tokenizer, max_lora_rank=4) as server:
         with pytest.raises(WeightSyncError, match="rank 8 but the vLLM server .* --max-lora-rank 4"):
             lora_trainer(tmp_path, tiny_tokenizer, tiny_model_path, server)
+
+
+def test_what_the_adapter_sync_cannot_serve_is_refused_before_the_model_loads(tmp_path, tiny_tokenizer):
+    from trl import ModelConfig
+
+    from appo_trl.configs.errors import PreflightError
+    from appo_trl.configs.preflight import check_peft
+
+    def config(**kw):
+        return APPOConfig(output_dir=str(tmp_path), **{**CPU, **kw})
+
+    with pytest.raises(ValueError, match="^APPOConfig: vllm_sync_adapter=always .* use_vllm is false"):
+        config(vllm_sync_adapter="always")
+    with pytest.raises(ValueError, match="^APPOConfig: vllm_sync_adapter=always .* vllm_mode=colocate"):
+        config(vllm_sync_adapter="always", use_vllm=True, vllm_mode="colocate")
+    with pytest.raises(ValueError, match="vllm_sync_adapter"):
+        config(vllm_sync_adapter="adapters")
+    args = config(vllm_sync_adapter="always", use_vllm=True, vllm_mode="server")
+    with pytest.raises(PreflightError, match="vllm_sync_adapter=always .* use_peft is false"):
+        check_peft(ModelConfig(model_name_or_path="m"), args)
+    check_peft(ModelConfig(model_name_or_path="m", use_peft=True), args)
+    # the Python API: no adapter to send, refused before the model loads (a path that does not exist: never loaded)
+    with pytest.raises(ValueError, match="vllm_sync_adapter=always .* pass peft_config"):
+        APPOTrainer(model=str(tmp_path / "no-model"), reward_funcs=[RewardSpy()], args=args, train_dataset=dataset(),
+                    processing_class=tiny_tokenizer)  # fmt: skip
