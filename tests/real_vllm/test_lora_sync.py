@@ -97,6 +97,7 @@ def test_adapter_route_is_exact_after_each_sync(lora_server, tiny_model_path, ti
     assert max(abs(a - b) for a, b in zip(before.logprobs, stale)) > 1e-2  # the adapter changes the outputs
 
     worst = check_syncs(lora_server, sync, model, tiny_tokenizer, lambda: {"adapters": sync.adapters})
+    print(f"adapter route: max |server - trainer| logp after 3 syncs = {worst:.2e}")
     assert worst < TOL, worst
     served = [m["id"] for m in httpx.get(f"{lora_server.url}/v1/models").json()["data"] if m.get("parent")]
     assert served == [sync.adapters.current] == [sync.adapters.name_for(3)]  # versions 1 and 2 unloaded
@@ -116,4 +117,42 @@ def test_merged_route_is_exact_after_each_sync(vllm_server, restore_weights, tin
     sync = DiskWeightSync(model=model, accelerator=Accelerator(cpu=True), processing_class=tiny_tokenizer,
                           mode="server", server_base_url=vllm_server.url, sync_dir=str(tmp_path / "m"))  # fmt: skip
     worst = check_syncs(vllm_server, sync, model, tiny_tokenizer, dict)
+    print(f"merged route: max |server - trainer| logp after 3 syncs = {worst:.2e}")
     assert worst < TOL, worst
+
+
+def test_lora_appo_trains_through_the_server_with_background_rounds(lora_server, tiny_model_path, tiny_tokenizer,
+                                                                    tmp_path):  # fmt: skip
+    """Three APPO steps, max_staleness 1, a non-zero adapter from the start: every round's requests name a loaded
+    version, and TRL's sampler-vs-trainer logp difference on the synchronous first round is below `TOL`."""
+    import httpx
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.trainer.trainer import APPOTrainer
+
+    def length_reward(completions, completion_ids, **kw):
+        return [len(ids) / 16.0 for ids in completion_ids]
+
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"what is {i} times 4"}] for i in range(8)]})
+    args = APPOConfig(
+        output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
+        save_strategy="no", logging_steps=1, beta=0.0, learning_rate=1e-3, rollout_strategy="appo",
+        initial_rollouts=2, num_generations=4, per_device_train_batch_size=4, max_completion_length=16,
+        min_remaining_tokens=2, max_steps=3, max_staleness=1, use_vllm=True, vllm_mode="server",
+        vllm_server_base_url=lora_server.url, vllm_sync_adapter="always",
+        vllm_importance_sampling_mode="token_truncate",
+    )  # fmt: skip
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM")
+    trainer = APPOTrainer(model=tiny_model_path, reward_funcs=[length_reward], args=args, train_dataset=data,
+                          processing_class=tiny_tokenizer, peft_config=lora)  # fmt: skip
+    assert trainer.vllm_server.weight_sync == "adapter"
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "sampling/sampling_logp_difference/max" in e]
+    diff = [e["sampling/sampling_logp_difference/max"] for e in logs]
+    assert len(diff) == 3 and diff[0] < TOL, diff
+    assert [e["rollout/background_round"] for e in logs] == [0.0, 1.0, 1.0]
+    adapters = trainer.vllm_server.adapters
+    served = [m["id"] for m in httpx.get(f"{lora_server.url}/v1/models").json()["data"] if m.get("parent")]
+    assert [n for n in served if n.startswith(adapters.prefix)] == [adapters.current]  # the older ones unloaded
