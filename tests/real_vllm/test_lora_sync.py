@@ -13,7 +13,8 @@ from realserver import forward_logps, generate
 from appo_trl.rollout import SamplingParams
 
 TOL = 1e-4  # float32 on both sides; measured ~5e-7 (the merged matmul and vLLM's x·A·B differ in rounding only)
-PROMPTS = ["What is 17 plus 25? " * 3, "Compute 6 times 7, then add 1."]
+# the first is over two 128-token blocks: the server caches its prefix, which a sync must not serve stale
+PROMPTS = ["What is 17 plus 25? " * 40, "Compute 6 times 7, then add 1."]
 
 
 class LoRAServer(VLLMServer):

@@ -130,3 +130,34 @@ def test_what_the_adapter_sync_cannot_serve_is_refused_before_the_model_loads(tm
     with pytest.raises(ValueError, match="vllm_sync_adapter=always .* pass peft_config"):
         APPOTrainer(model=str(tmp_path / "no-model"), reward_funcs=[RewardSpy()], args=args, train_dataset=dataset(),
                     processing_class=tiny_tokenizer)  # fmt: skip
+
+
+def test_adapters_vllm_cannot_serve_fall_back_or_stop(tiny_model_path, caplog):
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from appo_trl.vllm import WeightSyncError
+    from appo_trl.vllm.lora import choose_adapter_sync
+
+    lora_on = {"http://s:1": {"lora_config": {"max_lora_rank": 16}, "parallel_config": {"data_parallel_size": 1}}}
+
+    def model(**kw):
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+        return get_peft_model(base, LoraConfig(r=8, target_modules="all-linear", **kw))
+
+    assert choose_adapter_sync("auto", model(), lora_on)
+    for kw, why in ((dict(use_dora=True), "DoRA"), (dict(modules_to_save=["lm_head"]), "modules_to_save")):
+        peft = model(**kw)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="appo_trl.vllm.lora"):
+            assert not choose_adapter_sync("auto", peft, lora_on)  # merged weights instead
+        assert why in caplog.text and len(caplog.records) == 1
+        with pytest.raises(WeightSyncError, match=why):
+            choose_adapter_sync("always", peft, lora_on)
+    dp = {"http://s:1": {**lora_on["http://s:1"], "parallel_config": {"data_parallel_size": 2}}}
+    with pytest.raises(WeightSyncError, match="data-parallel-size > 1"):
+        choose_adapter_sync("always", model(), dp)
+    no_info = {"http://s:1": {"error": "vLLM server http://s:1/server_info answered 404"}}
+    with pytest.raises(WeightSyncError, match="did not report its config .*404"):
+        choose_adapter_sync("always", model(), no_info)
+    assert not choose_adapter_sync("never", model(), lora_on)
