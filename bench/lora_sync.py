@@ -90,8 +90,9 @@ def time_tiny(rank: int, syncs: int, tmp: str) -> dict:
     out = {}
     with FakeVLLMServer(ScriptedPolicy(tok, lambda ctx, rng: [tok.eos_token_id]), tok, max_lora_rank=rank) as server:
         for route, adapter in (("adapter", True), ("merged", False)):
-            sync = DiskWeightSync(model=model, accelerator=Accelerator(cpu=True), processing_class=tok, mode="server",
-                                  server_base_url=server.url, sync_dir=os.path.join(tmp, route), adapter=adapter)  # fmt: skip
+            sync = DiskWeightSync(model=model, accelerator=Accelerator(cpu=True), processing_class=tok,
+                                  mode="server", server_base_url=server.url, sync_dir=os.path.join(tmp, route),
+                                  adapter=adapter)  # fmt: skip
             times = []
             for _ in range(syncs):
                 t0 = time.perf_counter()
@@ -111,7 +112,8 @@ def time_big_adapter(config, rank: int, tmp: str) -> dict:
     h, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
     mods = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
-            "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, i), "mlp.up_proj": (h, i), "mlp.down_proj": (i, h)}  # fmt: skip
+            "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, i), "mlp.up_proj": (h, i),
+            "mlp.down_proj": (i, h)}  # fmt: skip
     tensors = {}
     for layer in range(config.num_hidden_layers):
         for mod, (a, b) in mods.items():

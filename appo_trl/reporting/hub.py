@@ -12,9 +12,10 @@ if push:
 
 `defer_push` turns transformers' own `push_to_hub` off for the run (it would create the repo inside
 `Trainer.__init__` and push every checkpoint). `push_model` writes `README.md` (the model card: algorithm,
-base model, datasets, the full recipe, key metrics; a LoRA run's adapter is marked `library_name: peft`) into the output folder and uploads that folder once,
-without `checkpoint-*` sub-folders, to `hub_model_id` (default: the output folder's name) at `hub_revision`,
-creating the repo with `hub_private_repo`. Only the world-process-zero uploads; other ranks return None.
+base model, datasets, the full recipe, key metrics; a LoRA run's adapter is marked `library_name: peft`) into the
+output folder and uploads that folder once, without `checkpoint-*` sub-folders, to `hub_model_id` (default: the
+output folder's name) at `hub_revision`, creating the repo with `hub_private_repo`. Only the world-process-zero
+uploads; other ranks return None.
 
 The recipe shown in the card lists every field that differs from its dataclass default. Fields that may
 carry secrets (`*token*`, `*secret*`, `*key*` with a string value, `hub_*` credentials) are never written.
@@ -258,8 +259,9 @@ def build_model_card(
         f"- **Datasets:** `{sources or 'unknown'}`",
     ]
     if adapter:
-        lines.append(f"- **Adapter:** {adapter.get('peft_type', 'LORA')} (r = {adapter.get('r')}, alpha = "
-                     f"{adapter.get('lora_alpha')}) on `{base_model or 'unknown'}`; this repo holds the adapter only")  # fmt: skip
+        kind, r, alpha = adapter.get("peft_type", "LORA"), adapter.get("r"), adapter.get("lora_alpha")
+        lines.append(f"- **Adapter:** {kind} (r = {r}, alpha = {alpha}) on `{base_model or 'unknown'}`; "
+                     "this repo holds the adapter only")  # fmt: skip
     lines += [
         "",
         "## Key metrics",

@@ -116,10 +116,11 @@ class AdapterVersions:
         clients: `url -> ServerClient` of every server (each replica behind a router).
         sync_dir: folder the servers read the adapters from (the same filesystem).
         prefix: the adapter names' prefix; the names are `{prefix}-{run token}-v{version}`.
+        wait_s: how long a server found unreachable at a load is waited for (`GET /health`) before it fails.
     """
 
-    def __init__(self, clients: dict, sync_dir: str, prefix: str = "appo-lora"):
-        self.clients, self.sync_dir = dict(clients), sync_dir
+    def __init__(self, clients: dict, sync_dir: str, prefix: str = "appo-lora", wait_s: float = 0.0):
+        self.clients, self.sync_dir, self.wait_s = dict(clients), sync_dir, wait_s
         self.prefix = f"{prefix}-{uuid.uuid4().hex[:6]}"
         self.version = 0
         self.current: str | None = None
@@ -146,7 +147,7 @@ class AdapterVersions:
     def load_on(self, url: str, name: str | None = None) -> None:
         """Load `name` (default: the current version) on the server at `url`."""
         name = name or self.current
-        self.clients[url].load_lora_adapter(name, os.path.join(self.sync_dir, name))
+        self.clients[url].load_lora_adapter(name, os.path.join(self.sync_dir, name), wait_s=self.wait_s)
 
     def publish(self, name: str, urls) -> None:
         """Load `name` (saved by `save`) on the servers at `urls`, then `promote` it."""

@@ -153,7 +153,8 @@ class DiskWeightSync(VLLMGeneration):
             # removed at exit; a killed run's (a full copy of the weights) at the next start
             self.sync_dir = scratch_path("vllm-weights", directory=True)
         if self.adapter:
-            self.adapters = AdapterVersions(self.clients, self.sync_dir)
+            wait_s = self.server_wait_s if self.replicas is None else 0.0  # a replica found down leaves the router
+            self.adapters = AdapterVersions(self.clients, self.sync_dir, wait_s=wait_s)
             self.adapters.prefix = broadcast_from_main(self.adapters.prefix)  # one name per version on every rank
         acc.wait_for_everyone()
 

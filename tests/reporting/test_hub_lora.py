@@ -9,13 +9,15 @@ from appo_trl.configs.recipes import REPO_ROOT, parse_recipe
 from tests.reporting.test_hub import FakeHfApi, fake_api  # noqa: F401 - the fixture
 
 
-def test_lora_run_pushes_the_adapter_with_a_card_naming_the_base_model(tiny_model_path, tmp_path, fake_api):  # noqa: F811
+def test_lora_run_pushes_the_adapter_with_a_card_naming_the_base_model(tiny_model_path, tmp_path,
+                                                                       fake_api):  # noqa: F811 # fmt: skip
     from appo_trl.stages.train import dataclass_types, main
 
     out = tmp_path / "tiny-appo-lora"
     argv = ["--config", str(REPO_ROOT / "recipes/tiny/appo.yaml"), "--model_name_or_path", tiny_model_path,
-            "--output_dir", str(out), "--max_steps", "1", "--save_steps", "1", "--use_peft", "true", "--lora_r", "8",
-            "--lora_target_modules", "all-linear", "--push_to_hub", "true", "--hub_model_id", "someone/tiny-lora"]  # fmt: skip
+            "--output_dir", str(out), "--max_steps", "1", "--save_steps", "1", "--use_peft", "true",
+            "--lora_r", "8", "--lora_target_modules", "all-linear", "--push_to_hub", "true",
+            "--hub_model_id", "someone/tiny-lora"]  # fmt: skip
     main(*parse_recipe(dataclass_types(), argv))
     assert [c[0] for c in FakeHfApi.calls] == ["create_repo", "upload_folder"]
     _, repo, files, _, _, card = FakeHfApi.calls[1]

@@ -118,8 +118,9 @@ SERVER_KW = dict(use_vllm=True, vllm_mode="server", num_generations=4, per_devic
 
 def test_background_rounds_name_the_version_they_were_launched_on(tmp_path, tiny_tokenizer, tiny_model_path):
     with fake_vllm.FakeVLLMServer(answer_policy(tiny_tokenizer), tiny_tokenizer, max_lora_rank=8) as server:
+        kw = {**SERVER_KW, "vllm_importance_sampling_correction": True}  # max_staleness >= 1 needs it
         trainer = peft_trainer(tmp_path, tiny_tokenizer, tiny_model_path, max_steps=4, max_staleness=1,
-                               vllm_server_base_url=server.url, **{**SERVER_KW, "vllm_importance_sampling_correction": True})  # fmt: skip
+                               vllm_server_base_url=server.url, **kw)  # fmt: skip
         assert trainer.vllm_server.weight_sync == "adapter"
         before = params(trainer.model)
         trainer.train()
