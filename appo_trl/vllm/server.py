@@ -4,8 +4,9 @@ One request per `generate` call: a token-id prompt, `n=1`, its own seed, `return
 ids, `logprobs` for the sampled token's logprob (plus top-k when asked), the tool stop strings kept whole
 (`include_stop_str_in_output`); `SamplingParams.session_id` goes out as `X-Session-ID`, so behind vLLM's router
 (`appo_trl.vllm.router`) a tree stays on one replica. Failures (retries, aborts, a restarted server raising
-`VLLMServerRestarted`) are told in docs/architecture.md ("vLLM"). Everything but sampling (health, the served
-length) goes through its `ServerClient`. It does not start servers or sync weights.
+`VLLMServerRestarted`) are told in docs/architecture.md ("vLLM"). With the adapter-only sync a request names the
+LoRA version of its round (`adapters.request_model()`) instead of the served model. Everything but sampling
+(health, the served length) goes through its `ServerClient`. It does not start servers or sync weights.
 """
 
 from __future__ import annotations
