@@ -128,10 +128,16 @@ def check_quantization(model_args, training_args) -> None:
 
 def check_peft(model_args, training_args) -> None:
     """LoRA settings that cannot work together, before the model loads: `vllm_sync_adapter=always` without an
-    adapter to send (`use_peft`)."""
-    if getattr(training_args, "vllm_sync_adapter", "auto") == "always" and not getattr(model_args, "use_peft", False):
+    adapter to send (`use_peft`), or with one vLLM cannot serve as a LoRA adapter (DoRA, `lora_modules_to_save`)."""
+    if getattr(training_args, "vllm_sync_adapter", "auto") != "always":
+        return
+    if not getattr(model_args, "use_peft", False):
         raise PreflightError("vllm_sync_adapter=always sends the LoRA adapter to vLLM, but use_peft is false: set "
                              "use_peft: true, or vllm_sync_adapter: auto.")  # fmt: skip
+    for key, why in (("use_dora", "DoRA's magnitude vector"), ("lora_modules_to_save", "fully trained modules")):
+        if getattr(model_args, key, None):
+            raise PreflightError(f"vllm_sync_adapter=always: {key} adds {why}, which a vLLM LoRA adapter cannot "
+                                 "carry; remove it, or use vllm_sync_adapter: auto (merged weights).")  # fmt: skip
 
 
 def plan_startup(training_args, tool_dirs=(), reward_funcs=(), dataset=None, answer_column: str = "answer"):

@@ -96,6 +96,7 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
     push = defer_push(training_args)  # one push of the final model at the end, not from Trainer.__init__
 
     from appo_trl.vllm import ServerNotReadyError
+    from appo_trl.vllm.lora import AdapterSyncError
 
     try:
         trainer = APPOTrainer(
@@ -108,7 +109,7 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
             peft_config=get_peft_config(model_args),
             tools=plan,  # the tools planned and built above, not again
         )
-    except ServerNotReadyError as exc:  # a dead vLLM server, or not vLLM: one line naming it and the wait
+    except (ServerNotReadyError, AdapterSyncError) as exc:  # a dead server, not vLLM, or no adapter route: one line
         raise preflight.PreflightError(str(exc)) from exc
     state = trainer.accelerator.state
     logger.info(

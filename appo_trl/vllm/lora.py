@@ -27,6 +27,11 @@ ADAPTER_SYNC = ("auto", "always", "never")
 logger = logging.getLogger(__name__)
 
 
+class AdapterSyncError(WeightSyncError):
+    """At start-up: `vllm_sync_adapter` cannot be honoured (`always` and no adapter route, or a server whose
+    `--max-lora-rank` is below the adapter's rank). `appo train` prints it as one line."""
+
+
 def _trl_lora_tools():
     """TRL 1.16's adapter checks and saver (`trl.experimental.async_grpo`: unstable API, pinned here only)."""
     with warnings.catch_warnings():
@@ -44,7 +49,7 @@ def is_peft(model) -> bool:
 def adapter_problem(model, server_infos: dict[str, dict]) -> str | None:
     """Why the adapter of `model` cannot be served by the servers (`url -> /server_info`'s `vllm_config`), or None.
 
-    Raises `WeightSyncError` (one line) for a server that has LoRA on but a `--max-lora-rank` below the adapter's
+    Raises `AdapterSyncError` (one line) for a server that has LoRA on but a `--max-lora-rank` below the adapter's
     rank: a misconfigured launch, never silently worked around."""
     if not is_peft(model):
         return "the model has no PEFT adapter (use_peft: false)"
@@ -62,7 +67,7 @@ def adapter_problem(model, server_infos: dict[str, dict]) -> str | None:
             return (f"the vLLM server at {url} was started without LoRA (add `--enable-lora --max-lora-rank "
                     f"{rank}` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True to its environment)")  # fmt: skip
         if int(lora.get("max_lora_rank") or 0) < rank:
-            raise WeightSyncError(
+            raise AdapterSyncError(
                 f"the adapter has rank {rank} but the vLLM server at {url} was started with --max-lora-rank "
                 f"{lora.get('max_lora_rank')}: restart it with --max-lora-rank {rank} or more (vLLM accepts 8, 16, "
                 "32, 64, ...)"
@@ -87,7 +92,7 @@ def server_infos(urls) -> dict[str, dict]:
 
 def choose_adapter_sync(setting: str, model, server_infos: dict[str, dict]) -> bool:
     """True when each sync sends the adapter only. `never`: False. `auto`: True when `adapter_problem` finds
-    none, else one warning line and False (merged weights). `always`: True, or `WeightSyncError` naming the
+    none, else one warning line and False (merged weights). `always`: True, or `AdapterSyncError` naming the
     problem."""
     if setting not in ADAPTER_SYNC:
         raise ValueError(f"vllm_sync_adapter must be one of {ADAPTER_SYNC}, got {setting!r}")
@@ -97,7 +102,7 @@ def choose_adapter_sync(setting: str, model, server_infos: dict[str, dict]) -> b
     if problem is None:
         return True
     if setting == "always":
-        raise WeightSyncError(f"vllm_sync_adapter=always cannot send the adapter only: {problem}.")
+        raise AdapterSyncError(f"vllm_sync_adapter=always cannot send the adapter only: {problem}.")
     if is_peft(model):
         logger.warning("vllm_sync_adapter=auto: syncing the merged full weights, as %s.", problem)
     return False
@@ -204,4 +209,12 @@ class AdapterVersions:
             return self._serving or self.current
 
 
-__all__ = ["ADAPTER_SYNC", "AdapterVersions", "adapter_problem", "choose_adapter_sync", "is_peft", "server_infos"]
+__all__ = [
+    "ADAPTER_SYNC",
+    "AdapterSyncError",
+    "AdapterVersions",
+    "adapter_problem",
+    "choose_adapter_sync",
+    "is_peft",
+    "server_infos",
+]

@@ -161,3 +161,25 @@ def test_adapters_vllm_cannot_serve_fall_back_or_stop(tiny_model_path, caplog):
     with pytest.raises(WeightSyncError, match="did not report its config .*404"):
         choose_adapter_sync("always", model(), no_info)
     assert not choose_adapter_sync("never", model(), lora_on)
+
+
+def test_appo_train_says_in_one_line_why_it_cannot_send_the_adapter(tiny_model_path, tmp_path, capfd):
+    from appo_trl.cli import main as appo
+    from appo_trl.configs.recipes import REPO_ROOT
+    from tests.test_cli_errors import one_error_line
+
+    base = ["train", "--config", str(REPO_ROOT / "recipes/tiny/appo.yaml"), "--model_name_or_path", tiny_model_path,
+            "--output_dir", str(tmp_path / "out"), "--use_peft", "true", "--lora_target_modules", "all-linear",
+            "--vllm_sync_adapter", "always", "--vllm_mode", "server"]  # fmt: skip
+    assert appo([*base, "--use_dora", "true", "--use_vllm", "true"]) == 2  # before the model loads
+    assert "use_dora adds DoRA's magnitude vector" in one_error_line(capfd)
+    with fake_vllm.FakeVLLMServer(varied_policy(tiny_tokenizer_of(tiny_model_path)), None) as server:  # no LoRA
+        assert appo([*base, "--use_vllm", "true", "--vllm_server_base_url", server.url]) == 2
+    line = one_error_line(capfd)
+    assert "vllm_sync_adapter=always cannot send the adapter only" in line and "--enable-lora" in line
+
+
+def tiny_tokenizer_of(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
