@@ -80,6 +80,7 @@ bench: install
 	$(PY) bench/tools.py
 	$(PY) bench/rollout.py
 	$(PY) bench/trainer.py
+	$(PY) bench/lora_sync.py
 
 quality: install
 	$(VENV)/bin/ruff check appo_trl tests bench sft eval

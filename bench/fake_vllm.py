@@ -4,7 +4,8 @@
 vLLM 0.31 uses for the fields we read:
 
 - `GET /health`, `GET /v1/models` (with `max_model_len`), `POST /reset_prefix_cache` (`{"success": true}`),
-  `GET /server_info` (`device_config.device`) and `POST /collective_rpc` (recorded in `rpc_calls`, not run);
+  `GET /server_info` (`device_config.device`, `lora_config`) and `POST /collective_rpc` (recorded in `rpc_calls`,
+  not run); with `max_lora_rank`, vLLM's runtime LoRA endpoints (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`);
 - `POST /v1/completions` with token-id prompts, `n`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
   `logprobs`, `stop`, `include_stop_str_in_output`, `return_token_ids`, `return_tokens_as_token_ids`:
   `choices[i] = {index, text, logprobs: {text_offset, token_logprobs, tokens: ["token_id:<id>"],
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import threading
 import time
@@ -41,6 +43,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from safetensors.torch import load_file
 
 from appo_trl.rollout.text import PieceDecoder, StopMatcher
 from appo_trl.sampling import SamplingParams, Segment
@@ -115,13 +118,18 @@ class FakeVLLMServer:
         device: reported by `/server_info` as `device_config.device`.
         restart_at: index of the completion request that makes the server restart (None: never).
         restart_down_s: how long that restart keeps the port closed.
+        max_lora_rank: LoRA on (`--enable-lora --max-lora-rank R` with runtime updating): `/server_info` reports
+            `lora_config`, `POST /v1/load_lora_adapter` / `unload_lora_adapter` keep `adapters` (name -> the
+            adapter's tensors, read at load), and a completion naming an unknown model answers 404. None: off
+            (`lora_config` None, the LoRA endpoints 404), as a server started without it.
     """
 
     def __init__(self, policy, tokenizer=None, *, model_name: str = "fake-model", decode_step_s: float = 0.0,
                  max_num_seqs: int | None = None, extra_delay_s: float = 0.0, fail_next: int = 0,
                  abort_next: int = 0, reject_next: int = 0, reject_message: str = "injected rejection",
                  max_model_len: int = 32768, device: str = "cpu", restart_at: int | None = None,
-                 restart_down_s: float = 1.0):  # fmt: skip
+                 restart_down_s: float = 1.0, max_lora_rank: int | None = None):  # fmt: skip
+        self.max_lora_rank, self.adapters = max_lora_rank, {}
         self.policy, self.tokenizer, self.model_name = policy, tokenizer, model_name
         self.abort_next, self.reject_next, self.reject_message = abort_next, reject_next, reject_message
         self.max_model_len, self.device = max_model_len, device
@@ -172,7 +180,40 @@ class FakeVLLMServer:
         async def server_info():
             return {"vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs",
                                                      "max_model_len": self.max_model_len},
-                                    "device_config": {"device": self.device}}}  # fmt: skip
+                                    "device_config": {"device": self.device},
+                                    "lora_config": None if self.max_lora_rank is None else
+                                    {"max_lora_rank": self.max_lora_rank, "max_loras": 2}}}  # fmt: skip
+
+        def lora_error(message: str, status: int):
+            return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            body = await request.json()
+            name, path = body["lora_name"], body["lora_path"]
+            if self.max_lora_rank is None:
+                return lora_error("Not Found", 404)
+            if name in self.adapters:
+                return lora_error(f"The lora adapter '{name}' has already been loaded.", 400)
+            try:
+                with open(os.path.join(path, "adapter_config.json")) as f:
+                    rank = json.load(f)["r"]
+                tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+            except (OSError, KeyError, ValueError) as exc:
+                return lora_error(f"cannot load the adapter at {path}: {exc}", 400)
+            if rank > self.max_lora_rank:
+                return lora_error(f"LoRA rank {rank} is greater than max_lora_rank {self.max_lora_rank}.", 400)
+            self.adapters[name] = tensors
+            self.events.append(f"load:{name}")
+            return Response(f"Success: LoRA adapter '{name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            name = (await request.json())["lora_name"]
+            if self.max_lora_rank is None or self.adapters.pop(name, None) is None:
+                return lora_error(f"The lora adapter '{name}' cannot be found.", 404)
+            self.events.append(f"unload:{name}")
+            return Response(f"Success: LoRA adapter '{name}' removed successfully.")
 
         @app.post("/collective_rpc")
         async def collective_rpc(request: Request):
@@ -195,6 +236,8 @@ class FakeVLLMServer:
                 self.restarter = threading.Thread(target=self.restart, args=(self.restart_down_s,), daemon=True)
                 self.restarter.start()
                 return JSONResponse({"error": {"message": "server shutting down", "code": 503}}, status_code=503)
+            if body.get("model", self.model_name) not in (self.model_name, *self.adapters):
+                return lora_error(f"The model `{body.get('model')}` does not exist.", 404)
             self.bodies.append(body)
             self.sessions.append(request.headers.get("x-session-id"))
             self.events.append("completion")

@@ -9,6 +9,7 @@
 2. `check_quantization`: `load_in_4bit` / `load_in_8bit` build TRL's `BitsAndBytesConfig`
    (`trl.get_quantization_config`, as `trl grpo` does) into `model_init_kwargs`: QLoRA. Without
    bitsandbytes or a CUDA GPU, or without `use_peft`, the run stops: the setting is never ignored.
+   `check_peft`: `vllm_sync_adapter=always` without `use_peft` stops too.
 3. `prompt_token_limit`: the most prompt tokens the sampler takes (in vLLM server mode the `max_model_len`
    the server reports when it answers at start-up, else `vllm_max_model_length`, else the model config's
    `max_position_embeddings`), which `appo_trl.data` checks every prompt against (`configs.rows`).
@@ -149,6 +150,20 @@ def check_quantization(model_args, training_args) -> None:
 
     training_args.model_init_kwargs = dict(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs["quantization_config"] = get_quantization_config(model_args)
+
+
+def check_peft(model_args, training_args) -> None:
+    """LoRA settings that cannot work together, before the model loads: `vllm_sync_adapter=always` without an
+    adapter to send (`use_peft`), or with one vLLM cannot serve as a LoRA adapter (DoRA, `lora_modules_to_save`)."""
+    if getattr(training_args, "vllm_sync_adapter", "auto") != "always":
+        return
+    if not getattr(model_args, "use_peft", False):
+        raise PreflightError("vllm_sync_adapter=always sends the LoRA adapter to vLLM, but use_peft is false: set "
+                             "use_peft: true, or vllm_sync_adapter: auto.")  # fmt: skip
+    for key, why in (("use_dora", "DoRA's magnitude vector"), ("lora_modules_to_save", "fully trained modules")):
+        if getattr(model_args, key, None):
+            raise PreflightError(f"vllm_sync_adapter=always: {key} adds {why}, which a vLLM LoRA adapter cannot "
+                                 "carry; remove it, or use vllm_sync_adapter: auto (merged weights).")  # fmt: skip
 
 
 def plan_startup(training_args, tool_dirs=(), reward_funcs=(), dataset=None, answer_column: str = "answer"):

@@ -12,9 +12,10 @@ if push:
 
 `defer_push` turns transformers' own `push_to_hub` off for the run (it would create the repo inside
 `Trainer.__init__` and push every checkpoint). `push_model` writes `README.md` (the model card: algorithm,
-base model, datasets, the full recipe, key metrics) into the output folder and uploads that folder once,
-without `checkpoint-*` sub-folders, to `hub_model_id` (default: the output folder's name) at `hub_revision`,
-creating the repo with `hub_private_repo`. Only the world-process-zero uploads; other ranks return None.
+base model, datasets, the full recipe, key metrics; a LoRA run's adapter is marked `library_name: peft`) into the
+output folder and uploads that folder once, without `checkpoint-*` sub-folders, to `hub_model_id` (default: the
+output folder's name) at `hub_revision`, creating the repo with `hub_private_repo`. Only the world-process-zero
+uploads; other ranks return None.
 
 The recipe shown in the card lists every field that differs from its dataclass default. Fields that may
 carry secrets (`*token*`, `*secret*`, `*key*` with a string value, `hub_*` credentials) are never written.
@@ -227,12 +228,16 @@ def build_model_card(
     metrics: Mapping[str, float],
     repo_id: str,
     framework_versions: Mapping[str, str] | None = None,
+    adapter: Mapping[str, Any] | None = None,
 ) -> str:
-    """Markdown model card with YAML metadata (`base_model`, `datasets`, `tags`, `library_name`)."""
+    """Markdown model card with YAML metadata (`base_model`, `datasets`, `tags`, `library_name`). `adapter`: the
+    uploaded folder is a PEFT adapter (its `adapter_config.json`): `library_name: peft`, a `lora` tag, and the
+    usage loads the base model, then the adapter."""
     algorithm = algorithm.lower()
     title = ALGORITHM_TITLES.get(algorithm, algorithm.upper())
     hub_ids = _hub_datasets(datasets)
-    meta: dict[str, Any] = {"library_name": "transformers", "tags": ["appo-trl", "trl", algorithm]}
+    meta: dict[str, Any] = {"library_name": "peft" if adapter else "transformers",
+                            "tags": ["appo-trl", "trl", algorithm] + (["lora"] if adapter else [])}  # fmt: skip
     if base_model:
         meta["base_model"] = base_model
     if hub_ids:
@@ -252,6 +257,12 @@ def build_model_card(
         f"- **Algorithm:** `{algorithm}`",
         f"- **Base model:** `{base_model or 'unknown'}`",
         f"- **Datasets:** `{sources or 'unknown'}`",
+    ]
+    if adapter:
+        kind, r, alpha = adapter.get("peft_type", "LORA"), adapter.get("r"), adapter.get("lora_alpha")
+        lines.append(f"- **Adapter:** {kind} (r = {r}, alpha = {alpha}) on `{base_model or 'unknown'}`; "
+                     "this repo holds the adapter only")  # fmt: skip
+    lines += [
         "",
         "## Key metrics",
         "",
@@ -277,11 +288,14 @@ def build_model_card(
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
-        f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")',
-        f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")',
-        "```",
-        "",
     ]
+    if adapter:
+        lines += ["from peft import PeftModel", "",
+                  f'base = AutoModelForCausalLM.from_pretrained("{base_model}")',
+                  f'model = PeftModel.from_pretrained(base, "{repo_id}")  # or .merge_and_unload()']  # fmt: skip
+    else:
+        lines.append(f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")')
+    lines += [f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")', "```", ""]
     if framework_versions:
         lines += ["## Framework versions", ""] + [f"- {k}: {v}" for k, v in framework_versions.items()] + [""]
     paper = STRATEGY_PAPERS.get(algorithm)
@@ -301,6 +315,17 @@ def framework_versions() -> dict[str, str]:
         except PackageNotFoundError:
             continue
     return out
+
+
+def _adapter_config(output_dir: str) -> dict[str, Any] | None:
+    """The saved PEFT adapter's config (a LoRA run's final model), or None for a full model."""
+    import json
+
+    path = os.path.join(output_dir, "adapter_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def push_model(
@@ -339,6 +364,7 @@ def push_model(
         metrics=key_metrics(trainer.state.log_history),
         repo_id=repo_id,
         framework_versions=framework_versions(),
+        adapter=_adapter_config(output_dir),
     )
     with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as f:
         f.write(card)

@@ -73,6 +73,7 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
         model_args.model_name_or_path, model_args.model_revision, model_init_kwargs["trust_remote_code"]
     )
     preflight.check_quantization(model_args, training_args)
+    preflight.check_peft(model_args, training_args)
     preflight.check_output_dir(training_args.output_dir)  # read-only or missing parent: one line, before the model
     preflight.check_agent_port(training_args)  # a taken agent_port: one line, before the model
     try:
@@ -97,6 +98,7 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
     push = defer_push(training_args)  # one push of the final model at the end, not from Trainer.__init__
 
     from appo_trl.vllm import ServerNotReadyError
+    from appo_trl.vllm.lora import AdapterSyncError
 
     try:
         trainer = APPOTrainer(
@@ -109,7 +111,7 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
             peft_config=get_peft_config(model_args),
             tools=plan,  # the tools planned and built above, not again
         )
-    except ServerNotReadyError as exc:  # a dead vLLM server, or not vLLM: one line naming it and the wait
+    except (ServerNotReadyError, AdapterSyncError) as exc:  # a dead server, not vLLM, or no adapter route: one line
         raise preflight.PreflightError(str(exc)) from exc
     state = trainer.accelerator.state
     logger.info(

@@ -30,7 +30,7 @@ from appo_trl.trainer.setup import build_rollout_engine
 from appo_trl.trainer.sharded import full_weights_for_round
 from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RolloutStrategy, RoundBatch
 from appo_trl.trainer.turn_rewards import token_rewards
-from appo_trl.trainer.weight_sync import generate_round
+from appo_trl.trainer.weight_sync import generate_round, held_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -314,10 +314,15 @@ class RoundRunner:
         round on the round's thread (`AsyncRounds.next_round`'s `make_job`)."""
         n, strategy = self.trainer.num_generations, self.strategy
         prompt_ids, _, _ = self.trainer._tokenize_prompts(copy.deepcopy([x["prompt"] for x in inputs]))
-        unique, seed = prompt_ids[::n], self.next_seed()
-        if self.agents is not None:  # the user's agent through the endpoint, on the round's thread
-            return lambda: self.agents.generate(strategy, prompt_ids, n, seed, inputs)
-        return lambda: strategy.generate(unique, n, seed)
+        unique, seed, trainer, agents = prompt_ids[::n], self.next_seed(), self.trainer, self.agents
+
+        def job():  # LoRA adapter-only sync: the round keeps the version it starts on
+            with held_adapter(trainer):
+                if agents is not None:  # the user's agent through the endpoint, on the round's thread
+                    return agents.generate(strategy, prompt_ids, n, seed, inputs)
+                return strategy.generate(unique, n, seed)
+
+        return job
 
     def finish(self, rnd: Round, out: dict) -> dict:
         """TRL's scored batch, then the strategy's advantages, an agent's forked rows (`chain_rows.add_chain_rows`) and without

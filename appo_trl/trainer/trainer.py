@@ -76,6 +76,9 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         from appo_trl.trainer.trl_compat import check_rollout_func, resolve_args, row_forward_where_tree_cannot
 
         args = resolve_args(model, args)  # None -> APPOConfig("<model>-APPO"); a GRPOConfig -> rollout_strategy grpo
+        if args.vllm_sync_adapter == "always" and peft_config is None and not hasattr(model, "peft_config"):
+            raise ValueError("vllm_sync_adapter=always sends the LoRA adapter to vLLM, but there is none: pass "
+                             "peft_config (use_peft: true), or set vllm_sync_adapter: auto.")  # fmt: skip
         # the user's own agent through the OpenAI-compatible endpoint (`trainer.agents`)
         self.agent = resolve_agent(args, agent, tool_dirs, tools=tools, rollout_func=rollout_func,
                                    environment_factory=environment_factory)  # fmt: skip

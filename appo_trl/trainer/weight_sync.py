@@ -55,6 +55,13 @@ def sync_weights(trainer) -> None:
     trl_seams.mark_weights_synced(trainer)
 
 
+def held_adapter(trainer):
+    """Within: the round holds the LoRA version it starts on (adapter-only sync: its requests name it, and it is not
+    unloaded until the round ends; `appo_trl.vllm.lora.AdapterVersions`); otherwise nothing."""
+    adapters = getattr(getattr(trainer, "vllm_server", None), "adapters", None)
+    return adapters.hold() if adapters is not None else contextlib.nullcontext()
+
+
 def generate_round(trainer, sample):
     """`sample()` (one round of `strategy.generate`), after the once-per-round weight sync (vLLM), surviving server
     restarts: a round in which any rank's sampler raised `VLLMServerRestarted` is synced again and re-run (same
@@ -76,7 +83,7 @@ def generate_round(trainer, sample):
             sync_weights(trainer)  # once per round, on every rank, before any request
         batch, error = None, None
         try:
-            with getattr(backend, "awake", contextlib.nullcontext)():
+            with held_adapter(trainer), getattr(backend, "awake", contextlib.nullcontext)():
                 batch = sample()
         except VLLMServerRestarted as exc:
             error = exc
@@ -97,4 +104,4 @@ def generate_round(trainer, sample):
     raise VLLMServerError(f"the vLLM server restarted {MAX_ROUND_RESTARTS + 1} times during one round") from error
 
 
-__all__ = ["MAX_ROUND_RESTARTS", "generate_round", "prepare_vllm_server", "sync_weights"]
+__all__ = ["MAX_ROUND_RESTARTS", "generate_round", "held_adapter", "prepare_vllm_server", "sync_weights"]

@@ -16,7 +16,8 @@ Public API::
 - `server`: `VLLMServerBackend`; `colocate`: `VLLMColocateBackend` (needs vLLM when used);
 - `replicas` (`ReplicaSet`, `ReplicaBackend`), `router` (`VLLMRouter`, `RouterClient`), `spec` (`ServerSpec`);
 - `weight_sync` (`DiskWeightSync`, `ColocateWeightSync`, `weight_sync_factory`) and `nccl` (`ReplicatedNCCLSync`):
-  TRL's `VLLMGeneration` subclasses, imported from their modules (they load TRL and torch).
+  TRL's `VLLMGeneration` subclasses, imported from their modules (they load TRL and torch);
+- `lora` (`AdapterVersions`, `choose_adapter_sync`): the adapter-only sync of a LoRA run, one name per version.
 """
 
 from appo_trl.vllm.client import (

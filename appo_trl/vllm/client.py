@@ -2,7 +2,8 @@
 
 Health (`GET /health`), the served model and its `max_model_len` (`GET /v1/models`), the resolved config
 (`GET /server_info`), and the development endpoints the disk weight sync needs (`POST /collective_rpc`
-`reload_weights`, `POST /reset_prefix_cache`; the server needs `VLLM_SERVER_DEV_MODE=1`). Every other part of
+`reload_weights`, `POST /reset_prefix_cache`; the server needs `VLLM_SERVER_DEV_MODE=1`), and the runtime LoRA
+endpoints of the adapter-only sync (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`). Every other part of
 `appo_trl.vllm` asks a server through it. What it does not do: sample (`VLLMServerBackend`), or decide when to
 sync (the weight sync does).
 """
@@ -178,6 +179,27 @@ class ServerClient:
     def reload_weights(self, weights_path: str, wait_s: float = 0.0) -> None:
         body = {"method": "reload_weights", "kwargs": {"weights_path": weights_path}}
         self.call_waiting(wait_s, "POST", "/collective_rpc", json=body)
+
+    def load_lora_adapter(self, name: str, path: str, wait_s: float = 0.0) -> None:
+        """`POST /v1/load_lora_adapter`: serve the adapter folder `path` as model `name` (the server needs
+        `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); an unreachable server is waited for `wait_s`."""
+        try:
+            self.call_waiting(wait_s, "POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+        except WeightSyncError as exc:
+            if "answered 404" in str(exc):
+                raise WeightSyncError(
+                    f"vLLM server {self.base_url} has no /v1/load_lora_adapter: start it with "
+                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment (and --enable-lora)"
+                ) from exc
+            raise
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """`POST /v1/unload_lora_adapter` (an adapter the server no longer holds, e.g. after a restart, is fine)."""
+        try:
+            self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+        except WeightSyncError as exc:
+            if "answered 404" not in str(exc):  # 404: not loaded there (or the endpoint is off: nothing to unload)
+                raise
 
     def reset_prefix_cache(self, attempts: int = 20, interval_s: float = 0.25) -> None:
         """`POST /reset_prefix_cache` until it reports success (it fails while blocks are still held)."""

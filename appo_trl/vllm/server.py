@@ -4,8 +4,9 @@ One request per `generate` call: a token-id prompt, `n=1`, its own seed, `return
 ids, `logprobs` for the sampled token's logprob (plus top-k when asked), the tool stop strings kept whole
 (`include_stop_str_in_output`); `SamplingParams.session_id` goes out as `X-Session-ID`, so behind vLLM's router
 (`appo_trl.vllm.router`) a tree stays on one replica. Failures (retries, aborts, a restarted server raising
-`VLLMServerRestarted`) are told in docs/architecture.md ("vLLM"). Everything but sampling (health, the served
-length) goes through its `ServerClient`. It does not start servers or sync weights.
+`VLLMServerRestarted`) are told in docs/architecture.md ("vLLM"). With the adapter-only sync a request names the
+LoRA version of its round (`adapters.request_model()`) instead of the served model. Everything but sampling
+(health, the served length) goes through its `ServerClient`. It does not start servers or sync weights.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ class VLLMServerBackend:
             over `ceil(max_concurrency / connections_per_client)` clients).
         server_wait_s: how long a server that refuses connections is waited for (`GET /health`) before failing;
             0 (default) fails when the retries are spent. When it comes back, `VLLMServerRestarted` is raised.
+        adapters: the adapter-only sync's `AdapterVersions`: each request names its `request_model()` (the LoRA
+            version of the round in flight) instead of the served model; None: the served model.
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class VLLMServerBackend:
         extra_body: dict[str, Any] | None = None,
         connections_per_client: int = 32,
         server_wait_s: float = 0.0,
+        adapters=None,
     ):
         self.base_url = base_url.rstrip("/")
         self.model = model
@@ -120,6 +124,7 @@ class VLLMServerBackend:
         self.extra_body = dict(extra_body or {})
         self.connections_per_client = connections_per_client
         self.server_wait_s = server_wait_s
+        self.adapters = adapters
         self.server = ServerClient(self.base_url, timeout_s, connect_timeout_s=connect_timeout_s,
                                    max_retries=max_retries, backoff_s=backoff_s)  # fmt: skip
         self._clients: dict[int, tuple[list[httpx.AsyncClient], asyncio.Semaphore]] = {}
@@ -242,7 +247,8 @@ class VLLMServerBackend:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Segment:
         start = time.perf_counter()
-        body = self.request_body(prompt_ids, params, await self.model_id())
+        adapter = self.adapters.request_model() if self.adapters is not None else None
+        body = self.request_body(prompt_ids, params, adapter or await self.model_id())
         headers = {SESSION_HEADER: params.session_id} if params.session_id else None
         for attempt in range(self.max_retries + 1):
             if attempt:

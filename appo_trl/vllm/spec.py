@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Any
 
 from appo_trl.vllm.client import ServerClient, ServerNotReadyError, WeightSyncError
 from appo_trl.vllm.ranks import broadcast_from_main, is_main_process, several_processes
@@ -55,13 +56,15 @@ class ServerSpec:
         replicas: the `ReplicaSet` behind the router (several replicas, or a router the user runs); None for one
             server.
         max_model_len: the length every server serves (or `vllm_max_model_length` when none reports it).
-        weight_sync: the weight-sync route, `"disk"` or `"nccl"`, once TRL has built the weight sync.
+        weight_sync: the weight-sync route, `"disk"`, `"nccl"` or `"adapter"`, once TRL has built the weight sync.
+        adapters: with the adapter-only sync, the `AdapterVersions` whose version each request names.
     """
 
     urls: list[str]
     replicas: ReplicaSet | None = None
     max_model_len: int | None = None
     weight_sync: str | None = None
+    adapters: Any = None
 
     @property
     def router_url(self) -> str | None:
@@ -74,7 +77,7 @@ class ServerSpec:
 
     def backend(self, **kwargs) -> VLLMServerBackend | ReplicaBackend:
         """The sampler: `VLLMServerBackend(self.url, **kwargs)`, resending through `ReplicaBackend` with replicas."""
-        backend = VLLMServerBackend(self.url, **kwargs)
+        backend = VLLMServerBackend(self.url, adapters=self.adapters, **kwargs)
         return backend if self.replicas is None else ReplicaBackend(backend, self.replicas)
 
     def close(self) -> None:

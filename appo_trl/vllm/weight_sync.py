@@ -18,8 +18,9 @@ from typing import Any
 from trl.generation.vllm_generation import VLLMGeneration
 
 from appo_trl.vllm.client import ServerClient, WeightSyncError
+from appo_trl.vllm.lora import AdapterVersions, choose_adapter_sync, is_peft, server_infos
 from appo_trl.vllm.nccl import ReplicatedNCCLSync
-from appo_trl.vllm.ranks import several_processes, share_replica_view
+from appo_trl.vllm.ranks import broadcast_from_main, several_processes, share_replica_view
 from appo_trl.vllm.replicas import ReplicaSet, parse_server_urls
 from appo_trl.vllm.spec import ServerSpec
 
@@ -46,16 +47,23 @@ def weight_sync_route(setting: str, trainer_device, probe_url: str, timeout_s: f
 
 
 def weight_sync_factory(spec: ServerSpec, args, trl_generation):
-    """What `GRPOTrainer.__init__` builds instead of `VLLMGeneration(**kwargs)` in server mode: the route chosen
-    from the accelerator's device (recorded as `spec.weight_sync`); `trl_generation` (TRL's class) on one server
-    over NCCL."""
+    """What `GRPOTrainer.__init__` builds instead of `VLLMGeneration(**kwargs)` in server mode: the adapter-only
+    sync when `vllm_sync_adapter` and the servers allow it (`appo_trl.vllm.lora`; `spec.adapters` then names the
+    version each request asks for), else the route chosen from the accelerator's device (recorded as
+    `spec.weight_sync`); `trl_generation` (TRL's class) on one server over NCCL."""
 
     def build(**kwargs):
         spec.weight_sync = weight_sync_route(args.vllm_weight_sync, kwargs["accelerator"].device, spec.urls[0],
                                              args.vllm_server_timeout)  # fmt: skip
-        if spec.weight_sync == "disk":
-            return DiskWeightSync(urls=spec.urls, sync_dir=args.vllm_weight_sync_dir, replicas=spec.replicas,
-                                  server_wait_s=args.vllm_server_wait_s, **kwargs)  # fmt: skip
+        setting, model = args.vllm_sync_adapter, kwargs["model"]
+        adapter = setting != "never" and (is_peft(model) or setting == "always")
+        adapter = adapter and choose_adapter_sync(setting, model, server_infos(spec.urls))
+        if adapter or spec.weight_sync == "disk":
+            sync = DiskWeightSync(urls=spec.urls, sync_dir=args.vllm_weight_sync_dir, replicas=spec.replicas,
+                                  server_wait_s=args.vllm_server_wait_s, adapter=adapter, **kwargs)  # fmt: skip
+            spec.adapters = sync.adapters
+            spec.weight_sync = "adapter" if adapter else spec.weight_sync
+            return sync
         if spec.replicas is not None:
             return ReplicatedNCCLSync(replicas=spec.replicas, **kwargs)
         return trl_generation(**kwargs)
@@ -90,24 +98,28 @@ def _trl_llm_takes(llm_kwargs: dict):
 
 
 class DiskWeightSync(VLLMGeneration):
-    """TRL's `VLLMGeneration` for server mode with the disk route instead of NCCL.
+    """TRL's `VLLMGeneration` for server mode with the disk route instead of NCCL, or the adapter-only sync.
 
     Built by `GRPOTrainer.__init__` with `VLLMGeneration`'s arguments (in place of TRL's class, through
     `weight_sync_factory`); only `sync_weights` and `vllm_client.get_server_info` are used, as the rollout engine
     does the sampling. Once per round: every rank walks the parameters (TRL's `_iter_named_params`: gathers, merged
     adapters, vLLM names); the main process writes one `model.safetensors` (a temporary name, then renamed), posts
     `reload_weights` and resets the prefix cache (mandatory: cached prefixes hold the old weights' keys); a barrier.
+    With `adapter`, every rank saves the PEFT adapter instead (`AdapterVersions`: only the main process writes),
+    the main process loads it on every server under the next version's name, and every rank adopts that name.
 
     Args:
         urls: the servers (default: TRL's `server_base_url`); with `replicas`, theirs.
         sync_dir: folder the server reads (default: a temporary folder, removed at exit).
         replicas: the `ReplicaSet` behind a router: every replica is synced (docs/architecture.md, "vLLM").
         server_wait_s: how long a server found unreachable is waited for (`GET /health`) before the reload.
+        adapter: sync the LoRA adapter only (`appo_trl.vllm.lora`; the caller checked the servers take it).
         **kwargs: `VLLMGeneration`'s arguments (`mode` must be `"server"`).
     """
 
     def __init__(self, *args, urls: list[str] | None = None, sync_dir: str | None = None, replicas=None,
-                 server_wait_s: float = 0.0, **kwargs):  # fmt: skip
+                 server_wait_s: float = 0.0, adapter: bool = False, **kwargs):  # fmt: skip
+        self.adapter, self.adapters, self._pending_adapter = adapter, None, None
         self._urls = list(replicas.urls) if replicas is not None else list(urls or [])
         self._sync_dir_arg = sync_dir
         self.replicas = replicas
@@ -140,6 +152,10 @@ class DiskWeightSync(VLLMGeneration):
 
             # removed at exit; a killed run's (a full copy of the weights) at the next start
             self.sync_dir = scratch_path("vllm-weights", directory=True)
+        if self.adapter:
+            wait_s = self.server_wait_s if self.replicas is None else 0.0  # a replica found down leaves the router
+            self.adapters = AdapterVersions(self.clients, self.sync_dir, wait_s=wait_s)
+            self.adapters.prefix = broadcast_from_main(self.adapters.prefix)  # one name per version on every rank
         acc.wait_for_everyone()
 
     def _named_cpu_tensors(self, keep: bool) -> Iterator[tuple[str, Any]]:
@@ -154,6 +170,8 @@ class DiskWeightSync(VLLMGeneration):
 
         acc = self.accelerator
         share = self.replicas is not None and several_processes()
+        if self.adapter:
+            return self._sync_adapter(share)
         tensors = dict(self._named_cpu_tensors(acc.is_main_process))
         error = None
         if acc.is_main_process:
@@ -176,8 +194,37 @@ class DiskWeightSync(VLLMGeneration):
             acc.wait_for_everyone()
         self.num_syncs += 1
 
+    def _sync_adapter(self, share: bool) -> None:
+        """Save the adapter (every rank), load it everywhere and unload what no round holds (main process), adopt
+        the new name (every rank)."""
+        acc, adapters = self.accelerator, self.adapters
+        name = adapters.name_for(self.num_syncs + 1)
+        adapters.save(acc.unwrap_model(self.model), acc, name)
+        error = None
+        if acc.is_main_process:
+            try:
+                if self.replicas is None:
+                    adapters.publish(name, self._urls or [self.vllm_client.base_url])
+                else:
+                    self._pending_adapter = name
+                    self._sync_replicas()  # loaded on each replica by `_sync_one`
+                    adapters.promote(name, self.replicas.up())
+            except Exception as exc:
+                if not share:
+                    raise
+                error = exc
+        if share:
+            share_replica_view(self.replicas, acc.is_main_process, error)
+        else:
+            acc.wait_for_everyone()
+        adapters.adopt(name)
+        self.num_syncs += 1
+
     def _sync_one(self, url: str) -> None:
         try:
+            if self.adapter:  # the version being published (a rejoining replica: the current one)
+                self.adapters.load_on(url, self._pending_adapter)
+                return
             self.clients[url].reload_weights(self.sync_dir)
             self.clients[url].reset_prefix_cache()
         except WeightSyncError as exc:

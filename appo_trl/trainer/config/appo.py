@@ -17,6 +17,7 @@ from trl import GRPOConfig
 from appo_trl.trainer.config import checks
 from appo_trl.trainer.config.agent import AGENT_HELP
 from appo_trl.trainer.config.credit import credit_field
+from appo_trl.trainer.config.lora import SYNC_ADAPTER_HELP, check_sync_adapter
 from appo_trl.trainer.config.script import _loss, _rollout, _strategy, _vllm
 from appo_trl.trainer.strategies import strategy_class
 
@@ -133,10 +134,8 @@ class APPOConfig(GRPOConfig):
             "accepted a request and went silent costs at most 4x this. A long generation must fit in it.",
         ),
     )
-    vllm_weight_sync_dir: str | None = field(
-        default=None,
-        metadata=_vllm("disk sync: folder the server reads the weights from (default: a temporary folder)."),
-    )
+    vllm_sync_adapter: Literal["auto", "always", "never"] = field(default="auto", metadata=SYNC_ADAPTER_HELP)
+    vllm_weight_sync_dir: str | None = field(default=None, metadata=_vllm("disk sync: the folder read (None: temporary)."))
     # --- overlap of generation and training (appo_trl.trainer.async_rounds) ------------------------------------
     max_staleness: int = field(
         default=0,
@@ -486,8 +485,6 @@ class APPOConfig(GRPOConfig):
 
     def _validate_appo(self):
         """The strategy's part first (defaults such as initial_rollouts and loss_mode), then the config's own."""
-        if self.tree_forward and self.tree_token_budget < 1:
-            checks.fail(f"tree_token_budget={self.tree_token_budget} must be >= 1 (unique tokens per forward).")
         self.strategy_class.validate(self)
         checks.check_ranges(self)
         checks.resolve_branch_cap(self)
@@ -496,5 +493,6 @@ class APPOConfig(GRPOConfig):
             self.tools = [self.tools]
         checks.check_replicas(self)
         checks.check_vllm(self)
+        check_sync_adapter(self, checks.fail)
         checks.check_batching(self)
         checks.check_async(self)

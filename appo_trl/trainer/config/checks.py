@@ -64,6 +64,8 @@ def apply_reference(cfg) -> None:
 
 def check_ranges(cfg) -> None:
     """Numeric settings inside their domains, and the values only some settings accept."""
+    if cfg.tree_forward and cfg.tree_token_budget < 1:
+        fail(f"tree_token_budget={cfg.tree_token_budget} must be >= 1 (unique tokens per forward).")
     if cfg.beam_size < 1:
         fail(f"beam_size={cfg.beam_size} must be >= 1.")
     if cfg.vllm_server_wait_s < 0:
