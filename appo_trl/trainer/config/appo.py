@@ -135,7 +135,10 @@ class APPOConfig(GRPOConfig):
         ),
     )
     vllm_sync_adapter: Literal["auto", "always", "never"] = field(default="auto", metadata=SYNC_ADAPTER_HELP)
-    vllm_weight_sync_dir: str | None = field(default=None, metadata=_vllm("disk sync: the folder read (None: temporary)."))
+    vllm_weight_sync_dir: str | None = field(
+        default=None,
+        metadata=_vllm("disk sync: folder the server reads the weights from (default: a temporary folder)."),
+    )
     # --- overlap of generation and training (appo_trl.trainer.async_rounds) ------------------------------------
     max_staleness: int = field(
         default=0,
@@ -143,8 +146,7 @@ class APPOConfig(GRPOConfig):
             "TRL's name. 0 (default): synchronous, each round is sampled on the weights it trains. k >= 1: the next "
             "round generates in the background while the current one trains; a row is trained at most k optimizer "
             "steps after the weights that sampled it (older rounds are dropped, `rollout/stale_rows_dropped`), with "
-            "decoupled PPO's correction (TRL's vllm_importance_sampling_* settings). See "
-            "appo_trl.trainer.async_rounds.",
+            "decoupled PPO's correction (TRL's vllm_importance_sampling_*). See appo_trl.trainer.async_rounds.",
         ),
     )
     weight_sync_steps: int = field(
@@ -311,8 +313,7 @@ class APPOConfig(GRPOConfig):
         default="whitespace_punct",
         metadata=_strategy(
             "APPO: tokens that are never branch points. `whitespace_punct` (ours): whitespace- or punctuation-only "
-            "and special tokens; `whitespace` (released code): whitespace-only, so `,` and the EOS may be picked; "
-            "`none`.",
+            "and special tokens; `whitespace` (released code): whitespace-only, so `,` and EOS may be picked; `none`.",
         ),
     )
     branch_allow_last_token: bool = field(
