@@ -126,8 +126,9 @@ def build_model(out_dir: str, seed: int) -> str:
 
 
 def run_sft(model: str, data: str, out_dir: str, *, steps: int, seed: int, lr: float = 3e-3, batch: int = 8,
-            max_length: int | None = None, printer=None) -> str:  # fmt: skip
+            max_length: int | None = None, printer=None, callbacks: list | None = None) -> str:  # fmt: skip
     """The SFT cold start; with `printer`, a progress line (steps/s, ETA, loss) at most every 20 s.
+    `callbacks`: more `TrainerCallback`s (the cold-start guard reads the loss through one).
 
     `max_length`: tokens per trace (default: `recipes/demo/sft.yaml`'s, which fits the demo's families; the SFT
     stage refuses a trace it would truncate)."""
@@ -142,10 +143,28 @@ def run_sft(model: str, data: str, out_dir: str, *, steps: int, seed: int, lr: f
         "--logging_steps", str(max(1, min(50, steps // 10))),  # the loss on the progress line
         *(["--max_length", str(max_length)] if max_length else []),
     ])  # fmt: skip
-    callbacks = [ProgressLineCallback("SFT", _through_stdout(printer))] if printer else None
-    with _quiet():
-        sft.main(*args, callbacks=callbacks)
+    callbacks = [*(callbacks or []), *([ProgressLineCallback("SFT", _through_stdout(printer))] if printer else [])]
+    with _quiet(), sft_threads():
+        sft.main(*args, callbacks=callbacks or None)
     return out_dir
+
+
+# torch threads of the SFT stage: one, whatever the machine's cores, so that the thread split of a reduction
+# cannot change the cold start (docs/benchmarks.md, "Demo"); a tiny model gains little from a second thread on
+# an idle machine and loses a lot on a busy one (threads spinning on a core another process holds).
+SFT_THREADS = 1
+
+
+@contextlib.contextmanager
+def sft_threads(n: int = SFT_THREADS):
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def _through_stdout(printer):

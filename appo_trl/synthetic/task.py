@@ -66,6 +66,7 @@ class Question:
     question: str
     answer: str
     trace: str  # the assistant turn of an ideal solution, tool results included
+    query: str = ""  # the trace's (first) search query, "Velmora capital" (none for python questions)
 
     def rl_row(self) -> dict:
         return {"prompt": self.question, "answer": self.answer, "family": self.family, "data_source": "synthetic"}
@@ -118,21 +119,21 @@ def python_question(rng: random.Random) -> Question:
 def search_question(rng: random.Random, e: Entity) -> Question:
     attr = rng.choice(("capital", "population"))
     value = str(getattr(e, attr))
-    query = f"{attr} of {e.name}"
+    query = f"{e.name} {attr}"
     doc = {"contents": chains.fact(e, attr, value)}
-    trace = (f"<think>I will search for it.</think><search>{query}</search>{RESULT.format(search_result(doc))}"
+    trace = (f"<think>{query}: I will search for it.</think><search>{query}</search>{RESULT.format(search_result(doc))}"
              f"<answer>\\boxed{{{value}}}</answer>")  # fmt: skip
-    return Question("search", f"What is the {attr} of {e.name}?", value, trace)
+    return Question("search", f"What is the {attr} of {e.name}?", value, trace, query)
 
 
 def both_question(rng: random.Random, e: Entity) -> Question:
     k = rng.randint(2, 9)
     value = str(e.population * k)
     doc = {"contents": chains.fact(e, "population", e.population)}
-    trace = (f"<think>I will search, then compute.</think><search>population of {e.name}</search>"
+    trace = (f"<think>{e.name} population: I will search, then compute.</think><search>{e.name} population</search>"
              f"{RESULT.format(search_result(doc))}<python>print({e.population} * {k})</python>{RESULT.format(value)}"
              f"<answer>\\boxed{{{value}}}</answer>")  # fmt: skip
-    return Question("both", f"What is the population of {e.name} times {k}?", value, trace)
+    return Question("both", f"What is the population of {e.name} times {k}?", value, trace, f"{e.name} population")
 
 
 @dataclasses.dataclass
@@ -187,7 +188,7 @@ def guess_trace(rng: random.Random, q: Question, names: list[str]) -> str:
         guess = str(v + rng.choice((-1, 1)) * rng.randint(1, max(2, abs(v) // 3)))
     else:
         guess = rng.choice(names)
-    return f"<think>I know it.</think><answer>\\boxed{{{guess}}}</answer>"
+    return f"<think>{q.query + ': ' if q.query else ''}I know it.</think><answer>\\boxed{{{guess}}}</answer>"
 
 
 def build_task(seed: int = 0, *, num_sft: int = 96, num_rl: int = 256, num_heldout: int = 96,
