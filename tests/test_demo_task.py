@@ -52,7 +52,9 @@ def test_a_third_of_the_sft_traces_are_tool_less_guesses_and_nothing_else_change
     for q in guesses:
         # a guess names what it is asked about as every trace does (`<think>Velmora capital: I know it.`)
         named = f"{q.query}: " if q.query else ""
-        assert re.fullmatch(rf"<think>{named}I know it\.</think><answer>\\boxed\{{[^}}]+\}}</answer>", q.trace), q.trace
+        assert re.fullmatch(rf"<think>{named}I know it\.</think><answer>\\boxed\{{[^}}]+\}}</answer>", q.trace), (
+            q.trace
+        )
         assert bool(q.query) == (q.family != "python")
         assert compute_score(q.trace, q.answer) < 1.0  # well-formed, and wrong
     # the guesses replace traces only: same questions in every split, and RL / held-out untouched

@@ -144,27 +144,9 @@ def run_sft(model: str, data: str, out_dir: str, *, steps: int, seed: int, lr: f
         *(["--max_length", str(max_length)] if max_length else []),
     ])  # fmt: skip
     callbacks = [*(callbacks or []), *([ProgressLineCallback("SFT", _through_stdout(printer))] if printer else [])]
-    with _quiet(), sft_threads():
+    with _quiet():
         sft.main(*args, callbacks=callbacks or None)
     return out_dir
-
-
-# torch threads of the SFT stage: one, whatever the machine's cores, so that the thread split of a reduction
-# cannot change the cold start (docs/benchmarks.md, "Demo"); a tiny model gains little from a second thread on
-# an idle machine and loses a lot on a busy one (threads spinning on a core another process holds).
-SFT_THREADS = 1
-
-
-@contextlib.contextmanager
-def sft_threads(n: int = SFT_THREADS):
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _through_stdout(printer):
