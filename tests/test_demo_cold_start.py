@@ -73,25 +73,33 @@ def test_the_readme_quotes_the_documented_range_of_the_code():
 
 
 def test_the_demo_says_whether_its_result_lies_in_the_documented_range():
-    from appo_trl.cli.demo import parse_args, range_verdict
+    from appo_trl.cli.demo import DOCUMENTED_MIN_GAIN, DOCUMENTED_RANGE, parse_args, range_verdict
 
+    (sft_lo, sft_hi), (rl_lo, rl_hi) = (
+        DOCUMENTED_RANGE["heldout_accuracy_sft"],
+        DOCUMENTED_RANGE["heldout_accuracy_rl"],
+    )
     lines: list[str] = []
     a = parse_args([])
-    assert range_verdict(a, {"heldout_accuracy_sft": 0.55, "heldout_accuracy_rl": 0.80}, lines.append) is True
+    inside = {"heldout_accuracy_sft": sft_lo, "heldout_accuracy_rl": max(rl_lo, sft_lo + DOCUMENTED_MIN_GAIN)}
+    assert range_verdict(a, inside, lines.append) is True
     assert len(lines) == 3 and all("lies in the documented range" in x for x in lines), lines
     lines.clear()
-    # the start in range, after RL in range, but a gain below the documented least gain
-    assert range_verdict(a, {"heldout_accuracy_sft": 0.69, "heldout_accuracy_rl": 0.70}, lines.append) is False
+    # the start and the end in range, but a gain below the documented least gain
+    small_gain = {"heldout_accuracy_sft": sft_hi, "heldout_accuracy_rl": sft_hi + DOCUMENTED_MIN_GAIN - 0.01}
+    assert rl_lo <= small_gain["heldout_accuracy_rl"] <= rl_hi  # (the example needs it)
+    assert range_verdict(a, small_gain, lines.append) is False
     assert [("OUTSIDE" in x) for x in lines] == [False, False, True], lines
-    assert "held-out pass@1 gain: 1.0 points lies OUTSIDE" in lines[2]
     lines.clear()
-    assert range_verdict(a, {"heldout_accuracy_sft": 0.34, "heldout_accuracy_rl": 0.53}, lines.append) is False
-    assert "SFT start: 34.0 % lies OUTSIDE the documented range (45-70 %" in lines[0]
+    below = {"heldout_accuracy_sft": sft_lo - 0.01, "heldout_accuracy_rl": rl_lo - 0.01}
+    assert range_verdict(a, below, lines.append) is False
+    want = f"SFT start: {100 * (sft_lo - 0.01):.1f} % lies OUTSIDE the documented range ({_percent_range('heldout_accuracy_sft').replace('–', '-')}"
+    assert want in lines[0], lines
     # other settings than the documented ones: nothing to compare with, and it says so
     lines.clear()
     assert range_verdict(parse_args(["--rl_steps", "4"]), {}, lines.append) is None
-    assert lines == ["[demo] no documented range for these settings ({'rl_steps': 4}); the range of the defaults "
-                     "is in README.md"]  # fmt: skip
+    assert lines == ["[demo] no documented range for these settings (--rl_steps 4); the range of the defaults is "
+                     "in README.md"]  # fmt: skip
     lines.clear()
     assert range_verdict(parse_args(["--learning_rate", "1e-4"]), {}, lines.append) is None
     assert "--learning_rate 1e-4" in lines[0]

@@ -205,8 +205,9 @@ def range_verdict(a: argparse.Namespace, report: dict, printer) -> bool | None:
     that, or None when the run's settings are not the documented ones (or RL options were overridden)."""
     other = {k: getattr(a, k) for k, v in DOCUMENTED_SETTINGS.items() if getattr(a, k) != v}
     if other or a.extra:
-        printer(f"[demo] no documented range for these settings ({other or ' '.join(a.extra)}); the range of the "
-                "defaults is in README.md")  # fmt: skip
+        changed = " ".join([*(f"--{k} {v}" for k, v in other.items()), *a.extra])
+        printer(f"[demo] no documented range for these settings ({changed}); the range of the defaults is in "
+                "README.md")  # fmt: skip
         return None
     pct = lambda lo, hi: f"{100 * lo:.0f}-{100 * hi:.0f} %"  # noqa: E731
     checks = [(name, report[key], lo <= report[key] <= hi, pct(lo, hi))
