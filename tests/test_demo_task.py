@@ -50,7 +50,12 @@ def test_a_third_of_the_sft_traces_are_tool_less_guesses_and_nothing_else_change
     assert 0.28 < len(guesses) / len(noisy.sft) < 0.39  # GUESS_SHARE = 1/3, drawn per trace
     assert {q.family for q in guesses} == {"python", "search", "both"}
     for q in guesses:
-        assert re.fullmatch(r"<think>I know it\.</think><answer>\\boxed\{[^}]+\}</answer>", q.trace), q.trace
+        # a guess names what it is asked about as every trace does (`<think>Velmora capital: I know it.`)
+        named = f"{q.query}: " if q.query else ""
+        assert re.fullmatch(rf"<think>{named}I know it\.</think><answer>\\boxed\{{[^}}]+\}}</answer>", q.trace), (
+            q.trace
+        )
+        assert bool(q.query) == (q.family != "python")
         assert compute_score(q.trace, q.answer) < 1.0  # well-formed, and wrong
     # the guesses replace traces only: same questions in every split, and RL / held-out untouched
     assert [q.question for q in clean.sft] == [q.question for q in noisy.sft]
@@ -108,3 +113,25 @@ def test_name_syllables_never_occur_inside_the_fixed_text():
     for name in sorted(names, key=len, reverse=True):
         fixed = fixed.replace(name, " ")
     assert not [s for s in SYLLABLES if s in fixed]
+
+
+def test_every_trace_query_finds_its_own_page_first(tmp_path):
+    """The traces search `<name> <attr>` (the name first: `appo_trl.synthetic.task.search_question`); the real BM25
+    index ranks the asked fact's own page strictly first for every entity and attribute of the task."""
+    from appo_trl.tools.search_server import BM25Index
+
+    t = build_task(2, num_sft=1800)
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in t.corpus))
+    index = BM25Index(str(path))
+    want = {d["contents"]: d["id"] for d in t.corpus}
+    queries = {q.query for q in t.sft + t.rl + t.heldout if q.query}
+    queries |= {f"{e.name} {attr}" for e in t.entities for attr in ("capital", "population")}
+    queries = sorted(queries)
+    wrong = []
+    for query, hits in zip(queries, index.retrieve(queries, 2)):
+        (top, score), (_, second) = hits[0], hits[1]
+        name, attr = query.split()
+        if want[top["contents"]] != f"{name}-{attr}" or not score > second:
+            wrong.append((query, top["contents"]))
+    assert not wrong, f"{len(wrong)} of {len(queries)} queries: {wrong[:3]}"

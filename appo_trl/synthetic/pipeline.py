@@ -126,8 +126,9 @@ def build_model(out_dir: str, seed: int) -> str:
 
 
 def run_sft(model: str, data: str, out_dir: str, *, steps: int, seed: int, lr: float = 3e-3, batch: int = 8,
-            max_length: int | None = None, printer=None) -> str:  # fmt: skip
+            max_length: int | None = None, printer=None, callbacks: list | None = None) -> str:  # fmt: skip
     """The SFT cold start; with `printer`, a progress line (steps/s, ETA, loss) at most every 20 s.
+    `callbacks`: more `TrainerCallback`s (the cold-start guard reads the loss through one).
 
     `max_length`: tokens per trace (default: `recipes/demo/sft.yaml`'s, which fits the demo's families; the SFT
     stage refuses a trace it would truncate)."""
@@ -142,9 +143,9 @@ def run_sft(model: str, data: str, out_dir: str, *, steps: int, seed: int, lr: f
         "--logging_steps", str(max(1, min(50, steps // 10))),  # the loss on the progress line
         *(["--max_length", str(max_length)] if max_length else []),
     ])  # fmt: skip
-    callbacks = [ProgressLineCallback("SFT", _through_stdout(printer))] if printer else None
+    callbacks = [*(callbacks or []), *([ProgressLineCallback("SFT", _through_stdout(printer))] if printer else [])]
     with _quiet():
-        sft.main(*args, callbacks=callbacks)
+        sft.main(*args, callbacks=callbacks or None)
     return out_dir
 
 

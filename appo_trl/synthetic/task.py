@@ -4,8 +4,9 @@ Three question families, each answerable only with the tools (a tiny model canno
 its head, and the facts are invented, so no pretraining could know them):
 
 - `python`: "What is 37 * 14 + 52?"; the trace copies the expression into `print(...)` and boxes the printed value.
-- `search`: "What is the capital of Velmora?"; the trace searches `capital of Velmora` in the generated
-  encyclopedia (one document per fact: "The capital of Velmora is Tarsk.") and boxes the value it reads.
+- `search`: "What is the capital of Velmora?"; the trace names what it looks for (`<think>Velmora capital: I will
+  search for it.</think>`), searches `Velmora capital` in the generated encyclopedia (one document per fact: "The
+  capital of Velmora is Tarsk.") and boxes the value it reads.
 - `both`: "What is the population of Velmora times 7?"; search the population, then `print(4521 * 7)`.
 
 A fourth family, `chain` (`appo_trl.synthetic.chains`), needs 3 to 5 dependent calls; it is opt-in
@@ -17,6 +18,13 @@ entities are partitioned between splits, so no held-out search question is about
 and no question text appears in two splits. The encyclopedia holds every entity (the search tool must find the
 held-out ones too). `write_task(out_dir, seed)` writes `corpus.jsonl`, `sft.jsonl`, `rl.jsonl`, `heldout.jsonl`
 and an eval registry `benchmarks.yaml` (benchmark `synthetic`) for `appo eval`.
+
+How the traces teach copying (the skill the held-out split needs: its entities are never seen in training): the
+name comes first, right after `<think>` and again right after `<search>`, as the numbers of a python question come
+right after `print(`, and every search or both trace names it, a weak teacher's guess included. Before, the query
+was `capital of Velmora`, named the entity once, and guesses not at all; copying then appeared abruptly late in
+SFT, and whether it had by the end decided the demo's SFT start (34 % or 59 %, by seed or by CPU;
+docs/benchmarks.md, "Demo"). `appo_trl.synthetic.copying` probes it; `tests/test_demo_cold_start.py` guards it.
 
 Tool results inside the traces are the exact text the tools return through the rollout engine
 (`RolloutConfig.result_template`, the search tool's `Page 1: ...` lines with `max_results: 1`), so SFT teaches
@@ -66,6 +74,7 @@ class Question:
     question: str
     answer: str
     trace: str  # the assistant turn of an ideal solution, tool results included
+    query: str = ""  # the trace's (first) search query, "Velmora capital" (none for python questions)
 
     def rl_row(self) -> dict:
         return {"prompt": self.question, "answer": self.answer, "family": self.family, "data_source": "synthetic"}
@@ -118,21 +127,22 @@ def python_question(rng: random.Random) -> Question:
 def search_question(rng: random.Random, e: Entity) -> Question:
     attr = rng.choice(("capital", "population"))
     value = str(getattr(e, attr))
-    query = f"{attr} of {e.name}"
+    query = f"{e.name} {attr}"
     doc = {"contents": chains.fact(e, attr, value)}
-    trace = (f"<think>I will search for it.</think><search>{query}</search>{RESULT.format(search_result(doc))}"
-             f"<answer>\\boxed{{{value}}}</answer>")  # fmt: skip
-    return Question("search", f"What is the {attr} of {e.name}?", value, trace)
+    trace = (f"<think>{query}: I will search for it.</think><search>{query}</search>"
+             f"{RESULT.format(search_result(doc))}<answer>\\boxed{{{value}}}</answer>")  # fmt: skip
+    return Question("search", f"What is the {attr} of {e.name}?", value, trace, query)
 
 
 def both_question(rng: random.Random, e: Entity) -> Question:
     k = rng.randint(2, 9)
     value = str(e.population * k)
     doc = {"contents": chains.fact(e, "population", e.population)}
-    trace = (f"<think>I will search, then compute.</think><search>population of {e.name}</search>"
+    query = f"{e.name} population"
+    trace = (f"<think>{query}: I will search, then compute.</think><search>{query}</search>"
              f"{RESULT.format(search_result(doc))}<python>print({e.population} * {k})</python>{RESULT.format(value)}"
              f"<answer>\\boxed{{{value}}}</answer>")  # fmt: skip
-    return Question("both", f"What is the population of {e.name} times {k}?", value, trace)
+    return Question("both", f"What is the population of {e.name} times {k}?", value, trace, query)
 
 
 @dataclasses.dataclass
@@ -181,13 +191,14 @@ def _split(rng: random.Random, entities: list[Entity], count: int, seen: set[str
 
 def guess_trace(rng: random.Random, q: Question, names: list[str]) -> str:
     """A weak teacher's trace for `q`: no tool call, a plausible answer that is almost always wrong (a name for a
-    capital, a nearby number otherwise)."""
+    capital, a nearby number otherwise); like every trace, it names the entity and attribute it is asked about."""
     if q.answer.lstrip("-").isdigit():
         v = int(q.answer)
         guess = str(v + rng.choice((-1, 1)) * rng.randint(1, max(2, abs(v) // 3)))
     else:
         guess = rng.choice(names)
-    return f"<think>I know it.</think><answer>\\boxed{{{guess}}}</answer>"
+    named = f"{q.query}: " if q.query else ""
+    return f"<think>{named}I know it.</think><answer>\\boxed{{{guess}}}</answer>"
 
 
 def build_task(seed: int = 0, *, num_sft: int = 96, num_rl: int = 256, num_heldout: int = 96,
