@@ -14,8 +14,8 @@ from appo_trl.rollout import Segment  # noqa: E402
 from tests.trainer.test_agents import ScriptedBackend, make_trainer  # noqa: E402
 
 
-async def agents_sdk_agent(row, base_url, model):
-    """The OpenAI Agents SDK: an `Agent` with a `function_tool`, on a chat-completions model at `base_url`."""
+def calculator(base_url, model):
+    """The OpenAI Agents SDK module, an async client at `base_url`, and an `Agent` with a `function_tool` on it."""
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
 
@@ -26,7 +26,12 @@ async def agents_sdk_agent(row, base_url, model):
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="-")
     llm = agents.OpenAIChatCompletionsModel(model=model, openai_client=client)
-    agent = agents.Agent(name="calculator", instructions="Use the tool.", model=llm, tools=[multiply])
+    return agents, client, agents.Agent(name="calculator", instructions="Use the tool.", model=llm, tools=[multiply])
+
+
+async def agents_sdk_agent(row, base_url, model):
+    """The OpenAI Agents SDK: an `Agent` with a `function_tool`, on a chat-completions model at `base_url`."""
+    agents, client, agent = calculator(base_url, model)
     result = await agents.Runner.run(agent, row["prompt"][0]["content"])
     await client.close()
     return float("42" in str(result.final_output))

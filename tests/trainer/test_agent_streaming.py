@@ -18,6 +18,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from tests.trainer.test_agent_clients import calculator  # noqa: E402
 from tests.trainer.test_agents import TOOLS, ScriptedBackend, make_trainer  # noqa: E402
 
 
@@ -123,17 +124,7 @@ def streaming_sdk_agent(row, base_url, model):
 
 async def agents_sdk_streamed_agent(row, base_url, model):
     """The OpenAI Agents SDK with `Runner.run_streamed` (it streams every chat-completions call)."""
-    agents = pytest.importorskip("agents")
-    agents.set_tracing_disabled(True)
-
-    @agents.function_tool
-    def multiply(a: int, b: int) -> int:
-        """Multiply two integers."""
-        return a * b
-
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="-")
-    llm = agents.OpenAIChatCompletionsModel(model=model, openai_client=client)
-    agent = agents.Agent(name="calculator", instructions="Use the tool.", model=llm, tools=[multiply])
+    agents, client, agent = calculator(base_url, model)
     result = agents.Runner.run_streamed(agent, row["prompt"][0]["content"])
     kinds = [event.type async for event in result.stream_events()]
     await client.close()

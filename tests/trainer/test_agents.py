@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import signal
 import threading
 
 import pytest
@@ -68,6 +69,17 @@ def sdk_agent(row, base_url, model):
             messages.append({"role": "tool", "tool_call_id": call.id, "content": str(args["a"] * args["b"])})
     client.close()
     return float("42" in (msg.content or ""))
+
+
+def train_until_ctrl_c(trainer) -> None:
+    """`trainer.train()`, which must end in KeyboardInterrupt. A shell without job control starts background jobs with
+    SIGINT ignored (`bash .ci/run &`), so Ctrl-C's handler is installed for the run."""
+    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+    finally:
+        signal.signal(signal.SIGINT, sigint)
 
 
 def prompts(k=2):
@@ -361,7 +373,6 @@ async def stuck_agent(row, base_url, model):
 
 def test_ctrl_c_stops_agents_and_endpoint(tmp_path, tiny_chat_tokenizer, tiny_chat_model_path):
     import os
-    import signal
     import socket
 
     before = set(threading.enumerate())  # threads other tests left behind are not this run's
@@ -376,13 +387,7 @@ def test_ctrl_c_stops_agents_and_endpoint(tmp_path, tiny_chat_tokenizer, tiny_ch
 
     agents._start = start
     CANCELLED.clear()
-    # a shell without job control starts background jobs with SIGINT ignored (`bash .ci/run &`): Ctrl-C's handler
-    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            trainer.train()
-    finally:
-        signal.signal(signal.SIGINT, sigint)
+    train_until_ctrl_c(trainer)
     assert len(CANCELLED) == 4 and agents.endpoint is None
     with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", ports[0]), timeout=2):
         pass

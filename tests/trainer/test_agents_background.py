@@ -15,7 +15,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from tests.trainer.test_agents import make_trainer, sdk_agent  # noqa: E402
+from tests.trainer.test_agents import make_trainer, sdk_agent, train_until_ctrl_c  # noqa: E402
 from tests.trainer.test_trainer import spy_loss  # noqa: E402
 
 
@@ -93,12 +93,7 @@ def test_ctrl_c_with_a_background_agent_round_in_flight(tmp_path, tiny_chat_toke
         os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=ctrl_c_once_the_background_round_is_stuck, daemon=True).start()
-    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            trainer.train()
-    finally:
-        signal.signal(signal.SIGINT, sigint)
+    train_until_ctrl_c(trainer)
     assert stopped and time.monotonic() - stopped[0] <= 10.0
     assert trainer.rounds.agents.endpoint is None
     assert [(h.step, h.background) for h in trainer.rounds.async_rounds.history][:1] == [(0, False)]

@@ -17,7 +17,7 @@ import torch
 
 openai = pytest.importorskip("openai")
 
-from tests.trainer.test_agents import make_trainer, sdk_agent  # noqa: E402
+from tests.trainer.test_agents import make_trainer, sdk_agent, train_until_ctrl_c  # noqa: E402
 from tests.trainer.test_trainer import spy_loss  # noqa: E402
 
 
@@ -109,12 +109,7 @@ def test_ctrl_c_with_64_stuck_sync_agents_exits_within_10_s(tmp_path, tiny_chat_
         os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=ctrl_c_once_all_are_stuck, daemon=True).start()
-    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)  # as test_agents' Ctrl-C test
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            trainer.train()
-    finally:
-        signal.signal(signal.SIGINT, sigint)
+    train_until_ctrl_c(trainer)
     assert stopped and time.monotonic() - stopped[0] <= 10.0
     assert trainer.rounds.agents.endpoint is None
 

@@ -47,6 +47,17 @@ def _trainer(out, tok, model_path):
                        args=args, train_dataset=data, processing_class=tok)  # fmt: skip
 
 
+def fail_saving(trainer, monkeypatch) -> None:
+    """`trainer.save_model` writes the model, then fails as a full disk does."""
+    real = trainer.save_model
+
+    def save_model(folder):
+        real(folder)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trainer, "save_model", save_model)
+
+
 def test_full_disk_at_the_final_save_is_one_line_and_leaves_no_model_folder(
     small_disk, tmp_path, tiny_tokenizer, tiny_model_path, monkeypatch
 ):
@@ -55,13 +66,7 @@ def test_full_disk_at_the_final_save_is_one_line_and_leaves_no_model_folder(
     (out / "checkpoint-1" / "trainer_state.json").write_text("{}")
     trainer = _trainer(out, tiny_tokenizer, tiny_model_path)
     if small_disk is None:  # stand-in: the weights file cannot be written
-        real = trainer.save_model
-
-        def save_model(folder):
-            real(folder)
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        monkeypatch.setattr(trainer, "save_model", save_model)
+        fail_saving(trainer, monkeypatch)
     with pytest.raises(CheckpointSaveError) as err:
         save_final_model(trainer, str(out))
     msg = str(err.value)
@@ -85,13 +90,7 @@ def test_final_save_moves_a_complete_model_into_output_dir(tmp_path, tiny_tokeni
 def test_full_disk_at_the_final_save_without_a_checkpoint_does_not_say_resume(tmp_path, tiny_tokenizer,
                                                                               tiny_model_path, monkeypatch):  # fmt: skip
     trainer = _trainer(tmp_path, tiny_tokenizer, tiny_model_path)
-    real = trainer.save_model
-
-    def save_model(folder):
-        real(folder)
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(trainer, "save_model", save_model)
+    fail_saving(trainer, monkeypatch)
     with pytest.raises(CheckpointSaveError) as err:
         save_final_model(trainer, str(tmp_path))
     msg = str(err.value)
