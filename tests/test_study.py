@@ -159,3 +159,28 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
     run(args(*argv), printer=lines.append)  # resumed: nothing is trained or evaluated again
     assert not any(x.startswith(("[study] grpo/seed0", "[study] appo/seed0")) for x in lines), lines
     assert not any("[RL" in x or "[eval]" in x for x in lines), lines
+
+
+def test_the_demo_rl_stage_takes_the_model_settings(tmp_path, tiny_model_path, monkeypatch):
+    """`appo demo --use_peft true ...` trains an adapter: the RL stage hands the trainer the PEFT config (it was
+    dropped silently, so a "LoRA" demo trained every weight)."""
+    import appo_trl.data
+    import appo_trl.trainer.trainer
+    from appo_trl.synthetic.pipeline import rl_arguments, run_rl
+
+    class Built(Exception):
+        pass
+
+    def trainer(**kwargs):
+        raise Built(kwargs)
+
+    monkeypatch.setattr(appo_trl.trainer.trainer, "APPOTrainer", trainer)
+    monkeypatch.setattr(appo_trl.data, "load_rl_dataset", lambda script_args: None)
+    args = rl_arguments("recipes/demo/appo.yaml", tiny_model_path, str(tmp_path / "d"), str(tmp_path / "rl"),
+                        "http://127.0.0.1:9", steps=1, seed=0,
+                        overrides=["--use_peft", "true", "--lora_r", "8", "--lora_target_modules", "all-linear"])  # fmt: skip
+    with pytest.raises(Built) as built:
+        run_rl(args)
+    peft = built.value.args[0]["peft_config"]
+    assert peft is not None and peft.r == 8 and peft.target_modules == "all-linear"
+    assert built.value.args[0]["args"].model_init_kwargs["dtype"] == "float32"

@@ -35,6 +35,29 @@ def load_tokenizer(model_args):
     )
 
 
+def model_settings(model_args, training_args):
+    """What the trainer takes from `model_args`, checked before the model loads: `training_args.model_init_kwargs`
+    (revision, attention, dtype, trust_remote_code; the recipe's own keys win) and the returned PEFT config (None
+    without `use_peft`). `appo train` and the demo's RL stage both go through here, so neither drops a setting."""
+    from trl import get_peft_config
+
+    from appo_trl.configs import preflight
+
+    model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+        "trust_remote_code": getattr(training_args, "trust_remote_code", False),
+    }
+    training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
+    preflight.check_model_source(
+        model_args.model_name_or_path, model_args.model_revision, model_init_kwargs["trust_remote_code"]
+    )
+    preflight.check_quantization(model_args, training_args)
+    preflight.check_peft(model_args, training_args)
+    return get_peft_config(model_args)
+
+
 def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> APPOTrainer:  # noqa: F821
     """Train with already-parsed arguments and return the trainer (its state holds the log history).
 
@@ -48,7 +71,6 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
     model loads.
     """
     from transformers import set_seed
-    from trl import get_peft_config
 
     from appo_trl.configs import preflight
     from appo_trl.data import load_rl_dataset
@@ -62,18 +84,7 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
     prepare_trackers(training_args)  # a missing tracker package fails here; wandb offline without an account
     setup_logging()  # INFO; request loggers at WARNING; agent endpoint secrets redacted
     recipe = recipe if recipe is not None else recipe_dict(script_args, training_args, model_args)
-    model_init_kwargs = {
-        "revision": model_args.model_revision,
-        "attn_implementation": model_args.attn_implementation,
-        "dtype": model_args.dtype,
-        "trust_remote_code": getattr(training_args, "trust_remote_code", False),
-    }
-    training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
-    preflight.check_model_source(
-        model_args.model_name_or_path, model_args.model_revision, model_init_kwargs["trust_remote_code"]
-    )
-    preflight.check_quantization(model_args, training_args)
-    preflight.check_peft(model_args, training_args)
+    peft_config = model_settings(model_args, training_args)
     preflight.check_output_dir(training_args.output_dir)  # read-only or missing parent: one line, before the model
     preflight.check_agent_port(training_args)  # a taken agent_port: one line, before the model
     try:
@@ -108,7 +119,7 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=tokenizer,
-            peft_config=get_peft_config(model_args),
+            peft_config=peft_config,
             tools=plan,  # the tools planned and built above, not again
         )
     except (ServerNotReadyError, AdapterSyncError) as exc:  # a dead server, not vLLM, or no adapter route: one line

@@ -315,9 +315,11 @@ def run_rl(
 
     from appo_trl.data import load_rl_dataset
     from appo_trl.rewards import get_reward_func
+    from appo_trl.stages.train import model_settings
     from appo_trl.trainer.trainer import APPOTrainer
 
     script_args, training_args, model_args = args
+    peft_config = model_settings(model_args, training_args)  # --use_peft, --dtype, ... reach the trainer
     training_args.save_strategy = "steps" if save_steps else "no"
     training_args.save_steps = 10**9  # saving happens at `save_steps` only (StepLine sets should_save)
     training_args.save_only_model = True
@@ -336,6 +338,7 @@ def run_rl(
             train_dataset=load_rl_dataset(script_args),
             processing_class=tokenizer,
             callbacks=[callback],
+            peft_config=peft_config,
         )
         for cb in list(trainer.callback_handler.callbacks):  # TRL's / appo_trl.reporting.console's per-step printing
             if isinstance(cb, (PrinterCallback, ProgressCallback)) or type(cb).__name__.startswith("StepLinePrinter"):
