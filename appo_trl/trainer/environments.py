@@ -151,11 +151,11 @@ def round_environments(
     ), per_row
 
 
-def generate_with_environments(trainer, strategy, prompt_ids: list[list[int]], n: int, seed: int, inputs: list[dict]):
-    """`strategy.generate` with one environment per trajectory (`inputs`: the rows TRL reset them with); leaves each
-    row's instance in `trainer.environments` for TRL's reward step."""
+def generate_with_environments(trainer, strategy, prompt_ids: list[list[int]], n: int, seed: int, inputs: list[dict],
+                               engine):  # fmt: skip
+    """`strategy.generate` on `engine` with one environment per trajectory (`inputs`: the rows TRL reset them with);
+    leaves each row's instance in `trainer.environments` for TRL's reward step."""
     envs, per_row = round_environments(trainer, prompt_ids, n, strategy, inputs)
-    engine = trainer.rollout_engine
     if not hasattr(engine, "environments"):
         raise TypeError(
             f"environment_factory needs a rollout engine with environments; {type(engine).__name__} has none"
@@ -163,11 +163,11 @@ def generate_with_environments(trainer, strategy, prompt_ids: list[list[int]], n
     engine.environments = envs
     try:
         if per_row:  # grpo only: each row on its own prompt, then regrouped n per prompt
-            batch = strategy.generate(prompt_ids, 1, seed)
+            batch = strategy.generate(prompt_ids, 1, seed, engine)
             flat = batch.rows
             batch.groups = [flat[i : i + n] for i in range(0, len(flat), n)]
         else:
-            batch = strategy.generate(prompt_ids[::n], n, seed)
+            batch = strategy.generate(prompt_ids[::n], n, seed, engine)
     finally:
         engine.environments = None
     trainer.environments = envs.rows(batch.rows)

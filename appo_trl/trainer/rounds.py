@@ -21,10 +21,9 @@ from trl.data_utils import is_conversational
 from appo_trl.reporting.console import canonical_metrics
 from appo_trl.reporting.rollout_dump import dump_round
 from appo_trl.trainer import trl_seams
-from appo_trl.trainer.agents import AgentRounds
 from appo_trl.trainer.async_rounds import build_async_rounds, split_cpu_threads
 from appo_trl.trainer.chain_rows import add_chain_rows
-from appo_trl.trainer.environments import generate_with_environments, share_group_tasks
+from appo_trl.trainer.environments import share_group_tasks
 from appo_trl.trainer.rows import select_rows
 from appo_trl.trainer.setup import build_rollout_engine
 from appo_trl.trainer.sharded import full_weights_for_round
@@ -113,7 +112,10 @@ class RoundRunner:
         self.tool_idle_rounds = 0
         self.async_rounds = build_async_rounds(trainer)  # None unless max_staleness >= 1 (async_rounds)
         self.sampler = self.async_rounds.sampler if self.async_rounds is not None else None
-        self.agents = AgentRounds(trainer, trainer.agent) if getattr(trainer, "agent", None) is not None else None
+        # the sampling path resolved at start-up (`sampling_paths`): every round, foreground or background, is its
+        # `sample()`; `agents` is the agent path's `AgentRounds` (None on other paths)
+        self.path = trainer.sampling_path().bind(self)
+        self.agents = getattr(self.path, "agents", None)
         backend = getattr(engine, "backend", None)
         if self.sampler is not None and getattr(backend, "model", None) is trainer.model:
             backend.model, backend.accelerator = self.sampler.model, None  # decode with the copy, not the policy
@@ -240,8 +242,7 @@ class RoundRunner:
             share_group_tasks(t, strategy, prompts, n)
         prompt_ids, _, _ = t._tokenize_prompts(copy.deepcopy(prompts))
         batch, version = self._sample(rnd, strategy, prompt_ids, n)
-        if self.agents is not None:  # the round's agent/* metrics, here on the trainer's thread (background rounds)
-            self.agents.report(batch, mode)
+        self.path.hand_over(batch, mode)  # on the trainer's thread (an agent's metrics; background rounds too)
         rows = batch.rows
         if len(rows) != len(prompts) or any(len(g) != n for g in batch.groups):
             raise RuntimeError(f"strategy {strategy.name} returned {len(rows)} rows for {len(prompts)} prompts")
@@ -286,11 +287,7 @@ class RoundRunner:
         step = t.state.global_step
 
         def sample(seed: int):
-            if self.agents is not None:  # the user's agent through the endpoint: n runs per prompt
-                return self.agents.generate(strategy, prompt_ids, n, seed, rnd.inputs)
-            if t.environment_factories is not None:  # TRL's environment_factory: one instance per trajectory
-                return generate_with_environments(t, strategy, prompt_ids, n, seed, rnd.inputs)
-            return strategy.generate(prompt_ids[::n], n, seed)
+            return self.path.sample(strategy, prompt_ids, n, seed, rnd.inputs)
 
         def own_thread_round():  # max_staleness >= 1, a round on this thread: with vLLM, re-run after a restart
             seed = self.next_seed()  # (args.use_vllm: `behaviour_correction` raises `use_vllm` in-process)
@@ -314,10 +311,8 @@ class RoundRunner:
         round on the round's thread (`AsyncRounds.next_round`'s `make_job`)."""
         n, strategy = self.trainer.num_generations, self.strategy
         prompt_ids, _, _ = self.trainer._tokenize_prompts(copy.deepcopy([x["prompt"] for x in inputs]))
-        unique, seed = prompt_ids[::n], self.next_seed()
-        if self.agents is not None:  # the user's agent through the endpoint, on the round's thread
-            return lambda: self.agents.generate(strategy, prompt_ids, n, seed, inputs)
-        return lambda: strategy.generate(unique, n, seed)
+        seed = self.next_seed()
+        return lambda: self.path.sample(strategy, prompt_ids, n, seed, inputs)  # on the round's thread
 
     def finish(self, rnd: Round, out: dict) -> dict:
         """TRL's scored batch, then the strategy's advantages, an agent's forked rows (`chain_rows.add_chain_rows`) and without

@@ -15,14 +15,13 @@ from trl import GRPOTrainer
 from appo_trl.reporting.console import install_step_line
 from appo_trl.trainer import trl_seams
 from appo_trl.trainer.agents import agent_rewards_override
-from appo_trl.trainer.async_rounds import check_background_rounds
 from appo_trl.trainer.checkpoints import AtomicCheckpointMixin, read_sampler_state, write_sampler_state
 from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.environments import check_environments
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.rounds import RoundRunner
 from appo_trl.trainer.rows import group_permutation, pad_rows, permute_rows, split_rows
-from appo_trl.trainer.setup import resolve_reward_funcs, resolve_startup_plan, setup_chat_tools
+from appo_trl.trainer.setup import has_tools, resolve_reward_funcs, resolve_startup_plan, setup_chat_tools
 from appo_trl.trainer.weight_sync import prepare_vllm_server
 
 logger = logging.getLogger(__name__)
@@ -73,22 +72,23 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         agent=None,
     ):
         from appo_trl.trainer.agents import resolve_agent, with_agent_reward
+        from appo_trl.trainer.sampling_paths import Given, resolve_path
         from appo_trl.trainer.trl_compat import check_rollout_func, resolve_args, row_forward_where_tree_cannot
 
         args = resolve_args(model, args)  # None -> APPOConfig("<model>-APPO"); a GRPOConfig -> rollout_strategy grpo
         # the user's own agent through the OpenAI-compatible endpoint (`trainer.agents`)
-        self.agent = resolve_agent(args, agent, tool_dirs, tools=tools, rollout_func=rollout_func,
-                                   environment_factory=environment_factory)  # fmt: skip
+        self.agent = resolve_agent(args, agent, tool_dirs, tools=tools)
+        check_rollout_func(rollout_func)
+        # which sampler serves the rounds, once, before the model loads; what it cannot honour is refused here
+        self.sampling_path = resolve_path(Given(
+            args, self.agent, has_tools(args, tools), rollout_func, environment_factory, rollout_engine,
+        ))  # fmt: skip
+        self._trl_sampler = self.sampling_path.trl_sampler  # TRL's own `_generate` serves the rounds
         reward_funcs = with_agent_reward(reward_funcs, args, self.agent)
         resolve_startup_plan(
             self, args, tools, tool_dirs, reward_funcs, train_dataset, environment_factory is not None
         )  # before the model loads
-        check_rollout_func(args, rollout_func, bool(self.tool_specs), rollout_engine, environment_factory)
-        check_background_rounds(args, rollout_func, environment_factory)  # max_staleness >= 1 with TRL's hooks
         if environment_factory is not None:  # environment methods are chat-template tools, as in TRL
-            if args.tool_format == "tags":
-                raise ValueError("environment_factory: environment methods are chat-template tools (as in TRL); "
-                                 "set tool_format: chat (tags is ARPO's tag format for built-in tools)")  # fmt: skip
             self.tool_format = "chat"
         self._env_owns_data = environment_factory is not None and train_dataset is None  # TRL's IncrementEnv pattern
         with prepare_vllm_server(args) as self.vllm_server:  # the servers (a ServerSpec); TRL's weight sync
@@ -116,22 +116,6 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
         name, paper = strategy_card(args.rollout_strategy)  # model card: this strategy's paper
         trl_seams.set_card(self, name, paper, ["trl", "appo-trl", args.rollout_strategy])
-        # in-process GRPO without tools and without an injected engine is exactly TRL's own sampler: keep it
-        # (a rollout_func, checked above to be grpo without tools, is served by TRL's own `_generate` as well)
-        self._trl_sampler = rollout_func is not None or (
-            not args.strategy_class.branches
-            and not self.tool_specs
-            and not args.use_vllm
-            and rollout_engine is None
-            and self.environment_factories is None
-            and args.max_staleness == 0
-            and self.agent is None
-        )
-        if args.dump_rollouts and self._trl_sampler:
-            raise ValueError(
-                "dump_rollouts needs appo-trl's rollout engine, but grpo without tools runs TRL's own sampler: "
-                "enable a tool (tools: [python]) or use TRL's log_completions instead."
-            )
         row_forward_where_tree_cannot(args, self.model)  # a model the tree cannot serve exactly: TRL's forward
         if args.tree_forward:
             self._setup_tree_forward()
@@ -232,7 +216,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     # ---- generation: the round runner -------------------------------------------------------------------------
     def _generate(self, prompts: list):
-        if self._trl_sampler:  # grpo without tools, in-process: TRL's own sampler (also `object.__new__` fakes)
+        if self._trl_sampler:  # the `trl` sampling path: TRL's own sampler (also `object.__new__` fakes)
             return super()._generate(prompts)
         return self.rounds.generate(prompts)
 
