@@ -242,7 +242,7 @@ class RoundRunner:
             share_group_tasks(t, strategy, prompts, n)
         prompt_ids, _, _ = t._tokenize_prompts(copy.deepcopy(prompts))
         batch, version = self._sample(rnd, strategy, prompt_ids, n)
-        self.path.hand_over(batch, mode)  # on the trainer's thread (an agent's metrics; background rounds too)
+        self.path.hand_over(batch, mode, prompts)  # trainer's thread: an agent's metrics, a round's own environments
         rows = batch.rows
         if len(rows) != len(prompts) or any(len(g) != n for g in batch.groups):
             raise RuntimeError(f"strategy {strategy.name} returned {len(rows)} rows for {len(prompts)} prompts")
@@ -309,10 +309,7 @@ class RoundRunner:
     def _background_job(self, inputs):
         """On the trainer's thread: tokenise generation batch `inputs` and fix its seed; the returned job samples the
         round on the round's thread (`AsyncRounds.next_round`'s `make_job`)."""
-        n, strategy = self.trainer.num_generations, self.strategy
-        prompt_ids, _, _ = self.trainer._tokenize_prompts(copy.deepcopy([x["prompt"] for x in inputs]))
-        seed = self.next_seed()
-        return lambda: self.path.sample(strategy, prompt_ids, n, seed, inputs)  # on the round's thread
+        return self.path.background_job(self.strategy, inputs, self.trainer.num_generations, self.next_seed())
 
     def finish(self, rnd: Round, out: dict) -> dict:
         """TRL's scored batch, then the strategy's advantages, an agent's forked rows (`chain_rows.add_chain_rows`) and without

@@ -16,6 +16,7 @@ argument (`RolloutStrategy.generate(..., engine)`). What this module does not do
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -91,10 +92,6 @@ REFUSALS: dict[tuple[str, str], str] = {
         "dump_rollouts needs appo-trl's rollout engine, but grpo without tools runs TRL's own sampler: enable a tool "
         "(tools: [python]) or use TRL's log_completions instead."
     ),
-    ("environments", "max_staleness"): (
-        "environment_factory with max_staleness >= 1 is not supported: a background round would reset environments "
-        "TRL hands to the current round's rewards. Set max_staleness: 0."
-    ),
     ("environments", "tool_format_tags"): (
         "environment_factory: environment methods are chat-template tools (as in TRL); set tool_format: chat (tags "
         "is ARPO's tag format for built-in tools)"
@@ -130,8 +127,14 @@ class SamplingPath:
     def sample(self, strategy, prompt_ids: list[list[int]], n: int, seed: int, inputs: list[dict]):
         raise NotImplementedError
 
-    def hand_over(self, batch, mode: str) -> None:
-        """On the trainer's thread, once per round handed to TRL."""
+    def background_job(self, strategy, inputs: list[dict], n: int, seed: int) -> Callable[[], Any]:
+        """On the trainer's thread: what a background round of generation batch `inputs` needs (its prompt ids);
+        the returned job runs `sample` on the round's thread."""
+        prompt_ids, _, _ = self.trainer._tokenize_prompts(copy.deepcopy([x["prompt"] for x in inputs]))
+        return lambda: self.sample(strategy, prompt_ids, n, seed, inputs)
+
+    def hand_over(self, batch, mode: str, prompts: list) -> None:
+        """On the trainer's thread, once per round handed to TRL (`prompts`: TRL's list for the round)."""
 
 
 class TRLSampler(SamplingPath):
@@ -171,10 +174,27 @@ class Environments(SamplingPath):
     def serves(cls, given: Given) -> bool:
         return given.environment_factory is not None
 
-    def sample(self, strategy, prompt_ids, n, seed, inputs):
+    def sample(self, strategy, prompt_ids, n, seed, inputs, own=None):
         from appo_trl.trainer.environments import generate_with_environments
 
-        return generate_with_environments(self.trainer, strategy, prompt_ids, n, seed, inputs, self.runner.engine)
+        return generate_with_environments(self.trainer, strategy, prompt_ids, n, seed, inputs, self.runner.engine, own)
+
+    def background_job(self, strategy, inputs, n, seed):
+        """A background round gets instances of its own, built from the factories and reset here (TRL resets its
+        pooled ones on this thread for the round it scores, so the round's thread never touches those)."""
+        from appo_trl.trainer.environments import own_instances, own_prompt_ids, share_group_tasks
+
+        own = own_instances(self.trainer, inputs)
+        share_group_tasks(self.trainer, strategy, own.prompts, n, own)  # environment-owned data, branching
+        prompt_ids = own_prompt_ids(self.trainer, own)
+        return lambda: self.sample(strategy, prompt_ids, n, seed, inputs, own)
+
+    def hand_over(self, batch, mode, prompts):
+        """A background round's rows keep their own instances for TRL's reward step, and TRL's prompts become the
+        ones the rows were sampled on (its reward functions and logs read them)."""
+        handed = batch.info.pop("environments", None)
+        if handed is not None:
+            self.trainer.environments, prompts[:] = handed
 
 
 class Agent(SamplingPath):
@@ -196,7 +216,7 @@ class Agent(SamplingPath):
     def sample(self, strategy, prompt_ids, n, seed, inputs):
         return self.agents.generate(strategy, prompt_ids, n, seed, inputs)
 
-    def hand_over(self, batch, mode: str) -> None:
+    def hand_over(self, batch, mode, prompts):
         self.agents.report(batch, mode)  # the round's agent/* metrics; the failed-round collective
 
 

@@ -41,7 +41,6 @@ CASES = {
     ("trl", "rollout_engine"): ({}, dict(rollout_func=rollout_func, rollout_engine=object())),
     ("trl", "max_staleness"): (dict(max_staleness=1), dict(rollout_func=rollout_func)),
     ("trl", "dump_rollouts"): (dict(dump_rollouts=1), {}),
-    ("environments", "max_staleness"): (dict(max_staleness=1), dict(environment_factory=Env)),
     ("environments", "tool_format_tags"): (dict(tool_format="tags"), dict(environment_factory=Env)),
 }
 
@@ -91,6 +90,7 @@ def test_the_table_is_the_single_source_of_refusals(tmp_path, key, no_replay, mo
         ({}, dict(rollout_engine=object()), "tool_loop"),
         ({}, dict(environment_factory=Env), "environments"),
         (dict(rollout_strategy="appo", initial_rollouts=2), dict(environment_factory=Env), "environments"),
+        (dict(max_staleness=1), dict(environment_factory=Env), "environments"),  # own instances in the background
         ({}, dict(agent=my_agent), "agent"),
         (dict(rollout_strategy="appo", initial_rollouts=2, max_staleness=1), dict(agent=my_agent), "agent"),
     ],
