@@ -138,3 +138,35 @@ def test_ctrl_c_with_a_background_environment_round_in_flight(tmp_path, tiny_cha
     assert rounds.last_thread is not None and not rounds.last_thread.is_alive() and rounds.closed
     assert rounds.pending is None and time.monotonic() - t0 < 20
     assert not [t for t in threading.enumerate() if t.name.startswith("appo-round") and t.is_alive()]
+
+
+class RandomTask(Counter):
+    """A `reset()` that draws its own task (start) each time, whatever the row."""
+
+    draws = iter(range(100, 10**6, 7))
+
+    def reset(self, start: int = 0, **kwargs) -> str:
+        return super().reset(next(RandomTask.draws), **kwargs)
+
+
+def test_reward_step_reads_the_prompts_a_background_round_sampled_on(tmp_path, tiny_chat_model_path, tok):
+    """TRL resets its own instances for the round it scores and renders its prompts from their observations; a
+    background round's rows were sampled on their own instances' observations, which TRL's reward step then reads
+    (grpo samples each row on its own prompt when the observations of one prompt's rows differ)."""
+    mismatched, checked = [], []
+
+    def prompt_reward(prompts, completions, environments, **kwargs):
+        for prompt, env in zip(prompts, environments):
+            checked.append(env.start)
+            if f"starts at {env.start}." not in prompt[-1]["content"]:
+                mismatched.append((prompt[-1]["content"], env.start))
+        return [0.0] * len(prompts)
+
+    trainer = make_trainer(tmp_path, tiny_chat_model_path, tok, "grpo", factory=RandomTask, data=dataset(8),
+                           reward_funcs=[prompt_reward], **BACKGROUND)  # fmt: skip
+    trainer.rollout_engine.backend = CounterPolicy(tok)
+    rounds = capture_rounds(trainer, tok)  # each row checked against its own instance's task
+    trainer.train()
+    assert [h.background for h in trainer.rounds.async_rounds.history] == [False, True, True, True]
+    assert len(rounds) == 4 and len(set(checked)) == len(checked) == 16  # every row its own task
+    assert not mismatched
