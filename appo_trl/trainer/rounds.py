@@ -20,7 +20,7 @@ from trl.data_utils import is_conversational
 
 from appo_trl.reporting.console import canonical_metrics
 from appo_trl.reporting.rollout_dump import dump_round
-from appo_trl.trainer import trl_seams
+from appo_trl.trainer import trl_rules, trl_seams
 from appo_trl.trainer.async_rounds import build_async_rounds, split_cpu_threads
 from appo_trl.trainer.chain_rows import add_chain_rows
 from appo_trl.trainer.environments import share_group_tasks
@@ -85,13 +85,6 @@ class Round:
             width = min(len(row), logits_to_keep)
             out[i, :width] = row[:width]
         return out.to(input_ids.device)
-
-
-def trl_runs_old_logp_forward(trainer) -> bool:
-    """TRL 1.16's condition (`GRPOTrainer._generate_and_score_completions`) for its no-grad old-logp forward."""
-    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
-    misaligned = trainer.args.gradient_accumulation_steps % generate_every != 0
-    return misaligned or bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction)
 
 
 class RoundRunner:
@@ -276,7 +269,7 @@ class RoundRunner:
             for key, value in self.async_rounds.metrics().items():
                 trl_seams.log_metric(t, mode, key, value)
         # rows without cached logps get ratio 1 (they are dropped); background rounds: the proximal forward runs
-        if batch.info.get("old_logps") is not None and self.async_rounds is None and trl_runs_old_logp_forward(t):
+        if batch.info.get("old_logps") is not None and self.async_rounds is None and trl_rules.runs_old_logp_pass(t):
             nan0 = [torch.nan_to_num(torch.tensor(lp, dtype=torch.float32), nan=0.0) for lp in logprobs]
             rnd.old_logps = [c if c is not None else nan0[i] for i, c in enumerate(batch.info["old_logps"])]
         return row_prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, None, []
@@ -420,4 +413,4 @@ class RoundRunner:
             )  # fmt: skip
 
 
-__all__ = ["Round", "RoundRunner", "trl_runs_old_logp_forward"]
+__all__ = ["Round", "RoundRunner"]

@@ -20,7 +20,7 @@ from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.environments import check_environments
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.rounds import RoundRunner
-from appo_trl.trainer.rows import group_permutation, pad_rows, permute_rows, split_rows
+from appo_trl.trainer.rows import group_permutation, left_pad, pad_rows, permute_rows, split_rows
 from appo_trl.trainer.setup import has_tools, resolve_reward_funcs, resolve_startup_plan, setup_chat_tools
 from appo_trl.trainer.weight_sync import prepare_vllm_server
 
@@ -267,10 +267,8 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     def score_trajectories(self, trajectories) -> dict[str, torch.Tensor]:
         """No-grad trainer forward on trajectories: per-token logps and exact entropies, (R, T) on CPU."""
         prompts = [list(t.prompt_ids) for t in trajectories]
-        width = max(len(p) for p in prompts)
         pad_id = self._tokenizer.pad_token_id
-        prompt_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-        prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        prompt_ids, prompt_mask = left_pad(prompts, pad_id)  # as TRL pads prompts
         completion_ids = pad_rows([list(t.completion_ids) for t in trajectories], pad_id)
         completion_mask = pad_rows([[1] * len(t.completion_ids) for t in trajectories], 0)
         device = self.accelerator.device
