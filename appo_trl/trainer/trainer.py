@@ -41,8 +41,9 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     recipe's folder: `parse_recipe(...).folder`). Without `args`, an `APPOConfig("<model>-APPO")` is built as
     TRL builds its `GRPOConfig`; a plain `GRPOConfig` is converted to an `APPOConfig` (`rollout_strategy: grpo`).
     TRL's `rollout_func` is served by TRL's own sampler for `rollout_strategy: grpo` without tools and refused
-    otherwise (`appo_trl.trainer.trl_compat`). TRL's `environment_factory` works with every strategy
-    (`appo_trl.trainer.environments`: one instance per trajectory, branches included). Checkpoints are saved
+    otherwise (`appo_trl.trainer.sampling_paths`: which sampler serves the rounds is resolved there once, before the
+    model loads, and what it cannot honour refused). TRL's `environment_factory` works with every strategy and in
+    background rounds (`appo_trl.trainer.environments`: one instance per trajectory, branches included). Checkpoints are saved
     atomically and hold the sampler's round counter (`trainer.checkpoints`), so a resumed run samples the
     completions of the uninterrupted one when sampling is in-process and synchronous (README, "Interruptions").
     """

@@ -16,6 +16,10 @@
   row-wise forward instead, with one log line naming why, whatever config asked for `tree_forward`: a default never
   refuses a model that TRL trains.
 
+- `check_rollout_func(rollout_func)`: it must be callable; what it cannot run with (a branching strategy, tools,
+  environments, an injected engine, background rounds) is refused by the sampling path
+  (`appo_trl.trainer.sampling_paths.REFUSALS`).
+
 What this does not do: build the model, or check anything else of the config (`APPOConfig.__post_init__` does).
 """
 
