@@ -63,9 +63,10 @@ class AgentError(RuntimeError):
     """The user's agent failed (raised, timed out, or returned a bad value) under `agent_errors: raise`."""
 
 
-def resolve_agent(args, agent, tool_dirs=(), *, tools=None, rollout_func=None, environment_factory=None):
+def resolve_agent(args, agent, tool_dirs=(), *, tools=None):
     """The agent callable of `APPOTrainer(agent=...)` or `args.agent` (`module:function`, found as tools are), or None;
-    ValueError for what cannot run with it."""
+    ValueError for an agent that cannot be found or called, or a taken `agent_port`. What cannot run beside an agent
+    is refused by the sampling path (`appo_trl.trainer.sampling_paths.REFUSALS`)."""
     if agent is not None and args.agent:
         raise ValueError("APPOTrainer: pass the agent either as APPOTrainer(agent=...) or APPOConfig(agent=...).")
     agent = agent if agent is not None else args.agent
@@ -84,22 +85,11 @@ def resolve_agent(args, agent, tool_dirs=(), *, tools=None, rollout_func=None, e
             raise ValueError(f"agent: {exc}") from None
     if not callable(agent):
         raise ValueError(f"agent {agent!r} is not callable: give `def agent(row, base_url, model) -> float | None`")
-    name = agent_label(agent)
-    clash = [k for k, v in (("tools", tools or args.tools), ("rollout_func", rollout_func),
-                            ("environment_factory", environment_factory)) if v]  # fmt: skip
-    if clash:
-        raise ValueError(f"agent {name}: the agent runs its own loop and tools; {', '.join(clash)} cannot be set too")
-    cls = args.strategy_class
-    if cls.branches and not cls.branches_by_replay and args.initial_rollouts != args.num_generations:
-        raise ValueError(
-            f"agent {name} with rollout_strategy={args.rollout_strategy}: this strategy cannot branch an agent's "
-            f"runs by replay; set initial_rollouts={args.num_generations} (= num_generations)"
-        )
     from appo_trl.configs.preflight import agent_port_problem
 
     problem = agent_port_problem(args.agent_host, args.agent_port)  # before the model loads
     if problem:
-        raise ValueError(f"agent {name}: {problem}")
+        raise ValueError(f"agent {agent_label(agent)}: {problem}")
     return agent
 
 
@@ -231,11 +221,7 @@ class AgentRounds:
         if len(inputs) != len(prompt_ids):
             raise RuntimeError(f"{len(inputs)} rows for {len(prompt_ids)} prompts")
         runs = AgentEngine(self, inputs, n, prompt_ids[::n])
-        strategy.engine_override = runs
-        try:
-            batch = strategy.generate(prompt_ids[::n], n, seed)
-        finally:
-            strategy.engine_override = None
+        batch = strategy.generate(prompt_ids[::n], n, seed, runs)  # the strategy samples on the agent's runs
         metrics = {**{f"agent/{k}": v for k, v in runs.counts.items()}, **self.endpoint.metrics()}
         self.endpoint.reset_metrics()
         batch.info["agent"] = (runs, metrics)

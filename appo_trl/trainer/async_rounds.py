@@ -400,21 +400,6 @@ def split_cpu_threads():
         torch.set_num_threads(before)
 
 
-def check_background_rounds(args, rollout_func=None, environment_factory=None) -> None:
-    """Before the model loads: what background rounds (max_staleness >= 1) cannot serve among TRL's own hooks. The
-    config's own bounds are `config/checks.py`'s; DeepSpeed / FSDP are known once the accelerator is
-    (`build_async_rounds`)."""
-    if not args.max_staleness:
-        return
-    if rollout_func is not None:
-        raise ValueError("APPOTrainer: max_staleness >= 1 runs rounds on appo-trl's rollout engine in the "
-                         "background; a rollout_func runs on TRL's own sampler. Set max_staleness: 0.")  # fmt: skip
-    if environment_factory is not None:
-        raise ValueError("environment_factory with max_staleness >= 1 is not supported: a background round "
-                         "would reset environments TRL hands to the current round's rewards. Set "
-                         "max_staleness: 0.")  # fmt: skip
-
-
 def build_async_rounds(trainer) -> AsyncRounds | None:
     """`AsyncRounds` for `trainer.args.max_staleness >= 1` (None otherwise), with its sync route and, for the
     in-process backend, the sampler copy (`AsyncRounds.sampler`)."""
@@ -463,4 +448,4 @@ def build_async_rounds(trainer) -> AsyncRounds | None:
 
 
 __all__ = ["AsyncRounds", "BackgroundRoundError", "BatchLookahead", "OptimizerStepLock", "RoundAborted", "SamplerCopy",
-           "build_async_rounds", "check_background_rounds", "sampler_threads", "split_cpu_threads"]  # fmt: skip
+           "build_async_rounds", "sampler_threads", "split_cpu_threads"]  # fmt: skip

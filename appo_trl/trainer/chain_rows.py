@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from appo_trl.trainer.rows import pad_rows
+from appo_trl.trainer import trl_rules
+from appo_trl.trainer.rows import left_pad, pad_rows
 
 # per-row entries of TRL 1.16's `_generate_and_score_completions` output, with the value TRL pads them with
 _PROMPT_KEYS = {"prompt_ids": None, "prompt_mask": 0}  # left-padded (None: the pad token)
@@ -41,13 +42,12 @@ def add_chain_rows(trainer, out: dict, rows: list, keep: list[bool]) -> tuple[di
     pad_id = trainer._tokenizer.pad_token_id
     runs = [i for i, _ in forks]
     trajs = [f for _, f in forks] + [rows[0]] * (most - len(forks))  # padding rows: forwards only
-    prompt_ids, prompt_mask = _left_pad([list(t.prompt_ids) for t in trajs], pad_id)
+    prompt_ids, prompt_mask = left_pad([list(t.prompt_ids) for t in trajs], pad_id)
     completion_ids = pad_rows([list(t.completion_ids) for t in trajs], pad_id)
     completion_mask = pad_rows([[1] * len(t.completion_ids) for t in trajs], 0)
     tool_mask = pad_rows([[int(m) for m in t.loss_mask] for t in trajs], 1)
     if trainer.mask_truncated_completions:  # TRL's rule: a row that does not end in EOS / pad is masked out
-        ends = [*trainer.eos_token_ids, pad_id]
-        cut = torch.tensor([t.completion_ids[-1] not in ends for t in trajs]).unsqueeze(1)
+        cut = trl_rules.truncated_rows(trainer, [t.completion_ids for t in trajs])
         completion_mask, tool_mask = completion_mask * ~cut, tool_mask * ~cut
     device = out["completion_ids"].device
     new = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
@@ -74,7 +74,6 @@ def add_chain_rows(trainer, out: dict, rows: list, keep: list[bool]) -> tuple[di
 def _forward_logps(trainer, out: dict, new: dict) -> dict:
     """The old / reference logps (and vLLM's importance ratio) of the fork rows, as TRL computes them for its rows."""
     from trl.models.utils import disable_gradient_checkpointing
-    from trl.trainer.utils import use_adapter
 
     got = {}
     if "old_per_token_logps" not in out and "ref_per_token_logps" not in out:
@@ -91,42 +90,20 @@ def _forward_logps(trainer, out: dict, new: dict) -> dict:
     with torch.no_grad(), disable_gradient_checkpointing(trainer.model, args.gradient_checkpointing_kwargs):
         if "old_per_token_logps" in out:
             got["old_per_token_logps"] = logps(trainer.model)
-        if "ref_per_token_logps" in out:
-            if trainer.ref_model is not None:
-                got["ref_per_token_logps"] = logps(trainer.ref_model)
-            else:  # PEFT: TRL's reference is the adapter-free model, or the "ref" adapter
-                model = trainer.accelerator.unwrap_model(trainer.model)
-                with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
-                    got["ref_per_token_logps"] = logps(trainer.model)
+        if "ref_per_token_logps" in out:  # the ref model, or under PEFT the adapter-free / "ref" adapter forward
+            got["ref_per_token_logps"] = trl_rules.reference_logps(trainer, logps)
     if "importance_sampling_ratio" in out:
-        got["importance_sampling_ratio"] = _importance_ratio(trainer, got["old_per_token_logps"], new)
+        mask = new["completion_mask"] * new["tool_mask"]
+        got["importance_sampling_ratio"] = trl_rules.importance_ratio(
+            trainer, got["old_per_token_logps"], new["sampling_per_token_logps"], mask
+        )
     return got
-
-
-def _importance_ratio(trainer, old: torch.Tensor, new: dict) -> torch.Tensor:
-    """TRL 1.16's vLLM importance-sampling ratio (`vllm_importance_sampling_mode`) of the fork rows."""
-    mask = new["completion_mask"] * new["tool_mask"]
-    diff = torch.nan_to_num((old - new["sampling_per_token_logps"]) * mask, nan=0.0)
-    mode = trainer.vllm_importance_sampling_mode
-    ratio = torch.exp(diff.sum(dim=-1, keepdim=True) if mode.startswith("sequence") else diff)
-    lo, hi = trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
-    if mode.endswith("truncate"):
-        return torch.clamp(ratio, min=lo, max=hi)
-    lo, hi = -float("inf") if lo is None else lo, float("inf") if hi is None else hi
-    return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
 
 
 def _per_row(value, num_rows: int) -> bool:
     return (isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) == num_rows) or (
         isinstance(value, list) and len(value) == num_rows
     )
-
-
-def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], dtype=torch.long)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
-    return ids, mask
 
 
 def _concat(old: torch.Tensor, new: torch.Tensor, key: str, pad_id: int) -> torch.Tensor:

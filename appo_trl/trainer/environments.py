@@ -27,6 +27,7 @@ What it does not do: sample, call tools (the engine does), or score (TRL does).
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 from appo_trl.rollout.environments import RoundEnvironments, branch_mode, environment_methods
 from appo_trl.tools.callables import ToolSpecError, tool_schema
@@ -54,17 +55,17 @@ def check_environments(trainer) -> None:
                          f"(the environments' methods: {sorted(methods)})")  # fmt: skip
 
 
-def share_group_tasks(trainer, strategy, prompts: list, n: int) -> None:
+def share_group_tasks(trainer, strategy, prompts: list, n: int, own: OwnInstances | None = None) -> None:
     """Environment-owned data and a branching strategy: the rows of each group take the first row's task (a deep
     copy of its instance, just reset, and its prompt; `prompts` is TRL's list, changed in place so that its reward
-    step and logs read the prompt each row was sampled on)."""
+    step and logs read the prompt each row was sampled on). `own`: a background round's instances instead of TRL's."""
     if not getattr(trainer, "_env_owns_data", False) or not strategy.branches:
         return
-    envs = trainer.environments
+    envs, names = (trainer.environments, trainer._batch_environments) if own is None else (own.instances, own.names)
     for s in range(0, len(prompts), n):
         if all(prompts[j] == prompts[s] for j in range(s, s + n)):
             continue
-        if trainer._env_branch_modes.get(trainer._batch_environments[s]) != "deepcopy":
+        if trainer._env_branch_modes.get(names[s]) != "deepcopy":
             raise ValueError(
                 f"environment_factory without a train_dataset and rollout_strategy={strategy.name}: reset() sampled "
                 f"different tasks for the rows of one group, and {type(envs[s]).__name__} cannot be deep-copied to "
@@ -75,9 +76,9 @@ def share_group_tasks(trainer, strategy, prompts: list, n: int) -> None:
             envs[j], prompts[j] = copy.deepcopy(envs[s]), prompts[s]
 
 
-def _observed_prompt_ids(trainer, row: dict, name, observation) -> list[int]:
-    """The prompt ids TRL samples `row` on when `reset()` returned `observation`: appended to the last message as
-    TRL's `_generate_and_score_completions` does, rendered with the environment's tools as its `_tokenize_prompts`."""
+def _observed_prompt(row: dict, observation) -> list[dict]:
+    """The prompt TRL samples `row` on when `reset()` returned `observation`: appended to the last message as TRL's
+    `_generate_and_score_completions` does."""
     prompt = row.get("prompt", [{"role": "user", "content": ""}])  # TRL's default when the environment owns the data
     if observation is not None:
         content = prompt[-1]["content"]
@@ -86,6 +87,15 @@ def _observed_prompt_ids(trainer, row: dict, name, observation) -> list[int]:
         if isinstance(observation, str) and isinstance(content, list):
             observation = [{"type": "text", "text": observation}]
         prompt = prompt[:-1] + [{**prompt[-1], "content": content + observation}]
+    return prompt
+
+
+def _observed_prompt_ids(trainer, row: dict, name, observation) -> list[int]:
+    """`_observed_prompt`'s ids, rendered with the environment's tools as TRL's `_tokenize_prompts` renders them."""
+    return _prompt_ids(trainer, _observed_prompt(row, observation), name)
+
+
+def _prompt_ids(trainer, prompt: list[dict], name) -> list[int]:
     out = trainer.processing_class.apply_chat_template(
         conversation=[prompt], tools=trainer._env_tools[name] or None, chat_template=trainer.chat_template,
         add_generation_prompt=True, tokenize=True, return_dict=True, **trainer.chat_template_kwargs,
@@ -110,8 +120,41 @@ def _fresh(trainer, row: dict, name, prompt_ids: list[int], index: int):
     return env
 
 
+@dataclass
+class OwnInstances:
+    """A background round's own environment instances, one per row, and the prompts their `reset()` gave (TRL's
+    shape); TRL's pooled instances, reset on the trainer's thread for the round being scored, are never touched."""
+
+    instances: list
+    names: list
+    prompts: list
+
+
+def own_instances(trainer, inputs: list[dict]) -> OwnInstances:
+    """New instances from the factories for generation batch `inputs`, each `reset()` with its row as TRL resets its
+    pool (no `environment` key when several), and each row's prompt with its observation."""
+    multi = trainer._multi_environment
+    names = [x.get("environment") if multi else None for x in inputs]
+    unknown = sorted({str(x) for x in names if x not in trainer.environment_factories})
+    if unknown:
+        raise ValueError(f"Example has `environment={unknown[0]!r}`, which is not among the environments passed to "
+                         f"`environment_factory`. Expected one of: {list(trainer.environment_factories)}.")  # fmt: skip
+    instances, prompts = [], []
+    for row, name in zip(inputs, names):
+        env = trainer.environment_factories[name]()
+        observation = env.reset(**({k: v for k, v in row.items() if k != "environment"} if multi else row))
+        instances.append(env)
+        prompts.append(_observed_prompt(row, observation))
+    return OwnInstances(instances, names, prompts)
+
+
+def own_prompt_ids(trainer, own: OwnInstances) -> list[list[int]]:
+    """The ids of `own`'s prompts, each rendered with its environment's tools (as TRL's `_tokenize_prompts`)."""
+    return [_prompt_ids(trainer, p, name) for p, name in zip(own.prompts, own.names)]
+
+
 def round_environments(
-    trainer, prompt_ids: list[list[int]], n: int, strategy, inputs: list[dict]
+    trainer, prompt_ids: list[list[int]], n: int, strategy, inputs: list[dict], own: OwnInstances | None = None
 ) -> tuple[RoundEnvironments, bool]:
     """The environments of this round, and whether the rows of one prompt must be sampled as groups of one.
 
@@ -119,7 +162,7 @@ def round_environments(
     for the n rows of one prompt, their prompts differ: grpo then samples each row on its own prompt (as TRL),
     and a branching strategy raises (a branch shares its group's prompt). `strategy`: the round's `RolloutStrategy`.
     """
-    rows, names = trainer.environments, trainer._batch_environments
+    rows, names = (trainer.environments, trainer._batch_environments) if own is None else (own.instances, own.names)
     if not len(rows) == len(names) == len(inputs) == len(prompt_ids):
         raise RuntimeError(f"{len(rows)} environments for {len(prompt_ids)} rows")
     per_row = any(prompt_ids[i] != prompt_ids[i - i % n] for i in range(len(prompt_ids)))
@@ -151,11 +194,12 @@ def round_environments(
     ), per_row
 
 
-def generate_with_environments(trainer, strategy, prompt_ids: list[list[int]], n: int, seed: int, inputs: list[dict]):
-    """`strategy.generate` with one environment per trajectory (`inputs`: the rows TRL reset them with); leaves each
-    row's instance in `trainer.environments` for TRL's reward step."""
-    envs, per_row = round_environments(trainer, prompt_ids, n, strategy, inputs)
-    engine = trainer.rollout_engine
+def generate_with_environments(trainer, strategy, prompt_ids: list[list[int]], n: int, seed: int, inputs: list[dict],
+                               engine, own: OwnInstances | None = None):  # fmt: skip
+    """`strategy.generate` on `engine` with one environment per trajectory (`inputs`: the rows TRL reset them with);
+    leaves each row's instance in `trainer.environments` for TRL's reward step. A background round (`own`: its own
+    instances) leaves them, and its prompts, in `batch.info["environments"]` for its hand-over instead."""
+    envs, per_row = round_environments(trainer, prompt_ids, n, strategy, inputs, own)
     if not hasattr(engine, "environments"):
         raise TypeError(
             f"environment_factory needs a rollout engine with environments; {type(engine).__name__} has none"
@@ -163,12 +207,15 @@ def generate_with_environments(trainer, strategy, prompt_ids: list[list[int]], n
     engine.environments = envs
     try:
         if per_row:  # grpo only: each row on its own prompt, then regrouped n per prompt
-            batch = strategy.generate(prompt_ids, 1, seed)
+            batch = strategy.generate(prompt_ids, 1, seed, engine)
             flat = batch.rows
             batch.groups = [flat[i : i + n] for i in range(0, len(flat), n)]
         else:
-            batch = strategy.generate(prompt_ids[::n], n, seed)
+            batch = strategy.generate(prompt_ids[::n], n, seed, engine)
     finally:
         engine.environments = None
-    trainer.environments = envs.rows(batch.rows)
+    if own is None:
+        trainer.environments = envs.rows(batch.rows)
+    else:
+        batch.info["environments"] = (envs.rows(batch.rows), own.prompts)
     return batch

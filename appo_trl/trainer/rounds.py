@@ -20,11 +20,10 @@ from trl.data_utils import is_conversational
 
 from appo_trl.reporting.console import canonical_metrics
 from appo_trl.reporting.rollout_dump import dump_round
-from appo_trl.trainer import trl_seams
-from appo_trl.trainer.agents import AgentRounds
+from appo_trl.trainer import trl_rules, trl_seams
 from appo_trl.trainer.async_rounds import build_async_rounds, split_cpu_threads
 from appo_trl.trainer.chain_rows import add_chain_rows
-from appo_trl.trainer.environments import generate_with_environments, share_group_tasks
+from appo_trl.trainer.environments import share_group_tasks
 from appo_trl.trainer.rows import select_rows
 from appo_trl.trainer.setup import build_rollout_engine
 from appo_trl.trainer.sharded import full_weights_for_round
@@ -88,13 +87,6 @@ class Round:
         return out.to(input_ids.device)
 
 
-def trl_runs_old_logp_forward(trainer) -> bool:
-    """TRL 1.16's condition (`GRPOTrainer._generate_and_score_completions`) for its no-grad old-logp forward."""
-    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
-    misaligned = trainer.args.gradient_accumulation_steps % generate_every != 0
-    return misaligned or bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction)
-
-
 class RoundRunner:
     """Produces the rounds of one `APPOTrainer`; `current` is the round of the scoring call in progress (else None).
 
@@ -113,7 +105,10 @@ class RoundRunner:
         self.tool_idle_rounds = 0
         self.async_rounds = build_async_rounds(trainer)  # None unless max_staleness >= 1 (async_rounds)
         self.sampler = self.async_rounds.sampler if self.async_rounds is not None else None
-        self.agents = AgentRounds(trainer, trainer.agent) if getattr(trainer, "agent", None) is not None else None
+        # the sampling path resolved at start-up (`sampling_paths`): every round, foreground or background, is its
+        # `sample()`; `agents` is the agent path's `AgentRounds` (None on other paths)
+        self.path = trainer.sampling_path().bind(self)
+        self.agents = getattr(self.path, "agents", None)
         backend = getattr(engine, "backend", None)
         if self.sampler is not None and getattr(backend, "model", None) is trainer.model:
             backend.model, backend.accelerator = self.sampler.model, None  # decode with the copy, not the policy
@@ -240,8 +235,7 @@ class RoundRunner:
             share_group_tasks(t, strategy, prompts, n)
         prompt_ids, _, _ = t._tokenize_prompts(copy.deepcopy(prompts))
         batch, version = self._sample(rnd, strategy, prompt_ids, n)
-        if self.agents is not None:  # the round's agent/* metrics, here on the trainer's thread (background rounds)
-            self.agents.report(batch, mode)
+        self.path.hand_over(batch, mode, prompts)  # trainer's thread: an agent's metrics, a round's own environments
         rows = batch.rows
         if len(rows) != len(prompts) or any(len(g) != n for g in batch.groups):
             raise RuntimeError(f"strategy {strategy.name} returned {len(rows)} rows for {len(prompts)} prompts")
@@ -275,7 +269,7 @@ class RoundRunner:
             for key, value in self.async_rounds.metrics().items():
                 trl_seams.log_metric(t, mode, key, value)
         # rows without cached logps get ratio 1 (they are dropped); background rounds: the proximal forward runs
-        if batch.info.get("old_logps") is not None and self.async_rounds is None and trl_runs_old_logp_forward(t):
+        if batch.info.get("old_logps") is not None and self.async_rounds is None and trl_rules.runs_old_logp_pass(t):
             nan0 = [torch.nan_to_num(torch.tensor(lp, dtype=torch.float32), nan=0.0) for lp in logprobs]
             rnd.old_logps = [c if c is not None else nan0[i] for i, c in enumerate(batch.info["old_logps"])]
         return row_prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, None, []
@@ -286,11 +280,7 @@ class RoundRunner:
         step = t.state.global_step
 
         def sample(seed: int):
-            if self.agents is not None:  # the user's agent through the endpoint: n runs per prompt
-                return self.agents.generate(strategy, prompt_ids, n, seed, rnd.inputs)
-            if t.environment_factories is not None:  # TRL's environment_factory: one instance per trajectory
-                return generate_with_environments(t, strategy, prompt_ids, n, seed, rnd.inputs)
-            return strategy.generate(prompt_ids[::n], n, seed)
+            return self.path.sample(strategy, prompt_ids, n, seed, rnd.inputs)
 
         def own_thread_round():  # max_staleness >= 1, a round on this thread: with vLLM, re-run after a restart
             seed = self.next_seed()  # (args.use_vllm: `behaviour_correction` raises `use_vllm` in-process)
@@ -312,17 +302,16 @@ class RoundRunner:
     def _background_job(self, inputs):
         """On the trainer's thread: tokenise generation batch `inputs` and fix its seed; the returned job samples the
         round on the round's thread (`AsyncRounds.next_round`'s `make_job`)."""
-        n, strategy = self.trainer.num_generations, self.strategy
-        prompt_ids, _, _ = self.trainer._tokenize_prompts(copy.deepcopy([x["prompt"] for x in inputs]))
-        unique, seed, trainer, agents = prompt_ids[::n], self.next_seed(), self.trainer, self.agents
+        job, trainer = (
+            self.path.background_job(self.strategy, inputs, self.trainer.num_generations, self.next_seed()),
+            self.trainer,
+        )
 
-        def job():  # LoRA adapter-only sync: the round keeps the version it starts on
+        def held_job():  # LoRA adapter-only sync: the round keeps the adapter version it starts on
             with held_adapter(trainer):
-                if agents is not None:  # the user's agent through the endpoint, on the round's thread
-                    return agents.generate(strategy, prompt_ids, n, seed, inputs)
-                return strategy.generate(unique, n, seed)
+                return job()
 
-        return job
+        return held_job
 
     def finish(self, rnd: Round, out: dict) -> dict:
         """TRL's scored batch, then the strategy's advantages, an agent's forked rows (`chain_rows.add_chain_rows`) and without
@@ -433,4 +422,4 @@ class RoundRunner:
             )  # fmt: skip
 
 
-__all__ = ["Round", "RoundRunner", "trl_runs_old_logp_forward"]
+__all__ = ["Round", "RoundRunner"]

@@ -1,5 +1,5 @@
-"""Small tensor helpers shared by the trainer modules (padding ragged rows, selecting and splitting rows of TRL's batch
-dict)."""
+"""Small tensor helpers shared by the trainer modules (padding ragged rows right or, as TRL pads prompts, left;
+selecting and splitting rows of TRL's batch dict)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,14 @@ def pad_rows(rows: list[list], value: float | int, length: int | None = None) ->
         if len(r):
             out[i, : len(r)] = torch.as_tensor(r, dtype=out.dtype)
     return out
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad ragged id rows as TRL pads prompts: (ids, attention mask), both (R, T) long tensors."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+    return ids.view(len(rows), width), mask.view(len(rows), width)
 
 
 def select_rows(batch: dict, index: torch.Tensor, num_rows: int) -> dict:

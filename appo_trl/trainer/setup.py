@@ -81,6 +81,13 @@ def build_rollout_engine(trainer, sampler_model=None):
     )  # fmt: skip
 
 
+def has_tools(args, tools) -> bool:
+    """Whether tools are configured (`tools=`, the `StartupPlan` `appo train` passes, or `APPOConfig.tools`)."""
+    from appo_trl.configs.plan import StartupPlan
+
+    return bool(tools.tool_specs if isinstance(tools, StartupPlan) else (tools or args.tools))
+
+
 def resolve_startup_plan(trainer, args, tools, tool_dirs, reward_funcs, train_dataset, environments=False) -> None:
     """`trainer.startup_plan`: the `StartupPlan` `appo train` passed as `tools=`, else one resolved here (reward
     columns checked, every tool resolved and built once), before the model loads; sets `tool_specs`, `tool_format`."""

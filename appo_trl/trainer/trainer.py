@@ -15,14 +15,13 @@ from trl import GRPOTrainer
 from appo_trl.reporting.console import install_step_line
 from appo_trl.trainer import trl_seams
 from appo_trl.trainer.agents import agent_rewards_override
-from appo_trl.trainer.async_rounds import check_background_rounds
 from appo_trl.trainer.checkpoints import AtomicCheckpointMixin, read_sampler_state, write_sampler_state
 from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.environments import check_environments
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.rounds import RoundRunner
-from appo_trl.trainer.rows import group_permutation, pad_rows, permute_rows, split_rows
-from appo_trl.trainer.setup import resolve_reward_funcs, resolve_startup_plan, setup_chat_tools
+from appo_trl.trainer.rows import group_permutation, left_pad, pad_rows, permute_rows, split_rows
+from appo_trl.trainer.setup import has_tools, resolve_reward_funcs, resolve_startup_plan, setup_chat_tools
 from appo_trl.trainer.weight_sync import prepare_vllm_server
 
 logger = logging.getLogger(__name__)
@@ -42,8 +41,9 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     recipe's folder: `parse_recipe(...).folder`). Without `args`, an `APPOConfig("<model>-APPO")` is built as
     TRL builds its `GRPOConfig`; a plain `GRPOConfig` is converted to an `APPOConfig` (`rollout_strategy: grpo`).
     TRL's `rollout_func` is served by TRL's own sampler for `rollout_strategy: grpo` without tools and refused
-    otherwise (`appo_trl.trainer.trl_compat`). TRL's `environment_factory` works with every strategy
-    (`appo_trl.trainer.environments`: one instance per trajectory, branches included). Checkpoints are saved
+    otherwise (`appo_trl.trainer.sampling_paths`: which sampler serves the rounds is resolved there once, before the
+    model loads, and what it cannot honour refused). TRL's `environment_factory` works with every strategy and in
+    background rounds (`appo_trl.trainer.environments`: one instance per trajectory, branches included). Checkpoints are saved
     atomically and hold the sampler's round counter (`trainer.checkpoints`), so a resumed run samples the
     completions of the uninterrupted one when sampling is in-process and synchronous (README, "Interruptions").
     """
@@ -73,6 +73,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         agent=None,
     ):
         from appo_trl.trainer.agents import resolve_agent, with_agent_reward
+        from appo_trl.trainer.sampling_paths import Given, resolve_path
         from appo_trl.trainer.trl_compat import check_rollout_func, resolve_args, row_forward_where_tree_cannot
 
         args = resolve_args(model, args)  # None -> APPOConfig("<model>-APPO"); a GRPOConfig -> rollout_strategy grpo
@@ -80,18 +81,18 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             raise ValueError("vllm_sync_adapter=always sends the LoRA adapter to vLLM, but there is none: pass "
                              "peft_config (use_peft: true), or set vllm_sync_adapter: auto.")  # fmt: skip
         # the user's own agent through the OpenAI-compatible endpoint (`trainer.agents`)
-        self.agent = resolve_agent(args, agent, tool_dirs, tools=tools, rollout_func=rollout_func,
-                                   environment_factory=environment_factory)  # fmt: skip
+        self.agent = resolve_agent(args, agent, tool_dirs, tools=tools)
+        check_rollout_func(rollout_func)
+        # which sampler serves the rounds, once, before the model loads; what it cannot honour is refused here
+        self.sampling_path = resolve_path(Given(
+            args, self.agent, has_tools(args, tools), rollout_func, environment_factory, rollout_engine,
+        ))  # fmt: skip
+        self._trl_sampler = self.sampling_path.trl_sampler  # TRL's own `_generate` serves the rounds
         reward_funcs = with_agent_reward(reward_funcs, args, self.agent)
         resolve_startup_plan(
             self, args, tools, tool_dirs, reward_funcs, train_dataset, environment_factory is not None
         )  # before the model loads
-        check_rollout_func(args, rollout_func, bool(self.tool_specs), rollout_engine, environment_factory)
-        check_background_rounds(args, rollout_func, environment_factory)  # max_staleness >= 1 with TRL's hooks
         if environment_factory is not None:  # environment methods are chat-template tools, as in TRL
-            if args.tool_format == "tags":
-                raise ValueError("environment_factory: environment methods are chat-template tools (as in TRL); "
-                                 "set tool_format: chat (tags is ARPO's tag format for built-in tools)")  # fmt: skip
             self.tool_format = "chat"
         self._env_owns_data = environment_factory is not None and train_dataset is None  # TRL's IncrementEnv pattern
         with prepare_vllm_server(args) as self.vllm_server:  # the servers (a ServerSpec); TRL's weight sync
@@ -119,22 +120,6 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
         name, paper = strategy_card(args.rollout_strategy)  # model card: this strategy's paper
         trl_seams.set_card(self, name, paper, ["trl", "appo-trl", args.rollout_strategy])
-        # in-process GRPO without tools and without an injected engine is exactly TRL's own sampler: keep it
-        # (a rollout_func, checked above to be grpo without tools, is served by TRL's own `_generate` as well)
-        self._trl_sampler = rollout_func is not None or (
-            not args.strategy_class.branches
-            and not self.tool_specs
-            and not args.use_vllm
-            and rollout_engine is None
-            and self.environment_factories is None
-            and args.max_staleness == 0
-            and self.agent is None
-        )
-        if args.dump_rollouts and self._trl_sampler:
-            raise ValueError(
-                "dump_rollouts needs appo-trl's rollout engine, but grpo without tools runs TRL's own sampler: "
-                "enable a tool (tools: [python]) or use TRL's log_completions instead."
-            )
         row_forward_where_tree_cannot(args, self.model)  # a model the tree cannot serve exactly: TRL's forward
         if args.tree_forward:
             self._setup_tree_forward()
@@ -235,7 +220,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     # ---- generation: the round runner -------------------------------------------------------------------------
     def _generate(self, prompts: list):
-        if self._trl_sampler:  # grpo without tools, in-process: TRL's own sampler (also `object.__new__` fakes)
+        if self._trl_sampler:  # the `trl` sampling path: TRL's own sampler (also `object.__new__` fakes)
             return super()._generate(prompts)
         return self.rounds.generate(prompts)
 
@@ -286,10 +271,8 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     def score_trajectories(self, trajectories) -> dict[str, torch.Tensor]:
         """No-grad trainer forward on trajectories: per-token logps and exact entropies, (R, T) on CPU."""
         prompts = [list(t.prompt_ids) for t in trajectories]
-        width = max(len(p) for p in prompts)
         pad_id = self._tokenizer.pad_token_id
-        prompt_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-        prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        prompt_ids, prompt_mask = left_pad(prompts, pad_id)  # as TRL pads prompts
         completion_ids = pad_rows([list(t.completion_ids) for t in trajectories], pad_id)
         completion_mask = pad_rows([[1] * len(t.completion_ids) for t in trajectories], 0)
         device = self.accelerator.device

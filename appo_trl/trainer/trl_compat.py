@@ -16,6 +16,10 @@
   row-wise forward instead, with one log line naming why, whatever config asked for `tree_forward`: a default never
   refuses a model that TRL trains.
 
+- `check_rollout_func(rollout_func)`: it must be callable; what it cannot run with (a branching strategy, tools,
+  environments, an injected engine, background rounds) is refused by the sampling path
+  (`appo_trl.trainer.sampling_paths.REFUSALS`).
+
 What this does not do: build the model, or check anything else of the config (`APPOConfig.__post_init__` does).
 """
 
@@ -85,28 +89,8 @@ def row_forward_where_tree_cannot(args: APPOConfig, model) -> None:
         args.tree_forward = False
 
 
-def check_rollout_func(args: APPOConfig, rollout_func, has_tools: bool, rollout_engine,
-                       environment_factory=None) -> None:  # fmt: skip
-    """Refuse a `rollout_func` that cannot be honoured (before the model loads); None passes."""
-    if rollout_func is None:
-        return
-    if not callable(rollout_func):
+def check_rollout_func(rollout_func) -> None:
+    """A `rollout_func` must be callable (before the model loads); None passes. What it cannot run with is refused by
+    the sampling path (`appo_trl.trainer.sampling_paths.REFUSALS`, path `trl`)."""
+    if rollout_func is not None and not callable(rollout_func):
         raise TypeError(f"APPOTrainer: rollout_func must be callable, got {type(rollout_func).__name__}.")
-    if args.strategy_class.branches:
-        raise ValueError(
-            f"APPOTrainer: rollout_func is supported for rollout_strategy=grpo only ({args.rollout_strategy} "
-            "branches from token prefixes of appo-trl's rollout engine); pass rollout_engine= (an object with "
-            "RolloutEngine's rollout/branch_many/run) for a custom sampler, or use rollout_strategy=grpo."
-        )
-    if has_tools:
-        raise ValueError(
-            "APPOTrainer: rollout_func replaces the sampler and the tool loop; drop the tools (run them inside "
-            "the rollout_func) or drop rollout_func and let appo-trl's engine run the tools."
-        )
-    if environment_factory is not None:
-        raise ValueError(
-            "APPOTrainer: rollout_func replaces the sampler and the tool loop that calls the environments' methods; "
-            "drop rollout_func (appo-trl's engine runs environment_factory) or drop environment_factory."
-        )
-    if rollout_engine is not None:
-        raise ValueError("APPOTrainer: pass rollout_func or rollout_engine, not both (each replaces the sampler).")

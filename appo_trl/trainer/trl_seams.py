@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-TRL_VERSION = "1.16.0"  # the TRL these seams were read from
+from appo_trl.trainer.trl_rules import TRL_VERSION  # the TRL these seams (and TRL's copied rules) were read from
 
 
 @contextlib.contextmanager

@@ -213,7 +213,7 @@ def _strategy_picks(cfg, trajs, G, N):
     trainer = SimpleNamespace(
         args=cfg, rollout_engine=engine, score_trajectories=score, processing_class_tokenizer=_Tok()
     )
-    APPOStrategy(trainer).generate([[1]] * G, cfg.num_generations, seed=0)
+    APPOStrategy(trainer).generate([[1]] * G, cfg.num_generations, seed=0, engine=engine)
     return [[(i - g * N, pos) for i, pos in engine.requests if g * N <= i < (g + 1) * N] for g in range(G)]
 
 

@@ -27,7 +27,7 @@ def test_a_multi_call_turn_is_one_tool_segment():
                              rollout=lambda *a, **k: (calls.append(k), _noop())[1])  # fmt: skip
     args = SimpleNamespace(dynamic_rollouts=True, dynamic_rollouts_source="probe", initial_rollouts=4)
     trainer = SimpleNamespace(args=args, rollout_engine=engine, processing_class_tokenizer=[0] * 10)
-    counts, kept = AEPOStrategy(trainer).initial_counts([[1]], 8, seed=0)
+    counts, kept = AEPOStrategy(trainer).initial_counts([[1]], 8, seed=0, engine=engine)
     assert counts == [aepo_initial_rollouts(0.0, 2.0, 8)] == [3]  # counted twice, H_tool = 8/3 would give 2
     assert kept == [[]]
     assert calls == [{"seed": 7919, "tree_seed": 0}]  # other samples, the group's tree id (its replica)

@@ -161,11 +161,6 @@ def test_tags_format_is_refused_before_the_model_loads(tmp_path, tok):
         make_trainer(tmp_path, "/nonexistent-model", tok, "grpo", tool_format="tags")
 
 
-def test_background_rounds_with_environments_are_refused_before_the_model_loads(tmp_path, tok):
-    with pytest.raises(ValueError, match="environment_factory with max_staleness >= 1 is not supported"):
-        make_trainer(tmp_path, "/nonexistent-model", tok, "grpo", max_staleness=1)
-
-
 # ---- several calls in one assistant turn on one environment ------------------------------------------------------
 
 

@@ -33,10 +33,10 @@ class MiddleBranchStrategy(RolloutStrategy):
             raise ValueError("APPOConfig: rollout_strategy=grpo_mid branches every root once: num_generations "
                              "must be 2 x initial_rollouts.")  # fmt: skip
 
-    def generate(self, prompt_ids, n, seed):
-        roots = self.engine.run(self.engine.rollout(prompt_ids, self.args.initial_rollouts, seed=seed))
+    def generate(self, prompt_ids, n, seed, engine):
+        roots = engine.run(engine.rollout(prompt_ids, self.args.initial_rollouts, seed=seed))
         requests = [(t, len(t.completion_ids) // 2) for group in roots for t in group]
-        branches = iter(self.engine.run(self.engine.branch_many(requests, seed=seed + 1, resample=False)))
+        branches = iter(engine.run(engine.branch_many(requests, seed=seed + 1, resample=False)))
         groups = [list(group) + [next(branches) for _ in group] for group in roots]
         batch = RoundBatch(groups=groups, keep=[True] * (len(groups) * n))
         self.rounds.append(batch)

@@ -44,18 +44,18 @@ class AEPOStrategy(ARPOStrategy):
         if config.entropy_balanced_advantage is None:  # `rollout_strategy: aepo` alone is AEPO
             config.entropy_balanced_advantage = True
 
-    def initial_counts(self, prompt_ids, n, seed):
+    def initial_counts(self, prompt_ids, n, seed, engine):
         a = self.args
         if not a.dynamic_rollouts:
-            return super().initial_counts(prompt_ids, n, seed)
+            return super().initial_counts(prompt_ids, n, seed, engine)
         from appo_trl.algorithms.arpo import aepo_initial_rollouts
         from appo_trl.rollout.text import window_entropy
 
         # other samples than the group's (seed + 7919), on the same replica as the group (tree ids from `seed`)
-        probes = self.engine.run(self.engine.rollout(prompt_ids, 1, seed=seed + 7919, tree_seed=seed))
-        cfg = self.engine.config
+        probes = engine.run(engine.rollout(prompt_ids, 1, seed=seed + 7919, tree_seed=seed))
+        cfg = engine.config
         norm = math.log(len(self.trainer.processing_class_tokenizer)) if cfg.entropy_normalize else 1.0
-        window, replays = self.entropy_window(), getattr(self.engine, "replays_branches", False)
+        window, replays = self.entropy_window(engine), getattr(engine, "replays_branches", False)
         counts, kept = [], []
         for (probe,) in probes:
             ents = probe.entropies or []

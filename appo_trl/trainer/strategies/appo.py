@@ -102,11 +102,11 @@ class APPOStrategy(RolloutStrategy):
             self._excluded = excluded_token_mask(self.trainer.processing_class_tokenizer, mode)
         return self._excluded
 
-    def generate(self, prompt_ids, n, seed):
+    def generate(self, prompt_ids, n, seed, engine):
         from appo_trl.algorithms.branching import appo_branch_points, candidate_mask, future_value
 
         a, N = self.args, self.args.initial_rollouts
-        init = self.engine.run(self.engine.rollout(prompt_ids, N, seed=seed))
+        init = engine.run(engine.rollout(prompt_ids, N, seed=seed))
         if N == n:  # degenerate: nothing to branch, APPO reduces to its loss on n initial rollouts
             return RoundBatch(groups=init, keep=[True] * (len(init) * n), info={"points": [[] for _ in init]})
         flat = [t for g in init for t in g]
@@ -146,9 +146,7 @@ class APPOStrategy(RolloutStrategy):
             max_per_row=a.max_branches_per_rollout,
         )
         requests = [(init[g][p.row], p.position) for g, pts in enumerate(points) for p in pts]
-        branches = self.engine.run(
-            self.engine.branch_many(requests, seed=seed + 1, resample=a.resample_selected_token)
-        )
+        branches = engine.run(engine.branch_many(requests, seed=seed + 1, resample=a.resample_selected_token))
         groups, k = [], 0
         for g, pts in enumerate(points):
             groups.append(list(init[g]) + list(branches[k : k + len(pts)]))

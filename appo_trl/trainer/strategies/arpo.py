@@ -125,26 +125,26 @@ class ARPOStrategy(RolloutStrategy):
     def needs_agent_entropies(cls, args) -> bool:
         return True  # the rule reads the sampler entropies of the recorded runs (the engine records them with a hook)
 
-    def entropy_window(self):
+    def entropy_window(self, engine):
         """The engine's window entropy over recorded rows (for fork points and budgets measured after the runs)."""
         from appo_trl.trainer.strategies.arpo_replay import EntropyWindow
 
-        return EntropyWindow(self.engine.config, len(self.trainer.processing_class_tokenizer))
+        return EntropyWindow(engine.config, len(self.trainer.processing_class_tokenizer))
 
-    def initial_counts(self, prompt_ids, n, seed) -> tuple[list[int], list[list[Any]]]:
+    def initial_counts(self, prompt_ids, n, seed, engine) -> tuple[list[int], list[list[Any]]]:
         """Roots per prompt and trajectories already sampled for each group (none for ARPO)."""
         return [self.args.initial_rollouts] * len(prompt_ids), [[] for _ in prompt_ids]
 
-    def generate(self, prompt_ids, n, seed):
-        counts, kept = self.initial_counts(prompt_ids, n, seed)
+    def generate(self, prompt_ids, n, seed, engine):
+        counts, kept = self.initial_counts(prompt_ids, n, seed, engine)
         hook = BranchHook(self.args, seed, self.penalty)
         sizes = [n - len(k) for k in kept]
-        if getattr(self.engine, "replays_branches", False):  # the user's agent: the rule on its recorded runs
+        if getattr(engine, "replays_branches", False):  # the user's agent: the rule on its recorded runs
             from appo_trl.trainer.strategies.arpo_replay import branch_after_runs
 
-            groups = branch_after_runs(self.engine, hook, prompt_ids, counts, sizes, seed, self.entropy_window())
+            groups = branch_after_runs(engine, hook, prompt_ids, counts, sizes, seed, self.entropy_window(engine))
         else:
-            groups = self.engine.run(self.engine.rollout(prompt_ids, counts, seed=seed, hook=hook, group_size=sizes))
+            groups = engine.run(engine.rollout(prompt_ids, counts, seed=seed, hook=hook, group_size=sizes))
         groups = [list(k) + list(g) for k, g in zip(kept, groups)]
         rows = [t for g in groups for t in g]
         origin = [t.origin for t in rows]

@@ -80,12 +80,6 @@ class RolloutStrategy:
         self.trainer = trainer
         self.args = trainer.args
 
-    engine_override = None  # for one round: an object with the engine's interface (the user's agent runs)
-
-    @property
-    def engine(self):
-        return self.engine_override if self.engine_override is not None else self.trainer.rollout_engine
-
     @classmethod
     def needs_sampler_entropies(cls, args) -> bool:
         """Whether the rollout engine must record top-k sampler entropies for this strategy under `args`."""
@@ -117,7 +111,10 @@ class RolloutStrategy:
 
         check_credit(config, cls)  # advantage_estimator=tree and its options
 
-    def generate(self, prompt_ids: list[list[int]], n: int, seed: int) -> RoundBatch:
+    def generate(self, prompt_ids: list[list[int]], n: int, seed: int, engine) -> RoundBatch:
+        """One round: n rows per unique prompt of `prompt_ids`, sampled on `engine` (an object with
+        `RolloutEngine`'s `rollout`, `branch_many`, `run` and `config`: the round's sampling path hands it over,
+        `appo_trl.trainer.sampling_paths`)."""
         raise NotImplementedError
 
     def advantages(self, batch: RoundBatch, rewards: torch.Tensor, default: torch.Tensor, length: int) -> torch.Tensor:

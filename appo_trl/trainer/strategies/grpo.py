@@ -27,6 +27,6 @@ class GRPOStrategy(RolloutStrategy):
         "}",
     }
 
-    def generate(self, prompt_ids, n, seed):
-        groups = self.engine.run(self.engine.rollout(prompt_ids, n, seed=seed))
+    def generate(self, prompt_ids, n, seed, engine):
+        groups = engine.run(engine.rollout(prompt_ids, n, seed=seed))
         return RoundBatch(groups=groups, keep=[True] * (len(groups) * n))

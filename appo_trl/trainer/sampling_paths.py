@@ -1,0 +1,237 @@
+"""The sampling path of one `APPOTrainer`: which sampler serves its rounds, resolved once at start-up.
+
+Four paths, one class each in `PATHS` (name -> class):
+- `trl`: TRL's own `GRPOTrainer._generate` (grpo without tools, in-process and synchronous; or a `rollout_func`);
+- `tool_loop`: appo-trl's rollout engine and its tool loop;
+- `environments`: TRL's `environment_factory` on that engine, one instance per trajectory
+  (`appo_trl.trainer.environments`);
+- `agent`: the user's agent through the OpenAI-compatible endpoint (`appo_trl.trainer.agents`).
+
+`resolve_path(given)` picks the path from what the constructor was given (`Given`) and refuses, from the one table
+`REFUSALS` ((path, setting) -> the one-line reason), every setting that path cannot honour, before the model loads.
+The `RoundRunner` builds the path object once (`path.bind(runner)`); each round, foreground or background, calls its
+`sample(strategy, prompt_ids, n, seed, inputs)`, which hands the strategy the engine its round samples on as an
+argument (`RolloutStrategy.generate(..., engine)`). What this module does not do: score, or hold rounds.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Given:
+    """What `APPOTrainer.__init__` was given that decides the sampling path (before the model loads)."""
+
+    args: Any  # the APPOConfig
+    agent: Any = None  # the resolved agent callable
+    tools: bool = False  # tools configured (`tools=` or `APPOConfig.tools`)
+    rollout_func: Any = None
+    environment_factory: Any = None
+    rollout_engine: Any = None
+
+    @property
+    def agent_name(self) -> str:
+        from appo_trl.trainer.agents import agent_label
+
+        return agent_label(self.agent) if self.agent is not None else ""
+
+
+# setting -> whether `Given` sets it (the columns of `REFUSALS`)
+SETTINGS: dict[str, Callable[[Given], bool]] = {
+    "tools": lambda g: g.tools,
+    "rollout_func": lambda g: g.rollout_func is not None,
+    "environment_factory": lambda g: g.environment_factory is not None,
+    "rollout_engine": lambda g: g.rollout_engine is not None,
+    "branching": lambda g: g.args.strategy_class.branches,
+    "branching_without_replay": lambda g: (
+        g.args.strategy_class.branches
+        and not g.args.strategy_class.branches_by_replay
+        and g.args.initial_rollouts != g.args.num_generations
+    ),
+    "max_staleness": lambda g: g.args.max_staleness >= 1,
+    "tool_format_tags": lambda g: g.args.tool_format == "tags",
+    "dump_rollouts": lambda g: bool(g.args.dump_rollouts),
+}
+
+_CLASH = "agent {agent}: the agent runs its own loop and tools; {setting} cannot be set too"
+
+# (path, setting) -> why that path cannot honour the setting: every refusal of a sampling path, checked in this order
+REFUSALS: dict[tuple[str, str], str] = {
+    ("agent", "tools"): _CLASH,
+    ("agent", "rollout_func"): _CLASH,
+    ("agent", "environment_factory"): _CLASH,
+    ("agent", "branching_without_replay"): (
+        "agent {agent} with rollout_strategy={strategy}: this strategy cannot branch an agent's runs by replay; set "
+        "initial_rollouts={n} (= num_generations)"
+    ),
+    ("trl", "branching"): (
+        "APPOTrainer: rollout_func is supported for rollout_strategy=grpo only ({strategy} branches from token "
+        "prefixes of appo-trl's rollout engine); pass rollout_engine= (an object with RolloutEngine's "
+        "rollout/branch_many/run) for a custom sampler, or use rollout_strategy=grpo."
+    ),
+    ("trl", "tools"): (
+        "APPOTrainer: rollout_func replaces the sampler and the tool loop; drop the tools (run them inside the "
+        "rollout_func) or drop rollout_func and let appo-trl's engine run the tools."
+    ),
+    ("trl", "environment_factory"): (
+        "APPOTrainer: rollout_func replaces the sampler and the tool loop that calls the environments' methods; "
+        "drop rollout_func (appo-trl's engine runs environment_factory) or drop environment_factory."
+    ),
+    ("trl", "rollout_engine"): (
+        "APPOTrainer: pass rollout_func or rollout_engine, not both (each replaces the sampler)."
+    ),
+    ("trl", "max_staleness"): (
+        "APPOTrainer: max_staleness >= 1 runs rounds on appo-trl's rollout engine in the background; a rollout_func "
+        "runs on TRL's own sampler. Set max_staleness: 0."
+    ),
+    ("trl", "dump_rollouts"): (
+        "dump_rollouts needs appo-trl's rollout engine, but grpo without tools runs TRL's own sampler: enable a tool "
+        "(tools: [python]) or use TRL's log_completions instead."
+    ),
+    ("environments", "tool_format_tags"): (
+        "environment_factory: environment methods are chat-template tools (as in TRL); set tool_format: chat (tags "
+        "is ARPO's tag format for built-in tools)"
+    ),
+}
+
+
+def refusal(path: str, given: Given) -> str | None:
+    """The first reason in `REFUSALS` why `path` cannot serve `given`, or None."""
+    a = given.args
+    for (name, setting), reason in REFUSALS.items():
+        if name == path and SETTINGS[setting](given):
+            return reason.format(agent=given.agent_name, setting=setting, strategy=a.rollout_strategy,
+                                 n=a.num_generations)  # fmt: skip
+    return None
+
+
+class SamplingPath:
+    """One sampler of rounds. `sample` returns the round's `RoundBatch` (on any thread: background rounds too);
+    `hand_over` runs on the trainer's thread when the round reaches TRL (the path's own bookkeeping)."""
+
+    name: ClassVar[str] = "base"
+    trl_sampler: ClassVar[bool] = False  # True: TRL's own `_generate` serves the round, `sample` is never called
+
+    @classmethod
+    def serves(cls, given: Given) -> bool:
+        raise NotImplementedError
+
+    def bind(self, runner) -> SamplingPath:
+        self.runner, self.trainer = runner, runner.trainer
+        return self
+
+    def sample(self, strategy, prompt_ids: list[list[int]], n: int, seed: int, inputs: list[dict]):
+        raise NotImplementedError
+
+    def background_job(self, strategy, inputs: list[dict], n: int, seed: int) -> Callable[[], Any]:
+        """On the trainer's thread: what a background round of generation batch `inputs` needs (its prompt ids);
+        the returned job runs `sample` on the round's thread."""
+        prompt_ids, _, _ = self.trainer._tokenize_prompts(copy.deepcopy([x["prompt"] for x in inputs]))
+        return lambda: self.sample(strategy, prompt_ids, n, seed, inputs)
+
+    def hand_over(self, batch, mode: str, prompts: list) -> None:
+        """On the trainer's thread, once per round handed to TRL (`prompts`: TRL's list for the round)."""
+
+
+class TRLSampler(SamplingPath):
+    """TRL's own sampler: grpo without tools, in-process, synchronous and with no injected engine, or a
+    `rollout_func` (served by TRL's `_generate`)."""
+
+    name, trl_sampler = "trl", True
+
+    @classmethod
+    def serves(cls, given: Given) -> bool:
+        a = given.args
+        if given.rollout_func is not None:
+            return True
+        return not (a.strategy_class.branches or given.tools or a.use_vllm or given.rollout_engine is not None
+                    or given.environment_factory is not None or a.max_staleness or given.agent is not None)  # fmt: skip
+
+
+class ToolLoop(SamplingPath):
+    """appo-trl's rollout engine: the strategy samples (and branches) on it, with the tool loop."""
+
+    name = "tool_loop"
+
+    @classmethod
+    def serves(cls, given: Given) -> bool:
+        return True
+
+    def sample(self, strategy, prompt_ids, n, seed, inputs):
+        return strategy.generate(prompt_ids[::n], n, seed, self.runner.engine)
+
+
+class Environments(SamplingPath):
+    """TRL's `environment_factory` on the rollout engine: one instance per trajectory, branches included."""
+
+    name = "environments"
+
+    @classmethod
+    def serves(cls, given: Given) -> bool:
+        return given.environment_factory is not None
+
+    def sample(self, strategy, prompt_ids, n, seed, inputs, own=None):
+        from appo_trl.trainer.environments import generate_with_environments
+
+        return generate_with_environments(self.trainer, strategy, prompt_ids, n, seed, inputs, self.runner.engine, own)
+
+    def background_job(self, strategy, inputs, n, seed):
+        """A background round gets instances of its own, built from the factories and reset here (TRL resets its
+        pooled ones on this thread for the round it scores, so the round's thread never touches those)."""
+        from appo_trl.trainer.environments import own_instances, own_prompt_ids, share_group_tasks
+
+        own = own_instances(self.trainer, inputs)
+        share_group_tasks(self.trainer, strategy, own.prompts, n, own)  # environment-owned data, branching
+        prompt_ids = own_prompt_ids(self.trainer, own)
+        return lambda: self.sample(strategy, prompt_ids, n, seed, inputs, own)
+
+    def hand_over(self, batch, mode, prompts):
+        """A background round's rows keep their own instances for TRL's reward step, and TRL's prompts become the
+        ones the rows were sampled on (its reward functions and logs read them)."""
+        handed = batch.info.pop("environments", None)
+        if handed is not None:
+            self.trainer.environments, prompts[:] = handed
+
+
+class Agent(SamplingPath):
+    """The user's agent through the endpoint: n runs per prompt, branches by replay (`AgentRounds`)."""
+
+    name = "agent"
+
+    @classmethod
+    def serves(cls, given: Given) -> bool:
+        return given.agent is not None
+
+    def bind(self, runner) -> SamplingPath:
+        from appo_trl.trainer.agents import AgentRounds
+
+        super().bind(runner)
+        self.agents = AgentRounds(self.trainer, self.trainer.agent)
+        return self
+
+    def sample(self, strategy, prompt_ids, n, seed, inputs):
+        return self.agents.generate(strategy, prompt_ids, n, seed, inputs)
+
+    def hand_over(self, batch, mode, prompts):
+        self.agents.report(batch, mode)  # the round's agent/* metrics; the failed-round collective
+
+
+# checked in this order: the first path that serves `Given` samples its rounds
+PATHS: dict[str, type[SamplingPath]] = {cls.name: cls for cls in (Agent, TRLSampler, Environments, ToolLoop)}
+
+
+def resolve_path(given: Given) -> type[SamplingPath]:
+    """The class of the path that serves `given`; ValueError (one line from `REFUSALS`) for what it cannot honour."""
+    path = next(cls for cls in PATHS.values() if cls.serves(given))
+    reason = refusal(path.name, given)
+    if reason is not None:
+        raise ValueError(reason)
+    return path
+
+
+__all__ = ["PATHS", "REFUSALS", "SETTINGS", "Agent", "Environments", "Given", "SamplingPath", "TRLSampler",
+           "ToolLoop", "refusal", "resolve_path"]  # fmt: skip

@@ -1,0 +1,71 @@
+"""TRL's copied rules (`appo_trl.trainer.trl_rules`) on hand-computed numbers, and the one left-pad helper."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from appo_trl.trainer import trl_rules, trl_seams
+from appo_trl.trainer.rows import left_pad
+
+
+def test_one_version_stamp():
+    assert trl_seams.TRL_VERSION is trl_rules.TRL_VERSION == "1.16.0"
+
+
+def ratio_trainer(mode, lo, hi):
+    return SimpleNamespace(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=lo,
+                           vllm_importance_sampling_clip_max=hi)  # fmt: skip
+
+
+OLD, SAMPLING = torch.tensor([[-1.0, -2.0, -3.0]]), torch.tensor([[-1.5, -1.0, -9.0]])
+MASK = torch.tensor([[1, 1, 0]])  # the third token is a tool result: out of the ratio
+
+
+@pytest.mark.parametrize(
+    "mode, lo, hi, expected",
+    [
+        ("token_truncate", None, 10.0, [math.exp(0.5), math.exp(-1.0), 1.0]),  # diff 0.5, -1.0, masked 0
+        ("token_truncate", 0.5, 1.5, [1.5, 0.5, 1.0]),
+        ("token_mask", 0.5, 1.5, [0.0, 0.0, 1.0]),  # outside [0.5, 1.5]: 0
+        ("sequence_truncate", 0.7, 2.0, [0.7]),  # exp(0.5 - 1.0) = 0.607, clamped
+        ("sequence_mask", 0.5, 2.0, [math.exp(-0.5)]),
+        ("sequence_mask", 0.7, 2.0, [0.0]),
+    ],
+)
+def test_importance_ratio(mode, lo, hi, expected):
+    got = trl_rules.importance_ratio(ratio_trainer(mode, lo, hi), OLD, SAMPLING, MASK)
+    assert got.tolist()[0] == pytest.approx(expected)
+
+
+def test_truncated_rows():
+    trainer = SimpleNamespace(eos_token_ids=[2], _tokenizer=SimpleNamespace(pad_token_id=0))
+    cut = trl_rules.truncated_rows(trainer, [[5, 2], [5, 7], [5, 0]])
+    assert cut.tolist() == [[False], [True], [False]]  # ends in EOS, cut short, ends in pad
+
+
+@pytest.mark.parametrize(
+    "accumulation, vllm, correction, runs",
+    [(2, False, True, False), (3, False, False, True), (2, True, True, True), (2, True, False, False)],
+)
+def test_runs_old_logp_pass(accumulation, vllm, correction, runs):
+    args = SimpleNamespace(steps_per_generation=2, gradient_accumulation_steps=accumulation)
+    trainer = SimpleNamespace(
+        args=args, num_iterations=1, use_vllm=vllm, vllm_importance_sampling_correction=correction
+    )
+    assert trl_rules.runs_old_logp_pass(trainer) is runs
+
+
+def test_reference_logps_uses_the_reference_model():
+    ref, policy = object(), object()
+    trainer = SimpleNamespace(ref_model=ref, model=policy)
+    assert trl_rules.reference_logps(trainer, lambda m: "ref" if m is ref else "policy") == "ref"
+
+
+def test_left_pad_as_trl_pads_prompts():
+    ids, mask = left_pad([[1, 2], [3]], pad_id=0)
+    assert ids.tolist() == [[1, 2], [0, 3]] and mask.tolist() == [[1, 1], [0, 1]]
+    assert ids.dtype == mask.dtype == torch.long
