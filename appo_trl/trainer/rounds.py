@@ -302,10 +302,8 @@ class RoundRunner:
     def _background_job(self, inputs):
         """On the trainer's thread: tokenise generation batch `inputs` and fix its seed; the returned job samples the
         round on the round's thread (`AsyncRounds.next_round`'s `make_job`)."""
-        job, trainer = (
-            self.path.background_job(self.strategy, inputs, self.trainer.num_generations, self.next_seed()),
-            self.trainer,
-        )
+        trainer = self.trainer
+        job = self.path.background_job(self.strategy, inputs, trainer.num_generations, self.next_seed())
 
         def held_job():  # LoRA adapter-only sync: the round keeps the adapter version it starts on
             with held_adapter(trainer):
