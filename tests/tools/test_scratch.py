@@ -45,6 +45,7 @@ class Server:  # a healthy GPU server, without HTTP
 ws.ServerClient = Server
 sync = object.__new__(ws.DiskWeightSync)
 sync.mode, sync._urls, sync.server_timeout, sync._sync_dir_arg = "server", ["http://127.0.0.1:1"], 1, None
+sync.adapter = False  # (what __init__ sets without LoRA)
 sync.accelerator = SimpleNamespace(wait_for_everyone=lambda: None)
 sync._init_vllm()
 with open(sync.sync_dir + "/model.safetensors", "wb") as fh:
