@@ -14,11 +14,13 @@ answer, in each framework's format, so each agent solves the same task (6 x 7) i
 - `dspy`: `dspy.ReAct` (when `dspy` is installed).
 
 Per agent: rows per run (1 + chain rows / runs), completion tokens and row tokens (prompt included) per run, step
-time (mean over the steps after the first), and `tree/tokens_ratio`: the tokens the tree forward sends through the
-model over the rows' tokens (its trie packs the rows of a micro-batch together, so rows that share a prefix, the
-chains of one run and the runs of one prompt, share its compute already), and `round_trie_tokens_ratio`: the same
-for one trie over all of a round's rows (the least any merge of shared prefixes could forward). `smolagents` (`--quick`: `rebuild`) also
-runs with the tree forward off, for the step-time ratio. Figures: docs/benchmarks.md, "Agent frameworks".
+time (mean over the steps after the first) and the part of it a round's agent runs take (`agent_runs_s`), and
+`tree/tokens_ratio`: the tokens the tree forward sends through the model over the rows' tokens (its trie packs the
+rows of a micro-batch together, so rows that share a prefix, the chains of one run and the runs of one prompt, share
+its compute already); `round_trie_tokens_ratio` is the same for one trie over all of a round's rows (the least any
+merge of shared prefixes could forward), and `forwarded_tokens_per_run` (row tokens x `tree/tokens_ratio`) the
+training forward's work per run, a figure that the machine's load does not move. `smolagents` (`--quick`:
+`rebuild`) also runs with the tree forward off, for the step-time ratio. Figures: docs/benchmarks.md, "Agent frameworks".
 
     python bench/agent_frameworks.py                 # 4 steps per agent
     python bench/agent_frameworks.py --quick --json  # 2 steps (figures not meaningful)
@@ -171,6 +173,17 @@ def run(model_dir, tok, name: str, steps: int, tree: bool, out: str) -> dict:
         return batch
 
     trainer.rounds.strategy.generate = generate
+    agents, generation = trainer.rounds.agents, []
+    real_runs = agents.generate
+
+    def timed_runs(*a):
+        t0 = time.perf_counter()
+        try:
+            return real_runs(*a)
+        finally:
+            generation.append(time.perf_counter() - t0)
+
+    agents.generate = timed_runs
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
@@ -182,10 +195,12 @@ def run(model_dir, tok, name: str, steps: int, tree: bool, out: str) -> dict:
               "completion_tokens_per_run": sum(c for s in sizes for c, _ in s) / max(runs, 1),
               "row_tokens_per_run": sum(t for s in sizes for _, t in s) / max(runs, 1),
               "reward": sum(h["reward"] for h in logs) / len(logs), "wall_s": wall, "steps": len(logs)}  # fmt: skip
+    result["agent_runs_s"] = sum(generation[1:] or generation) / max(len(generation[1:] or generation), 1)
     result["round_trie_tokens_ratio"] = sum(unique) / max(sum(t for s in sizes for _, t in s), 1)
     if tree:
         ratios = [h["tree/tokens_ratio"] for h in logs if "tree/tokens_ratio" in h]
         result["tree_tokens_ratio"] = sum(ratios) / max(len(ratios), 1)
+        result["forwarded_tokens_per_run"] = result["row_tokens_per_run"] * result["tree_tokens_ratio"]
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
 
 
