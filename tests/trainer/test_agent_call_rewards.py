@@ -131,3 +131,33 @@ def test_a_non_finite_per_call_reward_is_none_with_one_warning(tmp_path, caplog,
         assert torch.isfinite(inputs["advantages"]).all()
     logs = [h for h in trainer.state.log_history if "reward" in h]
     assert logs and all(h["reward"] == pytest.approx(FIRST + 0.5) for h in logs)  # prompt (1)'s runs only
+
+
+def test_per_call_rewards_with_a_branch_credit_each_node(tmp_path, tiny_chat_tokenizer, tiny_chat_model_path):
+    """arpo branches every run at its answer (P = 1): the tool-call turn is shared by the run and its branch (the
+    branch's first call is replayed), the answers are each row's own. By hand (default weights, 1/sqrt(rows)):
+    V(root) = mean total return = FIRST + 1/2; the shared node's Q = the same, so its tokens get 0 in both rows;
+    each answer node (one row) gets (a - V(root)) + (a - V(shared node)) = 2 * (a - FIRST - 1/2)."""
+    tok = tiny_chat_tokenizer
+    trainer, _ = make_trainer(tmp_path, tiny_chat_model_path, tok, per_call_agent, "arpo", initial_rollouts=1,
+                              branch_probability=1.0, advantage_estimator="tree")  # fmt: skip
+    batches, strat = [], trainer.rounds.strategy
+    real = strat.generate
+    strat.generate = lambda *a, **k: batches.append(real(*a, **k)) or batches[-1]
+    seen = spy_loss(trainer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "agent/branches" in h]
+    assert len(logs) == 2 and all(h["agent/branches"] == 2 and h["agent/errors"] == 0 for h in logs)
+    assert all(h["agent/replay_divergence"] == 0 for h in logs)
+    forks = {r.uid: r.branch_pos for b in batches for r in b.rows if r.parent is not None}
+    assert len(forks) == 4
+    mean, checked = FIRST + 0.5, 0
+    for inputs in seen:
+        for ids, mask, adv in zip(inputs["completion_ids"], inputs["tool_mask"], inputs["advantages"]):
+            ids, mask, adv = ids.tolist(), mask.tolist(), adv.tolist()
+            answer = float("<answer> 42" in tok.decode(ids))
+            p = next(t for t in range(1, len(mask)) if mask[t] and not mask[t - 1])  # the answer's first token
+            for t in (t for t, m in enumerate(mask) if m):
+                assert adv[t] == pytest.approx(0.0 if t < p else 2 * (answer - mean), abs=1e-5)
+            checked += 1
+    assert checked == 8
