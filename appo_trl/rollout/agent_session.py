@@ -158,6 +158,7 @@ class AgentSession:
         self._full = False  # the current chain's budget is spent: later extensions are answered empty (length)
         self._messages: list[dict] = []  # the current chain's conversation (for reward functions)
         self.calls: list[dict] = []  # every answered request: the ids it sampled on, its answer, where it went
+        self.answered: list[tuple[int, int]] = []  # every answer, empty ones too: (its chain, last sampled token)
         self.replay: Replay | None = None
         self.replayed, self.diverged = 0, False
         self.branch_chain: int | None = None  # a branch: the chain that holds its branch call
@@ -321,6 +322,8 @@ class AgentSession:
 
     def _answer(self, ids: list[int], reason: str, request: dict, chain: Trajectory,
                 logprobs: list[float] | None = None) -> dict:  # fmt: skip
+        mask = chain.loss_mask  # an empty answer (budget spent): the chain's last sampled token before it
+        self.answered.append((chain.chain, next((t for t in range(len(mask) - 1, -1, -1) if mask[t]), -1)))
         tok, fmt = self.renderer.tokenizer, self.renderer.tool_format
         text = tok.decode(ids, skip_special_tokens=True)
         calls = []

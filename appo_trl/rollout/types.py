@@ -82,7 +82,8 @@ class Trajectory:
         request_seeds: the seed of each sampler request, in order.
         root_entropy: window entropy of the first sampled segment (inherited by forks and branches); None before
             it is known or when entropies are not recorded.
-        agent_reward: the reward an agent returned for its run (None: not an agent run, or it returned none).
+        agent_reward: the reward an agent returned for its run (None: not an agent run, or it returned none); a
+            list when it returned one reward per model call: one reward per assistant turn of this row.
         chain_rows: an agent run's other sampled chains (`origin="chain"`), trained with the run's reward.
         run: for a chain row, the uid of the run row it belongs to.
         chain: the index of this chain in its agent session.
@@ -107,7 +108,7 @@ class Trajectory:
     tree: str | None = None
     request_seeds: list[int] = dataclasses.field(default_factory=list)
     root_entropy: float | None = None
-    agent_reward: float | None = None
+    agent_reward: float | list[float] | None = None
     chain_rows: list[Trajectory] = dataclasses.field(default_factory=list)
     run: str | None = None
     chain: int | None = None

@@ -3,7 +3,8 @@
 The contract: `agent(row, base_url, model) -> float | None` (or `async def`) runs one trajectory of dataset row
 `row` against `base_url`, an OpenAI-compatible base URL of the trainer's endpoint unique to this run
 (`appo_trl.rollout.agent_endpoint`); its return value is the trajectory's reward, None lets the reward functions
-score the captured conversation (TRL's signature: `prompts`, `completions` as messages, the row's columns).
+score the captured conversation (TRL's signature: `prompts`, `completions` as messages, the row's columns). With
+`advantage_estimator: tree` it may return a list, one reward per model call (`appo_trl.trainer.turn_rewards`).
 `AgentRounds.generate` runs `num_generations` agent runs per prompt (each on a daemon thread of its own, an async agent
 on its own event loop there: `appo_trl.trainer.agent_threads`; at most `rollout_concurrency` at a time) and turns
 each run into one row of its group.
@@ -47,6 +48,7 @@ from appo_trl.trainer import trl_seams
 from appo_trl.trainer.agent_threads import AgentRun, join_within
 from appo_trl.trainer.reward_checks import REWARD_LIMIT, non_finite_note, usable_reward
 from appo_trl.trainer.strategies import RoundBatch
+from appo_trl.trainer.turn_rewards import call_rewards_per_turn
 
 logger = logging.getLogger(__name__)
 
@@ -295,8 +297,16 @@ class AgentRounds:
                        blocked)  # fmt: skip
 
     def _check_value(self, value):
-        if not (value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool))):
-            raise TypeError(f"agent {self.name} returned {type(value).__name__} {value!r}; return a float or None")
+        if isinstance(value, (list, tuple)) and value and all(_is_real(v) for v in value):  # one per model call
+            if self.trainer.args.advantage_estimator != "tree":
+                raise TypeError(f"agent {self.name} returned a list (one reward per model call); per-call rewards "
+                                "need advantage_estimator: tree, or return one number")  # fmt: skip
+            if all(usable_reward(v) for v in value) and usable_reward(sum(value)):
+                return [float(v) for v in value]
+            value = next((v for v in value if not usable_reward(v)), sum(value))  # as the completion's: None
+        elif not (value is None or _is_real(value)):
+            raise TypeError(f"agent {self.name} returned {type(value).__name__} {value!r}; return a float, a list "
+                            "of floats (one per model call) or None")  # fmt: skip
         if usable_reward(value):
             return None if value is None else float(value)
         if not self._warned_non_finite:  # inf, NaN, 1e308: as None (TRL's NaN), one warning per run
@@ -314,6 +324,10 @@ class AgentRounds:
             self._seen_errors.add(error)
             logger.warning("agent %s failed: %s; its trajectory gets reward 0 (counted in agent/errors; "
                            "agent_errors: raise stops the run instead)", self.name, error)  # fmt: skip
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 class AgentEngine:
@@ -375,6 +389,12 @@ class AgentEngine:
         async with self._sem:
             value, error = await self.rounds.call(dict(self.inputs[g * self.n]), base_url)
         row = session.row
+        if isinstance(value, list) and row is not None:  # per model call: per turn of the row, or refused
+            try:
+                value = call_rewards_per_turn(session.answered, row, value)
+            except ValueError as exc:
+                value, error = None, str(exc)
+                self.rounds._fault(error)
         if row is None and error is None:
             raise ValueError(
                 f"agent {self.rounds.name} returned without calling its base_url: an agent must send its chat "

@@ -8,6 +8,8 @@
   reward per assistant turn; `checked_reward_func(..., turns=record)` hands each list to `record(name, index,
   values)` and gives TRL their sum (the completion's return), so TRL's logs and statistics see one number per row.
   Where they land: `appo_trl.trainer.turn_rewards`. Without the tree estimator a list is refused, naming the setting.
+  A list holding a reward that is not finite (or over `REWARD_LIMIT`, its sum included) is not recorded: the
+  completion's reward is None, as below.
 - A reward that is not finite (inf, -inf, NaN) or beyond `REWARD_LIMIT` in size (1e308: the float32 group mean and
   std TRL computes overflow, and the whole group's gradient is dropped) is handled like None (TRL's NaN: this
   function does not score that completion), with one warning per function naming it (`finite_rewards`; the user's
@@ -83,8 +85,13 @@ def take_turn_rewards(name: str, output: Any, record: Callable) -> Any:
                 f"reward function {name!r} returned per-turn rewards {_short(value)} for completion {i}; each turn's "
                 "reward must be a number"
             )
+        total = float(sum(turns))
+        bad = next((float(x) for x in turns if not usable_reward(x)), None if usable_reward(total) else total)
+        if bad is not None:  # inf / over REWARD_LIMIT: the completion's reward is None (`finite_rewards` warns once)
+            out[i] = bad
+            continue
         record(name, i, [float(x) for x in turns])
-        out[i] = float(sum(turns))
+        out[i] = total
     return out
 
 

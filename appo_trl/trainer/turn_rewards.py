@@ -10,12 +10,18 @@ t, against baselines that depend only on the prompt or on a tree node, never on 
 
 An environment (TRL's `environment_factory`) reports a reward after each tool call the same way: its `get_reward()`
 (which TRL turns into a reward function named after its class) returns the rewards it recorded per call turn, then
-the answer turn's (`tests/trainer/test_turn_rewards.py`). Not yet: an agent returning one reward per model call (its
-return value must be one number).
+the answer turn's (`tests/trainer/test_turn_rewards.py`). An agent (`APPOTrainer(agent=...)`) may return a list with
+one reward per model call instead of one number (`call_rewards_per_turn`): each call's reward lands on the last
+sampled token of that call's answer (an answer left empty because the row's budget was spent: the chain's last
+sampled token before it), and TRL gets the run's total. Every call must have landed in the run's row: an agent that
+rewrote its history (its other chains are rows of their own, `Trajectory.chain_rows`, trained with the run's
+advantage, outside the tree) cannot give per-call rewards, and such a run is refused in one line as the agent's
+fault, as is a list whose length is not the number of calls.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import torch
@@ -52,4 +58,27 @@ def place_turn_rewards(rows, local, names, weights, turns: dict, length: int) ->
     return placed
 
 
-__all__ = ["place_turn_rewards", "token_rewards"]
+def call_rewards_per_turn(answered: list[tuple[int, int]], row, values: list[float]) -> list[float]:
+    """An agent's rewards per model call (`values`, in call order) as rewards per assistant turn of its `row`.
+
+    `answered`: each call's (chain index, last sampled token), `AgentSession.answered`. ValueError, in one line, for
+    a wrong number of rewards or a call that is not on `row`."""
+    if len(values) != len(answered):
+        raise ValueError(f"returned {len(values)} per-call rewards for a run of {len(answered)} model call(s); "
+                         "return one reward per call (or one number)")  # fmt: skip
+    elsewhere = sum(chain != row.chain for chain, _ in answered)
+    if elsewhere:
+        raise ValueError(f"returned per-call rewards, but {elsewhere} of its {len(answered)} calls started other "
+                         "chains (it rewrote its history, so those calls are rows of their own outside the tree); "
+                         "per-call rewards need one chain per run: return one number")  # fmt: skip
+    ends = turn_ends(row.loss_mask)
+    per_turn = [0.0] * len(ends)
+    for (_, end), value in zip(answered, values):
+        if end < 0:
+            raise ValueError("returned per-call rewards, but a call sampled nothing before it: its reward has no "
+                             "token; return one number")  # fmt: skip
+        per_turn[bisect.bisect_left(ends, end)] += value  # the turn holding the call's last sampled token
+    return per_turn
+
+
+__all__ = ["call_rewards_per_turn", "place_turn_rewards", "token_rewards"]

@@ -147,3 +147,20 @@ def test_an_infinite_reward_function_trains_with_finite_rewards(tmp_path, tiny_t
     logs = [h for h in trainer.state.log_history if "reward" in h]
     assert len(logs) == 2 and all(h["reward"] == 1.0 for h in logs)  # the other row's (before: -inf)
     assert sum("log_zero_reward" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_non_finite_per_turn_rewards_are_not_recorded_and_none_with_one_warning(caplog):
+    """A per-turn list holding inf (or summing past REWARD_LIMIT) is the completion's None, as a number would be, and
+    never reaches the tree credit (before: the turns were recorded before the check, so inf reached the credit)."""
+
+    def turn_reward(completions, **kw):
+        return [[0.5, math.inf], [1.0, 2.0], [9e14, 9e14], [-math.inf]]
+
+    recorded = {}
+    wrapped = checked_reward_func(turn_reward, "turn_reward", lambda name, i, values: recorded.update({i: values}))
+    with caplog.at_level("WARNING", logger="appo_trl.trainer.reward_checks"):
+        assert wrapped(completions=[]) == [None, 3.0, None, None]
+        assert wrapped(completions=[]) == [None, 3.0, None, None]
+    assert recorded == {1: [1.0, 2.0]}
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("reward function 'turn_reward' returned inf for completion 0;")
