@@ -15,6 +15,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from tests.trainer.async_helpers import assert_one_step_stale  # noqa: E402
 from tests.trainer.test_agents import make_trainer, sdk_agent, train_until_ctrl_c  # noqa: E402
 from tests.trainer.test_trainer import spy_loss  # noqa: E402
 
@@ -34,13 +35,7 @@ def test_agent_runs_in_background_rounds(tmp_path, strategy, tiny_chat_tokenizer
     trainer.rounds.agents.report = lambda batch, mode: batches.append(batch) or real_report(batch, mode)
     seen = spy_loss(trainer)
     trainer.train()
-    hist = trainer.rounds.async_rounds.history
-    assert [(h.step, h.version, h.staleness, h.background) for h in hist] == [
-        (0, 0, 0, False), (1, 0, 1, True), (2, 1, 1, True), (3, 2, 1, True)
-    ]  # fmt: skip
-    assert generated_on == ["MainThread", "appo-round-0", "appo-round-1", "appo-round-2"]
-    logs = [h for h in trainer.state.log_history if "reward" in h]
-    assert [h["rollout/staleness/max"] for h in logs] == [0.0, 1.0, 1.0, 1.0]
+    logs = assert_one_step_stale(trainer, generated_on)
     assert all(h["agent/errors"] == 0 and h["agent/requests"] > 0 for h in logs)  # reported once per round
     assert all(0.0 <= h["rewards/agent_reward/mean"] <= 1.0 for h in logs)
     if strategy == "appo":

@@ -14,6 +14,7 @@ import time
 import pytest
 from transformers import TrainerCallback
 
+from tests.trainer.async_helpers import assert_one_step_stale
 from tests.trainer.envs_helpers import REWARDS, Counter, CounterPolicy, check_row, dataset, make_trainer
 from tests.trainer.test_trainer import spy_loss
 
@@ -70,13 +71,7 @@ def test_environments_in_background_rounds(tmp_path, strategy, tiny_chat_model_p
     rounds, seen = capture_rounds(trainer, tok), spy_loss(trainer)
     REWARDS.clear()
     trainer.train()
-    hist = trainer.rounds.async_rounds.history
-    assert [(h.step, h.version, h.staleness, h.background) for h in hist] == [
-        (0, 0, 0, False), (1, 0, 1, True), (2, 1, 1, True), (3, 2, 1, True)
-    ]  # fmt: skip
-    assert generated_on == ["MainThread", "appo-round-0", "appo-round-1", "appo-round-2"]
-    logs = [h for h in trainer.state.log_history if "reward" in h]
-    assert [h["rollout/staleness/max"] for h in logs] == [0.0, 1.0, 1.0, 1.0]
+    assert_one_step_stale(trainer, generated_on)
     pool = {id(e) for envs in trainer._environment_pool.values() for e in envs}
     assert len(rounds) == 4
     for r, (batch, envs, _) in enumerate(rounds):
