@@ -101,6 +101,11 @@ class BatchLookahead:
             self._index.pop(next(iter(self._index)))
         return out
 
+    @property
+    def epoch_batches(self) -> int | None:
+        """Batches of the current epoch once its iterator is spent (None before)."""
+        return self._pos + len(self._buf) if self._done else None
+
     def peek(self, batch, ahead: int):
         entry = self._index.get(id(batch))
         if entry is None or entry[1] is not batch:
@@ -190,6 +195,7 @@ class AsyncRounds:
         self.version: int | None = None  # the sampler's weights (None: not synced yet, e.g. before a resume)
         self.pending: PendingRound | None = None
         self.lookahead = BatchLookahead()
+        self.warned_one_batch_epochs = False
         self.weights_lock = threading.Lock()
         self.stepped = threading.Condition()
         self.optimizer_steps = 0  # counted by OptimizerStepLock
@@ -269,6 +275,15 @@ class AsyncRounds:
             return
         nxt = self.lookahead.peek(inputs, self.every)
         if nxt is None:
+            size = self.lookahead.epoch_batches
+            if size is not None and size <= self.every and not self.warned_one_batch_epochs:
+                self.warned_one_batch_epochs = True
+                logger.warning(
+                    "max_staleness=%d: an epoch holds one generation batch (%d micro-batches), so no round can be "
+                    "sampled in the background: every round runs synchronously (rollout/background_round 0). "
+                    "Environment-owned data (no train_dataset) is always so; a dataset of several generation "
+                    "batches overlaps.", self.k, size,
+                )  # fmt: skip
             return
         if self.version is None or step - self.version >= self.w or next_step - self.version + self.m - 1 > self.k:
             self._sync(step)

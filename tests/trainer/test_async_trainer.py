@@ -11,6 +11,7 @@ AEPO run in the background unchanged.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -79,6 +80,23 @@ def test_background_rounds_in_process(tmp_path, tiny_tokenizer, tiny_model_path)
     assert any(not torch.equal(before[k], after[k]) for k in before)
     sampler = trainer.rounds.sampler.model.state_dict()
     assert any(not torch.equal(sampler[k], after[k]) for k in after)
+
+
+def test_an_epoch_of_one_generation_batch_says_its_rounds_stay_synchronous(tmp_path, tiny_tokenizer, tiny_model_path,
+                                                                           caplog):  # fmt: skip
+    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.trainer.trainer import APPOTrainer
+    from tests.trainer.test_trainer import CPU, dataset
+
+    args = APPOConfig(output_dir=str(tmp_path), **{**CPU, **GRPO, "max_steps": 3, "max_staleness": 1})
+    engine = ThreadEngine(tiny_tokenizer)
+    trainer = APPOTrainer(model=tiny_model_path, reward_funcs=[RewardSpy()], args=args, train_dataset=dataset(1),
+                          processing_class=tiny_tokenizer, rollout_engine=engine)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="appo_trl.trainer.async_rounds"):
+        trainer.train()
+    assert [h.background for h in trainer.rounds.async_rounds.history] == [False, False, False]
+    said = [r.getMessage() for r in caplog.records if "one generation batch" in r.getMessage()]
+    assert len(said) == 1 and "max_staleness=1" in said[0] and "every round runs synchronously" in said[0]
 
 
 def test_the_in_process_backend_decodes_on_the_synced_sampler_copy(tmp_path, tiny_tokenizer, tiny_model_path):
