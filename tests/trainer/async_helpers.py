@@ -28,3 +28,14 @@ def assert_one_step_stale(trainer, generated_on: list[str]) -> list[dict]:
     logs = [h for h in trainer.state.log_history if "reward" in h]
     assert [h["rollout/staleness/max"] for h in logs] == [0.0, 1.0, 1.0, 1.0]
     return logs
+
+
+def loss_rows(seen: list[dict]) -> list[tuple[tuple, tuple]]:
+    """(completion ids, tool mask) of every row the loss saw (`spy_loss`), each cut at its length (completion_mask:
+    1 up to the row's last token)."""
+    rows = []
+    for s in seen:
+        for ids, mask, valid in zip(s["completion_ids"].tolist(), s["tool_mask"].tolist(), s["completion_mask"]):
+            n = int(valid.sum())
+            rows.append((tuple(ids[:n]), tuple(mask[:n])))
+    return rows

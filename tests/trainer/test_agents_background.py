@@ -15,7 +15,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from tests.trainer.async_helpers import assert_one_step_stale  # noqa: E402
+from tests.trainer.async_helpers import assert_one_step_stale, loss_rows  # noqa: E402
 from tests.trainer.test_agents import make_trainer, sdk_agent, train_until_ctrl_c  # noqa: E402
 from tests.trainer.test_trainer import spy_loss  # noqa: E402
 
@@ -45,11 +45,7 @@ def test_agent_runs_in_background_rounds(tmp_path, strategy, tiny_chat_tokenizer
     for row in trained:
         row.check()
         assert row.prompt_ids + row.completion_ids[: row.loss_mask.index(1)] in backend.prompts  # sampled on
-    losses = []
-    for s in seen:  # each row cut at its length (completion_mask: 1 up to the row's last token)
-        for ids, mask, valid in zip(s["completion_ids"].tolist(), s["tool_mask"].tolist(), s["completion_mask"]):
-            n = int(valid.sum())
-            losses.append((tuple(ids[:n]), tuple(mask[:n])))
+    losses = loss_rows(seen)
     assert len(losses) == len(trained) == 4 * (4 if strategy == "grpo" else 2)
     assert sorted(losses) == sorted((tuple(r.completion_ids), tuple(r.loss_mask)) for r in trained)
     assert trainer.rounds.agents.endpoint is None

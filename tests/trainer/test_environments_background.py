@@ -14,7 +14,7 @@ import time
 import pytest
 from transformers import TrainerCallback
 
-from tests.trainer.async_helpers import assert_one_step_stale
+from tests.trainer.async_helpers import assert_one_step_stale, loss_rows
 from tests.trainer.envs_helpers import REWARDS, Counter, CounterPolicy, check_row, dataset, make_trainer
 from tests.trainer.test_trainer import spy_loss
 
@@ -88,11 +88,7 @@ def test_environments_in_background_rounds(tmp_path, strategy, tiny_chat_model_p
     trained = [r for b, _, _ in rounds for r, k in zip(b.rows, b.keep) if k]
     for row in trained:
         row.check()
-    losses = []
-    for s in seen:  # each row cut at its length (completion_mask: 1 up to the row's last token)
-        for ids, mask, valid in zip(s["completion_ids"].tolist(), s["tool_mask"].tolist(), s["completion_mask"]):
-            n = int(valid.sum())
-            losses.append((tuple(ids[:n]), tuple(mask[:n])))
+    losses = loss_rows(seen)
     assert len(losses) == len(trained) == 4 * (4 if strategy == "grpo" else 2)
     assert sorted(losses) == sorted((tuple(r.completion_ids), tuple(r.loss_mask)) for r in trained)
 
