@@ -24,6 +24,7 @@ from appo_trl.synthetic import build_task, write_task
 from appo_trl.synthetic.copying import copy_rate
 
 SEED, STEPS, NUM_SFT, NUM_HELDOUT = 0, 300, 1800, 96
+DEMO_STEPS = 2000  # the demo's cold start, whose first STEPS steps (its cosine schedule's start) this trains
 LOSS_BAND = (0.25, 0.5)
 HEAD_MIN = 0.8
 
@@ -38,13 +39,17 @@ def test_a_short_cold_start_copies_unseen_names_into_its_search_queries(tmp_path
     P.build_model(str(tmp_path / "model"), SEED)
     losses: list[float] = []
 
-    class Losses(TrainerCallback):
+    class FirstSteps(TrainerCallback):  # the demo's run, learning-rate schedule included, stopped at STEPS
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 losses.append(logs["loss"])
 
-    P.run_sft(str(tmp_path / "model"), paths["sft"], str(tmp_path / "sft"), steps=STEPS, seed=SEED,
-              callbacks=[Losses()])  # fmt: skip
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= STEPS:
+                control.should_training_stop = True
+
+    P.run_sft(str(tmp_path / "model"), paths["sft"], str(tmp_path / "sft"), steps=DEMO_STEPS, seed=SEED,
+              callbacks=[FirstSteps()])  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "sft")
     r = copy_rate(model, tokenizer, build_task(SEED, num_sft=NUM_SFT, num_heldout=NUM_HELDOUT).heldout)
