@@ -7,6 +7,7 @@ import json
 import pytest
 
 from appo_trl.cli.study import parser, render, resolve, variant_overrides
+from appo_trl.synthetic.chain_errors import CATEGORIES as CHAIN_CATEGORIES
 from appo_trl.synthetic.compute import BUDGETS
 
 
@@ -130,6 +131,10 @@ def test_render_has_the_three_tables():
     assert "| policy-sampled tokens | 200 | appo | 60.0 ± 0.0 % | 70.0 ± 0.0 % |" in text
     assert "| tool calls | 16 | grpo | 80.0 ± 0.0 % | 70.0 ± 0.0 % |" in text  # equal calls: compared at the end
     assert "| chain | 20.0 % | 40.0 ± 0.0 % | 35.0 ± 0.0 % |" in text
+    assert "Where the chain questions fail" not in text  # no chain error tables in `done`: none rendered
+    shares = dict(zip(CHAIN_CATEGORIES, (0.5, 0.25, 0.25, 0.0, 0.0, 0.0)))
+    done["chain_errors"] = {"SFT": {"shares": shares, "samples": 4, "dirs": ["sft"]}}
+    assert "| SFT | 50 % | 25 % | 25 % | 0 % | 0 % | 0 % | 4 | sft |" in render(done)
     # two seeds: chain 40 % and 20 % -> mean 30 %, sample sd sqrt(2 * 10^2 / 1) = 14.1 points
     runs["grpo/seed1"] = run("grpo", 1, 100, 0.6, 0.4)
     runs["grpo/seed1"]["eval"] = runs["grpo/seed1"]["evals"]["4"]
@@ -156,6 +161,7 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
     assert set(done["matched"]) == set(BUDGETS)
     text = (tmp_path / "study.md").read_text()
     assert "at matched compute" in text and "| chain |" in text
+    assert "Where the chain questions fail" in text and "appo/seed0/step2 |" in text
     assert (tmp_path / "study_compute.png").stat().st_size > 10_000
     assert any("[SFT]" in x for x in lines) and any("[eval]" in x for x in lines)
     lines.clear()

@@ -19,6 +19,8 @@ where the cheapest strategy finished K steps, linearly interpolated between its 
   `appo+tree`: `advantage_estimator: tree`, TreeRL's defaults). Far longer; it resumes from `study.json`, so
   it can run in parts.
 
+With the chain family, a fourth table says where the chain questions fail (`appo_trl.synthetic.chain_errors`).
+
 Writes `<workdir>/study.json` (everything), `<workdir>/study.md` (the tables), `<workdir>/study.png` (curves
 over steps) and `<workdir>/study_compute.png` (held-out pass@1 against each budget). It does not tune
 anything per variant and does not pick seeds: one learning rate for all, the recipes'. Results: docs/study.md.
@@ -252,6 +254,8 @@ def run(a, printer=_say) -> dict:
     summary = summarize(done, a.strategies)
     done["summary"] = summary
     done["matched"] = matched(done, a.strategies)
+    if "chain" in a.families:
+        done["chain_errors"] = chain_error_tables(done, work)
     out_json.write_text(json.dumps(done, indent=1), encoding="utf-8")
     (work / "study.md").write_text(render(done), encoding="utf-8")
     plot(done, work / "study.png")
@@ -268,6 +272,18 @@ def matched(done: dict, strategies) -> dict:
     if not runs:
         return {}
     return {key: matched_budget(runs, key, done["sft"]["pass@1"]) for key in BUDGETS}
+
+
+def chain_error_tables(done: dict, work: Path) -> dict:
+    """Where the chain questions fail (`appo_trl.synthetic.chain_errors`): the SFT start, and each variant after
+    K steps over its finished seeds."""
+    from appo_trl.synthetic.chain_errors import error_table
+
+    tables = {"SFT": error_table(work)}
+    for s in done["summary"]:
+        seeds = sorted(r["seed"] for r in done["runs"].values() if r["strategy"] == s)
+        tables[s] = error_table(work, s, step=done["config"]["rl_steps"], seeds=seeds)
+    return tables
 
 
 def _mean_sd(xs: list[float]) -> tuple[float, float]:
@@ -330,6 +346,16 @@ def render(done: dict) -> str:
             f" | {v.get('cpu_s_per_step', float('nan')):.2f} |"
         )
     lines += _render_matched(done) + _render_families(done)
+    if done.get("chain_errors"):
+        from appo_trl.synthetic.chain_errors import render as chain_table
+
+        lines += [
+            "",
+            "Where the chain questions fail after K steps: each chain sample in one category, seeds pooled "
+            "(`appo_trl.synthetic.chain_errors` defines them).",
+            "",
+            chain_table(done["chain_errors"]).rstrip(),
+        ]
     return "\n".join(lines) + "\n"
 
 
