@@ -108,3 +108,22 @@ def test_the_demo_says_whether_its_result_lies_in_the_documented_range():
     lines.clear()
     assert range_verdict(parse_args(["--learning_rate", "1e-4"]), {}, lines.append) is None
     assert "--learning_rate 1e-4" in lines[0]
+
+
+def test_the_demo_cold_start_decays_its_learning_rate(monkeypatch):
+    """Run E's cold start (docs/benchmarks.md, "Demo"): the recipe, the demo's default and what `run_sft` hands
+    to the SFT stage agree; the study keeps the constant schedule its tables were measured with."""
+    import yaml
+
+    from appo_trl.cli.demo import SFT_SCHEDULE, parse_args
+    from appo_trl.configs.recipes import REPO_ROOT
+    from appo_trl.stages import sft
+    from appo_trl.synthetic import pipeline as P
+
+    recipe = yaml.safe_load((REPO_ROOT / "recipes" / "demo" / "sft.yaml").read_text())
+    assert parse_args([]).sft_schedule == SFT_SCHEDULE == recipe["lr_scheduler_type"] == "cosine"
+    seen = []
+    monkeypatch.setattr(sft, "main", lambda *args, **kw: seen.append(args))
+    P.run_sft("model", "data.jsonl", "out", steps=10, seed=0)
+    P.run_sft("model", "data.jsonl", "out", steps=10, seed=0, schedule="constant_with_warmup")
+    assert [str(a[1].lr_scheduler_type.value) for a in seen] == ["cosine", "constant_with_warmup"]

@@ -107,6 +107,19 @@ def test_a_study_resumes_only_with_its_own_settings(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["study.json"]  # refused before anything is built
 
 
+def test_a_study_json_from_before_the_schedule_setting_resumes_with_the_constant_schedule(tmp_path):
+    """A study.json written before `--sft_schedule` existed ran its cold start at a constant learning rate: it
+    resumes with that schedule (the default) and is refused with another."""
+    from appo_trl.cli.study import check_resume
+    from appo_trl.configs.errors import ConfigError
+
+    old = vars(args("--full"))
+    del old["sft_schedule"]
+    check_resume({"config": old}, args("--full", "--strategies", "grpo"), "study.json")
+    with pytest.raises(ConfigError, match=r"sft_schedule 'constant_with_warmup' -> 'cosine'"):
+        check_resume({"config": old}, args("--full", "--sft_schedule", "cosine"), "study.json")
+
+
 def test_render_has_the_three_tables():
     run = lambda s, seed, tok, a2, a4: {  # noqa: E731
         "strategy": s, "seed": seed, "rl_wall_s": 1.0,

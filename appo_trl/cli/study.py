@@ -149,6 +149,8 @@ def resolve(a):
 
 
 RESUMABLE = ("workdir", "strategies", "seeds")  # what a resumed study may change: which runs it adds
+# settings added after a study.json could have been written, with the value every such study ran with
+ADDED = {"sft_schedule": "constant_with_warmup"}
 
 
 def check_resume(done: dict, a, path) -> None:
@@ -159,6 +161,7 @@ def check_resume(done: dict, a, path) -> None:
     old = done.get("config")
     if old is None:
         return
+    old = {**ADDED, **old}
     changed = [f"{k} {old.get(k)!r} -> {v!r}" for k, v in vars(a).items() if k not in RESUMABLE and old.get(k) != v]
     if changed:
         raise ConfigError(f"{path} was made with other settings ({'; '.join(changed)}); resuming would mix them "
