@@ -24,6 +24,7 @@ from appo_trl.synthetic import build_task, write_task
 from appo_trl.synthetic.copying import copy_rate
 
 SEED, STEPS, NUM_SFT, NUM_HELDOUT = 0, 300, 1800, 96
+DEMO_STEPS = 2000  # the demo's cold start, whose first STEPS steps (its cosine schedule's start) this trains
 LOSS_BAND = (0.25, 0.5)
 HEAD_MIN = 0.8
 
@@ -38,13 +39,17 @@ def test_a_short_cold_start_copies_unseen_names_into_its_search_queries(tmp_path
     P.build_model(str(tmp_path / "model"), SEED)
     losses: list[float] = []
 
-    class Losses(TrainerCallback):
+    class FirstSteps(TrainerCallback):  # the demo's run, learning-rate schedule included, stopped at STEPS
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 losses.append(logs["loss"])
 
-    P.run_sft(str(tmp_path / "model"), paths["sft"], str(tmp_path / "sft"), steps=STEPS, seed=SEED,
-              callbacks=[Losses()])  # fmt: skip
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= STEPS:
+                control.should_training_stop = True
+
+    P.run_sft(str(tmp_path / "model"), paths["sft"], str(tmp_path / "sft"), steps=DEMO_STEPS, seed=SEED,
+              callbacks=[FirstSteps()])  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "sft")
     r = copy_rate(model, tokenizer, build_task(SEED, num_sft=NUM_SFT, num_heldout=NUM_HELDOUT).heldout)
@@ -103,3 +108,22 @@ def test_the_demo_says_whether_its_result_lies_in_the_documented_range():
     lines.clear()
     assert range_verdict(parse_args(["--learning_rate", "1e-4"]), {}, lines.append) is None
     assert "--learning_rate 1e-4" in lines[0]
+
+
+def test_the_demo_cold_start_decays_its_learning_rate(monkeypatch):
+    """Run E's cold start (docs/benchmarks.md, "Demo"): the recipe, the demo's default and what `run_sft` hands
+    to the SFT stage agree; the study keeps the constant schedule its tables were measured with."""
+    import yaml
+
+    from appo_trl.cli.demo import SFT_SCHEDULE, parse_args
+    from appo_trl.configs.recipes import REPO_ROOT
+    from appo_trl.stages import sft
+    from appo_trl.synthetic import pipeline as P
+
+    recipe = yaml.safe_load((REPO_ROOT / "recipes" / "demo" / "sft.yaml").read_text())
+    assert parse_args([]).sft_schedule == SFT_SCHEDULE == recipe["lr_scheduler_type"] == "cosine"
+    seen = []
+    monkeypatch.setattr(sft, "main", lambda *args, **kw: seen.append(args))
+    P.run_sft("model", "data.jsonl", "out", steps=10, seed=0)
+    P.run_sft("model", "data.jsonl", "out", steps=10, seed=0, schedule="constant_with_warmup")
+    assert [str(a[1].lr_scheduler_type.value) for a in seen] == ["cosine", "constant_with_warmup"]

@@ -19,9 +19,12 @@ def test_quick_is_the_demo_shape_and_full_is_the_papers():
     quick = args()
     assert quick.strategies == ["grpo", "arpo", "aepo", "appo"] and quick.families == ["python", "search", "both"]
     assert variant_overrides("appo", quick) == []  # the recipes as they are: n = 4, 2 initial rollouts
-    assert (quick.sft_steps, quick.sft_lr, quick.sft_max_length) == (2000, 3e-3, None)  # the demo's cold start
+    # the demo's cold start, at the constant learning rate the study's tables were measured with
+    assert (quick.sft_steps, quick.sft_lr, quick.sft_max_length) == (2000, 3e-3, None)
     full = args("--full")
     assert (full.sft_steps, full.sft_lr, full.sft_max_length) == (4000, 1e-3, 512)
+    assert quick.sft_schedule == full.sft_schedule == "constant_with_warmup"
+    assert args("--full", "--sft_schedule", "cosine").sft_schedule == "cosine"
     assert args("--full", "--sft_steps", "10", "--sft_lr", "0.1").sft_steps == 10
     chains = args("--families", "python", "chain")  # a quick study with chains gets their budgets
     assert (chains.tool_call_limit, chains.max_completion_length, chains.sft_max_length) == (5, 384, 512)
@@ -102,6 +105,19 @@ def test_a_study_resumes_only_with_its_own_settings(tmp_path):
     with pytest.raises(ConfigError, match=r"study.json was made with other settings \(rl_steps 120 -> 60\)"):
         run(args("--workdir", str(tmp_path), "--rl_steps", "60"), printer=print)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["study.json"]  # refused before anything is built
+
+
+def test_a_study_json_from_before_the_schedule_setting_resumes_with_the_constant_schedule(tmp_path):
+    """A study.json written before `--sft_schedule` existed ran its cold start at a constant learning rate: it
+    resumes with that schedule (the default) and is refused with another."""
+    from appo_trl.cli.study import check_resume
+    from appo_trl.configs.errors import ConfigError
+
+    old = vars(args("--full"))
+    del old["sft_schedule"]
+    check_resume({"config": old}, args("--full", "--strategies", "grpo"), "study.json")
+    with pytest.raises(ConfigError, match=r"sft_schedule 'constant_with_warmup' -> 'cosine'"):
+        check_resume({"config": old}, args("--full", "--sft_schedule", "cosine"), "study.json")
 
 
 def test_render_has_the_three_tables():

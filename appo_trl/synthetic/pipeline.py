@@ -126,12 +126,14 @@ def build_model(out_dir: str, seed: int) -> str:
 
 
 def run_sft(model: str, data: str, out_dir: str, *, steps: int, seed: int, lr: float = 3e-3, batch: int = 8,
-            max_length: int | None = None, printer=None, callbacks: list | None = None) -> str:  # fmt: skip
+            max_length: int | None = None, schedule: str | None = None, printer=None,
+            callbacks: list | None = None) -> str:  # fmt: skip
     """The SFT cold start; with `printer`, a progress line (steps/s, ETA, loss) at most every 20 s.
     `callbacks`: more `TrainerCallback`s (the cold-start guard reads the loss through one).
 
     `max_length`: tokens per trace (default: `recipes/demo/sft.yaml`'s, which fits the demo's families; the SFT
-    stage refuses a trace it would truncate)."""
+    stage refuses a trace it would truncate). `schedule`: the learning-rate schedule (transformers'
+    `lr_scheduler_type`; default: the recipe's, `cosine`)."""
     from appo_trl.configs.recipes import REPO_ROOT, parse_recipe
     from appo_trl.reporting.console import ProgressLineCallback
     from appo_trl.stages import sft
@@ -142,6 +144,7 @@ def run_sft(model: str, data: str, out_dir: str, *, steps: int, seed: int, lr: f
         "--learning_rate", str(lr), "--per_device_train_batch_size", str(batch),
         "--logging_steps", str(max(1, min(50, steps // 10))),  # the loss on the progress line
         *(["--max_length", str(max_length)] if max_length else []),
+        *(["--lr_scheduler_type", schedule] if schedule else []),
     ])  # fmt: skip
     callbacks = [*(callbacks or []), *([ProgressLineCallback("SFT", _through_stdout(printer))] if printer else [])]
     with _quiet():
