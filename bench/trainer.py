@@ -17,7 +17,7 @@ forward+backward on the same APPO batch, future_kl vs TRL's loss). The benchmark
 `tree_*` figures: the row-wise and the tree forward side by side (`bench/tree_forward.py`: workload (a) paper-shaped,
 scaled down under `--quick`, and (b) the demo's shape, both paths with activation checkpointing as the trainer's
 default; full-size (a) runs each strategy in a spawned process); `--tree-repeats N` times each path N times
-(medians; default 1 for (a) and under `--quick`, else 3). Peak resident memory of the full run: about 4 GB (it
+(medians; default 1 for (a) and under `--quick`, else 3). Peak resident memory of the full run: 4.3 GiB (it
 was 20 GB before the tree figures checkpointed and isolated workload (a): docs/benchmarks.md, "Trainer").
 """
 

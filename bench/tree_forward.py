@@ -198,12 +198,20 @@ def measure(model, rows, repeats: int) -> dict:
 def _spawned(target, *args):
     """Run `target(*args, queue)` in a fresh spawned process and return what it put on the queue."""
     import multiprocessing as mp
+    import queue as queues
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=target, args=(*args, queue))
     proc.start()
-    result = queue.get()  # before join: a large result would block the child's exit
+    while True:  # the result before join (a large one would block the child's exit), and no wait on a dead child
+        try:
+            result = queue.get(timeout=5)
+            break
+        except queues.Empty:
+            if not proc.is_alive() and queue.empty():
+                proc.join()
+                raise RuntimeError(f"{target.__name__}{args} exited {proc.exitcode} without a result") from None
     proc.join()
     if proc.exitcode != 0:
         raise RuntimeError(f"{target.__name__}{args} exited {proc.exitcode}")

@@ -124,3 +124,11 @@ def test_full_workload_a_runs_each_strategy_in_its_own_process(monkeypatch):
     figures = tf.tree_figures(False, workloads=("a",))
     assert calls == [("_measure_child", ("a", "grpo", 1, True)), ("_measure_child", ("a", "arpo", 1, True))]
     assert figures == {"tree_a_grpo_x": 1.0, "tree_a_arpo_x": 1.0}
+
+
+def test_spawned_child_that_dies_raises_instead_of_waiting():
+    """A spawned measurement that dies without a result (an error, the OOM killer) fails the benchmark at once."""
+    from bench.tree_forward import _spawned
+
+    with pytest.raises(RuntimeError, match="without a result"):
+        _spawned(os._exit, 3)  # the child calls os._exit(3, queue): a TypeError, exit code 1
