@@ -8,12 +8,20 @@ random Qwen3 model. For each workload and strategy shape the two forwards run in
 - `pack_ms`: host time to plan the tries of the rows (`pack_rows`, once per batch: the passes reuse them);
 - `loss_step_s`: forward + backward of a policy-gradient loss over per-token logps and entropies (median);
 - `step_s`: TRL's no-grad old-logp pass + the loss step + an AdamW step (median);
-- `saved_mb`: bytes of the tensors autograd saves for the backward (distinct storages) during the loss forward,
-  the activation memory that sets a training step's peak on top of weights and optimizer state. It is measured
-  in-process and is deterministic, unlike RSS on a shared machine;
-- `peak_rss_mb` (`--peak`): the process peak, the other reading of the same memory. Each path's loss step runs in
-  a fresh spawned process after the model and rows are built; the figure is that process's peak resident set
-  (`ru_maxrss`) during the step minus its peak before it, so weights, rows and the interpreter cancel out.
+- `saved_mb`: bytes of the tensors autograd saves for the backward (distinct storages) during the loss forward
+  *without* activation checkpointing, the activation memory that sets a non-checkpointed step's peak on top of
+  weights and optimizer state. It is counted, not held: the hook records each saved storage and drops it, so this
+  forward costs the memory of a no-grad one. Deterministic, unlike RSS on a shared machine;
+- `peak_rss_mb` (`--peak`): the process peak of the loss step (with checkpointing unless `--no-checkpointing`).
+  Each path's loss step runs in a fresh spawned process after the model and rows are built; the figure is that
+  process's peak resident set (`ru_maxrss`) during the step minus its peak before it, so weights, rows and the
+  interpreter cancel out.
+
+Both paths train with activation checkpointing (non-reentrant, per decoder layer), as TRL's and `APPOConfig`'s
+default `gradient_checkpointing: true` does, so the times include each layer's recomputation. Until 2026-11-29 they
+ran without it: workload (a)'s row-wise step then held 6-8 GiB of activations, and the whole `bench/trainer.py`
+peaked at 20 GB. `--no-checkpointing` measures that way again (about 10 GB for workload (a)). Workload (a) runs
+each strategy in its own spawned process, so nothing of one strategy's step stays resident for the next.
 
 Workloads (rows are synthetic token ids; the forward cost does not depend on their values):
 - (a) paper-shaped: prompt 1,536 tokens, n = 16, completions of about 512 tokens holding two tool results of 64
@@ -29,12 +37,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import random
 import statistics
 import sys
 import time
+import weakref
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -73,7 +83,10 @@ def trl_layout(rows):
     return ids, mask, width_c
 
 
-def build_model(hidden: int, layers: int, vocab: int, max_len: int):
+CHECKPOINTING = {"use_reentrant": False}  # TRL's setting of `gradient_checkpointing_kwargs`
+
+
+def build_model(hidden: int, layers: int, vocab: int, max_len: int, checkpointing: bool = True):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
@@ -87,7 +100,9 @@ def build_model(hidden: int, layers: int, vocab: int, max_len: int):
     model = Qwen3ForCausalLM(config).float()
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     install_tree_attention(model)  # the row-wise path (no tree kwargs) runs plain SDPA through it
-    return model
+    if checkpointing:  # as the trainer does by default (`gradient_checkpointing: true`), on both paths
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINTING)
+    return model.train()
 
 
 def forward(model, ids, mask, c, tree: bool, entropy: bool, packs=None):
@@ -107,19 +122,30 @@ def forward(model, ids, mask, c, tree: bool, entropy: bool, packs=None):
 
 
 def saved_bytes(model, fn) -> tuple[int, object]:
-    """Bytes of the distinct storages, parameters excluded, that autograd saves for the backward while `fn` runs."""
+    """Bytes of the distinct storages, parameters excluded, that autograd saves for the backward while `fn` runs,
+    without activation checkpointing. Counted, not kept: each saved tensor is dropped once recorded (a weak
+    reference tells a storage seen before from a new one at a freed address), so the graph `fn` returns cannot run
+    backward and the forward costs the memory of a no-grad one."""
+    from trl.models.utils import disable_gradient_checkpointing
+
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
+    seen: dict[int, weakref.ref] = {}
+    total = 0
 
     def pack(t):
+        nonlocal total
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
+        ptr = storage.data_ptr()
+        if ptr not in params and (ptr not in seen or seen[ptr]() is not storage):
+            seen[ptr] = weakref.ref(storage)
+            total += storage.nbytes()
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def unpack(_):
+        raise RuntimeError("saved_bytes: the saved tensors were dropped; this graph cannot run backward")
+
+    with disable_gradient_checkpointing(model, CHECKPOINTING), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         out = fn()
-    return sum(seen.values()), out
+    return total, out
 
 
 def measure(model, rows, repeats: int) -> dict:
@@ -157,23 +183,48 @@ def measure(model, rows, repeats: int) -> dict:
                 t0 = time.perf_counter()
                 fn(tree)
                 times[tree].append(time.perf_counter() - t0)
+                gc.collect()  # nothing of one path's step outlives it (outside the timed span)
         out[f"{name}_row"], out[f"{name}_tree"] = (statistics.median(times[k]) for k in (False, True))
         out[f"{name}_ratio"] = out[f"{name}_tree"] / out[f"{name}_row"]
     for tree in (False, True):
-        nbytes, (logps, _) = saved_bytes(model, lambda t=tree: forward(model, ids, mask, c, t, entropy=True))
+        nbytes, _ = saved_bytes(model, lambda t=tree: forward(model, ids, mask, c, t, entropy=True))
         out[f"saved_mb_{'tree' if tree else 'row'}"] = nbytes / 2**20
-        del logps
+        del _
+        gc.collect()
     out["saved_mb_ratio"] = out["saved_mb_tree"] / out["saved_mb_row"]
     return out
 
 
-def _peak_child(workload: str, strategy: str, tree: bool, queue) -> None:
+def _spawned(target, *args):
+    """Run `target(*args, queue)` in a fresh spawned process and return what it put on the queue."""
+    import multiprocessing as mp
+    import queue as queues
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, queue))
+    proc.start()
+    while True:  # the result before join (a large one would block the child's exit), and no wait on a dead child
+        try:
+            result = queue.get(timeout=5)
+            break
+        except queues.Empty:
+            if not proc.is_alive() and queue.empty():
+                proc.join()
+                raise RuntimeError(f"{target.__name__}{args} exited {proc.exitcode} without a result") from None
+    proc.join()
+    if proc.exitcode != 0:
+        raise RuntimeError(f"{target.__name__}{args} exited {proc.exitcode}")
+    return result
+
+
+def _peak_child(workload: str, strategy: str, tree: bool, checkpointing: bool, queue) -> None:
     """In a fresh process: build the model and rows, then one loss step; put the step's added peak RSS (MiB)."""
     import resource
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     prompt, n, comp, tool, hidden, layers, vocab = WORKLOADS[workload]
-    model = build_model(hidden, layers, vocab, prompt + comp + 8)
+    model = build_model(hidden, layers, vocab, prompt + comp + 8, checkpointing)
     ids, mask, c = trl_layout(group_rows(strategy, prompt, n, comp, tool, vocab, seed=1))
     mask_c, adv = mask[:, -c:].float(), torch.randn(ids.shape[0], 1)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
@@ -182,23 +233,23 @@ def _peak_child(workload: str, strategy: str, tree: bool, queue) -> None:
     queue.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
 
 
-def peak_rss_mb(workload: str, strategy: str) -> dict:
+def peak_rss_mb(workload: str, strategy: str, checkpointing: bool = True) -> dict:
     """`peak_rss_mb_{row,tree}` and their ratio: each loss step in its own spawned process (see the docstring)."""
-    import multiprocessing as mp
-
-    ctx, out = mp.get_context("spawn"), {}
-    for tree in (False, True):
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_peak_child, args=(workload, strategy, tree, queue))
-        proc.start()
-        proc.join()
-        if proc.exitcode != 0:
-            raise RuntimeError(f"peak-memory child ({workload}, {strategy}, tree={tree}) exited {proc.exitcode}")
-        out[f"peak_rss_mb_{'tree' if tree else 'row'}"] = queue.get()
+    out = {
+        f"peak_rss_mb_{'tree' if tree else 'row'}": _spawned(_peak_child, workload, strategy, tree, checkpointing)
+        for tree in (False, True)
+    }
     # at toy sizes the step fits in memory the build already touched: no added peak, no ratio
     row = out["peak_rss_mb_row"]
     out["peak_rss_mb_ratio"] = out["peak_rss_mb_tree"] / row if row > 0 else None
     return out
+
+
+def _measure_child(workload: str, strategy: str, repeats: int, checkpointing: bool, queue) -> None:
+    """In a fresh process: `measure` one strategy of a workload on its own model; put the figures."""
+    prompt, n, comp, tool, hidden, layers, vocab = WORKLOADS[workload]
+    model = build_model(hidden, layers, vocab, prompt + comp + 8, checkpointing)
+    queue.put(measure(model, group_rows(strategy, prompt, n, comp, tool, vocab, seed=1), repeats))
 
 
 WORKLOADS = {  # prompt, n, completion, tool result, hidden, layers, vocab
@@ -209,19 +260,28 @@ WORKLOADS = {  # prompt, n, completion, tool result, hidden, layers, vocab
 
 
 def tree_figures(
-    quick: bool, workloads=None, strategies=("grpo", "arpo"), peak: bool = False, repeats: int | None = None
+    quick: bool,
+    workloads=None,
+    strategies=("grpo", "arpo"),
+    peak: bool = False,
+    repeats: int | None = None,
+    checkpointing: bool = True,
 ) -> dict:
     """`{workload}_{strategy}_{figure}` for workloads (a) (scaled down with `quick`) and (b), GRPO and ARPO; each
-    time is the median of `repeats` runs per path (default: 1 for (a) and with `quick`, else 3)."""
+    time is the median of `repeats` runs per path (default: 1 for (a) and with `quick`, else 3). Full-size (a) runs
+    each strategy in a spawned process (its own model, built from the same seed), the others share one model."""
     figures = {}
     for workload in workloads or ("a_quick" if quick else "a", "b"):
         prompt, n, comp, tool, hidden, layers, vocab = WORKLOADS[workload]
-        peaks = {s: peak_rss_mb(workload, s) for s in strategies} if peak else {}  # before this process grows
-        model = build_model(hidden, layers, vocab, prompt + comp + 8)
+        runs = repeats or (1 if quick or workload == "a" else 3)
+        model = None if workload == "a" else build_model(hidden, layers, vocab, prompt + comp + 8, checkpointing)
         for strategy in strategies:
-            rows = group_rows(strategy, prompt, n, comp, tool, vocab, seed=1)
-            result = measure(model, rows, repeats or (1 if quick or workload == "a" else 3))
-            result.update(peaks.get(strategy, {}))
+            peaks = peak_rss_mb(workload, strategy, checkpointing) if peak else {}
+            if model is None:
+                result = _spawned(_measure_child, workload, strategy, runs, checkpointing)
+            else:
+                result = measure(model, group_rows(strategy, prompt, n, comp, tool, vocab, seed=1), runs)
+            result.update(peaks)
             figures.update({f"tree_{workload}_{strategy}_{k}": v for k, v in result.items()})
     return figures
 
@@ -234,12 +294,13 @@ def main(argv=None):
     ap.add_argument("--strategy", choices=("grpo", "arpo"), action="append", help="only these (repeatable)")
     ap.add_argument("--peak", action="store_true", help="also the process peak RSS of each loss step (spawns)")
     ap.add_argument("--repeats", type=int, help="timed runs per path (medians; default 1 for (a), --quick; else 3)")
+    ap.add_argument("--no-checkpointing", action="store_true", help="train without activation checkpointing")
     opts = ap.parse_args(argv)
     if opts.repeats is not None and opts.repeats < 1:
         ap.error(f"--repeats {opts.repeats} must be >= 1")
-    figures = tree_figures(
-        opts.quick, opts.workload, tuple(opts.strategy or ("grpo", "arpo")), opts.peak, repeats=opts.repeats
-    )
+    strategies = tuple(opts.strategy or ("grpo", "arpo"))
+    checkpointing = not opts.no_checkpointing
+    figures = tree_figures(opts.quick, opts.workload, strategies, opts.peak, opts.repeats, checkpointing)
     for k, v in figures.items():
         print(f"{k:44s} {v:.4f}" if isinstance(v, float) else f"{k:44s} {v}")
     if opts.json:

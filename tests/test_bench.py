@@ -78,3 +78,57 @@ def test_tree_forward_peak_memory_runs(tmp_path):
     """`bench/tree_forward.py --peak` (spawned children, one per path) is not part of `--quick`: run it once."""
     figures = _run_json(BENCH / "tree_forward.py", tmp_path, "--workload", "a_quick", "--strategy", "grpo", "--peak")
     assert {"tree_a_quick_grpo_peak_rss_mb_row", "tree_a_quick_grpo_peak_rss_mb_tree"} <= set(figures)
+
+
+def test_saved_bytes_counts_what_autograd_saves_and_keeps_none():
+    """`saved_mb` is the bytes a non-checkpointed forward saves for the backward, counted without holding them
+    (workload (a)'s row-wise forward would hold 6-8 GiB), and checkpointing is back on afterwards."""
+    import torch
+
+    from bench.tree_forward import CHECKPOINTING, WORKLOADS, build_model, forward, group_rows, saved_bytes, trl_layout
+
+    prompt, n, comp, tool, hidden, layers, vocab = WORKLOADS["a_quick"]
+    model = build_model(hidden, layers, vocab, prompt + comp + 8)
+    assert model.is_gradient_checkpointing  # the trainer's default, on both paths
+    ids, mask, c = trl_layout(group_rows("arpo", prompt, n, comp, tool, vocab, seed=1))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for tree in (False, True):
+        kept = {}
+
+        def pack(t, kept=kept):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                kept[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        model.gradient_checkpointing_disable()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            held = forward(model, ids, mask, c, tree, entropy=True)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINTING)
+        del held
+        nbytes, (logps, _) = saved_bytes(model, lambda t=tree: forward(model, ids, mask, c, t, entropy=True))
+        assert nbytes == sum(kept.values()) > 0
+        assert model.is_gradient_checkpointing
+        with pytest.raises(RuntimeError, match="dropped"):
+            logps.sum().backward()
+
+
+def test_full_workload_a_runs_each_strategy_in_its_own_process(monkeypatch):
+    """Full-size workload (a) never builds its model in the calling process (`bench/trainer.py`'s), and each
+    strategy's step runs in a fresh process, so one strategy's memory is returned before the next starts."""
+    import bench.tree_forward as tf
+
+    calls = []
+    monkeypatch.setattr(tf, "_spawned", lambda target, *args: calls.append((target.__name__, args)) or {"x": 1.0})
+    monkeypatch.setattr(tf, "build_model", lambda *a, **kw: pytest.fail("workload (a) built in the parent"))
+    figures = tf.tree_figures(False, workloads=("a",))
+    assert calls == [("_measure_child", ("a", "grpo", 1, True)), ("_measure_child", ("a", "arpo", 1, True))]
+    assert figures == {"tree_a_grpo_x": 1.0, "tree_a_arpo_x": 1.0}
+
+
+def test_spawned_child_that_dies_raises_instead_of_waiting():
+    """A spawned measurement that dies without a result (an error, the OOM killer) fails the benchmark at once."""
+    from bench.tree_forward import _spawned
+
+    with pytest.raises(RuntimeError, match="without a result"):
+        _spawned(os._exit, 3)  # the child calls os._exit(3, queue): a TypeError, exit code 1
