@@ -170,3 +170,15 @@ def test_the_study_table_reads_the_finished_runs_at_step_k(tmp_path):
     done["runs"]["grpo/seed1"] = {"strategy": "grpo", "seed": 1}  # a finished run must have its evaluation
     with pytest.raises(FileNotFoundError, match="no finished evaluation at step 40 in .*seed1"):
         chain_error_tables(done, tmp_path)
+
+
+def test_the_cli_lists_variants_in_the_order_of_the_study(tmp_path, capsys):
+    import json
+    import shutil
+
+    _workdir(tmp_path)
+    shutil.copytree(tmp_path / "eval" / "grpo", tmp_path / "eval" / "appo+tree")
+    (tmp_path / "study.json").write_text(json.dumps({"config": {"strategies": ["grpo", "appo+tree"]}}))
+    assert C.main([str(tmp_path)]) == 0
+    rows = [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows == ["| SFT", "| grpo", "| appo+tree"]  # not the alphabetical order

@@ -176,10 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, default=None, help="RL step to read (default: each seed's last)")
     a = p.parse_args(argv)
     eval_root = Path(a.workdir) / "eval"
-    if a.variants is None:  # every variant with a finished evaluation, in the study's order
-        from appo_trl.cli.study import REFERENCES, STRATEGIES, TREE
-
-        order = {v: i for i, v in enumerate(STRATEGIES + REFERENCES + TREE)}
+    if a.variants is None:  # every variant with a finished evaluation, in the study's order (its study.json's)
+        study = Path(a.workdir) / "study.json"
+        listed = json.loads(study.read_text()).get("config", {}).get("strategies", []) if study.is_file() else []
+        order = {v: i for i, v in enumerate(listed)}
         found = [d.name for d in eval_root.glob("*") if d.name != "sft" and eval_dirs(a.workdir, d.name, a.step)]
         a.variants = sorted(found, key=lambda v: (order.get(v, len(order)), v))
     try:
