@@ -25,6 +25,9 @@ def group_advantages(
     `std`: "population" (correction 0, APPO) or "unbiased" (correction 1, ARPO/verl and TRL). With "unbiased",
     a group of size 1 gets mean 0 and std 1 (verl's convention), so its advantage is its reward.
     Example: rewards [1, 0, 0, 0], G = 4, population: mean 0.25, std √0.1875 = 0.4330 → A ≈ [1.7320, −0.5773, …].
+
+    A NaN reward (an unscorable row, as TRL marks it) is left out of every mean and std and gets advantage 0:
+    rewards [1, NaN, 0, 0], G = 4, unbiased: mean 1/3, std √(1/3) → A ≈ [1.1547, 0, −0.5773, −0.5773].
     """
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards are not a multiple of group_size={group_size}")
@@ -32,6 +35,8 @@ def group_advantages(
     correction = 0 if std == "population" else 1
     if std not in ("population", "unbiased"):
         raise ValueError(f"std must be 'population' or 'unbiased', got {std!r}")
+    if torch.isnan(r).any():
+        return _nan_group_advantages(r, group_size, scale, correction, eps)
     if group_size == 1 and correction == 1:
         mean, sd = torch.zeros_like(r), torch.ones_like(r)
     else:
@@ -47,6 +52,41 @@ def group_advantages(
     else:
         raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
     return out.view(-1)
+
+
+def nan_std(r: torch.Tensor, dim=None, correction: int = 1, keepdim: bool = False) -> torch.Tensor:
+    """The std over the non-NaN entries (TRL's `nanstd` with `correction` 1); NaN where fewer than correction + 1."""
+    mean = torch.nanmean(r, dim=dim, keepdim=True)
+    count = (~torch.isnan(r)).sum(dim=dim, keepdim=keepdim) if dim is not None else (~torch.isnan(r)).sum()
+    sq = torch.nansum((r - mean) ** 2, dim=dim, keepdim=keepdim) if dim is not None else torch.nansum((r - mean) ** 2)
+    return torch.sqrt(sq / (count - correction))
+
+
+def _nan_group_advantages(r, group_size, scale, correction, eps) -> torch.Tensor:
+    """`group_advantages` over the non-NaN rewards of each group (a NaN row: advantage 0)."""
+    if group_size == 1 and correction == 1:
+        mean, sd = torch.zeros_like(r), torch.ones_like(r)
+    else:
+        mean = torch.nanmean(r, -1, keepdim=True)
+        sd = torch.nan_to_num(nan_std(r, -1, correction, keepdim=True), nan=0.0)
+    centred = r - mean
+    if scale == "group":
+        out = centred / (sd + eps)
+    elif scale == "batch":
+        out = centred / (torch.nan_to_num(nan_std(r, correction=correction), nan=0.0) + eps)
+    elif scale == "none":
+        out = centred
+    else:
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    return torch.nan_to_num(out, nan=0.0).view(-1)
+
+
+def _z_scores(r: torch.Tensor, eps: float) -> torch.Tensor:
+    """Row-wise (r − mean)/(population std + ε); with NaN rewards over the others only (a NaN entry stays NaN)."""
+    if not torch.isnan(r).any():
+        return (r - r.mean(-1, keepdim=True)) / (r.std(-1, correction=0, keepdim=True) + eps)
+    sd = torch.nan_to_num(nan_std(r, -1, 0, keepdim=True), nan=0.0)
+    return (r - torch.nanmean(r, -1, keepdim=True)) / (sd + eps)
 
 
 def appo_dual_group_advantages(
@@ -75,22 +115,27 @@ def appo_dual_group_advantages(
     Non-positive scores (decision): w_b = 0 for BS_b ≤ 0 (the branch adds no scale, m = 1 from it), and every
     w_b = 0 when max BS ≤ 0, so a fallback-only batch is not scaled. `m_scaling="reward_noop"` sets m ≡ 1
     (the reference applies m to the terminal reward where it cancels). Positions t ≥ `lengths[p, i]` are 0.
+    A NaN reward (an unscorable row, as TRL marks it) is in no group's mean or std: an initial row's advantage is 0,
+    a branch's is in no B_i(t).
     """
     if m_scaling not in ("advantage", "reward_noop"):
         raise ValueError(f"m_scaling must be 'advantage' or 'reward_noop', got {m_scaling!r}")
     ri, rb = initial_rewards.float(), branch_rewards.float()
     P, N = ri.shape
     T = max_length
-    a_i = (ri - ri.mean(-1, keepdim=True)) / (ri.std(-1, correction=0, keepdim=True) + eps)  # (P, N)
+    a_i = _z_scores(ri, eps)  # (P, N)
     base = a_i.unsqueeze(-1).expand(P, N, T)
     if rb.numel() == 0:
         out = base.clone()
     else:
         dev = ri.device
         rb = rb.to(dev)
-        a_b = (rb - rb.mean(-1, keepdim=True)) / (rb.std(-1, correction=0, keepdim=True) + eps)  # (P, B)
+        a_b = _z_scores(rb, eps)  # (P, B)
         s, t = branch_positions.long().to(dev), torch.arange(T, device=dev)
         cover = (s.unsqueeze(-1) >= t).float()  # (P, B, T): branch b covers t (s_b ≥ t)
+        if torch.isnan(a_b).any():  # an unscorable branch covers nothing
+            cover = cover * (~torch.isnan(a_b)).unsqueeze(-1).float()
+            a_b = torch.nan_to_num(a_b, nan=0.0)
         parent = torch.nn.functional.one_hot(branch_rows.long().to(dev).clamp(0, N - 1), N).float()  # (P, B, N)
         count = torch.einsum("pbn,pbt->pnt", parent, cover)  # |B_i(t)|
         credit = torch.einsum("pbn,pbt,pb->pnt", parent, cover, a_b)
@@ -108,6 +153,7 @@ def appo_dual_group_advantages(
         else:
             m = torch.ones_like(denom)
         out = torch.where(has, m * base + credit / denom, base)
+    out = torch.nan_to_num(out, nan=0.0)  # an unscorable initial row
     if lengths is not None:
         out = out * (torch.arange(T, device=out.device).view(1, 1, -1) < lengths.to(out.device).view(P, N, 1)).float()
     return out.reshape(P * N, T)

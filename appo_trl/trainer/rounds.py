@@ -322,10 +322,11 @@ class RoundRunner:
         num_rows = len(rnd.inputs)
         start = t.accelerator.process_index * num_rows
         local = rnd.rewards[start : start + num_rows]
-        rewards = (local * t.reward_weights.to(local.device).unsqueeze(0)).nansum(dim=1)
+        rewards = trl_rules.scored_rewards(t, local)  # NaN: unscorable (TRL's rule), in no baseline, advantage 0
         if rnd.turn_rewards:  # per-turn rewards: each on its turn's last token (the tree estimator reads them)
             batch.info["token_rewards"] = token_rewards(t, batch.rows, local, rnd.turn_rewards, out)
-        out["advantages"] = strategy.advantages(batch, rewards, out["advantages"], out["completion_ids"].size(1))
+        advantages = strategy.advantages(batch, rewards, out["advantages"], out["completion_ids"].size(1))
+        out["advantages"] = trl_rules.zero_unscorable(advantages, rewards)
         if rnd.mode == "train" and t.args.dump_rollouts:  # sample groups for `appo rollouts OUTPUT_DIR`
             dump_round(t, rnd.inputs, batch, rewards, out)
         keep = list(batch.keep)

@@ -4,15 +4,58 @@ Each was read from `GRPOTrainer._generate_and_score_completions` of trl `TRL_VER
 file to read again (its private attributes: `trl_seams`). The rules: whether TRL runs its no-grad old-logp pass
 (`runs_old_logp_pass`), the vLLM importance-sampling ratio (`importance_ratio`), the reference forward, or the
 adapter-free / "ref" adapter one under PEFT (`reference_logps`), and truncated-completion masking
-(`truncated_rows`). Users: the round runner (`rounds.py`: the old-logp cache) and an agent's forked rows
-(`chain_rows.py`). What this does not do: decide when a rule applies beyond TRL's own condition.
+(`truncated_rows`), and the reward rule of rows every reward function left unscored (`scored_rewards`,
+`unscorable_rows`, `zero_unscorable`). Users: the round runner (`rounds.py`: the old-logp cache, the rewards a
+strategy's own advantages read) and an agent's forked rows (`chain_rows.py`). What this does not do: decide when a
+rule applies beyond TRL's own condition.
+
+`TRL_COPIES` names, for each rule, the TRL function it was read from and the SHA-256 of that function's source in
+`TRL_VERSION`; `tests/trainer/test_trl_rules.py` fails naming the copy when TRL's source moves.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 TRL_VERSION = "1.16.0"  # the TRL these rules (and `trl_seams`' seams) were read from
+
+_GRPO = "trl.trainer.grpo_trainer:GRPOTrainer"
+_SCORE = f"{_GRPO}._generate_and_score_completions"
+_SCORE_SHA = "1fa48922792dcd5c72da155cfe99db477771a7c61cde15519fe8c86d0cdc0b65"
+# copy -> (the TRL function it was read from, "module:qualname", and the sha256 of its source in TRL_VERSION)
+TRL_COPIES: dict[str, tuple[str, str]] = {
+    "runs_old_logp_pass": (_SCORE, _SCORE_SHA),
+    "importance_ratio": (_SCORE, _SCORE_SHA),
+    "reference_logps": (_SCORE, _SCORE_SHA),
+    "truncated_rows": (_SCORE, _SCORE_SHA),
+    "unscorable_rows": (_SCORE, _SCORE_SHA),
+    "scored_rewards": (_SCORE, _SCORE_SHA),
+    "zero_unscorable": (_SCORE, _SCORE_SHA),
+}
+
+
+def unscorable_rows(rewards_per_func: torch.Tensor) -> torch.Tensor:
+    """TRL's unscorable rows: (N,) bool, True where every reward function returned None (NaN in `rewards_per_func`)."""
+    return torch.isnan(rewards_per_func).all(dim=1)
+
+
+def scored_rewards(trainer, rewards_per_func: torch.Tensor) -> torch.Tensor:
+    """TRL's reward of each row under `multi_objective_aggregation: sum_then_normalize`: the weighted `nansum` over the
+    functions, NaN for an unscorable row, so no baseline counts it (a strategy's own advantages skip NaN rows)."""
+    weights = trainer.reward_weights.to(rewards_per_func.device).unsqueeze(0)
+    rewards = (rewards_per_func * weights).nansum(dim=1)
+    rewards[unscorable_rows(rewards_per_func)] = math.nan
+    return rewards
+
+
+def zero_unscorable(advantages: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    """TRL's last step of the advantages: an unscorable row (reward NaN) carries no signal, its advantage is 0 (a
+    (B,) or (B, T) tensor; every token of the row)."""
+    out = torch.nan_to_num(advantages, nan=0.0)
+    out[torch.isnan(rewards).to(out.device)] = 0.0
+    return out
 
 
 def runs_old_logp_pass(trainer) -> bool:
@@ -55,4 +98,5 @@ def truncated_rows(trainer, completions: list[list[int]]) -> torch.Tensor:
     return torch.tensor([c[-1] not in ends for c in completions]).unsqueeze(1)
 
 
-__all__ = ["TRL_VERSION", "importance_ratio", "reference_logps", "runs_old_logp_pass", "truncated_rows"]
+__all__ = ["TRL_COPIES", "TRL_VERSION", "importance_ratio", "reference_logps", "runs_old_logp_pass", "scored_rewards",
+           "truncated_rows", "unscorable_rows", "zero_unscorable"]  # fmt: skip

@@ -69,3 +69,20 @@ def test_left_pad_as_trl_pads_prompts():
     ids, mask = left_pad([[1, 2], [3]], pad_id=0)
     assert ids.tolist() == [[1, 2], [0, 3]] and mask.tolist() == [[1, 1], [0, 1]]
     assert ids.dtype == mask.dtype == torch.long
+
+
+@pytest.mark.parametrize("copy", sorted(trl_rules.TRL_COPIES))
+def test_the_trl_source_each_rule_copies_is_the_one_it_was_read_from(copy):
+    import hashlib
+    import importlib
+    import inspect
+
+    where, sha = trl_rules.TRL_COPIES[copy]
+    module, qualname = where.split(":")
+    obj = importlib.import_module(module)
+    for name in qualname.split("."):
+        obj = getattr(obj, name)
+    source = inspect.getsource(obj)
+    got = hashlib.sha256(source.encode()).hexdigest()
+    assert got == sha, (f"trl_rules.{copy} copies {where} of trl {trl_rules.TRL_VERSION}, whose source has changed: "
+                        f"read it again, update the copy, then its hash ({got})")  # fmt: skip

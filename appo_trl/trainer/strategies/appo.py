@@ -173,6 +173,11 @@ class APPOStrategy(RolloutStrategy):
         old_rows = [old[g * N + j] if j < N else None for g in range(len(init)) for j in range(n)]
         return RoundBatch(groups=groups, keep=keep, info={"points": points, "old_logps": old_rows}, metrics=metrics)
 
+    @classmethod
+    def own_advantages(cls, config) -> str | None:
+        dual = config.advantage_mode != "group" and config.initial_rollouts != config.num_generations
+        return super().own_advantages(config) or ("APPO's dual-group advantage (advantage_mode=dual_group)" if dual else None)
+
     def advantages(self, batch, rewards, default, length):
         """(B_local, T) advantages: initial rows get dual-group credit; branch rows keep TRL's value (dropped later)."""
         a = self.args

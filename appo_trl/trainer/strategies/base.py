@@ -110,6 +110,20 @@ class RolloutStrategy:
         from appo_trl.trainer.config.credit import check_credit
 
         check_credit(config, cls)  # advantage_estimator=tree and its options
+        own = cls.own_advantages(config)
+        if own is not None and config.multi_objective_aggregation != "sum_then_normalize":
+            fail(f"multi_objective_aggregation={config.multi_objective_aggregation} normalises each reward function "
+                 f"in TRL's own group advantages, but {own} replaces them with advantages of the summed reward; set "
+                 "multi_objective_aggregation: sum_then_normalize.")  # fmt: skip
+
+    @classmethod
+    def own_advantages(cls, config) -> str | None:
+        """The setting under which this strategy replaces TRL's advantages with its own (`advantages`), or None."""
+        if cls.branches and config.advantage_estimator == "tree":
+            return "advantage_estimator=tree"
+        if config.advantage_std_eps != TRL_STD_EPS:
+            return f"advantage_std_eps={config.advantage_std_eps}"
+        return None
 
     def generate(self, prompt_ids: list[list[int]], n: int, seed: int, engine) -> RoundBatch:
         """One round: n rows per unique prompt of `prompt_ids`, sampled on `engine` (an object with
