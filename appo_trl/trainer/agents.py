@@ -14,7 +14,8 @@ branch call), so rewards and group statistics are over runs. A run whose agent r
 also trains on its other sampled chains (`row.chain_rows`, `agent/chain_rows`), appended with the run's reward and
 advantage after TRL's scoring (`appo_trl.trainer.chain_rows`). Rewards: the agent's number reaches TRL as the
 `agent_reward` column of the reward function `agent_reward` (first in `reward_funcs`); where it is set, the other
-reward functions' values are ignored (`agent_rewards_override`), so a row is never scored twice.
+reward functions' values, per-turn lists included, are ignored (`agent_rewards_override`), so a row is never scored
+twice.
 
 Faults: an agent that raises or runs past `agent_timeout_s` gets reward 0 (`agent/errors`, `agent/timeouts`; each
 distinct error's first line logged once) or, with `agent_errors: raise`, stops the run; an agent that returns

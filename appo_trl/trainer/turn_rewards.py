@@ -37,15 +37,19 @@ def token_rewards(trainer, rows, local: torch.Tensor, turns: dict, out: dict) ->
 
 
 def place_turn_rewards(rows, local, names, weights, turns: dict, length: int) -> torch.Tensor:
-    """Each function's reward on its row: per turn on each turn's last sampled token, else on the last token."""
+    """Each function's reward on its row: per turn on each turn's last sampled token, else on the last token.
+
+    A function whose value on the row is NaN places nothing, its per-turn list included: it returned None, or its
+    value was dropped because an agent's own number wins (`agents.agent_rewards_override`)."""
     placed = torch.zeros(len(rows), length, dtype=torch.float64)
     for i, row in enumerate(rows):
         n, ends = len(row.completion_ids), turn_ends(row.loss_mask)
         for f, (name, w) in enumerate(zip(names, weights)):
-            values = turns.get((name, i))
+            r, values = float(local[i, f]), turns.get((name, i))
+            if math.isnan(r):
+                continue
             if values is None:
-                r = float(local[i, f])
-                if n and not math.isnan(r):
+                if n:
                     placed[i, n - 1] += w * r
                 continue
             if len(values) != len(ends):

@@ -161,3 +161,26 @@ def test_per_call_rewards_with_a_branch_credit_each_node(tmp_path, tiny_chat_tok
                 assert adv[t] == pytest.approx(0.0 if t < p else 2 * (answer - mean), abs=1e-5)
             checked += 1
     assert checked == 8
+
+
+def test_an_agents_number_wins_over_per_turn_lists(tmp_path, tiny_chat_tokenizer, tiny_chat_model_path):
+    """Issue 48, cause 1: the agent returns 1.0 for every run while a reward function returns per-turn lists; the
+    agent's number wins, so no list is placed and every token's advantage is 0 (all runs' rewards are equal)."""
+    from tests.trainer.test_agents import sdk_agent
+
+    def always_one(row, base_url, model):
+        sdk_agent(row, base_url, model)
+        return 1.0
+
+    def per_turn(completions, **kw):  # one reward per assistant turn, different on every turn and row
+        return [[0.3 * (i + 1) + 0.1 * t for t, m in enumerate(c) if m["role"] == "assistant"]
+                for i, c in enumerate(completions)]  # fmt: skip
+
+    trainer, _ = make_trainer(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, always_one, "arpo",
+                              reward_funcs=[per_turn], branch_probability=0.0, advantage_estimator="tree",
+                              beam_size=2, max_steps=1)  # fmt: skip
+    seen = spy_loss(trainer)
+    trainer.train()
+    assert seen
+    for inputs in seen:
+        assert torch.all(inputs["advantages"] == 0), inputs["advantages"].abs().max()
