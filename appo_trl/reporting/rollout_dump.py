@@ -51,12 +51,12 @@ def _cut(text: str, n: int = MAX_CHARS) -> str:
 
 def group_records(batch, inputs: list[dict], rewards, advantages, completion_mask, tokenizer, *, step: int,
                   strategy: str, max_groups: int) -> list[dict]:  # fmt: skip
-    """One record per group (the first `max_groups`) of a `RoundBatch` whose rows line up with `inputs`."""
+    """One record per group (the first `max_groups`) of a `Round` whose rows line up with `inputs`."""
     from appo_trl.algorithms.tree_credit import runs
     from appo_trl.rollout.group_tree import GroupTree
 
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    credits = (getattr(batch, "info", None) or {}).get("tree_credit")
+    credits = batch.tree_credit
     records, row = [], 0
     for g, group in enumerate(batch.groups):
         if g >= max_groups:

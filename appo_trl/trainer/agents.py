@@ -48,7 +48,7 @@ from appo_trl.rollout.types import Trajectory
 from appo_trl.trainer import trl_seams
 from appo_trl.trainer.agent_threads import AgentRun, join_within
 from appo_trl.trainer.reward_checks import REWARD_LIMIT, non_finite_note, usable_reward
-from appo_trl.trainer.strategies import RoundBatch
+from appo_trl.trainer.strategies import AgentReport, Round
 from appo_trl.trainer.turn_rewards import call_rewards_per_turn
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def with_agent_reward(reward_funcs, args, agent):
 
 def agent_rewards_override(trainer, rewards_per_func):
     """Rows whose agent returned a number keep that number only (the other reward functions' values become NaN)."""
-    if getattr(trainer, "agent", None) is None:
+    if trainer.agent is None:
         return rewards_per_func
     given = ~rewards_per_func[:, 0].isnan()
     rewards_per_func[given, 1:] = math.nan
@@ -214,11 +214,11 @@ class AgentRounds:
                            EXIT_GRACE_S)  # fmt: skip
 
     # ---- one round ---------------------------------------------------------------------------------------------
-    def generate(self, strategy, prompt_ids: list[list[int]], n: int, seed: int, inputs: list[dict]) -> RoundBatch:
+    def generate(self, strategy, prompt_ids: list[list[int]], n: int, seed: int, inputs: list[dict]) -> Round:
         """`strategy.generate` on agent runs: n per prompt of TRL's generation batch `inputs` (n consecutive rows per
         prompt), branches re-run the agent by replay; `prompt_ids`: TRL's tokenised prompts (for runs that failed
         before their first answer). On any thread (a background round's too): the round's counts ride in
-        `batch.info["agent"]` until `report` logs them on the trainer's thread."""
+        `Round.agent` until `report` logs them on the trainer's thread."""
         if self.endpoint is None:
             self._start()
         if len(inputs) != len(prompt_ids):
@@ -227,13 +227,13 @@ class AgentRounds:
         batch = strategy.generate(prompt_ids[::n], n, seed, runs)  # the strategy samples on the agent's runs
         metrics = {**{f"agent/{k}": v for k, v in runs.counts.items()}, **self.endpoint.metrics()}
         self.endpoint.reset_metrics()
-        batch.info["agent"] = (runs, metrics)
+        batch.agent = AgentReport(runs, metrics)
         return batch
 
-    def report(self, batch: RoundBatch, mode: str) -> None:
+    def report(self, batch: Round, mode: str) -> None:
         """On the trainer's thread, once per round handed to TRL: its `agent/*` metrics, and (training) the check
         for a round in which every run failed (a collective: every rank calls it at the same round)."""
-        runs, metrics = batch.info.pop("agent")
+        (runs, metrics), batch.agent = batch.agent, None
         for key, value in metrics.items():
             trl_seams.log_metric(self.trainer, mode, key, float(value))
         if mode == "train":

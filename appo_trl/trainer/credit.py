@@ -3,8 +3,8 @@
 `tree_advantages` builds each group's `GroupTree` from its trajectories, runs the pure estimator
 (`appo_trl.algorithms.tree_credit`) with the config's weights and scaling, and returns `(B, T)` token advantages in
 TRL's layout (the loss reads 2-D advantages as it does APPO's). Per-turn rewards arrive as per-token rewards already
-placed on each turn's last token (`batch.info["token_rewards"]`, see `appo_trl.trainer.turn_rewards`); without them
-each row's reward is its outcome. Each group's `TreeCredit` is kept in `batch.info["tree_credit"]` for the dump.
+placed on each turn's last token (`Round.token_rewards`, see `appo_trl.trainer.turn_rewards`); without them
+each row's reward is its outcome. Each group's `TreeCredit` is kept in `Round.tree_credit` for the dump.
 
 An unscorable row (reward NaN: every reward function returned None, TRL's rule) is left out of its group's tree
 (`scorable_tree`: its children take its place, so the rows left share exactly the tokens they shared before), so it
@@ -19,14 +19,14 @@ from appo_trl.algorithms.tree_credit import TreeCredit, tree_credit
 from appo_trl.rollout.group_tree import GroupTree
 
 
-def tree_advantages(batch, rewards: torch.Tensor, length: int, args) -> torch.Tensor:
-    """(B, length) advantages of the local rows of `batch` (groups flattened) from their rewards (B,)."""
+def tree_advantages(rnd, rewards: torch.Tensor, length: int, args) -> torch.Tensor:
+    """(B, length) advantages of the local rows of round `rnd` (groups flattened) from their rewards (B,)."""
     rewards = rewards.detach().float().cpu()
-    token_rewards = batch.info.get("token_rewards")
+    token_rewards = rnd.token_rewards
     out = torch.zeros(len(rewards), length)
     credits, row = [], 0
     kw = dict(weights=(args.tree_credit_global_weight, args.tree_credit_local_weight), scale=args.tree_credit_scale)
-    for group in batch.groups:
+    for group in rnd.groups:
         tree, k = GroupTree.of(group), len(group)
         group_rewards = rewards[row : row + k]
         keep = [i for i in range(k) if not torch.isnan(group_rewards[i])]
@@ -41,7 +41,7 @@ def tree_advantages(batch, rewards: torch.Tensor, length: int, args) -> torch.Te
         out[row : row + k] = credit.advantages
         credits.append(credit)
         row += k
-    batch.info["tree_credit"] = credits
+    rnd.tree_credit = credits
     return out
 
 

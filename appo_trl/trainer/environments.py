@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from appo_trl.rollout.environments import RoundEnvironments, branch_mode, environment_methods
 from appo_trl.tools.callables import ToolSpecError, tool_schema
+from appo_trl.trainer.strategies.record import HandedEnvironments
 
 
 def check_environments(trainer) -> None:
@@ -198,7 +199,7 @@ def generate_with_environments(trainer, strategy, prompt_ids: list[list[int]], n
                                engine, own: OwnInstances | None = None):  # fmt: skip
     """`strategy.generate` on `engine` with one environment per trajectory (`inputs`: the rows TRL reset them with);
     leaves each row's instance in `trainer.environments` for TRL's reward step. A background round (`own`: its own
-    instances) leaves them, and its prompts, in `batch.info["environments"]` for its hand-over instead."""
+    instances) leaves them, and its prompts, in `Round.environments` for its hand-over instead."""
     envs, per_row = round_environments(trainer, prompt_ids, n, strategy, inputs, own)
     if not hasattr(engine, "environments"):
         raise TypeError(
@@ -217,5 +218,5 @@ def generate_with_environments(trainer, strategy, prompt_ids: list[list[int]], n
     if own is None:
         trainer.environments = envs.rows(batch.rows)
     else:
-        batch.info["environments"] = (envs.rows(batch.rows), own.prompts)
+        batch.environments = HandedEnvironments(envs.rows(batch.rows), own.prompts)
     return batch

@@ -1,9 +1,11 @@
-"""The round runner: one generation round of `APPOTrainer`, from TRL's generation batch to a typed `Round`.
+"""The round runner: the scheduler of `APPOTrainer`'s generation rounds, from TRL's generation batch to a `Round`.
 
-`RoundRunner` owns what sampling needs (the strategies, the rollout engine, the background scheduler, the seeds, the
-sampler copy, the weight sync) and fills the `Round` of the `_generate_and_score_completions` call in progress; the
-trainer's TRL hooks only delegate here. It does not compute losses or rewards. The walk through one training step:
-docs/architecture.md.
+`RoundRunner` owns what scheduling needs (the strategies, the rollout engine, the background scheduler, the seeds,
+the sampler copy, the weight sync) and fills the `Round` (`strategies.record`) of the
+`_generate_and_score_completions` call in progress; what a round is made of (its prompts' preparation, its sampling,
+its completions and extra fields, its rows after scoring, the end) belongs to the sampling path
+(`sampling_paths`). The trainer's TRL hooks only delegate here. It does not compute losses or rewards. The walk
+through one training step: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -12,79 +14,21 @@ import contextlib
 import copy
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-from trl.data_utils import is_conversational
 
 from appo_trl.reporting.console import canonical_metrics
 from appo_trl.reporting.rollout_dump import dump_round
 from appo_trl.trainer import trl_rules, trl_seams
 from appo_trl.trainer.async_rounds import build_async_rounds, split_cpu_threads
-from appo_trl.trainer.chain_rows import add_chain_rows
-from appo_trl.trainer.environments import share_group_tasks
 from appo_trl.trainer.rows import select_rows
 from appo_trl.trainer.setup import build_rollout_engine
 from appo_trl.trainer.sharded import full_weights_for_round
-from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RolloutStrategy, RoundBatch
+from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RolloutStrategy, Round
 from appo_trl.trainer.turn_rewards import token_rewards
 from appo_trl.trainer.weight_sync import generate_round, held_adapter
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Round:
-    """One generation round on one rank, filled by the hooks of one `_generate_and_score_completions` call.
-
-    `inputs` is TRL's generation batch; `batch` the strategy's groups (None when TRL's own sampler ran);
-    `prompt_ids` / `completion_ids` the exact ids per row handed to TRL; `policy_version` the optimizer step of the
-    weights that sampled it; `rewards` TRL's gathered (N_global, F) rewards; `old_logps` one row per batch row from
-    APPO's selection forward, served once to TRL's old-logp forward of exactly these ids (`take_old_logps`).
-    """
-
-    inputs: Any
-    mode: str  # "train" | "eval"
-    batch: RoundBatch | None = None
-    prompt_ids: list[list[int]] = field(default_factory=list)
-    completion_ids: list[list[int]] = field(default_factory=list)
-    policy_version: int | None = None
-    rewards: torch.Tensor | None = None
-    old_logps: list[torch.Tensor] | None = None
-    turn_rewards: dict = field(default_factory=dict)  # (reward function, local row) -> one reward per turn
-
-    @property
-    def groups(self) -> list[list[Any]]:
-        return self.batch.groups if self.batch is not None else []
-
-    @property
-    def rows(self) -> list[Any]:
-        return self.batch.rows if self.batch is not None else []
-
-    def holds_ids(self, input_ids: torch.Tensor, logits_to_keep: int) -> bool:
-        """Whether `input_ids` (TRL's left-padded prompts + right-padded completions) are exactly this round's rows."""
-        if input_ids.size(0) != len(self.prompt_ids):
-            return False
-        width, ids = input_ids.size(1) - logits_to_keep, input_ids.detach().cpu()
-        for i, (p, c) in enumerate(zip(self.prompt_ids, self.completion_ids)):
-            if len(p) > width or len(c) > logits_to_keep:
-                return False
-            if ids[i, width - len(p) : width].tolist() != p or ids[i, width : width + len(c)].tolist() != c:
-                return False
-        return True
-
-    def take_old_logps(self, input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor | None:
-        """The cached old logps as TRL's (B, logits_to_keep) tensor, once, if `input_ids` are this round's rows."""
-        cache = self.old_logps
-        if cache is None or not self.holds_ids(input_ids, logits_to_keep):
-            return None
-        self.old_logps = None
-        out = torch.zeros(len(cache), logits_to_keep)
-        for i, row in enumerate(cache):
-            width = min(len(row), logits_to_keep)
-            out[i, :width] = row[:width]
-        return out.to(input_ids.device)
 
 
 class RoundRunner:
@@ -101,14 +45,14 @@ class RoundRunner:
         self.eval_strategy: RolloutStrategy = GRPOStrategy(trainer)  # validation: no branching (released code)
         self._engine = engine
         self.current: Round | None = None
+        self._scoring: tuple | None = None  # (TRL's generation batch, mode) of the scoring call in progress
         self.round_index = 0  # seeds derive from it; checkpointed (`state`)
         self.tool_idle_rounds = 0
         self.async_rounds = build_async_rounds(trainer)  # None unless max_staleness >= 1 (async_rounds)
         self.sampler = self.async_rounds.sampler if self.async_rounds is not None else None
         # the sampling path resolved at start-up (`sampling_paths`): every round, foreground or background, is its
-        # `sample()`; `agents` is the agent path's `AgentRounds` (None on other paths)
+        # `sample()`, and the path owns the round's life
         self.path = trainer.sampling_path().bind(self)
-        self.agents = getattr(self.path, "agents", None)
         backend = getattr(engine, "backend", None)
         if self.sampler is not None and getattr(backend, "model", None) is trainer.model:
             backend.model, backend.accelerator = self.sampler.model, None  # decode with the copy, not the policy
@@ -148,8 +92,7 @@ class RoundRunner:
             finally:
                 if rounds is not None:
                     rounds.closed = True
-                if self.agents is not None:  # agents cancelled, endpoint stopped (a later train() restarts it)
-                    self.agents.close()
+                self.path.close()
                 closer = getattr(self._engine, "close", None)
                 if closer is not None:
                     closer()
@@ -158,12 +101,13 @@ class RoundRunner:
 
     @contextlib.contextmanager
     def scoring(self, inputs):
-        """The round of one `_generate_and_score_completions` call: `current` for its span, cleared on any exit."""
-        self.current = Round(inputs=inputs, mode="train" if self.trainer.model.training else "eval")
+        """The span of one `_generate_and_score_completions` call: its round is `current` from its hand-over to TRL
+        (`generate`) to `finish`, cleared on any exit (TRL's own sampler: no round)."""
+        self._scoring, self.current = (inputs, "train" if self.trainer.model.training else "eval"), None
         try:
-            yield self.current
+            yield
         finally:
-            self.current = None
+            self._scoring, self.current = None, None
 
     @contextlib.contextmanager
     def behaviour_correction(self):
@@ -227,17 +171,15 @@ class RoundRunner:
         """TRL's `_generate` contract: (prompt ids, completion ids, tool mask, completions, sampler logprobs, extra
         fields, None, []) with the exact sampled ids; the current round keeps the rows, ids and version."""
         t = self.trainer
-        rnd = self.current if self.current is not None else Round(None, "train" if t.model.training else "eval")
-        mode = rnd.mode
+        inputs, mode = self._scoring or (None, "train" if t.model.training else "eval")
         n = t.num_generations if mode == "train" else t.num_generations_eval
         strategy = self.strategy if mode == "train" else self.eval_strategy
-        if t.environment_factories is not None:  # environment-owned data: one task per group when branching
-            share_group_tasks(t, strategy, prompts, n)
+        self.path.prepare(strategy, prompts, n)
         prompt_ids, _, _ = t._tokenize_prompts(copy.deepcopy(prompts))
-        batch, version = self._sample(rnd, strategy, prompt_ids, n)
-        self.path.hand_over(batch, mode, prompts)  # trainer's thread: an agent's metrics, a round's own environments
-        rows = batch.rows
-        if len(rows) != len(prompts) or any(len(g) != n for g in batch.groups):
+        rnd, version = self._sample(inputs, mode, strategy, prompt_ids, n)
+        self.path.hand_over(rnd, mode, prompts)  # trainer's thread: an agent's metrics, a round's own environments
+        rows = rnd.rows
+        if len(rows) != len(prompts) or any(len(g) != n for g in rnd.groups):
             raise RuntimeError(f"strategy {strategy.name} returned {len(rows)} rows for {len(prompts)} prompts")
         completion_ids = [list(r.completion_ids) for r in rows]
         tool_mask = [[int(m) for m in r.loss_mask] for r in rows]
@@ -246,49 +188,37 @@ class RoundRunner:
             if not len(completion_ids[i]) == len(tool_mask[i]) == len(logprobs[i]):
                 raise RuntimeError(f"row {i}: completion_ids, loss_mask and logprobs lengths differ")
         texts = t.processing_class_tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        if self.agents is not None:  # the agent's conversation after its prompt (assistant, tool/user, ...)
-            completions = [r.messages for r in rows]
-        elif t.chat_tool_format is not None:  # TRL's tool-loop shape: assistant (tool_calls), tool, ..., assistant
-            completions = [t.chat_tool_format.completion_messages(r) for r in rows]
-        elif is_conversational({"prompt": prompts[0]}):
-            completions = [[{"role": "assistant", "content": text}] for text in texts]
-        else:
-            completions = texts
-        extra_fields = {
-            "num_tool_calls": [int(r.num_calls) for r in rows],
-            "branch_origin": [r.origin for r in rows],
-            "branch_pos": [-1 if r.branch_pos is None else int(r.branch_pos) for r in rows],
-        }
-        if self.agents is not None:
-            extra_fields["agent_reward"] = [r.agent_reward for r in rows]
+        completions, extra_fields = self.path.completions(rows, texts, prompts), self.path.extra_fields(rows)
         row_prompt_ids = [list(r.prompt_ids) for r in rows]
-        self._log(mode, strategy, batch, row_prompt_ids, completion_ids, tool_mask)
-        rnd.batch, rnd.policy_version = batch, version
+        self._log(mode, strategy, rnd, row_prompt_ids, completion_ids, tool_mask)
+        rnd.inputs, rnd.mode, rnd.policy_version = inputs, mode, version
         rnd.prompt_ids, rnd.completion_ids = row_prompt_ids, completion_ids
+        if self._scoring is not None:
+            self.current = rnd
         if mode == "train" and self.async_rounds is not None:
             for key, value in self.async_rounds.metrics().items():
                 trl_seams.log_metric(t, mode, key, value)
         # rows without cached logps get ratio 1 (they are dropped); background rounds: the proximal forward runs
-        if batch.info.get("old_logps") is not None and self.async_rounds is None and trl_rules.runs_old_logp_pass(t):
+        if rnd.selection_logps is not None and self.async_rounds is None and trl_rules.runs_old_logp_pass(t):
             nan0 = [torch.nan_to_num(torch.tensor(lp, dtype=torch.float32), nan=0.0) for lp in logprobs]
-            rnd.old_logps = [c if c is not None else nan0[i] for i, c in enumerate(batch.info["old_logps"])]
+            rnd.old_logps = [c if c is not None else nan0[i] for i, c in enumerate(rnd.selection_logps)]
         return row_prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, None, []
 
-    def _sample(self, rnd: Round, strategy, prompt_ids, n: int) -> tuple[RoundBatch, int]:
-        """The round's batch and the optimizer step of the weights that sampled it."""
+    def _sample(self, inputs, mode: str, strategy, prompt_ids, n: int) -> tuple[Round, int]:
+        """The round and the optimizer step of the weights that sampled it."""
         t, rounds = self.trainer, self.async_rounds
         step = t.state.global_step
 
         def sample(seed: int):
-            return self.path.sample(strategy, prompt_ids, n, seed, rnd.inputs)
+            return self.path.sample(strategy, prompt_ids, n, seed, inputs)
 
         def own_thread_round():  # max_staleness >= 1, a round on this thread: with vLLM, re-run after a restart
             seed = self.next_seed()  # (args.use_vllm: `behaviour_correction` raises `use_vllm` in-process)
             return generate_round(t, lambda: sample(seed)) if t.args.use_vllm else sample(seed)
 
-        if rounds is not None and rnd.mode == "train":  # the round may come from the background
-            batch = rounds.next_round(rnd.inputs, step, own_thread_round, self._background_job)
-            return batch, rounds.history[-1].version
+        if rounds is not None and mode == "train":  # the round may come from the background
+            rnd = rounds.next_round(inputs, step, own_thread_round, self._background_job)
+            return rnd, rounds.history[-1].version
         if rounds is not None:  # evaluation: the background round finishes and the sampler syncs first
             rounds.before_foreground_round(step)
             return own_thread_round(), step
@@ -311,12 +241,12 @@ class RoundRunner:
 
         return held_job
 
-    def finish(self, rnd: Round, out: dict) -> dict:
-        """TRL's scored batch, then the strategy's advantages, an agent's forked rows (`chain_rows.add_chain_rows`) and without
-        the rows that must not reach the loss (with `num_items_in_batch` the global mask sum of the remaining rows).
-        TRL's own sampler: unchanged."""
-        t, batch = self.trainer, rnd.batch
-        if batch is None:
+    def finish(self, out: dict) -> dict:
+        """TRL's scored batch of the current round, then the strategy's advantages, the path's `after_scoring` (an
+        agent's other chains) and without the rows that must not reach the loss (with `num_items_in_batch` the
+        global mask sum of the remaining rows). TRL's own sampler (no round): unchanged."""
+        t, rnd = self.trainer, self.current
+        if rnd is None:
             return out
         strategy = self.strategy if rnd.mode == "train" else self.eval_strategy
         num_rows = len(rnd.inputs)
@@ -324,26 +254,24 @@ class RoundRunner:
         local = rnd.rewards[start : start + num_rows]
         rewards = trl_rules.scored_rewards(t, local)  # NaN: unscorable (TRL's rule), in no baseline, advantage 0
         if rnd.turn_rewards:  # per-turn rewards: each on its turn's last token (the tree estimator reads them)
-            batch.info["token_rewards"] = token_rewards(t, batch.rows, local, rnd.turn_rewards, out)
-        advantages = strategy.advantages(batch, rewards, out["advantages"], out["completion_ids"].size(1))
+            rnd.token_rewards = token_rewards(t, rnd.rows, local, rnd.turn_rewards, out)
+        advantages = strategy.advantages(rnd, rewards, out["advantages"], out["completion_ids"].size(1))
         out["advantages"] = trl_rules.zero_unscorable(advantages, rewards)
         if rnd.mode == "train" and t.args.dump_rollouts:  # sample groups for `appo rollouts OUTPUT_DIR`
-            dump_round(t, rnd.inputs, batch, rewards, out)
-        keep = list(batch.keep)
-        if self.agents is not None:  # each run's forked rows join it, after the advantages over runs
-            out, keep = add_chain_rows(t, out, batch.rows, keep)
-        if self.agents is not None or not all(keep):  # (agents: every rank, whatever its forks)
+            dump_round(t, rnd.inputs, rnd, rewards, out)
+        out, keep = self.path.after_scoring(out, rnd, list(rnd.keep))
+        if self.path.reshapes_rows or not all(keep):  # (every rank alike, whatever its own rows)
             out = select_rows(out, torch.tensor([i for i, k in enumerate(keep) if k], dtype=torch.long), len(keep))
             mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]
             out["num_items_in_batch"] = t.accelerator.gather(mask.sum()).sum()
         return out
 
     # ---- metrics ----------------------------------------------------------------------------------------------
-    def _log(self, mode, strategy, batch, prompt_ids, completion_ids, tool_mask) -> None:
+    def _log(self, mode, strategy, rnd: Round, prompt_ids, completion_ids, tool_mask) -> None:
         """TRL's generation metrics (counted on sampled tokens) plus `tools/*` and `branch/*`; fixed collectives."""
         t = self.trainer
         device, gather, m = t.accelerator.device, t.accelerator.gather, trl_seams.step_metrics(t, mode)
-        rows = batch.rows
+        rows = rnd.rows
         prompt_len = gather(torch.tensor([len(p) for p in prompt_ids], device=device))
         full_len = gather(torch.tensor([len(c) for c in completion_ids], device=device))
         sampled = gather(torch.tensor([sum(x) for x in tool_mask], device=device))
@@ -353,7 +281,7 @@ class RoundRunner:
         truncated = gather(torch.tensor([r.finish_reason == "length" for r in rows], device=device))
         calls = gather(torch.tensor([int(r.num_calls) for r in rows], device=device))
         refused = gather(torch.tensor([r.finish_reason == "call_limit" for r in rows], device=device))
-        kept = gather(torch.tensor([float(k) for k in batch.keep], device=device))
+        kept = gather(torch.tensor([float(k) for k in rnd.keep], device=device))
         if mode == "train":
             t.state.num_input_tokens_seen += (prompt_len.sum() + full_len.sum()).item()
         m["num_tokens"] = [t.state.num_input_tokens_seen]
@@ -373,16 +301,14 @@ class RoundRunner:
         m["branch/loss_rows_frac"].append(kept.mean().item())
         engine = self._engine
         if engine is not None and hasattr(engine, "metrics"):  # local engine/tool statistics (no collective)
-            metrics = canonical_metrics(engine.metrics())
-            if self.agents is not None:  # the agent runs its own tools: count the calls its model made (its rows')
-                metrics["tools/calls"] = float(sum(int(r.num_calls) for r in rows))
+            metrics = self.path.tool_metrics(canonical_metrics(engine.metrics()), rows)
             for key, value in metrics.items():  # one name per quantity
                 if isinstance(value, (int, float)):
                     m[key if "/" in key else f"rollout/{key}"].append(float(value))
             if hasattr(engine, "reset_metrics"):
                 engine.reset_metrics()
         if strategy.metric_keys:
-            values = [batch.metrics.get(k, math.nan) for k in strategy.metric_keys]
+            values = [rnd.metrics.get(k, math.nan) for k in strategy.metric_keys]
             agg = gather(torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(0))
             for key, value in zip(strategy.metric_keys, agg.nanmean(dim=0).tolist()):
                 m[key].append(value)

@@ -9,9 +9,12 @@ Four paths, one class each in `PATHS` (name -> class):
 
 `resolve_path(given)` picks the path from what the constructor was given (`Given`) and refuses, from the one table
 `REFUSALS` ((path, setting) -> the one-line reason), every setting that path cannot honour, before the model loads.
-The `RoundRunner` builds the path object once (`path.bind(runner)`); each round, foreground or background, calls its
-`sample(strategy, prompt_ids, n, seed, inputs)`, which hands the strategy the engine its round samples on as an
-argument (`RolloutStrategy.generate(..., engine)`). What this module does not do: score, or hold rounds.
+The `RoundRunner` builds the path object once (`path.bind(runner)`) and the path owns each round's life on it:
+`prepare` (the trainer's thread, before the prompts are tokenised), `sample(strategy, prompt_ids, n, seed, inputs)`
+(any thread: it hands the strategy the engine its round samples on, `RolloutStrategy.generate(..., engine)`),
+`hand_over` (the trainer's thread, as the round reaches TRL), `completions` and `extra_fields` (what TRL's reward
+functions get), `tool_metrics`, `after_scoring` (the rows after the advantages) and `close`. What this module does
+not do: score, or hold rounds.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+from trl.data_utils import is_conversational
+
+from appo_trl.trainer.strategies import Round
 
 
 @dataclass(frozen=True)
@@ -110,11 +117,12 @@ def refusal(path: str, given: Given) -> str | None:
 
 
 class SamplingPath:
-    """One sampler of rounds. `sample` returns the round's `RoundBatch` (on any thread: background rounds too);
-    `hand_over` runs on the trainer's thread when the round reaches TRL (the path's own bookkeeping)."""
+    """One sampler of rounds and the owner of each round's life (module docstring). `sample` returns the `Round` (on
+    any thread: background rounds too); every other hook runs on the trainer's thread."""
 
     name: ClassVar[str] = "base"
     trl_sampler: ClassVar[bool] = False  # True: TRL's own `_generate` serves the round, `sample` is never called
+    reshapes_rows: ClassVar[bool] = False  # `after_scoring` may add rows: the batch is rebuilt on every rank
 
     @classmethod
     def serves(cls, given: Given) -> bool:
@@ -133,8 +141,40 @@ class SamplingPath:
         prompt_ids, _, _ = self.trainer._tokenize_prompts(copy.deepcopy([x["prompt"] for x in inputs]))
         return lambda: self.sample(strategy, prompt_ids, n, seed, inputs)
 
-    def hand_over(self, batch, mode: str, prompts: list) -> None:
+    def prepare(self, strategy, prompts: list, n: int) -> None:
+        """Before TRL's prompts of a foreground round are tokenised (`prompts`: TRL's list, n rows per prompt)."""
+
+    def hand_over(self, rnd: Round, mode: str, prompts: list) -> None:
         """On the trainer's thread, once per round handed to TRL (`prompts`: TRL's list for the round)."""
+
+    def completions(self, rows: list, texts: list[str], prompts: list) -> list:
+        """What TRL's reward functions get as `completions`: TRL's tool-loop messages with chat tools, one assistant
+        message for a conversational prompt, else the decoded texts."""
+        t = self.trainer
+        if t.chat_tool_format is not None:  # TRL's tool-loop shape: assistant (tool_calls), tool, ..., assistant
+            return [t.chat_tool_format.completion_messages(r) for r in rows]
+        if is_conversational({"prompt": prompts[0]}):
+            return [[{"role": "assistant", "content": text}] for text in texts]
+        return texts
+
+    def extra_fields(self, rows: list) -> dict[str, list]:
+        """TRL's `extra_fields` of the round: columns every reward function may read."""
+        return {
+            "num_tool_calls": [int(r.num_calls) for r in rows],
+            "branch_origin": [r.origin for r in rows],
+            "branch_pos": [-1 if r.branch_pos is None else int(r.branch_pos) for r in rows],
+        }
+
+    def tool_metrics(self, metrics: dict[str, float], rows: list) -> dict[str, float]:
+        """The engine's `tools/*` statistics of the round (canonical names)."""
+        return metrics
+
+    def after_scoring(self, out: dict, rnd: Round, keep: list[bool]) -> tuple[dict, list[bool]]:
+        """TRL's scored batch after the strategy's advantages, and which of its rows reach the loss."""
+        return out, keep
+
+    def close(self) -> None:
+        """At the end of `train()` (Ctrl-C included), before the engine closes."""
 
 
 class TRLSampler(SamplingPath):
@@ -189,10 +229,16 @@ class Environments(SamplingPath):
         prompt_ids = own_prompt_ids(self.trainer, own)
         return lambda: self.sample(strategy, prompt_ids, n, seed, inputs, own)
 
-    def hand_over(self, batch, mode, prompts):
+    def prepare(self, strategy, prompts, n):
+        """Environment-owned data (TRL's IncrementEnv pattern): one task per group when branching."""
+        from appo_trl.trainer.environments import share_group_tasks
+
+        share_group_tasks(self.trainer, strategy, prompts, n)
+
+    def hand_over(self, rnd, mode, prompts):
         """A background round's rows keep their own instances for TRL's reward step, and TRL's prompts become the
         ones the rows were sampled on (its reward functions and logs read them)."""
-        handed = batch.info.pop("environments", None)
+        handed, rnd.environments = rnd.environments, None
         if handed is not None:
             self.trainer.environments, prompts[:] = handed
 
@@ -201,6 +247,7 @@ class Agent(SamplingPath):
     """The user's agent through the endpoint: n runs per prompt, branches by replay (`AgentRounds`)."""
 
     name = "agent"
+    reshapes_rows = True  # a run's other chains join it after the advantages (`chain_rows`)
 
     @classmethod
     def serves(cls, given: Given) -> bool:
@@ -216,8 +263,27 @@ class Agent(SamplingPath):
     def sample(self, strategy, prompt_ids, n, seed, inputs):
         return self.agents.generate(strategy, prompt_ids, n, seed, inputs)
 
-    def hand_over(self, batch, mode, prompts):
-        self.agents.report(batch, mode)  # the round's agent/* metrics; the failed-round collective
+    def hand_over(self, rnd, mode, prompts):
+        self.agents.report(rnd, mode)  # the round's agent/* metrics; the failed-round collective
+
+    def completions(self, rows, texts, prompts):
+        return [r.messages for r in rows]  # the agent's conversation after its prompt (assistant, tool/user, ...)
+
+    def extra_fields(self, rows):
+        return {**super().extra_fields(rows), "agent_reward": [r.agent_reward for r in rows]}
+
+    def tool_metrics(self, metrics, rows):
+        """The agent runs its own tools: `tools/calls` counts the calls its model made (its rows')."""
+        return {**metrics, "tools/calls": float(sum(int(r.num_calls) for r in rows))}
+
+    def after_scoring(self, out, rnd, keep):
+        """Each run's other chains join it as rows of their own, with its advantage (`chain_rows`)."""
+        from appo_trl.trainer.chain_rows import add_chain_rows
+
+        return add_chain_rows(self.trainer, out, rnd.rows, keep)
+
+    def close(self):
+        self.agents.close()  # agents cancelled, endpoint stopped (a later train() restarts it)
 
 
 # checked in this order: the first path that serves `Given` samples its rounds

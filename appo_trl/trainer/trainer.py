@@ -50,7 +50,6 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "appo", "appo-trl"]
     _name = "APPO"
-    _trl_sampler = True  # TRL's `_generate` unless __init__ picks appo-trl's engine (also for object.__new__ fakes)
 
     def __init__(
         self,
@@ -87,7 +86,6 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         self.sampling_path = resolve_path(Given(
             args, self.agent, has_tools(args, tools), rollout_func, environment_factory, rollout_engine,
         ))  # fmt: skip
-        self._trl_sampler = self.sampling_path.trl_sampler  # TRL's own `_generate` serves the rounds
         reward_funcs = with_agent_reward(reward_funcs, args, self.agent)
         resolve_startup_plan(
             self, args, tools, tool_dirs, reward_funcs, train_dataset, environment_factory is not None
@@ -220,7 +218,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     # ---- generation: the round runner -------------------------------------------------------------------------
     def _generate(self, prompts: list):
-        if self._trl_sampler:  # the `trl` sampling path: TRL's own sampler (also `object.__new__` fakes)
+        if self.sampling_path.trl_sampler:  # the `trl` sampling path: TRL's own sampler
             return super()._generate(prompts)
         return self.rounds.generate(prompts)
 
@@ -252,9 +250,9 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     def _prepare_inputs(self, generation_batch):
         """TRL's, but with `tree_forward` a generation batch is shuffled by groups, not rows, before it is split
         into micro-batches (`rows.group_permutation`), so that a group's rows share their prompt in one forward; and
-        no row is dropped when their count is not a multiple of `steps_per_generation` (an agent's forked rows)."""
-        agent = getattr(self, "agent", None) is not None
-        if not ((self.args.tree_forward or agent) and self.model.training):
+        no row is dropped when their count is not a multiple of `steps_per_generation` (a path that adds rows after
+        scoring: an agent's other chains)."""
+        if not ((self.args.tree_forward or self.sampling_path.reshapes_rows) and self.model.training):
             return super()._prepare_inputs(generation_batch)
         from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
 
@@ -305,10 +303,10 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         """TRL's, once, on the round the runner holds for this call; then the strategy's advantages and rows."""
-        with self.rounds.scoring(inputs) as rnd:
+        with self.rounds.scoring(inputs):
             with self.rounds.behaviour_correction():  # background rounds in-process: TRL's importance weight
                 out = super()._generate_and_score_completions(inputs)
-            return self.rounds.finish(rnd, out)
+            return self.rounds.finish(out)
 
     # ---- loss ------------------------------------------------------------------------------------------------
     def _compute_loss(self, model, inputs):

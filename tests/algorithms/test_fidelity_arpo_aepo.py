@@ -20,7 +20,7 @@ from appo_trl.algorithms.arpo import ARPOBranchState, PromptRoundCounter, arpo_b
 from appo_trl.algorithms.entropy import segment_entropy
 from appo_trl.algorithms.losses import POLICY_LOSSES
 from appo_trl.trainer.loss import loss_params, per_token_kl
-from appo_trl.trainer.strategies import ARPOStrategy, BranchHook, RoundBatch
+from appo_trl.trainer.strategies import ARPOStrategy, BranchHook, Round
 from tests.algorithms.fidelity_helpers import _trainer, make
 
 
@@ -149,7 +149,7 @@ def test_item10_empty_segment_entropy():
 
 def test_item10_group_std_eps():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
-    batch = RoundBatch(groups=[[0, 1], [2, 3]], keep=[True] * 4)
+    batch = Round(groups=[[0, 1], [2, 3]], keep=[True] * 4)
     default = torch.full((4,), 123.0)  # TRL's value stands in for the default path
 
     def adv(cfg):

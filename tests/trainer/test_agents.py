@@ -128,7 +128,7 @@ def test_openai_sdk_agent_trains_two_steps(tmp_path, strategy, tiny_chat_tokeniz
     assert logs and all(h["rewards/agent_reward/mean"] == 0.5 for h in logs)
     assert all(h.get("agent/errors", 0) == 0 and h.get("agent/restarts", 0) == 0 for h in logs)
     assert all(h["tools/calls"] == 8 and h["tools/call_frequency"] == 2 for h in logs)  # the calls the model made
-    assert trainer.rounds.agents.endpoint is None  # closed after train()
+    assert trainer.rounds.path.agents.endpoint is None  # closed after train()
 
 
 def test_endpoint_rows_are_exact_and_forks_start_new_rows(tiny_chat_tokenizer):
@@ -336,13 +336,13 @@ def test_recipe_agent_is_found_beside_the_recipe_and_close_frees_the_port(tmp_pa
     assert trainer.agent.__name__ == "agent"
     trainer.rollout_engine.backend = ScriptedBackend(tiny_chat_tokenizer)
     ports = []
-    real_start = trainer.rounds.agents._start
+    real_start = trainer.rounds.path.agents._start
 
     def start():
         real_start()
-        ports.append(trainer.rounds.agents.endpoint.port)
+        ports.append(trainer.rounds.path.agents.endpoint.port)
 
-    trainer.rounds.agents._start = start
+    trainer.rounds.path.agents._start = start
     trainer.train()
     [log] = [h for h in trainer.state.log_history if "reward" in h]
     assert log["reward"] == 0.25
@@ -377,7 +377,7 @@ def test_ctrl_c_stops_agents_and_endpoint(tmp_path, tiny_chat_tokenizer, tiny_ch
 
     before = set(threading.enumerate())  # threads other tests left behind are not this run's
     trainer, _ = make_trainer(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, stuck_agent, max_steps=1)
-    agents = trainer.rounds.agents
+    agents = trainer.rounds.path.agents
     real_start, ports = agents._start, []
 
     def start():

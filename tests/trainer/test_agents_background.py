@@ -28,11 +28,11 @@ def test_agent_runs_in_background_rounds(tmp_path, strategy, tiny_chat_tokenizer
                                     num_prompts=8, max_staleness=1, vllm_importance_sampling_mode="token_truncate",
                                     **extra)  # fmt: skip
     generated_on = []
-    real = trainer.rounds.agents.generate
-    trainer.rounds.agents.generate = lambda *a: generated_on.append(threading.current_thread().name) or real(*a)
+    real = trainer.rounds.path.agents.generate
+    trainer.rounds.path.agents.generate = lambda *a: generated_on.append(threading.current_thread().name) or real(*a)
     batches = []
-    real_report = trainer.rounds.agents.report
-    trainer.rounds.agents.report = lambda batch, mode: batches.append(batch) or real_report(batch, mode)
+    real_report = trainer.rounds.path.agents.report
+    trainer.rounds.path.agents.report = lambda batch, mode: batches.append(batch) or real_report(batch, mode)
     seen = spy_loss(trainer)
     trainer.train()
     logs = assert_one_step_stale(trainer, generated_on)
@@ -48,7 +48,7 @@ def test_agent_runs_in_background_rounds(tmp_path, strategy, tiny_chat_tokenizer
     losses = loss_rows(seen)
     assert len(losses) == len(trained) == 4 * (4 if strategy == "grpo" else 2)
     assert sorted(losses) == sorted((tuple(r.completion_ids), tuple(r.loss_mask)) for r in trained)
-    assert trainer.rounds.agents.endpoint is None
+    assert trainer.rounds.path.agents.endpoint is None
 
 
 class StuckAfter:
@@ -86,6 +86,6 @@ def test_ctrl_c_with_a_background_agent_round_in_flight(tmp_path, tiny_chat_toke
     threading.Thread(target=ctrl_c_once_the_background_round_is_stuck, daemon=True).start()
     train_until_ctrl_c(trainer)
     assert stopped and time.monotonic() - stopped[0] <= 10.0
-    assert trainer.rounds.agents.endpoint is None
+    assert trainer.rounds.path.agents.endpoint is None
     assert [(h.step, h.background) for h in trainer.rounds.async_rounds.history][:1] == [(0, False)]
     assert not [t for t in threading.enumerate() if t.name.startswith("appo-round")]

@@ -111,7 +111,7 @@ def test_ctrl_c_with_64_stuck_sync_agents_exits_within_10_s(tmp_path, tiny_chat_
     threading.Thread(target=ctrl_c_once_all_are_stuck, daemon=True).start()
     train_until_ctrl_c(trainer)
     assert stopped and time.monotonic() - stopped[0] <= 10.0
-    assert trainer.rounds.agents.endpoint is None
+    assert trainer.rounds.path.agents.endpoint is None
 
 
 def timing_out_agent(row, base_url, model):
@@ -127,7 +127,7 @@ def test_train_returns_promptly_after_done_with_abandoned_agents(tmp_path, tiny_
 
     trainer, _ = make_trainer(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, timing_out_agent, max_steps=2,
                               agent_timeout_s=0.5)  # fmt: skip
-    agents, closing = trainer.rounds.agents, []
+    agents, closing = trainer.rounds.path.agents, []
     real_close = agents.close
 
     def close():

@@ -49,7 +49,7 @@ def capture_rounds(trainer, tok):
 
     def wrapped(prompts):
         out = orig(prompts)
-        batch, envs = trainer.rounds.current.batch, list(trainer.environments)
+        batch, envs = trainer.rounds.current, list(trainer.environments)
         for traj, env in zip(batch.rows, envs):  # each row's instance holds exactly its own calls
             start = int(re.search(r"starts at (\d+)\.", tok.decode(traj.prompt_ids)).group(1))
             check_row(traj, env, start)

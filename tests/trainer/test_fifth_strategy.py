@@ -13,7 +13,7 @@ import torch
 from datasets import Dataset
 
 from appo_trl.trainer.config import APPOConfig
-from appo_trl.trainer.strategies import STRATEGIES, RolloutStrategy, RoundBatch, register_strategy
+from appo_trl.trainer.strategies import STRATEGIES, RolloutStrategy, Round, register_strategy
 
 CPU = dict(use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, learning_rate=1e-2,
            beta=0.0, seed=0, loss_type="dapo")  # fmt: skip
@@ -24,7 +24,7 @@ class MiddleBranchStrategy(RolloutStrategy):
 
     name = "grpo_mid"
     default_loss_mode = "clip"
-    rounds: list[RoundBatch] = []  # what the test inspects
+    rounds: list[Round] = []  # what the test inspects
 
     @classmethod
     def validate(cls, config) -> None:
@@ -38,7 +38,7 @@ class MiddleBranchStrategy(RolloutStrategy):
         requests = [(t, len(t.completion_ids) // 2) for group in roots for t in group]
         branches = iter(engine.run(engine.branch_many(requests, seed=seed + 1, resample=False)))
         groups = [list(group) + [next(branches) for _ in group] for group in roots]
-        batch = RoundBatch(groups=groups, keep=[True] * (len(groups) * n))
+        batch = Round(groups=groups, keep=[True] * (len(groups) * n))
         self.rounds.append(batch)
         return batch
 
@@ -84,7 +84,7 @@ def test_the_fifth_strategy_trains_two_steps(fifth, tmp_path, tiny_tokenizer, ti
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tiny_tokenizer,
     )
-    assert isinstance(trainer.strategy, fifth) and not trainer._trl_sampler  # appo-trl's engine samples it
+    assert isinstance(trainer.strategy, fifth) and not trainer.sampling_path.trl_sampler  # appo-trl's engine samples it
     before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
     trainer.train()
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from appo_trl.trainer import tree
-from appo_trl.trainer.rounds import Round
+from appo_trl.trainer.strategies import Round
 from tests.trainer.fakes import ScriptedEngine
 from tests.trainer.test_trainer import RewardSpy, make_trainer
 
@@ -30,7 +30,7 @@ def trl_ids(prompts, completions, pad=0):
 def test_a_round_serves_its_old_logps_only_to_its_own_rows_once():
     prompts, completions = [[1, 2], [3]], [[4, 5, 6], [7]]
     cached = [torch.tensor([-0.1, -0.2, -0.3]), torch.tensor([-0.4])]
-    rnd = Round(inputs=None, mode="train", prompt_ids=prompts, completion_ids=completions, old_logps=list(cached))
+    rnd = Round(groups=[], keep=[], prompt_ids=prompts, completion_ids=completions, old_logps=list(cached))
     ids, keep = trl_ids(prompts, completions)
     other, _ = trl_ids(prompts, [[4, 5, 9], [7]])  # same shape, one token differs
     shifted, _ = trl_ids([[2], [3]], completions)  # same completions on another prompt

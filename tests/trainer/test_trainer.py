@@ -348,7 +348,7 @@ def test_engine_is_built_from_the_config(tmp_path, tiny_tokenizer, tiny_model_pa
         train_dataset=dataset(),
         processing_class=tiny_tokenizer,
     )
-    assert not trainer._trl_sampler
+    assert not trainer.sampling_path.trl_sampler
     engine = trainer.rollout_engine
     try:
         assert isinstance(engine, RolloutEngine) and isinstance(engine.backend, TransformersBackend)

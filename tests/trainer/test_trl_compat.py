@@ -65,7 +65,7 @@ def test_grpo_config_is_converted_field_by_field(tmp_path, tiny_model_path, tiny
             assert getattr(args, f.name) == getattr(grpo, f.name), f.name
     lines = [r.getMessage() for r in caplog.records if "GRPOConfig" in r.getMessage()]
     assert len(lines) == 1 and "rollout_strategy: grpo" in lines[0]
-    assert trainer._trl_sampler  # grpo without tools: TRL's own sampler
+    assert trainer.sampling_path.trl_sampler  # grpo without tools: TRL's own sampler
     trainer.train()
     assert trainer.state.global_step == 1
 
@@ -306,11 +306,3 @@ def test_grpo_config_with_a_sliding_window_policy_trains_tree_wise(tmp_path, tin
     assert not any("tree_forward is off" in r.getMessage() for r in caplog.records)
     trainer.train()
     assert trainer.state.global_step == 1
-
-
-def test_a_trainer_made_without_init_generates_with_trls_sampler(monkeypatch):
-    """TRL's own unit tests build `object.__new__(GRPOTrainer)` with fakes and call `_generate` (e.g. to check that
-    `rollout_func` is preferred); on `APPOTrainer` that reaches TRL's `_generate`, as it did before __init__ ran."""
-    monkeypatch.setattr(trl.GRPOTrainer, "_generate", lambda self, prompts: ("trl", prompts))
-    trainer = object.__new__(APPOTrainer)
-    assert trainer._generate(["p"]) == ("trl", ["p"])

@@ -118,9 +118,10 @@ def test_an_environment_reports_a_reward_after_each_tool_call(tiny_chat_model_pa
     seen = []
     finish = trainer.rounds.finish
 
-    def recorded(rnd, out):
-        result = finish(rnd, out)
-        seen.append((rnd.rows, rnd.batch.info["token_rewards"].clone()))
+    def recorded(out):
+        rnd = trainer.rounds.current
+        result = finish(out)
+        seen.append((rnd.rows, rnd.token_rewards.clone()))
         return result
 
     trainer.rounds.finish = recorded

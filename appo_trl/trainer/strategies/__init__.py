@@ -17,13 +17,13 @@ from appo_trl.trainer.strategies.base import (
     STRATEGIES,
     TRL_STD_EPS,
     RolloutStrategy,
-    RoundBatch,
     register_strategy,
     strategy_class,
 )
+from appo_trl.trainer.strategies.record import AgentReport, HandedEnvironments, Round
 from appo_trl.trainer.strategies.grpo import GRPOStrategy
 
 __all__ = [
-    "STRATEGIES", "TRL_STD_EPS", "RolloutStrategy", "RoundBatch", "register_strategy", "strategy_class",
+    "STRATEGIES", "TRL_STD_EPS", "RolloutStrategy", "Round", "AgentReport", "HandedEnvironments", "register_strategy", "strategy_class",
     "GRPOStrategy", "ARPOStrategy", "BranchHook", "AEPOStrategy", "APPOStrategy", "excluded_token_mask",
 ]  # fmt: skip

@@ -1,6 +1,6 @@
 """`appo`: `initial_rollouts` per prompt, one trainer forward on them, branch points by BS = Z(H)·Z(FV), n − N
 branch rollouts from those prefixes, dual-group advantages credited to the source prefix; branch rows leave the
-batch before the loss (`RoundBatch.keep`). The maths is `appo_trl.algorithms.branching` / `.advantages`.
+batch before the loss (`Round.keep`). The maths is `appo_trl.algorithms.branching` / `.advantages`.
 With `advantage_estimator: tree` the whole group's tree gives token credit instead, and the branch rows reach the
 loss (no cached old logps then: TRL's old-logp pass scores every row) unless `tree_credit_branch_rows: false`."""
 
@@ -12,7 +12,8 @@ import warnings
 import torch
 
 from appo_trl.trainer.rows import pad_rows
-from appo_trl.trainer.strategies.base import RolloutStrategy, RoundBatch, register_strategy
+from appo_trl.trainer.strategies.base import RolloutStrategy, register_strategy
+from appo_trl.trainer.strategies.record import Round
 
 
 def excluded_token_mask(tokenizer, mode: str = "whitespace_punct") -> torch.Tensor:
@@ -108,7 +109,7 @@ class APPOStrategy(RolloutStrategy):
         a, N = self.args, self.args.initial_rollouts
         init = engine.run(engine.rollout(prompt_ids, N, seed=seed))
         if N == n:  # degenerate: nothing to branch, APPO reduces to its loss on n initial rollouts
-            return RoundBatch(groups=init, keep=[True] * (len(init) * n), info={"points": [[] for _ in init]})
+            return Round(groups=init, keep=[True] * (len(init) * n), points=[[] for _ in init])
         flat = [t for g in init for t in g]
         scored = self.trainer.score_trajectories(flat)  # trainer forward: current logps (+ exact entropies)
         mask = pad_rows([t.loss_mask for t in flat], 0).float()
@@ -166,31 +167,31 @@ class APPOStrategy(RolloutStrategy):
             "branch/no_candidates": float((~valid_any).float().mean()),
         }
         if getattr(a, "tree_credit_branch_rows", False):  # tree credit: branch rows train; TRL's old-logp pass runs
-            return RoundBatch(groups=groups, keep=[True] * (len(init) * n), info={"points": points}, metrics=metrics)
+            return Round(groups=groups, keep=[True] * (len(init) * n), points=points, metrics=metrics)
         keep = ([True] * N + [False] * (n - N)) * len(init)
         # step 2's logps are θ_old's: the trainer reuses them as old logps instead of a second forward
         old = [scored["logps"][i, : len(t.completion_ids)] for i, t in enumerate(flat)]
         old_rows = [old[g * N + j] if j < N else None for g in range(len(init)) for j in range(n)]
-        return RoundBatch(groups=groups, keep=keep, info={"points": points, "old_logps": old_rows}, metrics=metrics)
+        return Round(groups=groups, keep=keep, points=points, selection_logps=old_rows, metrics=metrics)
 
     @classmethod
     def own_advantages(cls, config) -> str | None:
         dual = config.advantage_mode != "group" and config.initial_rollouts != config.num_generations
         return super().own_advantages(config) or ("APPO's dual-group advantage (advantage_mode=dual_group)" if dual else None)
 
-    def advantages(self, batch, rewards, default, length):
+    def advantages(self, rnd, rewards, default, length):
         """(B_local, T) advantages: initial rows get dual-group credit; branch rows keep TRL's value (dropped later)."""
         a = self.args
         tree = getattr(a, "advantage_estimator", "group") == "tree"
         if tree or a.advantage_mode == "group" or a.initial_rollouts == a.num_generations:
-            return super().advantages(batch, rewards, default, length)
+            return super().advantages(rnd, rewards, default, length)
         from appo_trl.algorithms.advantages import appo_dual_group_advantages
 
         a, n, N = self.args, self.args.num_generations, self.args.initial_rollouts
-        G = len(batch.groups)
+        G = len(rnd.groups)
         r = rewards.view(G, n)
-        points = batch.info["points"]
-        lengths = torch.tensor([[len(t.completion_ids) for t in g[:N]] for g in batch.groups])
+        points = rnd.points
+        lengths = torch.tensor([[len(t.completion_ids) for t in g[:N]] for g in rnd.groups])
         adv = appo_dual_group_advantages(
             initial_rewards=r[:, :N],
             branch_rewards=r[:, N:],

@@ -12,7 +12,8 @@ import math
 import random
 from typing import Any
 
-from appo_trl.trainer.strategies.base import RolloutStrategy, RoundBatch, register_strategy
+from appo_trl.trainer.strategies.base import RolloutStrategy, register_strategy
+from appo_trl.trainer.strategies.record import Round
 
 
 class BranchHook:
@@ -155,7 +156,7 @@ class ARPOStrategy(RolloutStrategy):
             "branch/probability_mean": hook.prob_sum / hook.calls if hook.calls else math.nan,
             "branch/refill_per_prompt": origin.count("refill") / len(groups),
         }
-        return RoundBatch(groups=groups, keep=[True] * len(rows), metrics=metrics)
+        return Round(groups=groups, keep=[True] * len(rows), metrics=metrics)
 
 
 def _depth(traj, rows) -> int:

@@ -1,38 +1,20 @@
-"""The strategy contract: `RoundBatch`, `RolloutStrategy` (the facts other code asks a strategy) and the registry.
+"""The strategy contract: `RolloutStrategy` (the facts other code asks a strategy) and the registry.
 
-A strategy turns one round's unique prompts into groups of n rows (`generate`) and may replace TRL's group
-advantages once rewards are known (`advantages`). Its class declares what the config, the engine set-up, the
+A strategy turns one round's unique prompts into groups of n rows, a `Round` (`generate`, `strategies.record`), and
+may replace TRL's group advantages once rewards are known (`advantages`). Its class declares what the config, the engine set-up, the
 environments and the model card would otherwise decide by comparing the strategy's name. `register_strategy`
 (a class decorator) adds a class to `STRATEGIES` (name -> class) and hands its paper to the model-card code.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
+from appo_trl.trainer.strategies.record import Round
+
 TRL_STD_EPS = 1e-4  # ε in TRL's (r − mean)/(std + ε) group advantage
-
-
-@dataclass
-class RoundBatch:
-    """One generation round on one rank: `groups[g]` holds the n trajectories of unique prompt g, initial first.
-
-    `keep[i]` (row order = groups flattened) says whether row i reaches the loss; `info` carries what the
-    strategy needs again after the rewards (branch points, scores); `metrics` are per-round scalars under fixed
-    keys (the trainer averages them across ranks).
-    """
-
-    groups: list[list[Any]]
-    keep: list[bool]
-    info: dict = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def rows(self) -> list[Any]:
-        return [t for g in self.groups for t in g]
 
 
 def fail(msg: str):
@@ -125,14 +107,15 @@ class RolloutStrategy:
             return f"advantage_std_eps={config.advantage_std_eps}"
         return None
 
-    def generate(self, prompt_ids: list[list[int]], n: int, seed: int, engine) -> RoundBatch:
+    def generate(self, prompt_ids: list[list[int]], n: int, seed: int, engine) -> Round:
         """One round: n rows per unique prompt of `prompt_ids`, sampled on `engine` (an object with
         `RolloutEngine`'s `rollout`, `branch_many`, `run` and `config`: the round's sampling path hands it over,
         `appo_trl.trainer.sampling_paths`)."""
         raise NotImplementedError
 
-    def advantages(self, batch: RoundBatch, rewards: torch.Tensor, default: torch.Tensor, length: int) -> torch.Tensor:
-        """Advantages for the local rows (before any row is dropped); TRL's group advantages by default.
+    def advantages(self, rnd: Round, rewards: torch.Tensor, default: torch.Tensor, length: int) -> torch.Tensor:
+        """Advantages for the local rows of `rnd` (before any row is dropped); TRL's group advantages by default.
+        `rewards` (B,): TRL's summed reward per row, NaN for an unscorable one (`trl_rules.scored_rewards`).
 
         With `advantage_std_eps` other than TRL's 1e-4 (the released code: 1e-6) the group advantages are
         recomputed as (r − mean_g)/(std_g + ε) with TRL's unbiased group std (`scale_rewards: group` only).
@@ -141,13 +124,13 @@ class RolloutStrategy:
         if self.branches and getattr(self.args, "advantage_estimator", "group") == "tree":  # (not grpo's eval rounds)
             from appo_trl.trainer.credit import tree_advantages
 
-            return tree_advantages(batch, rewards, length, self.args).to(default.device)
+            return tree_advantages(rnd, rewards, length, self.args).to(default.device)
         eps = getattr(self.args, "advantage_std_eps", TRL_STD_EPS)
         if eps == TRL_STD_EPS:
             return default
         from appo_trl.algorithms.advantages import group_advantages
 
-        n = len(batch.groups[0]) if batch.groups else 1
+        n = len(rnd.groups[0]) if rnd.groups else 1
         return group_advantages(rewards, n, std="unbiased", eps=eps).to(default)
 
 

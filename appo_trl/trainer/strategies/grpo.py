@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from appo_trl.trainer.strategies.base import RolloutStrategy, RoundBatch, register_strategy
+from appo_trl.trainer.strategies.base import RolloutStrategy, register_strategy
+from appo_trl.trainer.strategies.record import Round
 
 
 @register_strategy
@@ -29,4 +30,4 @@ class GRPOStrategy(RolloutStrategy):
 
     def generate(self, prompt_ids, n, seed, engine):
         groups = engine.run(engine.rollout(prompt_ids, n, seed=seed))
-        return RoundBatch(groups=groups, keep=[True] * (len(groups) * n))
+        return Round(groups=groups, keep=[True] * (len(groups) * n))
