@@ -1,6 +1,7 @@
-"""Floor 1: the sampler contract: `SamplingParams` (a request), `Segment` (its answer), `Backend` (who answers).
+"""Floor 1: the sampler contract: `SamplingParams` (a request), `Segment` (its answer), `Backend` (who answers), and
+`Sampler` (what a rollout strategy samples a round on).
 
-Plain data and one `Protocol`: no I/O, no torch. Every backend (`appo_trl.rollout`'s in-process sampler,
+Plain data and two `Protocol`s: no I/O, no torch. Every backend (`appo_trl.rollout`'s in-process sampler,
 `appo_trl.vllm`'s server and colocated engines) and every consumer (the rollout engine) speak it, so it sits
 below them all. It imports nothing of `appo_trl`.
 """
@@ -8,7 +9,7 @@ below them all. It imports nothing of `appo_trl`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "eos", "length"]
 
@@ -82,4 +83,34 @@ class Backend(Protocol):
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Segment: ...
 
 
-__all__ = ["Backend", "FinishReason", "SamplingParams", "Segment"]
+@runtime_checkable
+class Sampler(Protocol):
+    """What a rollout strategy samples one round on (`RolloutStrategy.generate(..., engine)`): appo-trl's
+    `RolloutEngine`, an agent round's `AgentEngine`, or a `rollout_engine=` of the user's.
+
+    `rollout` samples n rows per prompt (groups, initial first; `hook` is ARPO/AEPO's in-loop branch rule),
+    `branch_many` continues each (parent row, completion position) request, `run` runs either coroutine to its end
+    on the sampler's loop, `config` is its `RolloutConfig`. `replays_branches`: True when the rows are recorded runs
+    that branch by replay (the user's agent): a strategy then applies its in-loop rule to the recorded runs instead
+    of passing `hook`.
+    """
+
+    replays_branches: bool
+    config: Any
+
+    async def rollout(self, prompts: list[list[int]], n: Any, *, seed: int, hook: Any = None, group_size: Any = None,
+                      route_seed: Any = None) -> list[list[Any]]: ...  # fmt: skip
+
+    async def branch_many(self, requests: list[tuple[Any, int]], *, seed: int, resample: bool = True) -> list[Any]: ...
+
+    def run(self, coro: Any) -> Any: ...
+
+
+def missing_members(obj: object, protocol: type) -> list[str]:
+    """The members of `protocol` that `obj` lacks (empty: it speaks the protocol)."""
+    members = [*getattr(protocol, "__annotations__", {}), *(k for k, v in vars(protocol).items() if callable(v)
+                                                            and not k.startswith("_"))]  # fmt: skip
+    return [m for m in dict.fromkeys(members) if not hasattr(obj, m)]
+
+
+__all__ = ["Backend", "FinishReason", "Sampler", "SamplingParams", "Segment", "missing_members"]

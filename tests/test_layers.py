@@ -225,3 +225,13 @@ def test_no_import_circle_between_modules():
         "appo_trl.configs.b": "def f():\n    from . import a\n",
     }
     assert import_circles(import_edges(fake)) == [["appo_trl.configs.a", "appo_trl.configs.b"]]
+
+
+def test_config_and_strategies_import_in_one_order():
+    """`trainer.config` imports `trainer.strategies` (the strategy validates its part of the config); no strategy
+    module imports the config package back, not even lazily (the strategy's checks run from `APPOConfig`)."""
+    edges = import_edges(_package_sources())
+    back = sorted((m, w) for m, ws in edges.items() if m.startswith("appo_trl.trainer.strategies")
+                  for w in ws if w.startswith("appo_trl.trainer.config"))  # fmt: skip
+    assert not back, f"strategies import the config: {back}"
+    assert any(w.startswith("appo_trl.trainer.strategies") for w in edges["appo_trl.trainer.config.appo"])

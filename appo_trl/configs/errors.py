@@ -47,6 +47,12 @@ class PreflightError(ConfigError):
     """A start-up check failed (tools, search server, Hub access, quantization, reward columns)."""
 
 
+def fail(msg: str):
+    """A config error of `APPOConfig.__post_init__` (its checks and the strategies' `validate`): one ValueError line
+    starting `APPOConfig: `."""
+    raise ValueError(f"APPOConfig: {msg}")
+
+
 def one_line(message: object) -> str:
     """The message on one line: inner newlines become '; ' (indentation dropped); an agent endpoint's secret (an
     agent's error quoting its base URL) written as `***`."""

@@ -61,7 +61,7 @@ class _Group:
     prompt_ids: list[int]
     target: int
     seed: int
-    tree: str = ""  # the routing key of the group's trajectories
+    route_key: str = ""  # the routing key of the group's trajectories
     created: int = 0
     active: int = 0
     trajectories: list[Trajectory] = dataclasses.field(default_factory=list)
@@ -87,7 +87,11 @@ class RolloutEngine(ToolTurns):
         tools: tools keyed by tag (chat format: by function name), or a `ToolExecutor` (its metrics are merged
             into `metrics()`).
         chat: a `ChatToolFormat` for `tool_format: chat`; None runs ARPO's tag format.
+
+    A `Sampler` (`appo_trl.sampling`): its rows are sampled live, so a strategy's in-loop branch rule runs as `hook`.
     """
+
+    replays_branches = False
 
     def __init__(self, backend: Backend, tokenizer, config: RolloutConfig | None = None,
                  tools: dict[str, Tool] | ToolExecutor | None = None, chat=None):  # fmt: skip
@@ -119,16 +123,16 @@ class RolloutEngine(ToolTurns):
 
     async def rollout(self, prompts: list[list[int]], n: int | list[int], *, seed: int, hook: Hook | None = None,
                       group_size: int | list[int] | None = None,
-                      tree_seed: int | None = None) -> list[list[Trajectory]]:  # fmt: skip
+                      route_seed: int | None = None) -> list[list[Trajectory]]:  # fmt: skip
         """Sample `n` trajectories per prompt (all concurrently) and return them per prompt, in creation order.
 
         With `hook`, after each tool result the hook returns how many copies to fork at that point; each group
         is capped at `group_size` (default `n`) and refilled from the bare prompt whenever it has no active
         trajectory left, so every group ends with exactly `group_size` trajectories.
 
-        Each group's trajectories share one tree id (`Trajectory.tree`, the routing key that keeps a tree on one
-        vLLM replica), derived from `tree_seed` (default `seed`). A side rollout for the same groups, such as
-        AEPO's entropy probe, passes the round's seed as `tree_seed` so that its prompts go to the same replicas.
+        Each group's trajectories share one routing key (`Trajectory.route_key`, the key that keeps a group on one
+        vLLM replica), derived from `route_seed` (default `seed`). A side rollout for the same groups, such as
+        AEPO's entropy probe, passes the round's seed as `route_seed` so that its prompts go to the same replicas.
         """
         ns = [n] * len(prompts) if isinstance(n, int) else list(n)
         sizes = (
@@ -147,8 +151,8 @@ class RolloutEngine(ToolTurns):
                 raise ValueError(f"prompt of {len(p)} tokens does not fit max_model_len={self.config.max_model_len}")
         start = time.perf_counter()
         run = _Run()
-        tree_seed = seed if tree_seed is None else tree_seed
-        groups = [_Group(i, list(p), sizes[i], mix_seed(seed, i), f"{mix_seed(tree_seed, i):016x}")
+        route_seed = seed if route_seed is None else route_seed
+        groups = [_Group(i, list(p), sizes[i], mix_seed(seed, i), f"{mix_seed(route_seed, i):016x}")
                   for i, p in enumerate(prompts)]  # fmt: skip
         for g, k in zip(groups, ns):
             for _ in range(k):
@@ -288,8 +292,8 @@ class RolloutEngine(ToolTurns):
     def _start_root(self, run: _Run, group: _Group, hook: Hook | None, origin: str) -> None:
         traj = Trajectory(prompt_ids=list(group.prompt_ids), group=group.index,
                           entropies=[] if (hook is not None or self.config.record_entropies) else None)  # fmt: skip
-        # the tree id (routing key): one per prompt group of one round, kept by forks, refills and branches
-        traj.origin, traj.seed, traj.tree = origin, mix_seed(group.seed, group.created), group.tree
+        # the routing key: one per prompt group of one round, kept by forks, refills and branches
+        traj.origin, traj.seed, traj.route_key = origin, mix_seed(group.seed, group.created), group.route_key
         if self.environments is not None:
             self.environments.start(traj)
         self._register(run, group, traj, hook)
@@ -312,7 +316,7 @@ class RolloutEngine(ToolTurns):
         params = SamplingParams(max_tokens=max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                 seed=seed, stop=self.stop_strings,
                                 logprobs=cfg.entropy_topk if traj.entropies is not None else 0,
-                                session_id=traj.tree)  # fmt: skip
+                                session_id=traj.route_key)  # fmt: skip
         async with self._semaphore():
             start = time.perf_counter()
             seg = await self.backend.generate(traj.prompt_ids + traj.completion_ids, params)

@@ -78,7 +78,7 @@ class Trajectory:
             (an agent chain begun because the agent rewrote its history) or `"chain"` (an agent run's other chain,
             trained as a row of its own with the run's reward).
         seed: the row's sampling seed, keyed on its lineage (never on the order of creation).
-        tree: the tree id of its prompt group in its round (the routing key that keeps a tree on one replica).
+        route_key: the routing key of its prompt group in its round (keeps the group and its branches on one replica).
         request_seeds: the seed of each sampler request, in order.
         root_entropy: window entropy of the first sampled segment (inherited by forks and branches); None before
             it is known or when entropies are not recorded.
@@ -105,7 +105,7 @@ class Trajectory:
     branch_pos: int | None = None
     origin: Origin = "root"
     seed: int = 0
-    tree: str | None = None
+    route_key: str | None = None
     request_seeds: list[int] = dataclasses.field(default_factory=list)
     root_entropy: float | None = None
     agent_reward: float | list[float] | None = None
@@ -148,7 +148,7 @@ class Trajectory:
             parent=self.uid,
             branch_pos=position,
             root_entropy=self.root_entropy,
-            tree=self.tree,
+            route_key=self.route_key,
         )
         fields.update(overrides)
         return Trajectory(**fields)

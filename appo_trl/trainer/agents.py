@@ -355,7 +355,7 @@ class AgentEngine:
     def run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.rounds._loop).result()
 
-    async def rollout(self, prompts, n, *, seed: int, hook=None, group_size=None, tree_seed=None):
+    async def rollout(self, prompts, n, *, seed: int, hook=None, group_size=None, route_seed=None):
         if hook is not None:
             raise RuntimeError("agent runs cannot branch inside the loop (no hook); branching is by replay")
         ns = [n] * len(prompts) if isinstance(n, int) else list(n)

@@ -93,7 +93,7 @@ def reduce_loss(trainer, per_token, kl, mask, keep_mask, inputs, train: bool) ->
     """
     args = trainer.args
     norm = NORMALISERS[args.loss_type]
-    if getattr(args, "future_kl_normalizer", "loss_type") == "kept_tokens" and keep_mask is not None:
+    if args.future_kl_normalizer == "kept_tokens" and keep_mask is not None:
         loss = norm(trainer, per_token, mask * keep_mask, inputs, train)
         if kl is not None:
             loss = loss + trainer.beta * norm(trainer, kl, mask, inputs, train)
@@ -134,7 +134,7 @@ def compute_policy_loss(trainer, model, inputs) -> torch.Tensor:
             entropies.detach(),
             mask,
             weight=args.entropy_advantage_weight,
-            clamp=(0.0, 2.0) if getattr(args, "entropy_advantage_clamp", True) else None,
+            clamp=(0.0, 2.0) if args.entropy_advantage_clamp else None,
         )
     old = inputs.get("old_per_token_logps")
     old = logps.detach() if old is None else old
@@ -150,7 +150,7 @@ def compute_policy_loss(trainer, model, inputs) -> torch.Tensor:
             logps,
             inputs["ref_per_token_logps"],
             old if args.use_bias_correction_kl else None,
-            clamp=getattr(args, "kl_clamp", None),
+            clamp=args.kl_clamp,
         )
     loss = reduce_loss(trainer, per_token, kl, mask, out.keep_mask, inputs, mode == "train")
     if trainer.aux_loss_enabled and aux_loss is not None:

@@ -337,7 +337,7 @@ class RoundRunner:
                     "limits refused the calls (tool_call_limit=%s per rollout, max_tool_calling_iterations=%s turns;"
                     " a turn whose calls would pass either runs none).%s Raise tool_call_limit if the calls are "
                     "wanted.", names, self.tool_idle_rounds, t.state.global_step, refused,
-                    getattr(a, "tool_call_limit", None), getattr(a, "max_tool_calling_iterations", None), what,
+                    a.tool_call_limit, a.max_tool_calling_iterations, what,
                 )  # fmt: skip
                 return
             logger.warning(

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 from trl.data_utils import is_conversational
 
+from appo_trl.sampling import Sampler, missing_members
 from appo_trl.trainer.strategies import Round
 
 
@@ -291,11 +292,17 @@ PATHS: dict[str, type[SamplingPath]] = {cls.name: cls for cls in (Agent, TRLSamp
 
 
 def resolve_path(given: Given) -> type[SamplingPath]:
-    """The class of the path that serves `given`; ValueError (one line from `REFUSALS`) for what it cannot honour."""
+    """The class of the path that serves `given`; ValueError (one line from `REFUSALS`) for what it cannot honour,
+    and for a `rollout_engine=` that is not a `Sampler`."""
     path = next(cls for cls in PATHS.values() if cls.serves(given))
     reason = refusal(path.name, given)
     if reason is not None:
         raise ValueError(reason)
+    missing = [] if given.rollout_engine is None else missing_members(given.rollout_engine, Sampler)
+    if missing:
+        raise ValueError(f"rollout_engine={type(given.rollout_engine).__name__} lacks {', '.join(missing)} of the "
+                         "Sampler protocol (appo_trl.sampling.Sampler: rollout, branch_many, run, config, "
+                         "replays_branches)")  # fmt: skip
     return path
 
 

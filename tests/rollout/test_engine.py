@@ -260,16 +260,16 @@ def test_trajectories_that_fail_together_raise_one_error_and_leave_none_unretrie
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
-def test_a_side_rollout_with_tree_seed_shares_its_groups_tree_ids(make_engine, tiny_tokenizer):
+def test_a_side_rollout_with_route_seed_shares_its_groups_route_keys(make_engine, tiny_tokenizer):
     """AEPO's entropy probe samples with other seeds than its group but routes with the group's tree id, so a
     prompt's probe and its group land on the same vLLM replica (one prefix cache)."""
     engine, _ = make_engine(lambda ctx, rng: [tiny_tokenizer.eos_token_id])
     prompts = [[5, 6, 7], [8, 9, 10]]
     main = engine.run(engine.rollout(prompts, 2, seed=3))
-    probe = engine.run(engine.rollout(prompts, 1, seed=3 + 7919, tree_seed=3))
+    probe = engine.run(engine.rollout(prompts, 1, seed=3 + 7919, route_seed=3))
     plain = engine.run(engine.rollout(prompts, 1, seed=3 + 7919))
-    trees = [{t.tree for t in g} for g in main]
+    trees = [{t.route_key for t in g} for g in main]
     assert [len(t) for t in trees] == [1, 1] and trees[0] != trees[1]
-    assert [{t.tree for t in g} for g in probe] == trees
-    assert all(not {t.tree for t in g} & tree for g, tree in zip(plain, trees))
+    assert [{t.route_key for t in g} for g in probe] == trees
+    assert all(not {t.route_key for t in g} & tree for g, tree in zip(plain, trees))
     assert [t.seed for g in probe for t in g] == [t.seed for g in plain for t in g]  # same samples

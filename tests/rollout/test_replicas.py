@@ -109,8 +109,8 @@ def test_every_request_of_a_tree_lands_on_one_replica(pair, enc):
     # branches of some rows: same tree, more requests
     parents = [g[0] for g in groups]
     branches = engine.run(engine.branch_many([(p, 2) for p in parents], seed=5))
-    trees = {t.tree for g in groups for t in g}
-    assert len(trees) == 8 and {b.tree for b in branches} <= trees
+    trees = {t.route_key for g in groups for t in g}
+    assert len(trees) == 8 and {b.route_key for b in branches} <= trees
     a, b = _sessions(servers[0]), _sessions(servers[1])
     assert None not in servers[0].sessions + servers[1].sessions  # every request carried its tree id
     assert a | b == trees and not a & b  # each tree on exactly one replica

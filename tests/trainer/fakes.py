@@ -36,7 +36,14 @@ class FakeTrajectory:
 
 
 class ScriptedEngine:
+    """A `Sampler` (`appo_trl.sampling`) of scripted rows: roots from `rollout`, continuations from `branch_many`."""
+
+    replays_branches = False
+
     def __init__(self, tokenizer, filler: int = 0):
+        from appo_trl.rollout import RolloutConfig
+
+        self.config = RolloutConfig()
         self.tok = tokenizer
         self.filler = filler  # extra "the" tokens in the think segment (longer completions)
         self.rollout_calls: list[tuple[int, int]] = []  # (num prompts, n)
@@ -66,7 +73,7 @@ class ScriptedEngine:
         ents = [0.1 + 0.05 * (i % 7) if m else math.nan for i, m in enumerate(mask)]
         return FakeTrajectory(list(prompt_ids), ids, mask, lps, ents, **kw)
 
-    async def rollout(self, prompts, n, *, seed, hook=None, group_size=None, tree_seed=None):
+    async def rollout(self, prompts, n, *, seed, hook=None, group_size=None, route_seed=None):
         """Scripted roots only: the hook is recorded, never called; a group gets `group_size` (default n) rows."""
         self.rollout_calls.append((len(prompts), n))
         self.hooks.append(hook)

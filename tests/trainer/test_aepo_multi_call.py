@@ -22,7 +22,7 @@ def test_a_multi_call_turn_is_one_tool_segment():
     ]
     probe.root_entropy = 0.0
     calls = []
-    engine = SimpleNamespace(config=RolloutConfig(entropy_window=2, entropy_normalize=False),
+    engine = SimpleNamespace(config=RolloutConfig(entropy_window=2, entropy_normalize=False), replays_branches=False,
                              run=lambda coro: (coro.close(), [[probe]])[1],
                              rollout=lambda *a, **k: (calls.append(k), _noop())[1])  # fmt: skip
     args = SimpleNamespace(dynamic_rollouts=True, dynamic_rollouts_source="probe", initial_rollouts=4)
@@ -30,7 +30,7 @@ def test_a_multi_call_turn_is_one_tool_segment():
     counts, kept = AEPOStrategy(trainer).initial_counts([[1]], 8, seed=0, engine=engine)
     assert counts == [aepo_initial_rollouts(0.0, 2.0, 8)] == [3]  # counted twice, H_tool = 8/3 would give 2
     assert kept == [[]]
-    assert calls == [{"seed": 7919, "tree_seed": 0}]  # other samples, the group's tree id (its replica)
+    assert calls == [{"seed": 7919, "route_seed": 0}]  # other samples, the group's routing key (its replica)
 
 
 async def _noop():

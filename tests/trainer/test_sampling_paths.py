@@ -16,6 +16,19 @@ MISSING = "/nonexistent/model-that-must-not-load"  # a refusal must come before 
 GROUP = dict(num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=1)
 
 
+class Sampler:  # the members of appo_trl.sampling.Sampler, nothing else
+    replays_branches, config = False, None
+
+    async def rollout(self, prompts, n, *, seed, hook=None, group_size=None, route_seed=None): ...
+
+    async def branch_many(self, requests, *, seed, resample=True): ...
+
+    def run(self, coro): ...
+
+
+SAMPLER = Sampler()
+
+
 def my_agent(row, base_url, model):
     return 0.0
 
@@ -87,7 +100,7 @@ def test_the_table_is_the_single_source_of_refusals(tmp_path, key, no_replay, mo
         (dict(rollout_strategy="arpo"), {}, "tool_loop"),  # branching needs the engine
         ({}, dict(tools=True), "tool_loop"),
         (dict(max_staleness=1), {}, "tool_loop"),  # background rounds run on the engine
-        ({}, dict(rollout_engine=object()), "tool_loop"),
+        ({}, dict(rollout_engine=SAMPLER), "tool_loop"),
         ({}, dict(environment_factory=Env), "environments"),
         (dict(rollout_strategy="appo", initial_rollouts=2), dict(environment_factory=Env), "environments"),
         (dict(max_staleness=1), dict(environment_factory=Env), "environments"),  # own instances in the background
@@ -108,3 +121,21 @@ def test_strategies_take_the_engine_as_an_argument():
     for cls in (RolloutStrategy, *STRATEGIES.values()):
         assert not hasattr(cls, "engine") and not hasattr(cls, "engine_override"), cls
         assert "engine" in inspect.signature(cls.generate).parameters, cls
+
+
+def test_a_rollout_engine_that_is_not_a_sampler_is_one_line(tmp_path):
+    class NoReplayFlag(Sampler):
+        replays_branches = property(lambda self: (_ for _ in ()).throw(AttributeError))
+
+    args = APPOConfig(output_dir=str(tmp_path), **CPU, **GROUP)
+    with pytest.raises(ValueError, match=r"^rollout_engine=object lacks replays_branches, config, rollout, "
+                                         r"branch_many, run of the Sampler protocol"):  # fmt: skip
+        resolve_path(Given(args, rollout_engine=object()))
+    with pytest.raises(ValueError, match=r"^rollout_engine=NoReplayFlag lacks replays_branches of"):
+        resolve_path(Given(args, rollout_engine=NoReplayFlag()))
+    from appo_trl.trainer.agents import AgentEngine
+    from appo_trl.rollout import RolloutEngine
+    from appo_trl.sampling import Sampler as Protocol, missing_members
+
+    for cls in (RolloutEngine, AgentEngine):  # every engine of ours speaks it (class members; config: per instance)
+        assert [m for m in missing_members(cls, Protocol) if m != "config"] == [], cls

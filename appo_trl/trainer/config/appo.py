@@ -16,7 +16,7 @@ from trl import GRPOConfig
 
 from appo_trl.trainer.config import checks
 from appo_trl.trainer.config.agent import AGENT_HELP
-from appo_trl.trainer.config.credit import credit_field
+from appo_trl.trainer.config.credit import check_credit, credit_field
 from appo_trl.trainer.config.lora import SYNC_ADAPTER_HELP, check_sync_adapter
 from appo_trl.trainer.config.script import _loss, _rollout, _strategy, _vllm
 from appo_trl.trainer.strategies import strategy_class
@@ -487,6 +487,7 @@ class APPOConfig(GRPOConfig):
     def _validate_appo(self):
         """The strategy's part first (defaults such as initial_rollouts and loss_mode), then the config's own."""
         self.strategy_class.validate(self)
+        check_credit(self, self.strategy_class)  # advantage_estimator=tree and its options
         checks.check_ranges(self)
         checks.resolve_branch_cap(self)
         checks.check_loss(self)

@@ -13,14 +13,11 @@ import types
 import typing
 from dataclasses import fields
 
+from appo_trl.configs.errors import fail
 from appo_trl.configs.reference import REFERENCE_PRESETS
 
 # Loss normalisers the custom (non-TRL) loss modes reproduce exactly (TRL `GRPOTrainer._compute_loss`).
 CUSTOM_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
-
-
-def fail(msg: str):
-    raise ValueError(f"APPOConfig: {msg}")
 
 
 @functools.cache

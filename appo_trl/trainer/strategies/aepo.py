@@ -51,11 +51,11 @@ class AEPOStrategy(ARPOStrategy):
         from appo_trl.algorithms.arpo import aepo_initial_rollouts
         from appo_trl.rollout.text import window_entropy
 
-        # other samples than the group's (seed + 7919), on the same replica as the group (tree ids from `seed`)
-        probes = engine.run(engine.rollout(prompt_ids, 1, seed=seed + 7919, tree_seed=seed))
+        # other samples than the group's (seed + 7919), on the same replica as the group (routing keys from `seed`)
+        probes = engine.run(engine.rollout(prompt_ids, 1, seed=seed + 7919, route_seed=seed))
         cfg = engine.config
         norm = math.log(len(self.trainer.processing_class_tokenizer)) if cfg.entropy_normalize else 1.0
-        window, replays = self.entropy_window(engine), getattr(engine, "replays_branches", False)
+        window, replays = self.entropy_window(engine), engine.replays_branches
         counts, kept = [], []
         for (probe,) in probes:
             ents = probe.entropies or []

@@ -96,7 +96,7 @@ class APPOStrategy(RolloutStrategy):
             )
 
     def _exclusions(self) -> torch.Tensor | None:
-        mode = getattr(self.args, "branch_token_filter", "whitespace_punct")
+        mode = self.args.branch_token_filter
         if mode == "none":
             return None
         if self._excluded is None:
@@ -133,7 +133,7 @@ class APPOStrategy(RolloutStrategy):
             min_remaining=a.min_remaining_tokens,
             excluded=token_excluded,
             max_length=a.max_completion_length,
-            exclude_last=not getattr(a, "branch_allow_last_token", False),
+            exclude_last=not a.branch_allow_last_token,
         )
         points, _ = appo_branch_points(
             entropy,
@@ -142,8 +142,8 @@ class APPOStrategy(RolloutStrategy):
             valid,
             group_size=N,
             num_branches=n - N,
-            zscore_scope=getattr(a, "branch_zscore_scope", "candidates"),
-            degeneracy_guard=getattr(a, "fv_degeneracy_guard", True),
+            zscore_scope=a.branch_zscore_scope,
+            degeneracy_guard=a.fv_degeneracy_guard,
             max_per_row=a.max_branches_per_rollout,
         )
         requests = [(init[g][p.row], p.position) for g, pts in enumerate(points) for p in pts]
@@ -166,7 +166,7 @@ class APPOStrategy(RolloutStrategy):
             "branch/fallback_frac": sum(not p.strict for p in all_pts) / max(len(all_pts), 1),
             "branch/no_candidates": float((~valid_any).float().mean()),
         }
-        if getattr(a, "tree_credit_branch_rows", False):  # tree credit: branch rows train; TRL's old-logp pass runs
+        if a.tree_credit_branch_rows:  # tree credit: branch rows train; TRL's old-logp pass runs
             return Round(groups=groups, keep=[True] * (len(init) * n), points=points, metrics=metrics)
         keep = ([True] * N + [False] * (n - N)) * len(init)
         # step 2's logps are θ_old's: the trainer reuses them as old logps instead of a second forward
@@ -182,7 +182,7 @@ class APPOStrategy(RolloutStrategy):
     def advantages(self, rnd, rewards, default, length):
         """(B_local, T) advantages: initial rows get dual-group credit; branch rows keep TRL's value (dropped later)."""
         a = self.args
-        tree = getattr(a, "advantage_estimator", "group") == "tree"
+        tree = a.advantage_estimator == "tree"
         if tree or a.advantage_mode == "group" or a.initial_rollouts == a.num_generations:
             return super().advantages(rnd, rewards, default, length)
         from appo_trl.algorithms.advantages import appo_dual_group_advantages

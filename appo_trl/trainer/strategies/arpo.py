@@ -71,10 +71,10 @@ class BranchHook:
         a, traj = self.args, ctx.trajectory
         h_now = ctx.lookahead_entropy if ctx.lookahead_entropy is not None else ctx.segment_entropy
         h_root = ctx.root_entropy
-        if getattr(a, "empty_segment_entropy", "nan") == "zero":  # released code: an empty segment has H = 0
+        if a.empty_segment_entropy == "zero":  # released code: an empty segment has H = 0
             h_now = 0.0 if math.isnan(h_now) else h_now
             h_root = 0.0 if math.isnan(h_root) else h_root
-        by_prompt = getattr(a, "aepo_penalty_scope", "lineage") == "prompt"
+        by_prompt = a.aepo_penalty_scope == "prompt"
         r = self._round(ctx) if by_prompt else 0
         if by_prompt:
             run = self.rounds.counter(traj.group, r)
@@ -140,7 +140,7 @@ class ARPOStrategy(RolloutStrategy):
         counts, kept = self.initial_counts(prompt_ids, n, seed, engine)
         hook = BranchHook(self.args, seed, self.penalty)
         sizes = [n - len(k) for k in kept]
-        if getattr(engine, "replays_branches", False):  # the user's agent: the rule on its recorded runs
+        if engine.replays_branches:  # the user's agent: the rule on its recorded runs
             from appo_trl.trainer.strategies.arpo_replay import branch_after_runs
 
             groups = branch_after_runs(engine, hook, prompt_ids, counts, sizes, seed, self.entropy_window(engine))

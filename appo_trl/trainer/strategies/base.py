@@ -12,14 +12,10 @@ from typing import ClassVar
 
 import torch
 
+from appo_trl.configs.errors import fail
 from appo_trl.trainer.strategies.record import Round
 
 TRL_STD_EPS = 1e-4  # ε in TRL's (r − mean)/(std + ε) group advantage
-
-
-def fail(msg: str):
-    """A config error, worded as `APPOConfig.__post_init__`'s own."""
-    raise ValueError(f"APPOConfig: {msg}")
 
 
 class RolloutStrategy:
@@ -89,9 +85,6 @@ class RolloutStrategy:
                 if getattr(config, flag):
                     fail(f"{flag}=True is an {other.name.upper()} option; set rollout_strategy={other.name}.")
                 setattr(config, flag, False)
-        from appo_trl.trainer.config.credit import check_credit
-
-        check_credit(config, cls)  # advantage_estimator=tree and its options
         own = cls.own_advantages(config)
         if own is not None and config.multi_objective_aggregation != "sum_then_normalize":
             fail(f"multi_objective_aggregation={config.multi_objective_aggregation} normalises each reward function "
@@ -121,11 +114,11 @@ class RolloutStrategy:
         recomputed as (r − mean_g)/(std_g + ε) with TRL's unbiased group std (`scale_rewards: group` only).
         `advantage_estimator: tree`: (B, length) token advantages from the groups' trees (`appo_trl.trainer.credit`).
         """
-        if self.branches and getattr(self.args, "advantage_estimator", "group") == "tree":  # (not grpo's eval rounds)
+        if self.branches and self.args.advantage_estimator == "tree":  # (not grpo's eval rounds)
             from appo_trl.trainer.credit import tree_advantages
 
             return tree_advantages(rnd, rewards, length, self.args).to(default.device)
-        eps = getattr(self.args, "advantage_std_eps", TRL_STD_EPS)
+        eps = self.args.advantage_std_eps
         if eps == TRL_STD_EPS:
             return default
         from appo_trl.algorithms.advantages import group_advantages
