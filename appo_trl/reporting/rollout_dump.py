@@ -4,7 +4,7 @@ With `dump_rollouts: K` the trainer writes the first K groups of every training 
 `output_dir/rollouts/step_<N>.jsonl` (N = the optimizer step the round trains), one JSON object per group:
 
     {"step", "group", "strategy", "prompt", "answer",
-     "rows": [{"index", "uid", "parent" (row index or null), "origin" (root | fork | refill | branch | ...),
+     "rows": [{"index", "uid", "parent" (row index or null), "origin" (lineage: root | fork | refill | branch | restart), "role" (sample | chain),
                "branch_pos" (tokens shared with the parent), "fork_context" (text just before the fork),
                "reward", "advantage" (mean over the row's tokens), "kept" (reaches the loss),
                "advantage_runs": [[start, end, value], ...] (covering [0, length): the advantage each token
@@ -80,7 +80,7 @@ def group_records(batch, inputs: list[dict], rewards, advantages, completion_mas
             parent = tree.parents[i] if tree.parents[i] >= 0 else None
             bp = tree.branch_pos[i] if parent is not None else None
             rows.append({
-                "index": i, "uid": t.uid, "parent": parent, "origin": t.origin,
+                "index": i, "uid": t.uid, "parent": parent, "origin": str(t.origin), "role": str(t.role),
                 "branch_pos": bp, "advantage_runs": runs(token_adv), "node_runs": node_runs,
                 "fork_context": decode(list(t.completion_ids[max(0, bp - CONTEXT_TOKENS) : bp])) if bp else "",
                 "reward": float(rewards[r]), "advantage": float(adv), "kept": bool(batch.keep[r]),

@@ -42,7 +42,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from appo_trl.rollout.text import topk_entropy
-from appo_trl.rollout.types import SamplingParams, Segment, Trajectory
+from appo_trl.rollout.types import Origin, SamplingParams, Segment, Trajectory
 
 _SENTINEL = "assistant_sentinel_4c9e1b7d"
 
@@ -224,7 +224,7 @@ class AgentSession:
             self._check_length(len(prompt))
             chain = Trajectory(prompt_ids=prompt, group=self.group,
                                entropies=[] if self.params.logprobs else None)  # fmt: skip
-            chain.origin, chain.chain = ("root" if not self.chains else "restart"), len(self.chains)
+            chain.origin, chain.chain = (Origin.ROOT if not self.chains else Origin.RESTART), len(self.chains)
             self.chains.append(chain)
             self._full = False
             self._tools_key, self._first, self._messages = tools_key, len(messages), [dict(m) for m in messages]

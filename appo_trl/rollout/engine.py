@@ -35,6 +35,7 @@ from appo_trl.rollout.tool_turns import ToolTurns
 from appo_trl.rollout.types import (
     Backend,
     BranchContext,
+    Origin,
     RolloutConfig,
     SamplingParams,
     Segment,
@@ -156,7 +157,7 @@ class RolloutEngine(ToolTurns):
                   for i, p in enumerate(prompts)]  # fmt: skip
         for g, k in zip(groups, ns):
             for _ in range(k):
-                self._start_root(run, g, hook, origin="root")
+                self._start_root(run, g, hook, origin=Origin.ROOT)
         try:
             while run.tasks:
                 done, _ = await asyncio.wait(run.tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -168,7 +169,7 @@ class RolloutEngine(ToolTurns):
                 for g in groups:
                     if g.active == 0 and g.created < g.target:
                         self._m["refills"] += 1
-                        self._start_root(run, g, hook, origin="refill")
+                        self._start_root(run, g, hook, origin=Origin.REFILL)
         except BaseException:
             for task in run.tasks:
                 task.cancel()
@@ -289,7 +290,7 @@ class RolloutEngine(ToolTurns):
         c = len(traj.completion_ids)
         return min(self.config.max_completion_length - c, self.config.max_model_len - len(traj.prompt_ids) - c)
 
-    def _start_root(self, run: _Run, group: _Group, hook: Hook | None, origin: str) -> None:
+    def _start_root(self, run: _Run, group: _Group, hook: Hook | None, origin: Origin) -> None:
         traj = Trajectory(prompt_ids=list(group.prompt_ids), group=group.index,
                           entropies=[] if (hook is not None or self.config.record_entropies) else None)  # fmt: skip
         # the routing key: one per prompt group of one round, kept by forks, refills and branches
@@ -393,7 +394,7 @@ class RolloutEngine(ToolTurns):
         for k in range(copies):
             child = traj.prefix_copy(position)
             # keyed on the lineage (parent, fork point, copy), never on the order of creation
-            child.origin, child.seed = "fork", mix_seed(traj.seed, "fork", position, k)
+            child.origin, child.seed = Origin.FORK, mix_seed(traj.seed, "fork", position, k)
             if self.environments is not None:
                 await self.environments.fork(child, traj)
             self._m["forks"] += 1
@@ -467,7 +468,7 @@ class RolloutEngine(ToolTurns):
                 raise ValueError(f"branch position {p} falls inside the result of tool call {call.tag!r} "
                                  f"(tokens {call.start}..{call.end})")  # fmt: skip
         child = parent.prefix_copy(p)
-        child.origin, child.seed = "branch", mix_seed(seed, p, len(parent.completion_ids))
+        child.origin, child.seed = Origin.BRANCH, mix_seed(seed, p, len(parent.completion_ids))
         if self.environments is not None:
             await self.environments.fork(child, parent)
         self._m["branches"] += 1

@@ -14,6 +14,7 @@ contract every consumer relies on:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import uuid
 from typing import Any, Literal
@@ -45,7 +46,28 @@ class ToolCallRecord:
     end: int
 
 
-Origin = Literal["root", "fork", "refill", "branch", "restart", "chain"]
+class Origin(enum.StrEnum):
+    """A row's lineage: how it began (a `str`, so the rollout dump and TRL's `branch_origin` column read it as text).
+
+    ROOT: an initial rollout. FORK: ARPO / AEPO's in-loop copy after a tool result (by a branching hook, or applied
+    to an agent's recorded runs). REFILL: a fresh rollout that brings a group to size. BRANCH: a continuation from
+    a parent's prefix between rounds, or an agent run branched by replay. RESTART: an agent chain begun because the
+    agent rewrote its history.
+    """
+
+    ROOT = "root"
+    FORK = "fork"
+    REFILL = "refill"
+    BRANCH = "branch"
+    RESTART = "restart"
+
+
+class Role(enum.StrEnum):
+    """What a row is to TRL's batch: SAMPLE, a row TRL scores; CHAIN, an agent run's other sampled chain, trained
+    with its run's reward and advantage (`Trajectory.chain_rows`, `appo_trl.trainer.chain_rows`)."""
+
+    SAMPLE = "sample"
+    CHAIN = "chain"
 
 
 def new_uid() -> str:
@@ -72,11 +94,8 @@ class Trajectory:
         uid: unique id of this trajectory.
         parent: uid of the trajectory this one was branched from, None for a root.
         branch_pos: `completion_ids[:branch_pos]` was copied from the parent, never regenerated.
-        origin: how the row began: `"root"` (an initial rollout), `"fork"` (an in-loop copy made by a branching
-            hook after a tool result), `"refill"` (a fresh rollout that brings a group to size), `"branch"` (a
-            continuation from a parent's prefix between rounds, or an agent run branched by replay), `"restart"`
-            (an agent chain begun because the agent rewrote its history) or `"chain"` (an agent run's other chain,
-            trained as a row of its own with the run's reward).
+        origin: the row's lineage, an `Origin` (root, fork, refill, branch, restart).
+        role: what the row is to TRL's batch, a `Role` (a sample TRL scores, or an agent run's other chain).
         seed: the row's sampling seed, keyed on its lineage (never on the order of creation).
         route_key: the routing key of its prompt group in its round (keeps the group and its branches on one replica).
         request_seeds: the seed of each sampler request, in order.
@@ -84,7 +103,7 @@ class Trajectory:
             it is known or when entropies are not recorded.
         agent_reward: the reward an agent returned for its run (None: not an agent run, or it returned none); a
             list when it returned one reward per model call: one reward per assistant turn of this row.
-        chain_rows: an agent run's other sampled chains (`origin="chain"`), trained with the run's reward.
+        chain_rows: an agent run's other sampled chains (`role=Role.CHAIN`), trained with the run's reward.
         run: for a chain row, the uid of the run row it belongs to.
         chain: the index of this chain in its agent session.
         messages: an agent run's assistant messages (what reward functions see as the completion).
@@ -103,7 +122,8 @@ class Trajectory:
     uid: str = dataclasses.field(default_factory=new_uid)
     parent: str | None = None
     branch_pos: int | None = None
-    origin: Origin = "root"
+    origin: Origin = Origin.ROOT
+    role: Role = Role.SAMPLE
     seed: int = 0
     route_key: str | None = None
     request_seeds: list[int] = dataclasses.field(default_factory=list)
@@ -245,4 +265,4 @@ class BranchContext:
 
 
 __all__ = ["Backend", "BranchContext", "FinishReason", "RolloutConfig", "SamplingParams", "Segment", "ToolCallRecord",
-           "Origin", "Trajectory", "new_uid"]  # fmt: skip
+           "Origin", "Role", "Trajectory", "new_uid"]  # fmt: skip

@@ -44,7 +44,7 @@ import numbers
 import threading
 import time
 
-from appo_trl.rollout.types import Trajectory
+from appo_trl.rollout.types import Origin, Role, Trajectory
 from appo_trl.trainer import trl_seams
 from appo_trl.trainer.agent_threads import AgentRun, join_within
 from appo_trl.trainer.reward_checks import REWARD_LIMIT, non_finite_note, usable_reward
@@ -416,17 +416,17 @@ class AgentEngine:
         reward = 0.0 if error is not None else value
         chains = session.chain_rows() if session.row is not None else []
         for other in chains:  # the run's earlier (or, in a branch, later) chains: rows of their own, same reward
-            other.group, other.agent_reward, other.origin, other.run = g, reward, "chain", row.uid
+            other.group, other.agent_reward, other.role, other.run = g, reward, Role.CHAIN, row.uid
         c["chain_rows"] += len(chains)
         row.group = g
-        row.agent_reward, row.chain_rows, row.origin = reward, chains, "root"
+        row.agent_reward, row.chain_rows = reward, chains  # origin: root, or restart (the session's last chain)
         row.messages = session.completion_messages() or [{"role": "assistant", "content": ""}]
         if parent is not None:
             c["branches"] += 1
             c["replayed_calls"] += session.replayed
             c["replay_divergence"] += bool(session.diverged or replay is None)
             row.parent, row.branch_pos = parent.uid, position
-            row.origin = "branch"
+            row.origin = Origin.BRANCH
         self.sessions[row.uid] = session
         return row
 

@@ -44,7 +44,7 @@ def select_rows(batch: dict, index: torch.Tensor, num_rows: int) -> dict:
 
 def split_rows(batch: dict, num_chunks: int) -> list[dict]:
     """TRL's `split_tensor_dict` without dropping rows: when the row count is not a multiple of `num_chunks` (an
-    agent's forked rows), the first chunks hold one row more. 0-dim tensors and `None` go to every chunk."""
+    agent's chain rows), the first chunks hold one row more. 0-dim tensors and `None` go to every chunk."""
     rows = len(next(v for v in batch.values() if v is not None and not (isinstance(v, torch.Tensor) and v.ndim == 0)))
     size, extra = divmod(rows, num_chunks)
     chunks, start = [], 0

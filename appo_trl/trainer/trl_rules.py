@@ -5,8 +5,9 @@ file to read again (its private attributes: `trl_seams`). The rules: whether TRL
 (`runs_old_logp_pass`), the vLLM importance-sampling ratio (`importance_ratio`), the reference forward, or the
 adapter-free / "ref" adapter one under PEFT (`reference_logps`), and truncated-completion masking
 (`truncated_rows`), and the reward rule of rows every reward function left unscored (`scored_rewards`,
-`unscorable_rows`, `zero_unscorable`). Users: the round runner (`rounds.py`: the old-logp cache, the rewards a
-strategy's own advantages read) and an agent's forked rows (`chain_rows.py`). What this does not do: decide when a
+`unscorable_rows`, `zero_unscorable`), and the layout of its scored batch (`extend_scored_batch`, which appends
+rows handed over as plain data, such as an agent run's chain rows, padded as TRL pads each entry). Users: the round runner (`rounds.py`: the old-logp cache, the rewards a
+strategy's own advantages read) and an agent's chain rows (`chain_rows.py`). What this does not do: decide when a
 rule applies beyond TRL's own condition.
 
 `TRL_COPIES` names, for each rule, the TRL function it was read from and the SHA-256 of that function's source in
@@ -33,7 +34,55 @@ TRL_COPIES: dict[str, tuple[str, str]] = {
     "unscorable_rows": (_SCORE, _SCORE_SHA),
     "scored_rewards": (_SCORE, _SCORE_SHA),
     "zero_unscorable": (_SCORE, _SCORE_SHA),
+    "extend_scored_batch": (_SCORE, _SCORE_SHA),
 }
+
+# per-row entries of TRL's `_generate_and_score_completions` output, with the value TRL pads them with
+_PROMPT_KEYS = {"prompt_ids": None, "prompt_mask": 0}  # left-padded (None: the pad token)
+_COMPLETION_KEYS = {"completion_ids": None, "completion_mask": 0, "tool_mask": 1, "sampling_per_token_logps": 0.0,
+                    "old_per_token_logps": 0.0, "ref_per_token_logps": 0.0, "advantages": 0.0,
+                    "importance_sampling_ratio": 1.0}  # fmt: skip
+
+
+def check_extendable(out: dict, num_rows: int) -> None:
+    """RuntimeError naming the per-row entries of TRL's scored batch `out` whose layout `extend_scored_batch` does
+    not know (a TRL that added one: read `_generate_and_score_completions` again)."""
+    unknown = [k for k, v in out.items() if _per_row(v, num_rows) and k not in _PROMPT_KEYS and k not in
+               _COMPLETION_KEYS]  # fmt: skip
+    if unknown:
+        raise RuntimeError(f"rows cannot extend TRL's scored batch entries {unknown} (trl {TRL_VERSION}'s layout)")
+
+
+def extend_scored_batch(out: dict, new: dict, pad_id: int) -> dict:
+    """TRL's scored batch `out` with the rows of `new` (the same per-row entries, as tensors) appended: prompts
+    left-padded, completions right-padded to the wider of the two, as TRL pads them; other entries kept."""
+    merged = dict(out)
+    for key in out:
+        if key in new:
+            merged[key] = _concat(out[key], new[key], key, pad_id)
+    return merged
+
+
+def _per_row(value, num_rows: int) -> bool:
+    return (isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) == num_rows) or (
+        isinstance(value, list) and len(value) == num_rows
+    )
+
+
+def _concat(old: torch.Tensor, new: torch.Tensor, key: str, pad_id: int) -> torch.Tensor:
+    """Rows of `old` then `new`, both padded to the wider one as TRL pads `key` (prompts left, completions right)."""
+    if old.dim() == 1 or old.size(1) == new.size(1):  # (B,) or (B, 1): advantages, sequence-level ratios
+        return torch.cat([old, new.to(old)], dim=0)
+    value = _PROMPT_KEYS.get(key, _COMPLETION_KEYS.get(key))
+    value = pad_id if value is None else value
+    width = max(old.size(1), new.size(1))
+    left = key in _PROMPT_KEYS
+
+    def widen(x):
+        pad = x.new_full((x.size(0), width - x.size(1)), value)
+        return torch.cat([pad, x] if left else [x, pad], dim=1)
+
+    return torch.cat([widen(old), widen(new.to(old))], dim=0)
 
 
 def unscorable_rows(rewards_per_func: torch.Tensor) -> torch.Tensor:
@@ -98,5 +147,5 @@ def truncated_rows(trainer, completions: list[list[int]]) -> torch.Tensor:
     return torch.tensor([c[-1] not in ends for c in completions]).unsqueeze(1)
 
 
-__all__ = ["TRL_COPIES", "TRL_VERSION", "importance_ratio", "reference_logps", "runs_old_logp_pass", "scored_rewards",
+__all__ = ["TRL_COPIES", "TRL_VERSION", "check_extendable", "extend_scored_batch", "importance_ratio", "reference_logps", "runs_old_logp_pass", "scored_rewards",
            "truncated_rows", "unscorable_rows", "zero_unscorable"]  # fmt: skip

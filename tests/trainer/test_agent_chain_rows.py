@@ -147,7 +147,7 @@ def test_compacting_agent_trains_two_steps(tmp_path, strategy, tiny_chat_tokeniz
     """Every run compacts once: 2 rows per run. APPO branches its 1 run per prompt by replay: the branch call lies in
     the run's row (its second chain), the first chain is replayed (0 divergence) and is not a row of the branch."""
     tok = tiny_chat_tokenizer
-    extra = {"initial_rollouts": 1, "min_remaining_tokens": 2} if strategy == "appo" else {}
+    extra = {"initial_rollouts": 1, "min_remaining_tokens": 2} if strategy == "appo" else {"dump_rollouts": 2}
     trainer, _ = make_trainer(tmp_path, tiny_chat_model_path, tok, compacting_agent, strategy, **extra)
     backend = trainer.rollout_engine.backend = LoggedBackend(tok)
     batches, real = [], trainer.rounds.strategy.generate
@@ -165,10 +165,17 @@ def test_compacting_agent_trains_two_steps(tmp_path, strategy, tiny_chat_tokeniz
         assert_exact(prompt, completion, mask, backend.log)
     for batch in batches:
         for row in batch.rows:
-            [fork] = row.chain_rows if row.origin == "root" else [None]
+            [fork] = row.chain_rows if row.parent is None else [None]
             if fork is not None:  # the run's first chain: its own row, on the original prompt
                 assert "(notes:" not in tok.decode(fork.prompt_ids) and "(notes:" in tok.decode(row.prompt_ids)
                 fork.check()
+                # lineage and role apart: the run's row is the chain it restarted, its first chain a chain row
+                assert (row.origin, row.role, fork.origin, fork.role) == ("restart", "sample", "root", "chain")
+    if strategy == "grpo":  # the restart survives into the dump (as text), the role beside it
+        from appo_trl.reporting.rollout_dump import read_dumps
+
+        _, groups = read_dumps(tmp_path)
+        assert {(r["origin"], r["role"]) for g in groups for r in g["rows"]} == {("restart", "sample")}
     logs = [h for h in trainer.state.log_history if "reward" in h]
     if strategy == "grpo":
         assert all(h["agent/restarts"] == 4.0 and h["agent/chain_rows"] == 4.0 for h in logs)

@@ -86,3 +86,20 @@ def test_the_trl_source_each_rule_copies_is_the_one_it_was_read_from(copy):
     got = hashlib.sha256(source.encode()).hexdigest()
     assert got == sha, (f"trl_rules.{copy} copies {where} of trl {trl_rules.TRL_VERSION}, whose source has changed: "
                         f"read it again, update the copy, then its hash ({got})")  # fmt: skip
+
+
+def test_extend_scored_batch_pads_as_trl_pads():
+    # prompts left-padded with the pad token (9), completions right-padded (ids with the pad, masks with 0 / 1)
+    out = {"prompt_ids": torch.tensor([[1, 2]]), "prompt_mask": torch.tensor([[1, 1]]),
+           "completion_ids": torch.tensor([[3]]), "completion_mask": torch.tensor([[1]]),
+           "tool_mask": torch.tensor([[1]]), "advantages": torch.tensor([0.5]), "num_items_in_batch": 7}  # fmt: skip
+    new = {"prompt_ids": torch.tensor([[4]]), "prompt_mask": torch.tensor([[1]]),
+           "completion_ids": torch.tensor([[5, 6]]), "completion_mask": torch.tensor([[1, 1]]),
+           "tool_mask": torch.tensor([[1, 0]]), "advantages": torch.tensor([-1.0])}  # fmt: skip
+    got = trl_rules.extend_scored_batch(out, new, pad_id=9)
+    assert got["prompt_ids"].tolist() == [[1, 2], [9, 4]] and got["prompt_mask"].tolist() == [[1, 1], [0, 1]]
+    assert got["completion_ids"].tolist() == [[3, 9], [5, 6]]
+    assert got["completion_mask"].tolist() == [[1, 0], [1, 1]] and got["tool_mask"].tolist() == [[1, 1], [1, 0]]
+    assert got["advantages"].tolist() == [0.5, -1.0] and got["num_items_in_batch"] == 7
+    with pytest.raises(RuntimeError, match=r"entries \['new_entry'\]"):
+        trl_rules.check_extendable({**out, "new_entry": torch.zeros(1, 3)}, 1)

@@ -15,7 +15,7 @@ import math
 
 from appo_trl.rollout import mix_seed
 from appo_trl.rollout.text import window_entropy
-from appo_trl.rollout.types import BranchContext
+from appo_trl.rollout.types import BranchContext, Origin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,14 +92,14 @@ def branch_after_runs(engine, hook, prompt_ids: list[list[int]], counts: list[in
     groups = [list(g) for g in engine.run(engine.rollout(prompt_ids, counts, seed=seed))]
     queues: dict[str, list[ForkPoint]] = {}
 
-    def enter(t, g: int, origin: str, row_seed: int, root: float | None = None) -> None:
+    def enter(t, g: int, origin: Origin, row_seed: int, root: float | None = None) -> None:
         t.group = g
         t.origin, t.seed, t.root_entropy = origin, row_seed, (window.root(t) if root is None else root)
         queues[t.uid] = window.fork_points(t)
 
     for g, rows in enumerate(groups):
         for j, t in enumerate(rows):
-            enter(t, g, "root", mix_seed(seed, g, j))
+            enter(t, g, Origin.ROOT, mix_seed(seed, g, j))
     wave = refills = 0
     while True:
         requests, forks, decided = [], [], False
@@ -119,7 +119,7 @@ def branch_after_runs(engine, hook, prompt_ids: list[list[int]], counts: list[in
             children = engine.run(engine.branch_many(requests, seed=mix_seed(seed, "wave", wave), resample=True))
             for (g, parent, position, k), child in zip(forks, children):
                 fork_seed = mix_seed(parent.seed, "fork", position, k)  # keyed on the lineage, as in the loop
-                enter(child, g, "fork", fork_seed, parent.root_entropy)
+                enter(child, g, Origin.FORK, fork_seed, parent.root_entropy)
                 groups[g].append(child)
         elif not decided:
             short = [int(len(rows) < size) for rows, size in zip(groups, sizes)]
@@ -129,7 +129,7 @@ def branch_after_runs(engine, hook, prompt_ids: list[list[int]], counts: list[in
             refills += 1
             for g, rows in enumerate(fresh):
                 for t in rows:
-                    enter(t, g, "refill", mix_seed(seed, "refill", g, len(groups[g])))
+                    enter(t, g, Origin.REFILL, mix_seed(seed, "refill", g, len(groups[g])))
                     groups[g].append(t)
         wave += 1
 
