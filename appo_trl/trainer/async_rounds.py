@@ -25,6 +25,7 @@ import torch
 from transformers import TrainerCallback
 
 from appo_trl.tools.main_thread import MAIN_THREAD
+from appo_trl.trainer import trl_rules
 
 logger = logging.getLogger(__name__)
 
@@ -421,7 +422,7 @@ def build_async_rounds(trainer) -> AsyncRounds | None:
     args = trainer.args
     if args.max_staleness < 1:
         return None
-    every = args.steps_per_generation * args.num_iterations
+    every = trl_rules.generate_every(args)
     dist = str(getattr(trainer.accelerator, "distributed_type", "NO"))
     sharded = "DEEPSPEED" in dist or "FSDP" in dist
     if sharded and not args.strategy_class.async_under_sharding:

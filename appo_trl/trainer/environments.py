@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from appo_trl.rollout.environments import RoundEnvironments, branch_mode, environment_methods
 from appo_trl.tools.callables import ToolSpecError, tool_schema
+from appo_trl.trainer import trl_rules
 from appo_trl.trainer.strategies.record import HandedEnvironments
 
 
@@ -77,41 +78,13 @@ def share_group_tasks(trainer, strategy, prompts: list, n: int, own: OwnInstance
             envs[j], prompts[j] = copy.deepcopy(envs[s]), prompts[s]
 
 
-def _observed_prompt(row: dict, observation) -> list[dict]:
-    """The prompt TRL samples `row` on when `reset()` returned `observation`: appended to the last message as TRL's
-    `_generate_and_score_completions` does."""
-    prompt = row.get("prompt", [{"role": "user", "content": ""}])  # TRL's default when the environment owns the data
-    if observation is not None:
-        content = prompt[-1]["content"]
-        if isinstance(observation, list) and isinstance(content, str):
-            content = [{"type": "text", "text": content}]
-        if isinstance(observation, str) and isinstance(content, list):
-            observation = [{"type": "text", "text": observation}]
-        prompt = prompt[:-1] + [{**prompt[-1], "content": content + observation}]
-    return prompt
-
-
-def _observed_prompt_ids(trainer, row: dict, name, observation) -> list[int]:
-    """`_observed_prompt`'s ids, rendered with the environment's tools as TRL's `_tokenize_prompts` renders them."""
-    return _prompt_ids(trainer, _observed_prompt(row, observation), name)
-
-
-def _prompt_ids(trainer, prompt: list[dict], name) -> list[int]:
-    out = trainer.processing_class.apply_chat_template(
-        conversation=[prompt], tools=trainer._env_tools[name] or None, chat_template=trainer.chat_template,
-        add_generation_prompt=True, tokenize=True, return_dict=True, **trainer.chat_template_kwargs,
-    )  # fmt: skip
-    return list(out["input_ids"][0])
-
-
 def _fresh(trainer, row: dict, name, prompt_ids: list[int], index: int):
     """A new instance of environment `name`, `reset()` with `row` as TRL does (no `environment` key when several);
     its observation must give the prompt the group was sampled on (`prompt_ids`, row `index`), else ValueError."""
     env = trainer.environment_factories[name]()
-    observation = env.reset(
-        **({k: v for k, v in row.items() if k != "environment"} if trainer._multi_environment else row)
-    )
-    if _observed_prompt_ids(trainer, row, name, observation) != list(prompt_ids):
+    observation = env.reset(**trl_rules.reset_kwargs(trainer, row))
+    prompt = trl_rules.observed_prompt(row, observation)
+    if trl_rules.environment_prompt_ids(trainer, prompt, trainer._env_tools[name]) != list(prompt_ids):
         raise ValueError(
             f"environment_factory: a new {type(env).__name__} instance reset() with row {index} returned "
             f"{str(observation)[:200]!r}, a different observation from the one its group was sampled on; refills "
@@ -143,15 +116,16 @@ def own_instances(trainer, inputs: list[dict]) -> OwnInstances:
     instances, prompts = [], []
     for row, name in zip(inputs, names):
         env = trainer.environment_factories[name]()
-        observation = env.reset(**({k: v for k, v in row.items() if k != "environment"} if multi else row))
+        observation = env.reset(**trl_rules.reset_kwargs(trainer, row))
         instances.append(env)
-        prompts.append(_observed_prompt(row, observation))
+        prompts.append(trl_rules.observed_prompt(row, observation))
     return OwnInstances(instances, names, prompts)
 
 
 def own_prompt_ids(trainer, own: OwnInstances) -> list[list[int]]:
     """The ids of `own`'s prompts, each rendered with its environment's tools (as TRL's `_tokenize_prompts`)."""
-    return [_prompt_ids(trainer, p, name) for p, name in zip(own.prompts, own.names)]
+    return [trl_rules.environment_prompt_ids(trainer, p, trainer._env_tools[name])
+            for p, name in zip(own.prompts, own.names)]  # fmt: skip
 
 
 def round_environments(

@@ -5,7 +5,8 @@ file to read again (its private attributes: `trl_seams`). The rules: whether TRL
 (`runs_old_logp_pass`), the vLLM importance-sampling ratio (`importance_ratio`), the reference forward, or the
 adapter-free / "ref" adapter one under PEFT (`reference_logps`), and truncated-completion masking
 (`truncated_rows`), and the reward rule of rows every reward function left unscored (`scored_rewards`,
-`unscorable_rows`, `zero_unscorable`), and the layout of its scored batch (`extend_scored_batch`, which appends
+`unscorable_rows`, `zero_unscorable`), the environments' reset and observation rules (`reset_kwargs`,
+`observed_prompt`, `environment_prompt_ids`), how often a generation batch starts (`generate_every`), and the layout of its scored batch (`extend_scored_batch`, which appends
 rows handed over as plain data, such as an agent run's chain rows, padded as TRL pads each entry). Users: the round runner (`rounds.py`: the old-logp cache, the rewards a
 strategy's own advantages read) and an agent's chain rows (`chain_rows.py`). What this does not do: decide when a
 rule applies beyond TRL's own condition.
@@ -35,7 +36,45 @@ TRL_COPIES: dict[str, tuple[str, str]] = {
     "scored_rewards": (_SCORE, _SCORE_SHA),
     "zero_unscorable": (_SCORE, _SCORE_SHA),
     "extend_scored_batch": (_SCORE, _SCORE_SHA),
+    "reset_kwargs": (_SCORE, _SCORE_SHA),
+    "observed_prompt": (_SCORE, _SCORE_SHA),
+    "environment_prompt_ids": (f"{_GRPO}._tokenize_prompts",
+                               "d2d27f7c9bfda85f1c3225785fa2f09466c428803be6afa8a6c46290f7171a15"),
+    "generate_every": (f"{_GRPO}._prepare_inputs", "f824e7fb0714795697c9b4d574de1e139dd5f4404c2554e92cf1db7f60fa6c96"),
 }
+
+
+def generate_every(args) -> int:
+    """TRL's `generate_every`: the training micro-steps one generation batch serves (`steps_per_generation x
+    num_iterations` of `args`)."""
+    return args.steps_per_generation * args.num_iterations
+
+
+def reset_kwargs(trainer, row: dict) -> dict:
+    """What TRL passes to an environment's `reset()` for dataset `row` (no `environment` key with several)."""
+    return {k: v for k, v in row.items() if k != "environment"} if trainer._multi_environment else row
+
+
+def observed_prompt(row: dict, observation) -> list[dict]:
+    """The prompt TRL samples `row` on when `reset()` returned `observation`: appended to the last message."""
+    prompt = row.get("prompt", [{"role": "user", "content": ""}])  # TRL's default when the environment owns the data
+    if observation is not None:
+        content = prompt[-1]["content"]
+        if isinstance(observation, list) and isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        if isinstance(observation, str) and isinstance(content, list):
+            observation = [{"type": "text", "text": observation}]
+        prompt = prompt[:-1] + [{**prompt[-1], "content": content + observation}]
+    return prompt
+
+
+def environment_prompt_ids(trainer, prompt: list[dict], tools: list | None) -> list[int]:
+    """The ids of `prompt` rendered with an environment's `tools` as TRL's `_tokenize_prompts` renders them."""
+    out = trainer.processing_class.apply_chat_template(
+        conversation=[prompt], tools=tools or None, chat_template=trainer.chat_template, add_generation_prompt=True,
+        tokenize=True, return_dict=True, **trainer.chat_template_kwargs,
+    )  # fmt: skip
+    return list(out["input_ids"][0])
 
 # per-row entries of TRL's `_generate_and_score_completions` output, with the value TRL pads them with
 _PROMPT_KEYS = {"prompt_ids": None, "prompt_mask": 0}  # left-padded (None: the pad token)
@@ -110,8 +149,7 @@ def zero_unscorable(advantages: torch.Tensor, rewards: torch.Tensor) -> torch.Te
 def runs_old_logp_pass(trainer) -> bool:
     """Whether TRL computes `old_per_token_logps` with its no-grad forward: when a generation batch is trained over
     gradient-accumulation steps it does not align with, or with vLLM's importance-sampling correction."""
-    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
-    misaligned = trainer.args.gradient_accumulation_steps % generate_every != 0
+    misaligned = trainer.args.gradient_accumulation_steps % generate_every(trainer.args) != 0
     return misaligned or bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction)
 
 
@@ -147,5 +185,6 @@ def truncated_rows(trainer, completions: list[list[int]]) -> torch.Tensor:
     return torch.tensor([c[-1] not in ends for c in completions]).unsqueeze(1)
 
 
-__all__ = ["TRL_COPIES", "TRL_VERSION", "check_extendable", "extend_scored_batch", "importance_ratio", "reference_logps", "runs_old_logp_pass", "scored_rewards",
+__all__ = ["TRL_COPIES", "TRL_VERSION", "check_extendable", "environment_prompt_ids", "extend_scored_batch", "generate_every",
+           "importance_ratio", "observed_prompt", "reset_kwargs", "reference_logps", "runs_old_logp_pass", "scored_rewards",
            "truncated_rows", "unscorable_rows", "zero_unscorable"]  # fmt: skip

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-from appo_trl.trainer.trl_rules import TRL_VERSION  # the TRL these seams (and TRL's copied rules) were read from
+from appo_trl.trainer.trl_rules import TRL_VERSION, generate_every  # the TRL these seams (and TRL's copied rules) were read from
 
 
 @contextlib.contextmanager
@@ -100,8 +100,7 @@ def buffered_generation(trainer, make_batches) -> list:
     """Seam `GRPOTrainer._buffered_inputs` (trl 1.16.0): the micro-batches of the current generation batch, reused
     for `steps_per_generation` micro-steps; `make_batches()` refills it when TRL's own rule says a new generation
     batch starts (every `steps_per_generation * num_iterations` micro-steps, or when it is empty)."""
-    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
-    if trainer._step % generate_every == 0 or trainer._buffered_inputs is None:
+    if trainer._step % generate_every(trainer.args) == 0 or trainer._buffered_inputs is None:
         trainer._buffered_inputs = make_batches()
     return trainer._buffered_inputs
 

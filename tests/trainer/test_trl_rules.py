@@ -52,10 +52,8 @@ def test_truncated_rows():
     [(2, False, True, False), (3, False, False, True), (2, True, True, True), (2, True, False, False)],
 )
 def test_runs_old_logp_pass(accumulation, vllm, correction, runs):
-    args = SimpleNamespace(steps_per_generation=2, gradient_accumulation_steps=accumulation)
-    trainer = SimpleNamespace(
-        args=args, num_iterations=1, use_vllm=vllm, vllm_importance_sampling_correction=correction
-    )
+    args = SimpleNamespace(steps_per_generation=2, num_iterations=1, gradient_accumulation_steps=accumulation)
+    trainer = SimpleNamespace(args=args, use_vllm=vllm, vllm_importance_sampling_correction=correction)
     assert trl_rules.runs_old_logp_pass(trainer) is runs
 
 
