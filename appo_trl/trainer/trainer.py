@@ -119,6 +119,9 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         name, paper = strategy_card(args.rollout_strategy)  # model card: this strategy's paper
         trl_seams.set_card(self, name, paper, ["trl", "appo-trl", args.rollout_strategy])
         row_forward_where_tree_cannot(args, self.model)  # a model the tree cannot serve exactly: TRL's forward
+        from appo_trl.tree.forward import PackCache
+
+        self.tree_packs = PackCache()  # rows packed once per batch, for every pass over them (this trainer's)
         if args.tree_forward:
             self._setup_tree_forward()
         install_step_line(self)  # one readable console line per step; the trackers still get every metric
@@ -128,9 +131,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     def _setup_tree_forward(self) -> None:
         """`tree_forward`: tree attention on the policy and the reference model (`appo_trl.tree.attention`)."""
         from appo_trl.tree.attention import install_tree_attention
-        from appo_trl.tree.forward import PackCache
 
-        self.tree_packs = PackCache()  # rows packed once per batch, for every pass over them (this trainer's)
         install_tree_attention(self.model)
         if self.ref_model is not None:
             install_tree_attention(self.ref_model)

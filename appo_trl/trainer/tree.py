@@ -24,8 +24,6 @@ def trainer_tree_forward(
     unsupported = [k for k, v in kwargs.items() if v is not None and v is not False]
     if unsupported:
         raise ValueError(f"tree_forward=True does not support {unsupported} (multimodal inputs).")
-    if getattr(trainer, "tree_packs", None) is None:  # a trainer built without __init__ (tests' fakes)
-        trainer.tree_packs = PackCache()
     logps, entropies, counts = tree_logps_and_entropies(
         model,
         input_ids,
