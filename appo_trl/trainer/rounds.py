@@ -282,18 +282,7 @@ class RoundRunner:
         calls = gather(torch.tensor([int(r.num_calls) for r in rows], device=device))
         refused = gather(torch.tensor([r.finish_reason == "call_limit" for r in rows], device=device))
         kept = gather(torch.tensor([float(k) for k in rnd.keep], device=device))
-        if mode == "train":
-            t.state.num_input_tokens_seen += (prompt_len.sum() + full_len.sum()).item()
-        m["num_tokens"] = [t.state.num_input_tokens_seen]
-        m["completions/mean_length"].append(sampled.float().mean().item())
-        m["completions/min_length"].append(sampled.float().min().item())
-        m["completions/max_length"].append(sampled.float().max().item())
-        m["completions/clipped_ratio"].append(truncated.float().mean().item())
-        terminated = sampled[~truncated.bool()].float()  # TRL's keys: lengths of completions that ended
-        terminated = terminated if terminated.numel() else torch.zeros(1, device=device)
-        m["completions/mean_terminated_length"].append(terminated.mean().item())
-        m["completions/min_terminated_length"].append(terminated.min().item())
-        m["completions/max_terminated_length"].append(terminated.max().item())
+        trl_rules.log_generation(t, mode, m, prompt_len.sum() + full_len.sum(), sampled, truncated.bool())
         m["tools/call_frequency"].append(calls.float().mean().item())  # executed calls: `tools/calls` (engine)
         if mode == "train":
             self._warn_if_no_tool_calls(int(calls.sum().item()), strategy, int(refused.sum().item()))

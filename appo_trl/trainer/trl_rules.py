@@ -6,7 +6,7 @@ file to read again (its private attributes: `trl_seams`). The rules: whether TRL
 adapter-free / "ref" adapter one under PEFT (`reference_logps`), and truncated-completion masking
 (`truncated_rows`), and the reward rule of rows every reward function left unscored (`scored_rewards`,
 `unscorable_rows`, `zero_unscorable`), the environments' reset and observation rules (`reset_kwargs`,
-`observed_prompt`, `environment_prompt_ids`), how often a generation batch starts (`generate_every`), and the layout of its scored batch (`extend_scored_batch`, which appends
+`observed_prompt`, `environment_prompt_ids`), how often a generation batch starts (`generate_every`), its generation metrics (`log_generation`), and the layout of its scored batch (`extend_scored_batch`, which appends
 rows handed over as plain data, such as an agent run's chain rows, padded as TRL pads each entry). Users: the round runner (`rounds.py`: the old-logp cache, the rewards a
 strategy's own advantages read) and an agent's chain rows (`chain_rows.py`). What this does not do: decide when a
 rule applies beyond TRL's own condition.
@@ -40,6 +40,7 @@ TRL_COPIES: dict[str, tuple[str, str]] = {
     "observed_prompt": (_SCORE, _SCORE_SHA),
     "environment_prompt_ids": (f"{_GRPO}._tokenize_prompts",
                                "d2d27f7c9bfda85f1c3225785fa2f09466c428803be6afa8a6c46290f7171a15"),
+    "log_generation": (f"{_GRPO}._generate", "2a27fdf8f5e6f3562508eec3efb9e9dade2e0bf810de5031cdfab429d0a048f2"),
     "generate_every": (f"{_GRPO}._prepare_inputs", "f824e7fb0714795697c9b4d574de1e139dd5f4404c2554e92cf1db7f60fa6c96"),
 }
 
@@ -48,6 +49,25 @@ def generate_every(args) -> int:
     """TRL's `generate_every`: the training micro-steps one generation batch serves (`steps_per_generation x
     num_iterations` of `args`)."""
     return args.steps_per_generation * args.num_iterations
+
+
+def log_generation(trainer, mode: str, metrics, tokens: torch.Tensor, lengths: torch.Tensor,
+                   truncated: torch.Tensor) -> None:  # fmt: skip
+    """TRL's generation metrics under its keys: `num_tokens` (the round's gathered prompt + completion `tokens` added in
+    training), the completions' mean / min / max `lengths` (gathered, one per row), the share `truncated`, and the
+    lengths of the completions that ended (0 when none did)."""
+    if mode == "train":
+        trainer.state.num_input_tokens_seen += tokens.item()
+    metrics["num_tokens"] = [trainer.state.num_input_tokens_seen]
+    metrics["completions/mean_length"].append(lengths.float().mean().item())
+    metrics["completions/min_length"].append(lengths.float().min().item())
+    metrics["completions/max_length"].append(lengths.float().max().item())
+    metrics["completions/clipped_ratio"].append(truncated.float().mean().item())
+    ended = lengths[~truncated].float()
+    ended = ended if ended.numel() else torch.zeros(1, device=lengths.device)
+    metrics["completions/mean_terminated_length"].append(ended.mean().item())
+    metrics["completions/min_terminated_length"].append(ended.min().item())
+    metrics["completions/max_terminated_length"].append(ended.max().item())
 
 
 def reset_kwargs(trainer, row: dict) -> dict:
@@ -185,6 +205,7 @@ def truncated_rows(trainer, completions: list[list[int]]) -> torch.Tensor:
     return torch.tensor([c[-1] not in ends for c in completions]).unsqueeze(1)
 
 
-__all__ = ["TRL_COPIES", "TRL_VERSION", "check_extendable", "environment_prompt_ids", "extend_scored_batch", "generate_every",
-           "importance_ratio", "observed_prompt", "reset_kwargs", "reference_logps", "runs_old_logp_pass", "scored_rewards",
-           "truncated_rows", "unscorable_rows", "zero_unscorable"]  # fmt: skip
+__all__ = ["TRL_COPIES", "TRL_VERSION", "check_extendable", "environment_prompt_ids", "extend_scored_batch",
+           "generate_every", "importance_ratio", "log_generation", "observed_prompt", "reference_logps",
+           "reset_kwargs", "runs_old_logp_pass", "scored_rewards", "truncated_rows", "unscorable_rows",
+           "zero_unscorable"]  # fmt: skip

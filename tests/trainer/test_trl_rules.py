@@ -101,3 +101,18 @@ def test_extend_scored_batch_pads_as_trl_pads():
     assert got["advantages"].tolist() == [0.5, -1.0] and got["num_items_in_batch"] == 7
     with pytest.raises(RuntimeError, match=r"entries \['new_entry'\]"):
         trl_rules.check_extendable({**out, "new_entry": torch.zeros(1, 3)}, 1)
+
+
+def test_log_generation_under_trls_keys():
+    from collections import defaultdict
+
+    trainer, m = SimpleNamespace(state=SimpleNamespace(num_input_tokens_seen=10)), defaultdict(list)
+    lengths, truncated = torch.tensor([4, 2, 6]), torch.tensor([False, True, False])
+    trl_rules.log_generation(trainer, "train", m, torch.tensor(20), lengths, truncated)
+    assert trainer.state.num_input_tokens_seen == 30 and m["num_tokens"] == [30]
+    assert (m["completions/mean_length"], m["completions/min_length"], m["completions/max_length"]) == ([4.0], [2.0],
+                                                                                                      [6.0])  # fmt: skip
+    assert m["completions/clipped_ratio"] == [pytest.approx(1 / 3)]
+    assert (m["completions/mean_terminated_length"], m["completions/min_terminated_length"]) == ([5.0], [4.0])
+    trl_rules.log_generation(trainer, "eval", m, torch.tensor(5), lengths, torch.tensor([True] * 3))
+    assert trainer.state.num_input_tokens_seen == 30 and m["completions/max_terminated_length"][-1] == 0.0
