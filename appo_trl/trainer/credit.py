@@ -70,7 +70,9 @@ def _full_credit(credit: TreeCredit, keep: list[int], k: int, length: int) -> Tr
     """The credit of the scorable rows `keep` placed back among the group's `k` rows (zeros for the others)."""
     if len(keep) == k:
         return credit
-    full = [torch.zeros(k, length, dtype=x.dtype) for x in (credit.advantages, credit.node_values, credit.rows_through)]
+    full = [
+        torch.zeros(k, length, dtype=x.dtype) for x in (credit.advantages, credit.node_values, credit.rows_through)
+    ]
     for f, x in zip(full, (credit.advantages, credit.node_values, credit.rows_through)):
         f[keep] = x
     return TreeCredit(*full, root_value=credit.root_value if keep else 0.0)

@@ -21,6 +21,7 @@ from appo_trl.trainer.environments import check_environments
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.rounds import RoundRunner
 from appo_trl.trainer.rows import group_permutation, left_pad, pad_rows, permute_rows, split_rows
+from appo_trl.trainer.sampling_paths import Given, SamplingPath, TRLSampler, resolve_path
 from appo_trl.trainer.setup import has_tools, resolve_reward_funcs, resolve_startup_plan, setup_chat_tools
 from appo_trl.trainer.weight_sync import prepare_vllm_server
 
@@ -50,6 +51,9 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "appo", "appo-trl"]
     _name = "APPO"
+    # the sampling path `__init__` resolves; until then TRL's own (TRL's tests call `_generate` on a trainer built
+    # with `object.__new__`, docs/trl-parity.md)
+    sampling_path: type[SamplingPath] = TRLSampler
 
     def __init__(
         self,
@@ -72,7 +76,6 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         agent=None,
     ):
         from appo_trl.trainer.agents import resolve_agent, with_agent_reward
-        from appo_trl.trainer.sampling_paths import Given, resolve_path
         from appo_trl.trainer.trl_compat import check_rollout_func, resolve_args, row_forward_where_tree_cannot
 
         args = resolve_args(model, args)  # None -> APPOConfig("<model>-APPO"); a GRPOConfig -> rollout_strategy grpo

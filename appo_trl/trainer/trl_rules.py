@@ -38,8 +38,10 @@ TRL_COPIES: dict[str, tuple[str, str]] = {
     "extend_scored_batch": (_SCORE, _SCORE_SHA),
     "reset_kwargs": (_SCORE, _SCORE_SHA),
     "observed_prompt": (_SCORE, _SCORE_SHA),
-    "environment_prompt_ids": (f"{_GRPO}._tokenize_prompts",
-                               "d2d27f7c9bfda85f1c3225785fa2f09466c428803be6afa8a6c46290f7171a15"),
+    "environment_prompt_ids": (
+        f"{_GRPO}._tokenize_prompts",
+        "d2d27f7c9bfda85f1c3225785fa2f09466c428803be6afa8a6c46290f7171a15",
+    ),
     "log_generation": (f"{_GRPO}._generate", "2a27fdf8f5e6f3562508eec3efb9e9dade2e0bf810de5031cdfab429d0a048f2"),
     "generate_every": (f"{_GRPO}._prepare_inputs", "f824e7fb0714795697c9b4d574de1e139dd5f4404c2554e92cf1db7f60fa6c96"),
 }
@@ -95,6 +97,7 @@ def environment_prompt_ids(trainer, prompt: list[dict], tools: list | None) -> l
         tokenize=True, return_dict=True, **trainer.chat_template_kwargs,
     )  # fmt: skip
     return list(out["input_ids"][0])
+
 
 # per-row entries of TRL's `_generate_and_score_completions` output, with the value TRL pads them with
 _PROMPT_KEYS = {"prompt_ids": None, "prompt_mask": 0}  # left-padded (None: the pad token)

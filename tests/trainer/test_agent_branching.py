@@ -33,7 +33,7 @@ def window(timing="lookahead", size=2):
                                                hook_mode=timing), 100)  # fmt: skip
 
 
-def test_fork_points_of_a_recorded_row_by_hand():
+def test_fork_points_of_a_recorded_row_by_hand(tmp_path):
     """Sampled 0-1, a result 2-3, sampled 4-6, a result 7, sampled 8-9: fork points 4 and 8 (window 2, sum)."""
     row = Trajectory(prompt_ids=[1], completion_ids=list(range(10)), loss_mask=[1, 1, 0, 0, 1, 1, 1, 0, 1, 1],
                      logprobs=[-1.0] * 10, entropies=[0.1, 0.2, nan, nan, 0.4, 0.8, 1.6, nan, 2.0, 3.0])  # fmt: skip
@@ -47,7 +47,9 @@ def test_fork_points_of_a_recorded_row_by_hand():
     # a branch at 4 owns only the fork points after it
     assert [p.position for p in w.fork_points(dataclasses.replace(row, uid="b", parent=row.uid, branch_pos=4))] == [8]
     # ARPO's rule on them: P = clip(τ + β·(H − H_root)) = 0.5 + 0.2·0.9 = 0.68, then clip(0.5 + 0.2·4.7) = 1
-    args = types.SimpleNamespace(branch_probability=0.5, entropy_weight=0.2, beam_size=2, branch_penalty=0.05)
+    args = APPOConfig(output_dir=str(tmp_path), **CPU, rollout_strategy="arpo", branch_probability=0.5,
+                      entropy_weight=0.2, beam_size=2, branch_penalty=0.05, num_generations=2,
+                      per_device_train_batch_size=2)  # fmt: skip
     hook = BranchHook(args, seed=0, penalty=False)
     row.seed = 3
     copies = [decide(hook, row, p, w.root(row), created=1, target=2, active=1) for p in (a, b)]

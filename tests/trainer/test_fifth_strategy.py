@@ -84,7 +84,9 @@ def test_the_fifth_strategy_trains_two_steps(fifth, tmp_path, tiny_tokenizer, ti
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tiny_tokenizer,
     )
-    assert isinstance(trainer.strategy, fifth) and not trainer.sampling_path.trl_sampler  # appo-trl's engine samples it
+    assert (
+        isinstance(trainer.strategy, fifth) and not trainer.sampling_path.trl_sampler
+    )  # appo-trl's engine samples it
     before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
     trainer.train()
 

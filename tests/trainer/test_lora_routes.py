@@ -92,7 +92,9 @@ def test_in_process_sampler_with_and_without_background_rounds(tmp_path, tiny_to
     trainer = peft_trainer(tmp_path, tiny_tokenizer, tiny_model_path, **kw)
     before = params(trainer.model)
     trainer.train()
-    assert not trainer.sampling_path.trl_sampler and trainer.rollout_engine.backend.model is trainer.model  # our engine, PEFT
+    assert (
+        not trainer.sampling_path.trl_sampler and trainer.rollout_engine.backend.model is trainer.model
+    )  # our engine, PEFT
     assert_only_the_adapter_moved(trainer, before)
 
     trainer = peft_trainer(tmp_path, tiny_tokenizer, tiny_model_path, max_steps=3, max_staleness=1, **kw)

@@ -133,9 +133,10 @@ def test_a_rollout_engine_that_is_not_a_sampler_is_one_line(tmp_path):
         resolve_path(Given(args, rollout_engine=object()))
     with pytest.raises(ValueError, match=r"^rollout_engine=NoReplayFlag lacks replays_branches of"):
         resolve_path(Given(args, rollout_engine=NoReplayFlag()))
-    from appo_trl.trainer.agents import AgentEngine
     from appo_trl.rollout import RolloutEngine
-    from appo_trl.sampling import Sampler as Protocol, missing_members
+    from appo_trl.sampling import Sampler as Protocol
+    from appo_trl.sampling import missing_members
+    from appo_trl.trainer.agents import AgentEngine
 
     for cls in (RolloutEngine, AgentEngine):  # every engine of ours speaks it (class members; config: per instance)
         assert [m for m in missing_members(cls, Protocol) if m != "config"] == [], cls

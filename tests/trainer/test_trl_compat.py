@@ -306,3 +306,12 @@ def test_grpo_config_with_a_sliding_window_policy_trains_tree_wise(tmp_path, tin
     assert not any("tree_forward is off" in r.getMessage() for r in caplog.records)
     trainer.train()
     assert trainer.state.global_step == 1
+
+
+def test_a_trainer_made_without_init_generates_with_trls_sampler(monkeypatch):
+    """TRL's own unit tests build `object.__new__(GRPOTrainer)` with fakes and call `_generate` (e.g. to check that
+    `rollout_func` is preferred); on `APPOTrainer` that reaches TRL's `_generate`: the sampling path's class default
+    is TRL's own sampler (docs/trl-parity.md)."""
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate", lambda self, prompts: ("trl", prompts))
+    trainer = object.__new__(APPOTrainer)
+    assert trainer._generate(["p"]) == ("trl", ["p"])

@@ -20,8 +20,8 @@ from appo_trl.trainer.strategies.base import (
     register_strategy,
     strategy_class,
 )
-from appo_trl.trainer.strategies.record import AgentReport, HandedEnvironments, Round
 from appo_trl.trainer.strategies.grpo import GRPOStrategy
+from appo_trl.trainer.strategies.record import AgentReport, HandedEnvironments, Round
 
 __all__ = [
     "STRATEGIES", "TRL_STD_EPS", "RolloutStrategy", "Round", "AgentReport", "HandedEnvironments", "register_strategy", "strategy_class",

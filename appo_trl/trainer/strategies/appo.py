@@ -177,7 +177,9 @@ class APPOStrategy(RolloutStrategy):
     @classmethod
     def own_advantages(cls, config) -> str | None:
         dual = config.advantage_mode != "group" and config.initial_rollouts != config.num_generations
-        return super().own_advantages(config) or ("APPO's dual-group advantage (advantage_mode=dual_group)" if dual else None)
+        return super().own_advantages(config) or (
+            "APPO's dual-group advantage (advantage_mode=dual_group)" if dual else None
+        )
 
     def advantages(self, rnd, rewards, default, length):
         """(B_local, T) advantages: initial rows get dual-group credit; branch rows keep TRL's value (dropped later)."""
