@@ -9,6 +9,7 @@ import torch
 
 from appo_trl.reporting.rollout_dump import dump_round, read_dumps
 from appo_trl.rollout.types import Trajectory
+from appo_trl.trainer.strategies import Round
 
 
 class _Tok:
@@ -26,7 +27,7 @@ def _trainer(out, step):
 
 def _round(first_token):
     rows = [Trajectory(prompt_ids=[1], completion_ids=[first_token, 7], loss_mask=[1, 1], logprobs=[0.0, 0.0])]
-    batch = SimpleNamespace(groups=[rows], keep=[True])
+    batch = Round(groups=[rows], keep=[True])
     out = {"advantages": torch.zeros(1), "completion_mask": torch.ones(1, 2)}
     return [{"prompt": "p", "answer": "a"}], batch, torch.ones(1), out
 
