@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
     from appo_trl.tiny import build_tiny_model
 
     if not sys.stderr.isatty():  # a log file: no "Writing model shards" bar
-        from appo_trl.stages.logs import quiet_progress_bars
+        from appo_trl.reporting.console import quiet_progress_bars
 
         quiet_progress_bars()
 

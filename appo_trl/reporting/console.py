@@ -148,10 +148,13 @@ def install_step_line(trainer, label: str = "train", tty: bool | None = None) ->
     """Swap the trainer's console callback (progress bar or printer) for its one-line-per-step version.
 
     Not on a terminal (`tty`, default: whether stderr, where tqdm draws, is one), the bar would mix `\\r` updates into
-    the log: the printer's step lines go there instead, with one `ProgressLine` (rate, ETA) per 10 % of the steps."""
+    the log: the printer's step lines go there instead, with one `ProgressLine` (rate, ETA) per 10 % of the steps,
+    and the libraries' bars are off (`quiet_progress_bars`)."""
     handler = trainer.callback_handler
     tty = sys.stderr.isatty() if tty is None else tty
     bars = [cb for cb in handler.callbacks if isinstance(cb, ProgressCallback)]
+    if not tty:
+        quiet_progress_bars()
     if not tty and bars:
         for cb in bars:
             trainer.remove_callback(cb)
@@ -163,6 +166,15 @@ def install_step_line(trainer, label: str = "train", tty: bool | None = None) ->
     if any(type(cb) is PrinterCallback for cb in handler.callbacks):
         trainer.remove_callback(PrinterCallback)
         trainer.add_callback(StepLinePrinterCallback)
+
+
+def quiet_progress_bars() -> None:
+    """transformers' and datasets' tqdm bars off (weight loading, shard writing, `map`): for a log file."""
+    import datasets
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
 
 
 def _duration(seconds: float) -> str:

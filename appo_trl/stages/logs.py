@@ -46,16 +46,9 @@ def setup_logging(level: int = logging.INFO) -> None:
         if not any(isinstance(f, RedactSecrets) for f in handler.filters):
             handler.addFilter(RedactSecrets())
     if not sys.stderr.isatty():
+        from appo_trl.reporting.console import quiet_progress_bars
+
         quiet_progress_bars()
-
-
-def quiet_progress_bars() -> None:
-    """transformers' and datasets' tqdm bars off (the trainer's own bar: `appo_trl.reporting.console`)."""
-    import datasets
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    datasets.disable_progress_bars()
 
 
 __all__ = ["RedactSecrets", "setup_logging"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from appo_trl.reporting.console import (
@@ -28,6 +29,17 @@ def test_agent_metrics_reach_the_step_line():
 def test_sft_logs_read_as_one_line():
     logs = {"loss": 5.9421, "grad_norm": 3.1, "learning_rate": 1e-3, "mean_token_accuracy": 0.1834, "epoch": 0.5}
     assert format_step_line(logs, 3, 4) == "step 3/4 | loss 5.942 | tok acc 18.3%"
+
+
+@pytest.fixture(autouse=True)
+def bars_back():
+    """`install_step_line(tty=False)` turns the libraries' bars off process-wide: on again after each test."""
+    yield
+    import datasets
+    import transformers
+
+    transformers.utils.logging.enable_progress_bar()
+    datasets.enable_progress_bars()
 
 
 class Trainer:
@@ -58,6 +70,9 @@ def test_a_log_file_gets_no_bar_but_step_lines_and_a_line_per_ten_percent():
     assert _kinds(trainer) == [StepLinePrinterCallback, ProgressLineCallback]
     progress = trainer.callback_handler.callbacks[1]
     assert progress.label == "SFT" and progress.every_pct == 10.0
+    import transformers
+
+    assert not transformers.utils.logging.is_progress_bar_enabled()  # nor weight-loading bars in the log
     trainer = Trainer(PrinterCallback())  # disable_tqdm: the printer's line, as before
     install_step_line(trainer, tty=False)
     assert _kinds(trainer) == [StepLinePrinterCallback]
