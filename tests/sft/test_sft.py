@@ -98,9 +98,12 @@ def _state(path):
     return {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(path).state_dict().items()}
 
 
-def test_sft_trains_on_masked_labels_and_params_change(tiny_model_path, tiny_tokenizer, tmp_path):
+def test_sft_trains_on_masked_labels_and_params_change(tiny_model_path, tiny_tokenizer, tmp_path, capsys):
     trainer = _run(tiny_model_path, tmp_path / "run", "--max_steps", "2", "--save_strategy", "no")
     assert trainer.state.global_step == 2
+    out = capsys.readouterr()  # `appo train`'s one line per step (here, not a terminal: no bar), no metric dicts
+    assert "step 1/2 | loss " in out.out and "step 2/2 | loss " in out.out and "{'loss'" not in out.out + out.err
+    assert "[SFT] 2/2 steps" in out.out and "it/s]" not in out.err
     row = trainer.train_dataset[0]
     trained = [i for i, lab in zip(row["input_ids"], row["labels"]) if lab != -100]
     assert all(lab in (-100, i) for i, lab in zip(row["input_ids"], row["labels"]))

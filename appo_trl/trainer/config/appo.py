@@ -455,7 +455,7 @@ class APPOConfig(GRPOConfig):
     def __post_init__(self):
         checks.check_choices(self, APPOConfig)
         checks.apply_reference(self)
-        checks.bf16_follows_hardware(self)
+        checks.follow_hardware(self)
         super().__post_init__()
         self._validate_appo()
 

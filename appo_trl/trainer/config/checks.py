@@ -229,6 +229,12 @@ def check_batching(cfg) -> None:
         )
 
 
+def follow_hardware(cfg) -> None:
+    """The fields whose TRL default assumes an accelerator, on a machine with none (`bf16`, `dataloader_pin_memory`)."""
+    bf16_follows_hardware(cfg)
+    pin_memory_follows_hardware(cfg)
+
+
 def bf16_follows_hardware(cfg) -> None:
     """`bf16` left unset: TRL's default (True) where an accelerator runs it, False on a machine with none.
 
@@ -238,9 +244,20 @@ def bf16_follows_hardware(cfg) -> None:
     """
     if cfg.bf16 is not None or cfg.fp16 or cfg.use_cpu:
         return
+    if not _has_accelerator():
+        cfg.bf16 = False
+
+
+def _has_accelerator() -> bool:
     import torch
 
     accelerators = (torch.cuda.is_available(), getattr(torch, "xpu", None) and torch.xpu.is_available(),
                     torch.backends.mps.is_available(), hasattr(torch, "npu") and torch.npu.is_available())  # fmt: skip
-    if not any(accelerators):
-        cfg.bf16 = False
+    return bool(any(accelerators))
+
+
+def pin_memory_follows_hardware(cfg) -> None:
+    """No accelerator: `dataloader_pin_memory` off (as transformers does for `use_cpu=True`), since torch cannot pin
+    there and warns "'pin_memory' argument is set as true but no accelerator is found" on every run."""
+    if cfg.dataloader_pin_memory and not cfg.use_cpu and not _has_accelerator():
+        cfg.dataloader_pin_memory = False

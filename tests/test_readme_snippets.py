@@ -1,0 +1,140 @@
+"""Every README code block says where it runs, and every block that claims to run on a CPU runs as pasted (issue 49).
+
+Each fence in README.md follows a marker line `<!-- snippet: KIND -->`: `cpu` (run here, in README order, in one
+fresh working directory, offline), `cpu slow` (the same, marked `slow`), `gpu` or `hub` (needs a GPU or the Hub: not
+run), `output` (console output or a file tree, not a command) or `long (why)` (a CPU command of many minutes, such as
+`make demo`, covered by other tests). A `bash` block runs under `bash -euo pipefail`; a `python` block runs as a
+script. Nothing is rewritten: the working directory holds a `.venv` link to this interpreter's environment, so the
+README's `source .venv/bin/activate` puts this checkout's `appo` on PATH, and `PYTHONPATH` is this checkout.
+The bash blocks build on each other (the tiny model of the first), as a reader's shell does, so they are all `slow`;
+the python blocks build their own model and run in the default selection.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+MARKER = re.compile(r"<!-- snippet: (cpu|cpu slow|gpu|hub|output|long \(.+\)) -->")
+TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class Block:
+    line: int  # the fence's line in README.md (1-based)
+    kind: str  # the marker's KIND, or "" when the fence has no marker
+    lang: str
+    code: str
+
+
+def readme_blocks(text: str) -> list[Block]:
+    """The fenced blocks of `text`, each with the marker on the line before its opening fence."""
+    lines, blocks, i = text.splitlines(), [], 0
+    while i < len(lines):
+        if not lines[i].startswith("```"):
+            i += 1
+            continue
+        start, lang = i, lines[i][3:].strip()
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        marker = MARKER.fullmatch(lines[start - 1].strip()) if start else None
+        blocks.append(
+            Block(start + 1, marker.group(1) if marker else "", lang, "\n".join(lines[start + 1 : end]) + "\n")
+        )
+        i = end + 1
+    return blocks
+
+
+BLOCKS = readme_blocks(README.read_text(encoding="utf-8"))
+CPU = [b for b in BLOCKS if b.kind.startswith("cpu")]
+
+
+def test_every_block_says_where_it_runs():
+    unmarked = [b.line for b in BLOCKS if not b.kind]
+    assert not unmarked, f"README.md fences without a `<!-- snippet: KIND -->` line before them, at lines {unmarked}"
+    assert all(b.lang in ("bash", "python") for b in CPU), [(b.line, b.lang) for b in CPU]
+    # the examples the README says run on a CPU are among the blocks run here
+    assert sum(b.lang == "python" for b in CPU) >= 2 and sum(b.lang == "bash" for b in CPU) >= 3
+    assert all('Qwen/Qwen3-0.6B",' not in b.code for b in CPU if b.lang == "python")  # the tiny model, not the Hub
+
+
+def test_the_parser_sees_a_missing_marker():
+    text = "intro\n<!-- snippet: cpu -->\n```bash\necho a\n```\n\n```python\nprint(1)\n```\n"
+    assert [(b.line, b.kind, b.lang) for b in readme_blocks(text)] == [(3, "cpu", "bash"), (7, "", "python")]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A reader's fresh directory: `.venv` is this interpreter's environment (for `source .venv/bin/activate`)."""
+    if not (Path(sys.prefix) / "bin" / "activate").is_file():
+        pytest.skip(f"the tests run outside a virtual environment ({sys.prefix}): no .venv to activate")
+    work = tmp_path_factory.mktemp("readme")
+    (work / ".venv").symlink_to(Path(sys.prefix), target_is_directory=True)
+    return work
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]))  # fmt: skip
+    return env
+
+
+def _param(block: Block):
+    marks = [pytest.mark.slow] if block.kind == "cpu slow" or block.lang == "bash" else []
+    return pytest.param(block, id=f"README.md:{block.line}-{block.lang}", marks=marks)
+
+
+@pytest.mark.parametrize("block", [_param(b) for b in CPU])
+def test_the_block_runs_as_pasted(block, workdir):
+    if block.lang == "python":
+        script = workdir / f"readme_{block.line}.py"
+        script.write_text(block.code, encoding="utf-8")
+        argv = [sys.executable, str(script)]
+    else:
+        argv = ["bash", "-euo", "pipefail", "-c", block.code]
+    done = subprocess.run(argv, cwd=workdir, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, f"README.md line {block.line} failed ({done.returncode}):\n{block.code}\n" + (
+        done.stdout[-3000:] + done.stderr[-4000:]
+    )
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+    return {_anchor(m.group(1)) for m in re.finditer(r"^#+ (.+)$", text, re.M)}
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/reference.md", "docs/gpus.md"])
+def test_links_between_the_pages_resolve(page):
+    """The README's sections moved into docs/: every relative link, and its #anchor, points at something."""
+    path = ROOT / page
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text(encoding="utf-8")):
+        if re.match(r"[a-z]+://", target):
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in _anchors(dest)):
+            broken.append(target)
+    assert not broken, f"{page}: broken links {broken}"
+
+
+def test_the_anchor_rule_on_headings_of_these_pages():
+    assert _anchor("GPUs: one node, then many") == "gpus-one-node-then-many"
+    assert _anchor("Your own agent: the endpoint") == "your-own-agent-the-endpoint"
+    assert _anchor("3. Branching at equal compute, at the papers' group size") == (
+        "3-branching-at-equal-compute-at-the-papers-group-size"
+    )
