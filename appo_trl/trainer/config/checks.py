@@ -15,6 +15,7 @@ from dataclasses import fields
 
 from appo_trl.configs.errors import fail
 from appo_trl.configs.reference import REFERENCE_PRESETS
+from appo_trl.trainer import trl_rules
 
 # Loss normalisers the custom (non-TRL) loss modes reproduce exactly (TRL `GRPOTrainer._compute_loss`).
 CUSTOM_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
@@ -149,7 +150,7 @@ def check_async(cfg) -> None:
         return
     if w > k:
         fail(f"weight_sync_steps={w} > max_staleness={k}: rows would be older than the bound allows.")
-    every, ga = cfg.steps_per_generation * cfg.num_iterations, cfg.gradient_accumulation_steps
+    every, ga = trl_rules.generate_every(cfg), cfg.gradient_accumulation_steps
     if every % ga != 0 or 2 * (every // ga) - 1 > k:
         fail(
             f"max_staleness={k} with steps_per_generation × num_iterations = {every} and "
