@@ -12,11 +12,21 @@ With `dump_rollouts: K` the trainer writes the first K groups of every training 
                "node_runs": [[start, end, V, rows], ...] (tree credit only: V of the deepest node holding the
                    token and how many rows hold it; else null),
                "num_calls", "tool_calls": [{"tag", "query", "ok", "result"}], "finish_reason", "length",
-               "completion", "continuation" (a branch's text after its fork, else null)}]}
+               "completion", "continuation" (a branch's text after its fork, else null),
+               "tokens": [text of each token, the first MAX_TOKENS], "mask_runs": [[start, end, 0 | 1], ...]
+                   (the loss mask: 0 for tool results and template tokens), "tool_spans": [[start, end], ...]
+                   (injected tool results), "branch_entropy" (a branch: the sampler's entropy at its fork, when
+                   recorded), "branch_score" (APPO: the branch point's score), "role" ("chain" for an agent run's
+                   other chain, which follows the group's rows and names its run row in "run"; else "row"),
+               "version_runs" (per-token policy versions as runs, when the row carries them)}]}
 
 `parent` and `branch_pos` are the group's `GroupTree` (`appo_trl.rollout.group_tree`): the rows that really share
 tokens, the same tree tree credit used, so a reader can recompute the tree advantages from `parent`, `branch_pos`,
 `length` and `reward` alone (outcome rewards; `tests/trainer/test_tree_credit_trainer.py` does).
+
+An agent row's tool calls are read from its messages (the assistant's `tool_calls` and the tool turns answering
+them) when the engine recorded none. A file is written whole or not at all (a temp file renamed over it), and a
+full disk is one line, `RolloutDumpError`, naming the folder and the free space.
 
 A step's file holds that step's rounds of the current run only: the first round a process dumps for a step
 replaces the file (a step re-run after a resume, or after a kill, does not keep the killed run's records);
@@ -30,12 +40,29 @@ What this does not do: gather groups from other ranks (each rank's first groups 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
+from appo_trl.configs.errors import ConfigError
+
 MAX_CHARS = 4000
+MAX_TOKENS = 4096  # token texts dumped per row (the viewer colours each; advantage runs cover the whole row)
 CONTEXT_TOKENS = 24
+PIECE_WINDOW = 4  # tokens decoded together so a character split over several byte-level tokens comes out whole
+
+
+class RolloutDumpError(ConfigError, OSError):
+    """A rollout dump could not be written (a full disk); the step files written before are intact."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.errno = errno.ENOSPC
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -49,6 +76,69 @@ def _cut(text: str, n: int = MAX_CHARS) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
+def token_pieces(tokenizer, ids: list[int]) -> list[str]:
+    """The text each token adds (special tokens included), decoded in windows of `PIECE_WINDOW` tokens so that a
+    character spread over several byte-level tokens is given whole to the token that completes it."""
+    if not ids:
+        return []
+    kw = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
+    starts = [max(0, i - PIECE_WINDOW + 1) for i in range(len(ids))]
+    many = getattr(tokenizer, "batch_decode", None) or (lambda seqs, **k: [tokenizer.decode(x) for x in seqs])
+    upto = many([ids[s : i + 1] for i, s in enumerate(starts)], **kw)
+    before = many([ids[s:i] for i, s in enumerate(starts)], **kw)
+    pieces = []
+    for a, b in zip(upto, before):
+        b = b.rstrip("\ufffd")  # an unfinished character before this token
+        pieces.append(a[len(b) :] if a.startswith(b) else a)
+    return [p.replace("\ufffd", "") for p in pieces]
+
+
+def agent_tool_calls(messages: list[dict] | None) -> list[dict]:
+    """An agent run's tool calls from its messages: each assistant `tool_calls` entry with the tool turn that answers
+    it (`ok` is None: an agent's tool reports no failure flag to the trainer)."""
+    results = {m.get("tool_call_id"): m.get("content") for m in messages or [] if m.get("role") == "tool"}
+    calls = []
+    for m in messages or []:
+        for c in (m.get("tool_calls") or []) if m.get("role") == "assistant" else []:
+            fn = c.get("function") or {}
+            result = results.get(c.get("id"))
+            calls.append({"tag": str(fn.get("name") or "tool"), "query": _cut(str(fn.get("arguments") or ""), 300),
+                          "ok": None, "result": _cut(str(result if result is not None else ""), 300)})  # fmt: skip
+    return calls
+
+
+def _row_record(t, i: int, *, adv, token_adv: list[float], kept: bool, reward: float, parent, bp, decode,
+                pieces, node_runs=None, score=None, entropy=None, role: str = "row", run=None) -> dict:  # fmt: skip
+    """One row of a group record (module docstring)."""
+    from appo_trl.algorithms.tree_credit import runs
+
+    n = len(t.completion_ids)
+    calls = [{"tag": c.tag, "query": _cut(c.query, 300), "ok": bool(c.ok), "result": _cut(c.result, 300)}
+             for c in t.tool_calls] or agent_tool_calls(getattr(t, "messages", None))  # fmt: skip
+    versions = getattr(t, "version_runs", None)
+    if versions is None and getattr(t, "versions", None) is not None:
+        versions = runs([int(v) for v in t.versions])
+    return {
+        "index": i, "uid": t.uid, "parent": parent, "origin": t.origin, "role": role, "run": run,
+        "branch_pos": bp, "advantage_runs": runs(token_adv), "node_runs": node_runs,
+        "fork_context": decode(list(t.completion_ids[max(0, bp - CONTEXT_TOKENS) : bp])) if bp else "",
+        "reward": reward, "advantage": float(adv), "kept": kept,
+        "num_calls": max(int(t.num_calls), len(calls)), "tool_calls": calls,
+        "finish_reason": t.finish_reason, "length": n,
+        "completion": _cut(decode(list(t.completion_ids))),
+        "continuation": _cut(decode(list(t.completion_ids[bp:]))) if bp else None,
+        "tokens": pieces(list(t.completion_ids[:MAX_TOKENS])),
+        "mask_runs": runs([int(m) for m in t.loss_mask]),
+        "tool_spans": [[c.start, c.end] for c in t.tool_calls],
+        "branch_entropy": entropy, "branch_score": score,
+        "version_runs": versions,
+    }  # fmt: skip
+
+
+def _finite(x) -> float | None:
+    return float(x) if x is not None and x == x and abs(float(x)) != float("inf") else None
+
+
 def group_records(batch, inputs: list[dict], rewards, advantages, completion_mask, tokenizer, *, step: int,
                   strategy: str, max_groups: int) -> list[dict]:  # fmt: skip
     """One record per group (the first `max_groups`) of a `RoundBatch` whose rows line up with `inputs`."""
@@ -56,22 +146,30 @@ def group_records(batch, inputs: list[dict], rewards, advantages, completion_mas
     from appo_trl.rollout.group_tree import GroupTree
 
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    credits = (getattr(batch, "info", None) or {}).get("tree_credit")
+    pieces = lambda ids: token_pieces(tokenizer, ids)  # noqa: E731
+    info = getattr(batch, "info", None) or {}
+    credits, points = info.get("tree_credit"), info.get("points")
     records, row = [], 0
     for g, group in enumerate(batch.groups):
         if g >= max_groups:
             break
         tree = GroupTree.of(group)
-        rows = []
+        scores = {}  # APPO: row index in the group -> its branch point's score (branches follow the initial rows)
+        if points is not None and g < len(points) and points[g]:
+            first_branch = len(group) - len(points[g])
+            scores = {first_branch + k: _finite(getattr(p, "score", None)) for k, p in enumerate(points[g])}
+        rows, chains = [], []
         for i, t in enumerate(group):
             r, n = row + i, len(t.completion_ids)
             adv = advantages[r]
             if getattr(adv, "dim", lambda: 0)() > 0:  # (T,) token advantages: mean over the row's tokens
                 token_adv = [float(x) for x in adv[:n].tolist()] + [0.0] * max(0, n - adv.numel())
+                first_adv = token_adv[0] if token_adv else 0.0
                 m = completion_mask[r].float()
                 adv = (adv.float() * m).sum() / m.sum().clamp(min=1)
             else:
                 token_adv = [float(adv)] * n
+                first_adv = float(adv)
             node_runs = None
             if credits is not None:
                 c = credits[g]
@@ -79,18 +177,23 @@ def group_records(batch, inputs: list[dict], rewards, advantages, completion_mas
                 node_runs = [[s, e, v, k] for s, e, (v, k) in runs(pairs)]
             parent = tree.parents[i] if tree.parents[i] >= 0 else None
             bp = tree.branch_pos[i] if parent is not None else None
-            rows.append({
-                "index": i, "uid": t.uid, "parent": parent, "origin": t.origin,
-                "branch_pos": bp, "advantage_runs": runs(token_adv), "node_runs": node_runs,
-                "fork_context": decode(list(t.completion_ids[max(0, bp - CONTEXT_TOKENS) : bp])) if bp else "",
-                "reward": float(rewards[r]), "advantage": float(adv), "kept": bool(batch.keep[r]),
-                "num_calls": int(t.num_calls),
-                "tool_calls": [{"tag": c.tag, "query": _cut(c.query, 300), "ok": bool(c.ok), "result": _cut(c.result, 300)}
-                               for c in t.tool_calls],
-                "finish_reason": t.finish_reason, "length": n,
-                "completion": _cut(decode(list(t.completion_ids))),
-                "continuation": _cut(decode(list(t.completion_ids[bp:]))) if bp else None,
-            })  # fmt: skip
+            entropy = None
+            if bp is not None:  # the sampler's entropy at the fork: the parent's distribution there
+                for source in (group[parent], t):
+                    if source.entropies is not None and bp < len(source.entropies):
+                        entropy = _finite(source.entropies[bp])
+                        break
+            reward, kept = float(rewards[r]), bool(batch.keep[r])
+            rows.append(_row_record(t, i, adv=adv, token_adv=token_adv, kept=kept, reward=reward, parent=parent,
+                                    bp=bp, decode=decode, pieces=pieces, node_runs=node_runs, score=scores.get(i),
+                                    entropy=entropy))  # fmt: skip
+            for other in getattr(t, "chain_rows", None) or []:  # the run's other chains: its advantage, its reward
+                k = len(other.completion_ids)
+                chains.append(_row_record(other, 0, adv=first_adv, token_adv=[first_adv] * k, kept=kept, reward=reward,
+                                          parent=None, bp=None, decode=decode, pieces=pieces, role="chain", run=i))  # fmt: skip
+        for k, c in enumerate(chains):
+            c["index"] = len(rows) + k
+        rows += chains
         first = inputs[row] if row < len(inputs) else {}
         answer = first.get("answer")
         records.append({
@@ -114,28 +217,53 @@ def dump_round(trainer, inputs, batch, rewards, out: dict) -> Path | None:
         trainer._tokenizer, step=step, strategy=args.rollout_strategy, max_groups=args.dump_rollouts,
     )  # fmt: skip
     path = Path(args.output_dir) / "rollouts" / f"step_{step:06d}.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
     written = trainer.__dict__.setdefault("_rollout_dump_steps", set())  # steps this process has written
-    mode = "a" if step in written else "w"
+    text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    write_whole(path, text, append=step in written)
     written.add(step)
-    with open(path, mode, encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
     return path
 
 
+def write_whole(path: Path, text: str, *, append: bool = False) -> None:
+    """`text` as the whole of `path` (after its current content with `append`), through a temp file renamed over
+    it: a kill or a full disk leaves the file as it was, never cut or empty. A full disk is `RolloutDumpError`."""
+    folder = path.parent
+    tmp = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.glob(f".{path.name}.*.tmp"):  # a killed write's temp file
+            stale.unlink(missing_ok=True)
+        old = path.read_bytes() if append and path.is_file() else b""
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        with os.fdopen(fd, "wb") as f:
+            f.write(old + text.encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        try:
+            free = f"{shutil.disk_usage(folder).free // 2**20} MiB free"
+        except OSError:
+            free = "free space unknown"
+        raise RolloutDumpError(
+            f"writing the rollout dump {path} failed: No space left on device ({free}); the step files written "
+            f"before are intact. Free some space, or set dump_rollouts: 0, then resume with --resume_from_checkpoint "
+            f"true"
+        ) from exc
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
 def read_dumps(output_dir: str | Path, step: int | None = None) -> tuple[int, list[dict]]:
-    """(step, group records) of `step`, or of the newest dumped step when `step` is None."""
-    folder = Path(output_dir) / "rollouts"
-    files = sorted(folder.glob("step_*.jsonl"))
-    if not files:
-        raise FileNotFoundError(
-            f"No rollouts in {folder}: train with `--dump_rollouts 2` (groups per step) to write some."
-        )
-    by_step = {int(p.stem.split("_")[1]): p for p in files}
-    if step is None:
-        step = max(by_step)
-    if step not in by_step:
-        raise FileNotFoundError(f"No rollouts for step {step} in {folder}; dumped steps: {sorted(by_step)}")
-    lines = by_step[step].read_text(encoding="utf-8").splitlines()
-    return step, [json.loads(line) for line in lines if line.strip()]
+    """(step, group records) of `step`, or of the newest dumped step when `step` is None; `DumpError` (a
+    `FileNotFoundError`) when there is none. Damaged lines are left out: `rollout_read.read_step` says which."""
+    from appo_trl.reporting.rollout_read import find_dump, read_step
+
+    dump = find_dump(output_dir)
+    got = read_step(dump.path_of(step))
+    return got.step, got.groups
