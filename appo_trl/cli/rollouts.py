@@ -134,7 +134,8 @@ def main(argv: list[str]) -> int:
     for line in dump.notes + got.problems:
         print(f"appo rollouts: {line}", file=sys.stderr)
     if not got.groups:
-        print(f"appo rollouts: {got.path.name} has no readable group", file=sys.stderr)
+        if not got.problems:
+            print(f"appo rollouts: {got.path.name} has no group", file=sys.stderr)
         return 2
     from rich.console import Console
 

@@ -221,6 +221,9 @@ def dump_round(trainer, inputs, batch, rewards, out: dict) -> Path | None:
     text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
     write_whole(path, text, append=step in written)
     written.add(step)
+    from appo_trl.reporting.rollout_page import log_step_page
+
+    log_step_page(trainer, step)  # report_to: the step's page in wandb / trackio, a file and a link for tensorboard
     return path
 
 

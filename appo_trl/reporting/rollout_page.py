@@ -81,7 +81,7 @@ def _asset(name: str) -> str:
 
 def _json_script(element_id: str, data: Any) -> str:
     text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    text = text.replace("</", "<\\/").replace("<!--", "<\\!--")  # nothing in it ends the script element
+    text = text.replace("<", "\\u003c")  # (only inside strings) nothing in it can end or open an element
     return f'<script type="application/json" id="{element_id}">{text}</script>'
 
 

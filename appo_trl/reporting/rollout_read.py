@@ -28,6 +28,7 @@ ROW_DEFAULTS: dict[str, Any] = {
     "completion": "", "continuation": None, "advantage_runs": None, "node_runs": None, "tokens": None,
     "mask_runs": None, "tool_spans": [], "branch_entropy": None, "branch_score": None, "version_runs": None,
 }  # fmt: skip
+MAX_PROBLEMS = 8  # lines said per file; the rest are counted
 NUMBER_KEYS = ("reward", "advantage", "branch_entropy", "branch_score")
 RUN_KEYS = {"advantage_runs": 3, "node_runs": 4, "mask_runs": 3, "version_runs": 3}  # key -> entries per run
 
@@ -124,13 +125,18 @@ def read_step(path: Path) -> DumpStep:
                 problems.append(f"{where} left out: not JSON ({exc.msg} at column {exc.colno})")
             continue
         group, fixed = check_group(obj, len(groups))
-        problems += [f"{where}: {p}" for p in fixed]
+        problems += [f"{where}{' ' if group is None else ': '}{p}" for p in fixed]
         if group is not None:
             groups.append(group)
             older += sum(r["advantage_runs"] is None for r in group["rows"])
     if older:
         problems.append(f"{path.name}: {older} row(s) without advantage_runs (a dump from an older appo-trl): no "
                         f"token colours for them")  # fmt: skip
+    if not groups and len(problems) > 1:  # not a dump at all (random bytes): one line, not one per line
+        problems = [f"{path.name} left out: no line is a group record ({len(problems)} problems; the first: "
+                    f"{problems[0].removeprefix(path.name + ' ')})"]  # fmt: skip
+    elif len(problems) > MAX_PROBLEMS:
+        problems = problems[:MAX_PROBLEMS] + [f"{path.name}: {len(problems) - MAX_PROBLEMS} more problem(s) not shown"]
     return DumpStep(step, path, groups, problems)
 
 
