@@ -4,8 +4,8 @@ A synthetic dump shaped like the trainer's (`appo_trl.reporting.rollout_dump`: r
 token positions, tool calls with masked results, advantage and node-value runs) of STEPS x GROUPS x ROWS x TOKENS is
 written to a temp folder, then `appo rollouts --html` builds the page (`rollout_page.write_page`). With Debian's
 chromium (Playwright drives it) the page is loaded from disk: the time until the newest step's groups are drawn, the
-time to open another step, to draw a row of TOKENS tokens, and the longest gap between animation frames while the
-page and that row's text are scrolled (a stall shows as a long frame).
+time to open another step, to draw a row of TOKENS tokens, and the gaps between animation frames (median, p95, worst)
+while the page and that row's text are scrolled, once the row is laid out (a stall shows as a long frame).
 
     python bench/rollout_viewer.py              # 200 steps x 4 groups x 16 rows x 2,000 tokens (docs/benchmarks.md)
     python bench/rollout_viewer.py --quick --json
@@ -121,21 +121,22 @@ def browser_figures(page_file: Path, steps: int, tokens: int) -> dict:
             page.click("section.group tr[data-row='0']")
             page.wait_for_selector(f".tokens span.t[data-t='{tokens - 1}']")
             row_s = time.perf_counter() - t0
-            gap_ms = page.evaluate("""async () => {
-                const box = document.querySelector('.tokens'); let last = performance.now(), worst = 0;
-                for (let i = 0; i < 120; i++) {
-                    box.scrollTop += 40; window.scrollBy(0, 25);
+            gaps = page.evaluate("""async () => {
+                const box = document.querySelector('.tokens'), gaps = [];
+                await new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));  // the row laid out
+                let last = performance.now();
+                for (let i = 0; i < 240; i++) {
+                    box.scrollTop += 40; window.scrollBy(0, i < 120 ? 25 : -25);
                     await new Promise(r => requestAnimationFrame(r));
-                    const now = performance.now(); worst = Math.max(worst, now - last); last = now;
+                    const now = performance.now(); gaps.push(now - last); last = now;
                 }
-                return worst; }""")
-            memory = page.evaluate("performance.memory ? performance.memory.usedJSHeapSize : null")
+                return gaps.sort((a, b) => a - b); }""")
             ctx.close()
     finally:
         shutil.rmtree(profile, ignore_errors=True)
     return {"load_s": round(load_s, 3), "open_step_s": round(step_s, 3), "draw_row_s": round(row_s, 3),
-            "scroll_worst_frame_ms": round(gap_ms, 1), "js_heap_mib": memory and round(memory / 2**20, 1),
-            "console_errors": len(errors)}  # fmt: skip
+            "scroll_frame_p50_ms": round(gaps[len(gaps) // 2], 1), "scroll_frame_p95_ms": round(gaps[int(len(gaps) * 0.95)], 1),
+            "scroll_worst_frame_ms": round(gaps[-1], 1), "console_errors": len(errors)}  # fmt: skip
 
 
 def main() -> None:

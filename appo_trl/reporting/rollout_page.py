@@ -61,26 +61,41 @@ def summary(got: DumpStep) -> dict:
 
 
 def step_payload(got: DumpStep) -> dict:
-    """What the page needs of one step: its groups (a row's whole text is in its tokens, when it has them)."""
+    """What the page needs of one step: its groups, a row's whole text in its tokens when it has them, and a branch's
+    tokens after its fork only when it shares the ones before with its parent (`tokens_shared`; the page copies)."""
     groups = []
     for g in got.groups:
+        by_index = {r["index"]: r for r in g["rows"]}
         rows = []
         for r in g["rows"]:
             r = dict(r)
             if r["tokens"] is not None and len(r["tokens"]) >= r["length"]:
                 r["completion"] = ""  # the page joins the tokens
             r.pop("continuation", None)
+            parent, bp = by_index.get(r["parent"]), r["branch_pos"] or 0
+            r["tokens_shared"] = 0
+            if parent is not None and r["tokens"] and parent["tokens"] and 0 < bp <= len(r["tokens"]):
+                if parent["tokens"][:bp] == r["tokens"][:bp]:
+                    r["tokens"], r["tokens_shared"] = r["tokens"][bp:], bp
             rows.append(r)
         groups.append({**g, "rows": rows})
-    return _clean({"step": got.step, "file": got.path.name, "groups": groups, "problems": got.problems})
+    return {"step": got.step, "file": got.path.name, "groups": groups, "problems": got.problems}
 
 
 def _asset(name: str) -> str:
     return importlib.resources.files("appo_trl.reporting").joinpath("viewer", name).read_text(encoding="utf-8")
 
 
+def to_json(data: Any) -> str:
+    """Browser JSON: a float that is not finite (a hand-edited field the reader does not check) becomes null."""
+    try:
+        return json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        return json.dumps(_clean(data), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
 def _json_script(element_id: str, data: Any) -> str:
-    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    text = to_json(data)
     text = text.replace("<", "\\u003c")  # (only inside strings) nothing in it can end or open an element
     return f'<script type="application/json" id="{element_id}">{text}</script>'
 
@@ -172,7 +187,7 @@ def make_server(output_dir: str | Path, port: int = 0) -> http.server.ThreadingH
             self.wfile.write(body)
 
         def _json(self, data: Any, code: int = 200) -> None:
-            self._send(code, json.dumps(_clean(data), allow_nan=False).encode("utf-8"), "application/json")
+            self._send(code, to_json(data).encode("utf-8"), "application/json")
 
         def do_GET(self):  # noqa: N802 (http.server's name)
             path = self.path.split("?", 1)[0]

@@ -73,8 +73,21 @@
       const node = document.getElementById(`appo-step-${n}`);
       payload = node ? JSON.parse(node.textContent) : { step: n, groups: [], problems: [`step ${n} is not in this page`] };
     }
+    for (const g of payload.groups || []) unshare(g.rows);
     steps.set(n, payload);
     return payload;
+  }
+  // a branch's tokens before its fork are its parent's: the page carries them once (rollout_page.step_payload)
+  function unshare(rows) {
+    const byIndex = new Map(rows.map((r) => [r.index, r]));
+    const whole = (r, depth = 0) => {
+      if (!r.tokens_shared || depth > rows.length) return r.tokens;
+      const p = byIndex.get(r.parent), head = p && whole(p, depth + 1);
+      r.tokens = (head || []).slice(0, r.tokens_shared).concat(r.tokens || []);
+      r.tokens_shared = 0;
+      return r.tokens;
+    };
+    for (const r of rows) whole(r);
   }
 
   // ---- across steps -------------------------------------------------------------------------------------------------
