@@ -145,7 +145,7 @@
       const kind = kindOf(row), y = Y(i), start = row.parent !== null && row.role !== "chain" ? row.branch_pos || 0 : 0;
       const colour = { chain: "#bf8700", restart: "#cf222e", root: "#57606a" }[kind.k] || "#8250df";
       const g = el("svg:g", { class: "lane", "data-row": row.index, onclick: () => select(row.index) });
-      g.append(el("svg:text", { x: 4, y: y + 4, class: "dim", text: `#${row.index} ${kind.k}` }));
+      g.append(el("svg:text", { x: 4, y: y + 4, class: "dim", text: `#${row.index} ${kind.k === "root" ? kind.text : kind.k}` }));
       if (row.parent !== null && lane.has(row.parent) && row.role !== "chain") {
         g.append(el("svg:line", { x1: X(start), x2: X(start), y1: Y(lane.get(row.parent)), y2: y, stroke: colour, "stroke-width": 1.2 }));
         const h = row.branch_entropy !== null ? ` H ${row.branch_entropy.toFixed(2)}` : "", s = row.branch_score !== null ? ` score ${row.branch_score.toFixed(2)}` : "";
