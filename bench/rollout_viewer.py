@@ -5,7 +5,8 @@ token positions, tool calls with masked results, advantage and node-value runs) 
 written to a temp folder, then `appo rollouts --html` builds the page (`rollout_page.write_page`). With Debian's
 chromium (Playwright drives it) the page is loaded from disk: the time until the newest step's groups are drawn, the
 time to open another step, to draw a row of TOKENS tokens, and the gaps between animation frames (median, p95, worst)
-while the page and that row's text are scrolled, once the row is laid out (a stall shows as a long frame).
+while the page and that row's text are scrolled, once the row is laid out (a stall shows as a long frame). It also times what
+the dump costs the trainer per group: decoding each row's token texts with the tiny model's tokenizer.
 
     python bench/rollout_viewer.py              # 200 steps x 4 groups x 16 rows x 2,000 tokens (docs/benchmarks.md)
     python bench/rollout_viewer.py --quick --json
@@ -139,6 +140,30 @@ def browser_figures(page_file: Path, steps: int, tokens: int) -> dict:
             "scroll_worst_frame_ms": round(gaps[-1], 1), "console_errors": len(errors)}  # fmt: skip
 
 
+def writer_cost(work: Path, rows: int, tokens: int) -> float:
+    """Seconds the trainer's dump spends decoding one group's token texts (`rollout_dump.token_pieces`), with the tiny
+    model's byte-level BPE tokenizer on text of words, tool tags and a few characters of several bytes, median of 3."""
+    from transformers import AutoTokenizer
+
+    from appo_trl.reporting.rollout_dump import token_pieces
+    from appo_trl.tiny import build_tiny_model
+
+    tok = AutoTokenizer.from_pretrained(build_tiny_model(work / "tiny"))
+    rng = random.Random(0)
+    words = WORDS + ["<python>", "</python>", "3+7", "café", "→", "漢字"]  # a few characters of several bytes
+    ids = []
+    for _ in range(rows):
+        row = tok.encode(" ".join(rng.choice(words) for _ in range(tokens)), add_special_tokens=False)
+        ids.append(row[:tokens])
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for row in ids:
+            token_pieces(tok, row)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[1]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a small dump (6 steps x 2 groups x 4 rows x 200 tokens)")
@@ -159,7 +184,8 @@ def main() -> None:
         build_s = time.perf_counter() - t0
         result = {"steps": shape[0], "groups": shape[1], "rows": shape[2], "tokens": shape[3],
                   "dump_mib": round(dump_bytes / 2**20, 1), "page_mib": round(size / 2**20, 1),
-                  "generate_s": round(gen_s, 2), "build_s": round(build_s, 2)}  # fmt: skip
+                  "generate_s": round(gen_s, 2), "build_s": round(build_s, 2),
+                  "dump_token_texts_s_per_group": round(writer_cost(work, shape[2], shape[3]), 3)}  # fmt: skip
         if a.no_browser or not Path(CHROMIUM).exists():
             result["browser"] = "skipped: no /usr/bin/chromium (apt-get install chromium)" if not a.no_browser else "off"
         else:

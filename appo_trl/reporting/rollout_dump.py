@@ -77,20 +77,35 @@ def _cut(text: str, n: int = MAX_CHARS) -> str:
 
 
 def token_pieces(tokenizer, ids: list[int]) -> list[str]:
-    """The text each token adds (special tokens included), decoded in windows of `PIECE_WINDOW` tokens so that a
-    character spread over several byte-level tokens is given whole to the token that completes it."""
+    """The text each token adds (special tokens included), joining to the row's text: each token decoded alone, and
+    near a token that is part of a character (a byte-level piece), decoded in windows of `PIECE_WINDOW` tokens so the
+    character goes whole to the token that completes it."""
     if not ids:
         return []
     kw = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
-    starts = [max(0, i - PIECE_WINDOW + 1) for i in range(len(ids))]
-    many = getattr(tokenizer, "batch_decode", None) or (lambda seqs, **k: [tokenizer.decode(x) for x in seqs])
-    upto = many([ids[s : i + 1] for i, s in enumerate(starts)], **kw)
-    before = many([ids[s:i] for i, s in enumerate(starts)], **kw)
-    pieces = []
-    for a, b in zip(upto, before):
-        b = b.rstrip("\ufffd")  # an unfinished character before this token
-        pieces.append(a[len(b) :] if a.startswith(b) else a)
-    return [p.replace("\ufffd", "") for p in pieces]
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer: decode in Rust, one call per batch
+    if backend is not None:
+        many = lambda seqs, **k: backend.decode_batch(seqs, skip_special_tokens=False)  # noqa: E731
+    else:
+        many = getattr(tokenizer, "batch_decode", None) or (lambda seqs, **k: [tokenizer.decode(x) for x in seqs])
+
+    def windowed(where: list[int]) -> list[str]:
+        starts = [max(0, i - PIECE_WINDOW + 1) for i in where]
+        upto = many([ids[s : i + 1] for i, s in zip(where, starts)], **kw)
+        before = many([ids[s:i] for i, s in zip(where, starts)], **kw)
+        out = []
+        for a, b in zip(upto, before):
+            b = b.rstrip("\ufffd")  # an unfinished character before this token
+            out.append((a[len(b) :] if a.startswith(b) else a).replace("\ufffd", ""))
+        return out
+
+    pieces = many([[i] for i in ids], **kw)
+    near = sorted({k for j, p in enumerate(pieces) if "\ufffd" in p for k in range(j, min(len(ids), j + PIECE_WINDOW))})
+    for k, p in zip(near, windowed(near) if near else []):
+        pieces[k] = p
+    if "".join(pieces) == many([ids], **kw)[0]:
+        return pieces
+    return windowed(list(range(len(ids))))
 
 
 def agent_tool_calls(messages: list[dict] | None) -> list[dict]:
