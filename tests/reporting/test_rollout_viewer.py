@@ -156,6 +156,10 @@ def test_serve_shows_steps_dumped_after_it_started(tmp_path):
         assert [(s["step"], s["groups"]) for s in index["steps"]] == [(1, 1), (2, 2)]
         step = json.loads(_get(port, "/step/2.json")[1])
         assert [g["group"] for g in step["groups"]] == [0, 1]
+        with open(out / "rollouts" / "step_000002.jsonl", "ab") as f:  # a later round of the same step
+            f.write(line(good(2, 2)))
+        assert [s["groups"] for s in json.loads(_get(port, "/index.json")[1])["steps"]] == [1, 3]
+        assert [g["group"] for g in json.loads(_get(port, "/step/2.json")[1])["groups"]] == [0, 1, 2]
         with pytest.raises(urllib.error.HTTPError) as info:
             _get(port, "/step/9.json")
         assert info.value.code == 404 and "dumped steps: 1, 2" in info.value.read().decode()
