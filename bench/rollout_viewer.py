@@ -187,7 +187,9 @@ def main() -> None:
                   "generate_s": round(gen_s, 2), "build_s": round(build_s, 2),
                   "dump_token_texts_s_per_group": round(writer_cost(work, shape[2], shape[3]), 3)}  # fmt: skip
         if a.no_browser or not Path(CHROMIUM).exists():
-            result["browser"] = "skipped: no /usr/bin/chromium (apt-get install chromium)" if not a.no_browser else "off"
+            result["browser"] = (
+                "skipped: no /usr/bin/chromium (apt-get install chromium)" if not a.no_browser else "off"
+            )
         else:
             result.update(browser_figures(page_file, shape[0], shape[3]))
     finally:

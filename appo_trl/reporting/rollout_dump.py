@@ -26,7 +26,7 @@ tokens, the same tree tree credit used, so a reader can recompute the tree advan
 
 An agent row's tool calls are read from its messages (the assistant's `tool_calls` and the tool turns answering
 them) when the engine recorded none. A file is written whole or not at all (a temp file renamed over it), and a
-full disk is one line, `RolloutDumpError`, naming the folder and the free space.
+full disk is one line, `RolloutDumpError`, naming the file and the free space (`appo_trl.reporting.atomic`).
 
 A step's file holds that step's rounds of the current run only: the first round a process dumps for a step
 replaces the file (a step re-run after a resume, or after a kill, does not keep the killed run's records);
@@ -40,29 +40,18 @@ What this does not do: gather groups from other ranks (each rank's first groups 
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from appo_trl.configs.errors import ConfigError
+from appo_trl.reporting.atomic import DiskFullError, write_whole
+
+RolloutDumpError = DiskFullError  # a full disk while dumping: one line (the name this module's callers know)
 
 MAX_CHARS = 4000
 MAX_TOKENS = 4096  # token texts dumped per row (the viewer colours each; advantage runs cover the whole row)
 CONTEXT_TOKENS = 24
 PIECE_WINDOW = 4  # tokens decoded together so a character split over several byte-level tokens comes out whole
-
-
-class RolloutDumpError(ConfigError, OSError):
-    """A rollout dump could not be written (a full disk); the step files written before are intact."""
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.errno = errno.ENOSPC
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -100,7 +89,9 @@ def token_pieces(tokenizer, ids: list[int]) -> list[str]:
         return out
 
     pieces = many([[i] for i in ids], **kw)
-    near = sorted({k for j, p in enumerate(pieces) if "\ufffd" in p for k in range(j, min(len(ids), j + PIECE_WINDOW))})
+    near = sorted(
+        {k for j, p in enumerate(pieces) if "\ufffd" in p for k in range(j, min(len(ids), j + PIECE_WINDOW))}
+    )
     for k, p in zip(near, windowed(near) if near else []):
         pieces[k] = p
     if "".join(pieces) == many([ids], **kw)[0]:
@@ -234,47 +225,17 @@ def dump_round(trainer, inputs, batch, rewards, out: dict) -> Path | None:
     path = Path(args.output_dir) / "rollouts" / f"step_{step:06d}.jsonl"
     written = trainer.__dict__.setdefault("_rollout_dump_steps", set())  # steps this process has written
     text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
-    write_whole(path, text, append=step in written)
+    write_whole(
+        path,
+        text,
+        append=step in written,
+        then="free some space, or set dump_rollouts: 0, then resume with --resume_from_checkpoint true",
+    )
     written.add(step)
     from appo_trl.reporting.rollout_page import log_step_page
 
     log_step_page(trainer, step)  # report_to: the step's page in wandb / trackio, a file and a link for tensorboard
     return path
-
-
-def write_whole(path: Path, text: str, *, append: bool = False) -> None:
-    """`text` as the whole of `path` (after its current content with `append`), through a temp file renamed over
-    it: a kill or a full disk leaves the file as it was, never cut or empty. A full disk is `RolloutDumpError`."""
-    folder = path.parent
-    tmp = None
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        for stale in folder.glob(f".{path.name}.*.tmp"):  # a killed write's temp file
-            stale.unlink(missing_ok=True)
-        old = path.read_bytes() if append and path.is_file() else b""
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-        with os.fdopen(fd, "wb") as f:
-            f.write(old + text.encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        try:
-            free = f"{shutil.disk_usage(folder).free // 2**20} MiB free"
-        except OSError:
-            free = "free space unknown"
-        raise RolloutDumpError(
-            f"writing the rollout dump {path} failed: No space left on device ({free}); the step files written "
-            f"before are intact. Free some space, or set dump_rollouts: 0, then resume with --resume_from_checkpoint "
-            f"true"
-        ) from exc
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
 
 
 def read_dumps(output_dir: str | Path, step: int | None = None) -> tuple[int, list[dict]]:

@@ -28,6 +28,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from appo_trl.reporting.atomic import write_whole
 from appo_trl.reporting.rollout_read import Dump, DumpError, DumpStep, find_dump, read_step
 
 POLL_SECONDS = 3
@@ -134,11 +135,9 @@ def build(output_dir: str | Path, steps: list[int] | None = None) -> str:
 
 def write_page(output_dir: str | Path, file: str | Path, steps: list[int] | None = None) -> tuple[Path, int]:
     """Write the page of `output_dir`'s dump to `file` (through a temp file renamed over it); (file, bytes)."""
-    from appo_trl.reporting.rollout_dump import write_whole
-
     text = build(output_dir, steps)
     path = Path(file)
-    write_whole(path, text)
+    write_whole(path, text, then="free some space, or write the page elsewhere")
     return path, len(text.encode("utf-8"))
 
 
@@ -233,8 +232,6 @@ def log_step_page(trainer, step: int) -> None:
     writers = [getattr(c, "tb_writer", None) for c in trainer.callback_handler.callbacks]
     writers = [w for w in writers if w is not None]
     if writers:  # tensorboard renders markdown, not HTML: the page as a file, and where it is
-        from appo_trl.reporting.rollout_dump import write_whole
-
         page = out / "rollouts" / f"step_{step:06d}.html"
         write_whole(page, text)
         for w in writers:

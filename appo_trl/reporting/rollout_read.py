@@ -113,7 +113,9 @@ def read_step(path: Path) -> DumpStep:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            problems.append(f"{where} left out: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})")
+            problems.append(
+                f"{where} left out: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+            )
             continue
         try:
             obj = json.loads(text)

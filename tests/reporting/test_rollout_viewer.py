@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from appo_trl.cli import main
-from appo_trl.reporting import rollout_dump
+from appo_trl.reporting import atomic, rollout_dump
 from appo_trl.reporting.rollout_page import build, make_server
 from bench.rollout_viewer import synthetic_group
 
@@ -120,8 +120,11 @@ def test_page_is_self_contained_and_embeds_the_dump(tmp_path):
     assert [s["step"] for s in index["steps"]] == [1, 2, 3] and all(s["groups"] == 2 for s in index["steps"])
     rows = good(2)["rows"]
     assert index["steps"][1]["reward_mean"] == pytest.approx(
-        sum(r["reward"] for g in (good(2), good(2, 1)) for r in g["rows"]) / 8)
-    assert index["steps"][1]["branches"] == sum(r["parent"] is not None for g in (good(2), good(2, 1)) for r in g["rows"])
+        sum(r["reward"] for g in (good(2), good(2, 1)) for r in g["rows"]) / 8
+    )
+    assert index["steps"][1]["branches"] == sum(
+        r["parent"] is not None for g in (good(2), good(2, 1)) for r in g["rows"]
+    )
     step2 = json.loads(page.split('id="appo-step-2">', 1)[1].split("</script>", 1)[0])
     assert [r["advantage_runs"] for r in step2["groups"][0]["rows"]] == [r["advantage_runs"] for r in rows]
     assert "/*@" not in page  # every slot of the template filled
@@ -134,6 +137,13 @@ def test_a_step_file_named_in_the_page_cannot_end_its_script(tmp_path):
     data = page.split('id="appo-step-1">', 1)[1]
     assert data.index("</script>") > data.index("alert(1)")  # the prompt's tag is escaped; the block ends after it
     assert json.loads(data.split("</script>", 1)[0])["groups"][0]["prompt"] == record["prompt"]
+
+
+def test_a_number_the_browser_cannot_parse_becomes_null(tmp_path):
+    record = {**good(1), "answer": float("nan")}  # a hand-edited field the reader passes through
+    page = build(write_dump(tmp_path / "run", {"step_000001.jsonl": line(record)}))
+    data = page.split('id="appo-step-1">', 1)[1].split("</script>", 1)[0]
+    assert "NaN" not in data and json.loads(data)["groups"][0]["answer"] is None
 
 
 def _get(port: int, path: str):
@@ -224,7 +234,7 @@ def test_a_full_disk_leaves_the_step_file_as_it_was_and_says_so_in_one_line(tmp_
         real(fd)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(rollout_dump.os, "fsync", full)
+    monkeypatch.setattr(atomic.os, "fsync", full)
     with pytest.raises(rollout_dump.RolloutDumpError) as info:
         rollout_dump.dump_round(trainer, *_round(_row(22)))  # the same step again: appended, so the old text stays
     message = str(info.value)
