@@ -145,7 +145,7 @@ def read_step(path: Path) -> DumpStep:
 def _number(value) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) else None
+    return value if isinstance(value, int) or math.isfinite(value) else None  # an int stays one (rows through a node)
 
 
 def _runs(value, width: int) -> list | None:
