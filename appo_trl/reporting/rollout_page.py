@@ -192,6 +192,8 @@ def make_server(output_dir: str | Path, port: int = 0) -> http.server.ThreadingH
             path = self.path.split("?", 1)[0]
             if path in ("/", "/index.html"):
                 return self._send(200, page, "text/html; charset=utf-8")
+            if path == "/favicon.ico":  # the browser asks; there is none
+                return self._send(204, b"", "image/x-icon")
             if path == "/index.json":
                 return self._json(cache.index())
             m = re.fullmatch(r"/step/(\d+)\.json", path)

@@ -168,3 +168,79 @@ def test_agent_run_with_chain_rows_in_the_browser(browser, tiny_chat_model_path,
     [got] = [read_step(p) for p in find_dump(tmp_path).steps.values()]
     runs = [r for g in got.groups for r in g["rows"] if r["role"] != "chain"]
     assert all(r["num_calls"] >= 1 and r["tool_calls"] for r in runs)  # the agent's calls, counted from its messages
+
+
+def _open(ctx, url: str):
+    page = ctx.new_page()
+    errors = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    return page, errors
+
+
+def test_policy_versions_are_one_more_colouring(browser, tmp_path):
+    from tests.reporting.test_rollout_viewer import good, line, write_dump
+
+    record = good(1)
+    record["rows"][0]["version_runs"] = [[0, 5, 3], [5, 12, 4]]  # tokens 0-4 from policy 3, the rest from 4 (newest)
+    out = write_dump(tmp_path / "run", {"step_000001.jsonl": line(record), "step_000002.jsonl": line(good(2))})
+    page_file, _ = write_page(out, tmp_path / "page.html")
+    page, errors = _open(browser, page_file.as_uri())
+    page.wait_for_selector("section.group")
+    options = lambda: page.eval_on_selector_all("#colouring option", "os => os.map(o => o.value)")  # noqa: E731
+    assert options() == ["advantage", "node", "none"]  # step 2 (the newest): no row carries versions
+    page.select_option("#step-select", "1")
+    page.wait_for_function("document.querySelectorAll('#colouring option').length === 4")
+    assert options() == ["advantage", "node", "version", "none"]
+    page.select_option("#colouring", "version")
+    page.wait_for_function("document.getElementById('legend').textContent.includes('one behind')")
+    page.click("section.group tr[data-row='0']")
+    box = page.locator(".tokens[data-row='0'][data-colouring='version']")
+    box.wait_for()
+    got = box.evaluate("b => [...b.querySelectorAll('span.t')].map(s => [Number(s.dataset.v), getComputedStyle(s)"
+                       ".backgroundColor])")  # fmt: skip
+    assert got == [[3, "rgb(253, 230, 138)"]] * 5 + [[4, "rgb(219, 234, 254)"]] * 7  # one behind: amber; newest: blue
+    page.close()
+    assert errors == []
+
+
+def test_damaged_dumps_give_a_page_that_says_what_is_missing(browser, tmp_path):
+    from tests.reporting.test_rollout_viewer import CASES, write_dump
+
+    for case, (files, said, shown) in sorted(CASES.items()):
+        out = write_dump(tmp_path / case, files)
+        page_file, _ = write_page(out, tmp_path / f"{case}.html")
+        page, errors = _open(browser, page_file.as_uri())
+        page.wait_for_selector("section.group, p.empty")
+        notes = page.inner_text("#notes")
+        assert all(text in notes for text in said[:1]), (case, notes)
+        assert page.locator("section.group").count() == shown, case
+        if not shown:
+            assert "no readable group" in page.inner_text("p.empty"), case
+        page.close()
+        assert errors == [], (case, errors)
+
+
+def test_served_page_shows_a_step_dumped_after_it_opened(browser, tmp_path):
+    import threading
+
+    from appo_trl.reporting.rollout_page import make_server
+    from tests.reporting.test_rollout_viewer import good, line, write_dump
+
+    out = write_dump(tmp_path / "run", {"step_000001.jsonl": line(good(1))})
+    server = make_server(out)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        page, errors = _open(browser, f"http://127.0.0.1:{server.server_address[1]}/")
+        page.wait_for_selector("section.group")
+        assert "(step 1," in page.inner_text(".prompt")
+        (out / "rollouts" / "step_000002.jsonl").write_bytes(line(good(2)) + line(good(2, 1)))
+        page.wait_for_function("document.querySelectorAll('#step-select option').length === 2 && "
+                               "document.querySelectorAll('section.group').length === 2", timeout=60_000)  # fmt: skip
+        assert "(step 2," in page.inner_text(".prompt") and page.input_value("#step-select") == "2"
+        page.close()
+        assert errors == []
+    finally:
+        server.shutdown()
+        server.server_close()
