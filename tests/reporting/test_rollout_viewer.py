@@ -108,6 +108,10 @@ def test_nothing_to_show_is_one_line(case, tmp_path, capsys):
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and want in err[0] and err[0].startswith("appo rollouts: "), err
     assert not (tmp_path / "p.html").exists()
+    if case == "missing":  # --serve too: one line, no server
+        assert main(["rollouts", str(out), "--serve"]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and want in err[0], err
 
 
 def test_page_is_self_contained_and_embeds_the_dump(tmp_path):
@@ -321,12 +325,17 @@ def test_each_step_page_goes_to_the_trackers(tmp_path, monkeypatch):
     wandb = SimpleNamespace(run=object(), Html=lambda text, inject=True: ("wandb-html", text[:15]),
                             log=lambda data, commit=True: logged.append(("wandb", data, commit)))  # fmt: skip
     monkeypatch.setitem(sys.modules, "wandb", wandb)
+    run = SimpleNamespace(get=lambda: object())
+    trackio = SimpleNamespace(context_vars=SimpleNamespace(current_run=run), Html=lambda text: ("trackio-html", text[:15]),
+                              log=lambda data, step=None: logged.append(("trackio", data, step)))  # fmt: skip
+    monkeypatch.setitem(sys.modules, "trackio", trackio)
     texts = []
     writer = SimpleNamespace(add_text=lambda tag, text, global_step: texts.append((tag, text, global_step)))
-    trainer = _trainer(tmp_path, report_to=["wandb", "tensorboard"])
+    trainer = _trainer(tmp_path, report_to=["wandb", "trackio", "tensorboard"])
     trainer.callback_handler = SimpleNamespace(callbacks=[SimpleNamespace(tb_writer=writer), object()])
     rollout_dump.dump_round(trainer, *_round(_row(5)))
-    assert logged == [("wandb", {"rollouts/page": ("wandb-html", "<!doctype html>")}, False)]
+    assert logged == [("wandb", {"rollouts/page": ("wandb-html", "<!doctype html>")}, False),
+                      ("trackio", {"rollouts/page": ("trackio-html", "<!doctype html>")}, 1)]  # fmt: skip
     page = tmp_path / "rollouts" / "step_000001.html"
     assert page.is_file() and texts == [("rollouts/page", texts[0][1], 1)] and str(page) in texts[0][1]
     assert not list((tmp_path / "rollouts").glob(".*.tmp"))
