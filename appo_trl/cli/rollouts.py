@@ -50,6 +50,8 @@ def _label(row: dict, chars: int):
         for c in calls:
             mark = "" if c.get("ok") is None else " ✓" if c["ok"] else " ✗"  # None: an agent's tool, not judged
             label.append(f"[{c.get('tag')}{mark}]", style="red" if c.get("ok") is False else "green")
+    elif row.get("num_calls"):  # counted by the engine, with no record of each call
+        label.append(f"  tools {row['num_calls']}")
     else:
         label.append("  no tool calls", style="dim")
     label.append(f"  {row['finish_reason']}, {row['length']} tok", style="dim")

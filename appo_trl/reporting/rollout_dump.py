@@ -25,7 +25,7 @@ tokens, the same tree tree credit used, so a reader can recompute the tree advan
 `length` and `reward` alone (outcome rewards; `tests/trainer/test_tree_credit_trainer.py` does).
 
 An agent row's tool calls are read from its messages (the assistant's `tool_calls` and the tool turns answering
-them) when the engine recorded none. A file is written whole or not at all (a temp file renamed over it), and a
+them) when the engine recorded none, and an agent's other chain's from its text (`<tool_call>` blocks). A file is written whole or not at all (a temp file renamed over it), and a
 full disk is one line, `RolloutDumpError`, naming the file and the free space (`appo_trl.reporting.atomic`).
 
 A step's file holds that step's rounds of the current run only: the first round a process dumps for a step
@@ -41,6 +41,7 @@ What this does not do: gather groups from other ranks (each rank's first groups 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,29 @@ def agent_tool_calls(messages: list[dict] | None) -> list[dict]:
     return calls
 
 
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_RESULT = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.S)
+
+
+def text_tool_calls(text: str) -> list[dict]:
+    """The chat format's tool calls in a row's text (`<tool_call>` JSON, answered by `<tool_response>` blocks in
+    order): an agent's other chains, which keep no messages."""
+    results = _RESULT.findall(text)
+    calls = []
+    for k, body in enumerate(_CALL.findall(text)):
+        try:
+            obj = json.loads(body)
+            name, args = (obj.get("name"), obj.get("arguments")) if isinstance(obj, dict) else (None, body)
+        except json.JSONDecodeError:
+            name, args = None, body
+        query = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        result = results[k] if k < len(results) else ""
+        calls.append(
+            {"tag": str(name or "tool_call"), "query": _cut(query, 300), "ok": None, "result": _cut(result, 300)}
+        )
+    return calls
+
+
 def _row_record(t, i: int, *, adv, token_adv: list[float], kept: bool, reward: float, parent, bp, decode,
                 pieces, node_runs=None, score=None, entropy=None, role: str = "row", run=None) -> dict:  # fmt: skip
     """One row of a group record (module docstring)."""
@@ -121,6 +145,8 @@ def _row_record(t, i: int, *, adv, token_adv: list[float], kept: bool, reward: f
     n = len(t.completion_ids)
     calls = [{"tag": c.tag, "query": _cut(c.query, 300), "ok": bool(c.ok), "result": _cut(c.result, 300)}
              for c in t.tool_calls] or agent_tool_calls(getattr(t, "messages", None))  # fmt: skip
+    if not calls and role == "chain":
+        calls = text_tool_calls(decode(list(t.completion_ids)))
     versions = getattr(t, "version_runs", None)
     if versions is None and getattr(t, "versions", None) is not None:
         versions = runs([int(v) for v in t.versions])

@@ -303,6 +303,7 @@ def test_agent_rows_count_their_tool_calls_and_dump_their_other_chains(tmp_path)
         {"role": "assistant", "content": "<answer>42</answer>"},
     ]  # fmt: skip
     chain = _row(9, origin="chain")
+    chain.completion_ids = [8, 8]  # its text (the test tokenizer's "8 8" is no call): see the chat-format case below
     row = _row(5, messages=messages, chain_rows=[chain])
     trainer = _trainer(tmp_path)
     path = rollout_dump.dump_round(trainer, *_round(row))
@@ -318,6 +319,8 @@ def test_agent_rows_count_their_tool_calls_and_dump_their_other_chains(tmp_path)
     text = _render(group_tree(record, chars=0))
     assert "tools [multiply][add]" in text and "no tool calls" in text.split("#1")[1]  # the chain row made none
     assert "#1 chain of #0" in text
+    text = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6}}\n</tool_call>\nuser\n<tool_response>\n42\n</tool_response>'
+    assert rollout_dump.text_tool_calls(text) == [{"tag": "multiply", "query": '{"a": 6}', "ok": None, "result": "42"}]
 
 
 def test_each_step_page_goes_to_the_trackers(tmp_path, monkeypatch):
