@@ -20,6 +20,15 @@ $(VENV)/.installed: pyproject.toml
 				"or set python.isolation: none to run model code UNISOLATED" >&2; exit 1; \
 		fi; \
 	fi
+	@# the rollout viewer's browser tests drive Debian's chromium (Playwright with the system browser; CI=true runs them)
+	@if ! command -v chromium >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+		else \
+			echo "note: chromium is missing, so the rollout viewer's browser tests will skip" \
+				"(Debian/Ubuntu: sudo apt-get install -y chromium)" >&2; \
+		fi; \
+	fi
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q -U pip
 	# CPU torch first: pip takes the local 2.13.0+cpu wheel instead of a CUDA download.

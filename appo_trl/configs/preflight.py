@@ -18,7 +18,8 @@
    tool's own `check()` runs (the search tool asks its server's `/health` whether it is appo-trl's search server
    and which corpus it serves). The plan goes on to the trainer.
 5. `check_output_dir`: `output_dir` (or, when it does not exist yet, its nearest existing parent) takes a new
-   folder: a read-only disk or a missing permission is found now, not at the first save.
+   folder: a read-only disk or a missing permission is found now, not at the first save. `check_rollouts_dir`: with
+   `dump_rollouts`, `output_dir/rollouts` is not a file and, when it exists, takes new files.
 6. `check_agent_port`: with an agent and a fixed `agent_port`, the endpoint's port can be bound (one line naming
    `agent_port`, not a socket traceback after the model loaded).
 7. `check_hub`: with `push_to_hub`, the token works, may write, and its owner may write to the repo's
@@ -98,6 +99,23 @@ def check_output_dir(output_dir: str | None) -> None:
         where = "" if existing == folder else f" (its nearest existing parent {existing})"
         raise PreflightError(f"output_dir {output_dir!r} is not writable{where}: {exc.strerror or exc}; choose "
                              f"another --output_dir, or make it writable") from exc  # fmt: skip
+
+
+def check_rollouts_dir(output_dir: str | None, dump_rollouts: int) -> None:
+    """With `dump_rollouts`, fail with one line when `output_dir/rollouts` is a file or a folder that takes no file."""
+    if not output_dir or not dump_rollouts:
+        return
+    folder = os.path.join(os.path.abspath(os.path.expanduser(output_dir)), "rollouts")
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise PreflightError(f"dump_rollouts: {folder} is a file, where the rollout dump's folder goes; move it "
+                             f"away, or set dump_rollouts: 0")  # fmt: skip
+    if os.path.isdir(folder):
+        try:
+            os.close((probe := tempfile.mkstemp(prefix=".appo-write-check-", dir=folder))[0])
+            os.unlink(probe[1])
+        except OSError as exc:
+            raise PreflightError(f"dump_rollouts: {folder} takes no new file: {exc.strerror or exc}; make it "
+                                 f"writable, or set dump_rollouts: 0") from exc  # fmt: skip
 
 
 def agent_port_problem(host: str, port: int) -> str | None:

@@ -104,6 +104,7 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
     recipe = recipe if recipe is not None else recipe_dict(script_args, training_args, model_args)
     peft_config = model_settings(model_args, training_args)
     preflight.check_output_dir(training_args.output_dir)  # read-only or missing parent: one line, before the model
+    preflight.check_rollouts_dir(training_args.output_dir, getattr(training_args, "dump_rollouts", 0))
     preflight.check_agent_port(training_args)  # a taken agent_port: one line, before the model
     try:
         reward_funcs = [get_reward_func(name) for name in script_args.reward_funcs]

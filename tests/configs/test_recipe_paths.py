@@ -89,7 +89,8 @@ def test_wheel_ships_recipes_configs_and_data_and_demo_runs_outside_a_checkout(t
         "appo_trl/_resources/recipes/tiny/grpo.yaml", "appo_trl/_resources/recipes/tiny/sft.yaml",
         "appo_trl/_resources/recipes/tiny/data/arith.jsonl", "appo_trl/_resources/recipes/tiny/data/sft_tir.jsonl",
         "appo_trl/_resources/recipes/qwen3-8b/appo.yaml", "appo_trl/_resources/accelerate_configs/zero3.yaml",
-        "appo_trl/_resources/eval/tiny.yaml", "appo_trl/tools/_zygote.py",
+        "appo_trl/_resources/eval/tiny.yaml", "appo_trl/tools/_zygote.py", "appo_trl/reporting/viewer/viewer.js",
+        "appo_trl/reporting/viewer/viewer.css", "appo_trl/reporting/viewer/page.html",  # the rollout viewer
     }  # fmt: skip
     assert shipped <= names, sorted(shipped - names)
     site = tmp_path / "site"

@@ -123,6 +123,7 @@ def test_appo_train_then_plot_and_rollouts(tmp_path, tiny_model_path, capsys):
     assert len(rows) == 4 and [r["parent"] is None for r in rows] == [True, True, False, False]  # n=4, 2 initial
     assert all(rows[r["parent"]]["parent"] is None for r in rows[2:])  # APPO branches fork from initial rows
     assert [r["kept"] for r in rows] == [True, True, False, False]  # branch rows leave the batch
+    assert [r["branch_score"] is not None for r in rows] == [False, False, True, True]  # APPO's score per branch point
     capsys.readouterr()
     assert main(["rollouts", str(out), "--step", "1"]) == 0
     shown = capsys.readouterr().out
