@@ -11,6 +11,8 @@
   schema would constrain decoding, and a row must be what the policy sampled: ask for JSON in the prompt),
   `logit_bias`, `top_logprobs`, image or audio content, `functions` / `function_call` (the legacy form of `tools`),
   `audio`, `modalities` other than text, `prediction`;
+- **refused anywhere in the body**: nesting deeper than `MAX_DEPTH` (tool arguments given as a JSON string too) and
+  text that is not Unicode a tokenizer takes (a lone surrogate such as `"\\ud800"`): a 400 naming where;
 - **ignored quietly**: bookkeeping that does not change the answer (`user`, `metadata`, `store`, `service_tier`,
   `prompt_cache_key`, `safety_identifier`, `parallel_tool_calls`); any other field is ignored with one warning per
   run (`ChatRequest.unknown`).
@@ -24,6 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+MAX_DEPTH = 64  # containers inside containers: OpenAI's own bodies and any tool arguments are far shallower
 _QUIET = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls"}
 _REFUSED = {
     "functions": "the legacy `functions` form is not served; pass `tools`",
@@ -35,6 +38,46 @@ _REFUSED = {
 
 class RequestError(ValueError):
     """A request body the endpoint cannot serve; the message names the field (HTTP 400)."""
+
+
+def body_problem(value: Any) -> str | None:
+    """Where `value` (parsed JSON) nests over `MAX_DEPTH` deep or holds a string that is not valid Unicode (a lone
+    surrogate, which the tokenizer would refuse with a bare TypeError), as `path: problem`; None when neither.
+    Iterative, so a deep body never reaches Python's recursion limit here."""
+    stack: list[tuple[Any, tuple, int]] = [(value, (), 0)]
+    while stack:
+        v, at, depth = stack.pop()
+        where = ".".join(map(str, at)) or "body"
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    return f"{where}: holds a lone surrogate ({v[exc.start]!r} at character {exc.start}), not text"
+        elif isinstance(v, (dict, list)):
+            if depth >= MAX_DEPTH:
+                return f"{where}: nested over {MAX_DEPTH} levels deep, more than the endpoint takes"
+            for k, item in v.items() if isinstance(v, dict) else enumerate(v):
+                stack.append((item, (*at, k), depth + 1))
+                if isinstance(k, str) and not k.isascii():
+                    stack.append((k, (*at, "<key>"), depth + 1))
+    return None
+
+
+def loads(raw: bytes | str) -> Any:
+    """The request body as JSON; `RequestError` when it is not JSON or nests past what the parser takes."""
+    import json
+
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise RequestError(f"body: nested over {MAX_DEPTH} levels deep, more than the endpoint takes") from None
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        raise RequestError("the request body is not JSON") from None
+    problem = body_problem(body)
+    if problem is not None:
+        raise RequestError(problem)
+    return body
 
 
 class _Open(BaseModel):
@@ -50,6 +93,18 @@ class ToolCallFunction(_Open):
     def _arguments(cls, v: Any) -> Any:
         if v is not None and not isinstance(v, (str, dict)):
             raise ValueError("must be a JSON string or an object")
+        if isinstance(v, str) and v.strip()[:1] in ("{", "["):  # parsed later (rendering, comparing turns): check it
+            import json
+
+            try:
+                parsed = json.loads(v)
+            except RecursionError:
+                raise ValueError(f"nested over {MAX_DEPTH} levels deep, more than the endpoint takes") from None
+            except ValueError:
+                return v  # not JSON: kept as the text it is
+            problem = body_problem(parsed)
+            if problem is not None:
+                raise ValueError(f"the JSON text's {problem}")
         return v
 
 
@@ -177,4 +232,4 @@ def parse_request(body: Any) -> ChatRequest:
         raise RequestError(f"{where}: {msg}{more}") from None
 
 
-__all__ = ["ChatRequest", "RequestError", "parse_request"]
+__all__ = ["MAX_DEPTH", "ChatRequest", "RequestError", "body_problem", "loads", "parse_request"]

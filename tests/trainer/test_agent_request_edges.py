@@ -1,0 +1,75 @@
+"""Request bodies at the agent endpoint's edges (issue 48): deep nesting, lone surrogates; each a 400 naming the
+field, no traceback, and the connection stays usable for the next request."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+pytest.importorskip("openai")
+
+from tests.trainer.test_agent_requests import serve  # noqa: E402
+from tests.trainer.test_agents import TOOLS  # noqa: E402
+
+USER = {"role": "user", "content": "6 times 7?"}
+
+
+def _call(arguments: str) -> str:
+    """A request whose assistant turn carries one tool call with `arguments` (raw JSON text of the value)."""
+    return ('{"model": "x", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "",'
+            ' "tool_calls": [{"id": "c", "type": "function", "function": {"name": "multiply", "arguments": '
+            + arguments + '}}]}, {"role": "tool", "tool_call_id": "c", "content": "1"}]}')  # fmt: skip
+
+
+EDGES = [
+    # (raw body, the error's start)
+    ('{"model": "x", "messages": [{"role": "user", "content": ' + "[" * 5000 + "]" * 5000 + "}]}",
+     "body: nested over 64 levels deep"),
+    (_call('{"a": ' * 1200 + "1" + "}" * 1200), "body: nested over 64 levels deep"),
+    (_call('{"a": ' * 100 + "1" + "}" * 100), "messages.1.tool_calls.0.function.arguments.a.a.a"),
+    (_call(json.dumps('{"a": ' * 100 + "1" + "}" * 100)),
+     "messages.1.tool_calls.0.function.arguments: the JSON text's a.a.a"),
+    ('{"model": "x", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+     "messages.0.content: holds a lone surrogate ('\\ud800' at character 1)"),
+    (_call('"{\\"a\\": \\"\\\\udfff\\"}"'), "messages.1.tool_calls.0.function.arguments: the JSON text's a: holds"),
+    ('{"model": "x", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+     "messages.0.content.0.text: holds a lone surrogate"),
+    ('{"model": "x", "messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": '
+     '{"name": "mul\\ud800", "parameters": {}}}]}', "tools.0.function.name: holds a lone surrogate"),
+    ('{"model": "x", "messages": [{"role": "user", "content": "a", "\\ud800": 1}]}', "messages.0.<key>: holds"),
+]
+
+
+def test_deep_nesting_and_lone_surrogates_get_a_400_naming_the_field(tiny_chat_tokenizer, capfd, caplog):
+    with caplog.at_level("DEBUG"), serve(tiny_chat_tokenizer) as (endpoint, backend):
+        base_url, session = endpoint.open_session()
+        with httpx.Client(timeout=30) as client:  # one keep-alive connection for every request
+            for body, expected in EDGES:
+                reply = client.post(base_url + "/chat/completions", content=body)
+                assert reply.status_code == 400, (body[:120], reply.text[:300])
+                message = reply.json()["error"]["message"]
+                assert message.startswith(expected), (expected, message)
+                assert "\n" not in message and "TypeError" not in message
+                # the same connection answers the next request
+                ok = client.post(base_url + "/chat/completions", json={"model": "x", "messages": [USER],
+                                                                       "tools": TOOLS})  # fmt: skip
+                assert ok.status_code == 200, ok.text
+        assert len(backend.prompts) == len(EDGES)  # only the good requests reached the sampler
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err and "Exception in ASGI" not in out + err, err[-2000:]
+    assert not [r for r in caplog.records if r.exc_info or r.levelname in ("ERROR", "CRITICAL")]
+
+
+def test_unicode_that_is_text_passes_the_walk():
+    from appo_trl.rollout.agent_request import MAX_DEPTH, body_problem
+
+    assert body_problem({"messages": [{"content": "caf\u00e9 \U0001f600 \u4e2d"}], "k\u00e9y": [1, [2]]}) is None
+    assert body_problem([[]] * 3) is None
+    deep: list = []
+    for _ in range(MAX_DEPTH):
+        deep = [deep]
+    assert body_problem(deep) == f"{'.'.join(['0'] * MAX_DEPTH)}: nested over {MAX_DEPTH} levels deep, more than "\
+        "the endpoint takes"  # fmt: skip
+    assert body_problem(deep[0]) is None  # MAX_DEPTH containers in all: taken
