@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("openai")
 
-from tests.trainer.test_agent_requests import serve  # noqa: E402
+from tests.trainer.test_agent_requests import post, serve  # noqa: E402
 from tests.trainer.test_agents import TOOLS  # noqa: E402
 
 USER = {"role": "user", "content": "6 times 7?"}
@@ -73,3 +73,36 @@ def test_unicode_that_is_text_passes_the_walk():
     assert body_problem(deep) == f"{'.'.join(['0'] * MAX_DEPTH)}: nested over {MAX_DEPTH} levels deep, more than "\
         "the endpoint takes"  # fmt: skip
     assert body_problem(deep[0]) is None  # MAX_DEPTH containers in all: taken
+
+
+def test_a_huge_request_is_tokenised_off_the_loop_so_other_runs_are_answered(tiny_chat_tokenizer):
+    """Run 0's huge request is held inside its tokenisation until run 1's small request has been answered: the
+    endpoint's loop answers run 1 meanwhile. (Were it tokenised on the loop, run 1 would be answered only after the
+    hold gave up, and `answered_during` would be False.)"""
+    import threading
+
+    with serve(tiny_chat_tokenizer, max_model_len=2048) as (endpoint, backend):
+        renderer, encode = endpoint.renderer, endpoint.renderer.encode
+        holding, released, answered_during = threading.Event(), threading.Event(), []
+
+        def held_encode(text: str) -> list[int]:
+            if len(text) > 100_000:
+                holding.set()
+                answered_during.append(released.wait(timeout=20))
+            return encode(text)
+
+        renderer.encode = held_encode
+        big_url, big_session = endpoint.open_session()
+        small_url, small_session = endpoint.open_session()
+        replies: dict = {}
+        big = threading.Thread(target=lambda: replies.setdefault("big", post(big_url, {
+            "model": "x", "messages": [{"role": "user", "content": "word " * 200_000}]})))  # fmt: skip
+        big.start()
+        assert holding.wait(timeout=20)
+        small = post(small_url, {"model": "x", "messages": [USER], "tools": TOOLS})
+        released.set()
+        big.join(timeout=60)
+        assert small.status_code == 200 and small_session.chains
+        assert answered_during == [True]
+        assert replies["big"].status_code == 400 and "max_model_len is 2048" in replies["big"].json()["error"]["message"]
+        assert big_session.chains == []
