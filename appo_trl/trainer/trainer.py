@@ -18,6 +18,7 @@ from appo_trl.trainer.agents import agent_rewards_override
 from appo_trl.trainer.checkpoints import AtomicCheckpointMixin, read_sampler_state, write_sampler_state
 from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.environments import check_environments
+from appo_trl.trainer.grad_norms import GradNormWatch
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.rounds import RoundRunner
 from appo_trl.trainer.rows import group_permutation, left_pad, pad_rows, permute_rows, split_rows
@@ -198,6 +199,13 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         if self.is_world_process_zero():
             base = get_config_model_id(self.model.config)
             fix_local_base_model(os.path.join(self.args.output_dir, "README.md"), base)
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        """`Trainer._maybe_log_save_evaluate`, after each optimizer step's grad norm is checked (`grad_norms`)."""
+        if getattr(self, "_grad_norms", None) is None:
+            self._grad_norms = GradNormWatch(self.state.max_steps)
+        self._grad_norms.step(grad_norm, self.state.global_step, self.model)
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
     # ---- checkpoints: the sampler's state (its seeds derive from the round counter) ------------------------------
     def _save_rng_state(self, output_dir: str) -> None:
