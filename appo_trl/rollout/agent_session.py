@@ -181,7 +181,8 @@ class AgentSession:
         return [chain for i, chain in enumerate(self.chains) if i in sampled and chain is not row]
 
     def completion_messages(self) -> list[dict]:
-        """The last chain's conversation after its prompt: assistant, tool/user, ..., assistant (TRL's shape)."""
+        """The last chain's conversation after its prompt: assistant, tool/user, ..., assistant (TRL's shape). Only
+        answers with tokens in the row are in it, so its assistant messages are the row's turns (`turn_ends`)."""
         return [dict(m) for m in self._messages[self._first :]]
 
     async def complete(self, request: dict) -> dict:
@@ -345,7 +346,8 @@ class AgentSession:
             chain.num_calls += len(calls)
         finish = "tool_calls" if calls else ("length" if reason == "length" else "stop")
         self._history.append(normalise(message))
-        self._messages.append(message)
+        if ids:  # an empty answer (the budget spent) holds no token of the row: no turn of it (`group_tree.turn_ends`)
+            self._messages.append(message)
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
         if request.get("logprobs") and logprobs is not None:
             choice["logprobs"] = {"content": [

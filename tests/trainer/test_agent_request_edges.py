@@ -106,3 +106,24 @@ def test_a_huge_request_is_tokenised_off_the_loop_so_other_runs_are_answered(tin
         assert answered_during == [True]
         assert replies["big"].status_code == 400 and "max_model_len is 2048" in replies["big"].json()["error"]["message"]
         assert big_session.chains == []
+
+
+def test_an_empty_last_answer_is_no_turn_of_the_completion(tiny_chat_tokenizer):
+    """The row's budget spent: later answers are empty; the conversation reward functions see has exactly the row's
+    turns (assistant messages = `turn_ends` of its mask), so a per-turn function counting them is not refused."""
+    from appo_trl.rollout.group_tree import turn_ends
+
+    with serve(tiny_chat_tokenizer, max_tokens=40) as (endpoint, _):
+        url, session = endpoint.open_session()
+        messages = [USER]
+        first = post(url, {"model": "x", "messages": messages, "tools": TOOLS}).json()["choices"][0]["message"]
+        messages += [first, {"role": "user", "content": "more " * 100}]  # does not fit: the row ends
+        second = post(url, {"model": "x", "messages": messages, "tools": TOOLS}).json()["choices"][0]
+        assert second["finish_reason"] == "length" and second["message"]["content"] == ""
+        messages += [second["message"], {"role": "user", "content": "and?"}]  # budget spent: empty again
+        third = post(url, {"model": "x", "messages": messages, "tools": TOOLS}).json()["choices"][0]
+        assert third["message"]["content"] == ""
+        [row] = session.chains
+        said = [m for m in session.completion_messages() if m["role"] == "assistant"]
+        assert len(said) == len(turn_ends(row.loss_mask)) == 1
+        assert len(session.answered) == 3  # every call is still an answered call (per-call rewards)
