@@ -190,7 +190,15 @@ class AgentEndpoint:
         session = self._sessions.get(p["key"])
         if session is None or session.closed:
             return _error(410, "this agent run has ended (it timed out, failed, or its round is over)")
+        response = await self._chat(request, session)
+        if 400 <= response.status_code < 500 and response.status_code != 410:  # the run learns why it has no row
+            session.refusals.append(f"HTTP {response.status_code}: {json.loads(response.body)['error']['message']}")
+        return response
+
+    async def _chat(self, request, session: AgentSession):
+        """The answer to one `chat/completions` request of `session`'s run (an error response: why not)."""
         from starlette.requests import ClientDisconnect
+        from starlette.responses import JSONResponse
 
         try:
             raw = await self._read_body(request)

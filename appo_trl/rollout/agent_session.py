@@ -153,6 +153,7 @@ class AgentSession:
         self.max_model_len, self.seed, self.group = max_model_len, seed, group
         self.chains: list[Trajectory] = []
         self.requests = 0
+        self.refusals: list[str] = []  # every request the endpoint refused (4xx), as `HTTP <code>: <message>`
         self.closed = False
         self._history: list[tuple] = []  # normalised messages of the current chain, the last answer included
         self._tools_key: str | None = None
