@@ -26,7 +26,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-MAX_DEPTH = 64  # containers inside containers: OpenAI's own bodies and any tool arguments are far shallower
+from appo_trl.rollout.text import MAX_DEPTH, body_problem
+
 _QUIET = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls"}
 _REFUSED = {
     "functions": "the legacy `functions` form is not served; pass `tools`",
@@ -40,30 +41,6 @@ class RequestError(ValueError):
     """A request body the endpoint cannot serve; the message names the field (HTTP 400)."""
 
 
-def body_problem(value: Any) -> str | None:
-    """Where `value` (parsed JSON) nests over `MAX_DEPTH` deep or holds a string that is not valid Unicode (a lone
-    surrogate, which the tokenizer would refuse with a bare TypeError), as `path: problem`; None when neither.
-    Iterative, so a deep body never reaches Python's recursion limit here."""
-    stack: list[tuple[Any, tuple, int]] = [(value, (), 0)]
-    while stack:
-        v, at, depth = stack.pop()
-        where = ".".join(map(str, at)) or "body"
-        if isinstance(v, str):
-            if not v.isascii():
-                try:
-                    v.encode("utf-8")
-                except UnicodeEncodeError as exc:
-                    return f"{where}: holds a lone surrogate ({v[exc.start]!r} at character {exc.start}), not text"
-        elif isinstance(v, (dict, list)):
-            if depth >= MAX_DEPTH:
-                return f"{where}: nested over {MAX_DEPTH} levels deep, more than the endpoint takes"
-            for k, item in v.items() if isinstance(v, dict) else enumerate(v):
-                stack.append((item, (*at, k), depth + 1))
-                if isinstance(k, str) and not k.isascii():
-                    stack.append((k, (*at, "<key>"), depth + 1))
-    return None
-
-
 def loads(raw: bytes | str) -> Any:
     """The request body as JSON; `RequestError` when it is not JSON or nests past what the parser takes."""
     import json
@@ -71,9 +48,9 @@ def loads(raw: bytes | str) -> Any:
     try:
         body = json.loads(raw)
     except RecursionError:
-        raise RequestError(f"body: nested over {MAX_DEPTH} levels deep, more than the endpoint takes") from None
-    except ValueError:  # JSONDecodeError, UnicodeDecodeError
-        raise RequestError("the request body is not JSON") from None
+        raise RequestError(f"body: nested over {MAX_DEPTH} levels deep, more than is taken") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
+        raise RequestError(f"the request body is not JSON ({str(exc).splitlines()[0][:120]})") from None
     problem = body_problem(body)
     if problem is not None:
         raise RequestError(problem)
@@ -99,7 +76,7 @@ class ToolCallFunction(_Open):
             try:
                 parsed = json.loads(v)
             except RecursionError:
-                raise ValueError(f"nested over {MAX_DEPTH} levels deep, more than the endpoint takes") from None
+                raise ValueError(f"nested over {MAX_DEPTH} levels deep, more than is taken") from None
             except ValueError:
                 return v  # not JSON: kept as the text it is
             problem = body_problem(parsed)
@@ -171,6 +148,20 @@ class ChatRequest(_Open):
     response_format: dict | None = None
     logit_bias: dict | None = None
     modalities: list[str] | None = None
+
+    @field_validator("max_tokens", "max_completion_tokens", "n", "top_k", "seed", mode="before")
+    @classmethod
+    def _not_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # pydantic would read `true` as 1
+            raise ValueError(f"must be an integer, not {str(v).lower()}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v == "" or (isinstance(v, list) and "" in v):
+            raise ValueError("an empty stop string would match everywhere: leave it out")
+        return v
 
     @field_validator("n")
     @classmethod

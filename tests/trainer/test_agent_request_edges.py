@@ -39,6 +39,13 @@ EDGES = [
     ('{"model": "x", "messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": '
      '{"name": "mul\\ud800", "parameters": {}}}]}', "tools.0.function.name: holds a lone surrogate"),
     ('{"model": "x", "messages": [{"role": "user", "content": "a", "\\ud800": 1}]}', "messages.0.<key>: holds"),
+    # own attack: what pydantic's lax mode or Python's parser took or named wrongly
+    ('{"model": "x", "messages": [{"role": "user", "content": "a"}], "max_tokens": true}',
+     "max_tokens: must be an integer, not true"),
+    ('{"model": "x", "messages": [{"role": "user", "content": "a"}], "stop": ""}', "stop: an empty stop string"),
+    ('{"model": "x", "messages": [{"role": "user", "content": "a"}], "stop": ["x", ""]}', "stop: an empty stop"),
+    ('{"model": "x", "messages": [{"role": "user", "content": "a"}], "max_tokens": ' + "9" * 5000 + "}",
+     "the request body is not JSON (Exceeds the limit (4300 digits) for integer string conversion"),
 ]
 
 
@@ -63,7 +70,7 @@ def test_deep_nesting_and_lone_surrogates_get_a_400_naming_the_field(tiny_chat_t
 
 
 def test_unicode_that_is_text_passes_the_walk():
-    from appo_trl.rollout.agent_request import MAX_DEPTH, body_problem
+    from appo_trl.rollout.text import MAX_DEPTH, body_problem
 
     assert body_problem({"messages": [{"content": "caf\u00e9 \U0001f600 \u4e2d"}], "k\u00e9y": [1, [2]]}) is None
     assert body_problem([[]] * 3) is None
@@ -71,7 +78,7 @@ def test_unicode_that_is_text_passes_the_walk():
     for _ in range(MAX_DEPTH):
         deep = [deep]
     assert body_problem(deep) == f"{'.'.join(['0'] * MAX_DEPTH)}: nested over {MAX_DEPTH} levels deep, more than "\
-        "the endpoint takes"  # fmt: skip
+        "is taken"  # fmt: skip
     assert body_problem(deep[0]) is None  # MAX_DEPTH containers in all: taken
 
 

@@ -27,6 +27,17 @@ def test_tree_credit_weights_past_float32_are_refused_in_one_line(tmp_path, weig
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("weights, expected", [
+    (("1.0", 1.0), "tree_credit_global_weight='1.0' must be a number."),  # before: TypeError "must be real number"
+    ((True, 1.0), "tree_credit_global_weight=True must be a number."),
+    ((0.0, 1e-320), "sum to under 1.2e-38, which is 0 in float32"),  # before: taken, every advantage 0
+])  # fmt: skip
+def test_tree_credit_weights_that_are_not_numbers_or_vanish_in_float32_are_refused(tmp_path, weights, expected):
+    with pytest.raises(ValueError) as err:
+        _config(tmp_path, tree_credit_global_weight=weights[0], tree_credit_local_weight=weights[1])
+    assert expected in str(err.value)
+
+
 def test_tree_credit_weights_up_to_the_bound_are_taken(tmp_path):
     assert _config(tmp_path, tree_credit_global_weight=5e5, tree_credit_local_weight=5e5).tree_credit_global_weight \
         == 5e5  # fmt: skip
