@@ -49,3 +49,20 @@ def test_a_full_disk_at_the_sync_is_one_line_and_leaves_nothing(route, tmp_path,
     assert "\n" not in message and "No space left on device" in message and str(sync_dir) in message, message
     left = sorted(os.listdir(sync_dir)) if sync_dir.exists() else []
     assert not [n for n in left if n.endswith((".tmp", ".partial"))], left
+
+
+def test_ctrl_c_during_the_adapter_save_leaves_no_staging_folder(tmp_path, tiny_tokenizer, tiny_model_path,
+                                                                 monkeypatch):  # fmt: skip
+    sync_dir = tmp_path / "sync"
+
+    def interrupted(tensors, path, *args, **kwargs):
+        with open(path, "wb") as fh:
+            fh.write(b"\0" * 16)
+        raise KeyboardInterrupt
+
+    with fake_vllm.FakeVLLMServer(varied_policy(tiny_tokenizer), tiny_tokenizer, max_lora_rank=8) as server:
+        trainer = lora_trainer(tmp_path, tiny_tokenizer, tiny_model_path, server, vllm_weight_sync_dir=str(sync_dir))
+        monkeypatch.setattr("peft.peft_model.safe_save_file", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+    assert not [n for n in os.listdir(sync_dir) if n.endswith(".tmp")], os.listdir(sync_dir)
