@@ -43,3 +43,21 @@ def test_an_agent_that_never_calls_its_base_url_ends_the_stage_in_one_line(tmp_p
     assert run_interruptible("appo train", str(tmp_path), trainer.train) == 1
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("appo train")]
     assert len(lines) == 1 and "returned without sending a single request to the base_url it was given" in lines[0]
+
+
+def exiting_agent(row, base_url, model):
+    import sys
+
+    sys.exit(0)
+
+
+def test_an_agent_that_calls_sys_exit_is_a_failed_run_not_a_hang(tmp_path, caplog, tiny_chat_tokenizer,
+                                                                  tiny_chat_model_path):  # fmt: skip
+    """Before: SystemExit reached the runner's event loop, stopped it, and the trainer waited forever."""
+    trainer, _ = make_trainer(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, exiting_agent, max_steps=1,
+                              agent_timeout_s=60)  # fmt: skip
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    [log] = [h for h in trainer.state.log_history if "reward" in h]
+    assert log["agent/errors"] == 4.0
+    assert any("failed: RuntimeError: the agent raised sys.exit(0)" in r.getMessage() for r in caplog.records)
