@@ -34,6 +34,13 @@ def check_lora(model_args, trust_remote_code: bool = False) -> None:
                              "finite number other than 0 (0 trains nothing).")  # fmt: skip
     if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise PreflightError(f"lora_dropout={dropout!r} must be in [0, 1) (1 drops every input: nothing trains).")
+    targets, to_save = model_args.lora_target_modules, model_args.lora_modules_to_save
+    if isinstance(targets, (list, tuple)) and not targets:
+        raise PreflightError("lora_target_modules is an empty list: name the modules (or all-linear), or leave it "
+                             "unset for peft's default of the model type.")  # fmt: skip
+    for option, given in (("lora_target_modules", targets), ("lora_modules_to_save", to_save)):
+        if given is not None and any(not name for name in ([given] if isinstance(given, str) else given)):
+            raise PreflightError(f"{option}={given!r} holds an empty name, which would match every module.")
     names = _module_names(model_args, trust_remote_code)
     if names is None:
         return

@@ -31,6 +31,10 @@ BAD = [
     ({"lora_target_modules": ["nope"]}, "lora_target_modules='nope' matches no module"),  # one name: TRL's str
     ({"lora_target_modules": ["q_proj"]}, "lora_target_modules='q_proj' matches no module of the model"),
     ({"lora_modules_to_save": ["score_head"]}, "lora_modules_to_save: 'score_head' names no module of the model"),
+    # own attack: peft tracebacks after the model loaded
+    ({"lora_target_modules": []}, "lora_target_modules is an empty list"),
+    ({"lora_modules_to_save": [""]}, "lora_modules_to_save=[''] holds an empty name"),
+    ({"lora_target_modules": ["q_proj", ""]}, "lora_target_modules=['q_proj', ''] holds an empty name"),
 ]
 
 
