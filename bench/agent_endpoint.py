@@ -6,8 +6,9 @@ each turn with words and a tool call, about 68 tokens, at `--step-ms` per token)
 `VLLMServerBackend`, `AgentEndpoint`. `--trajectories` agents at once, each with its own `httpx.AsyncClient`, run a
 tool loop of `--turns` calls; added latency = round trip - `VLLMServerBackend.generate`'s own time for that call.
 `--client process`: agents in their own interpreter; `thread`: in the trainer's. One setting per `--step-ms` value (a
-saturation curve). Replay: `--branches` per run re-run the agent as `AgentEngine.branch_many` does. Figures and what
-they mean: docs/benchmarks.md, "Agent endpoint".
+saturation curve). Replay: `--branches` per run re-run the agent as `AgentEngine.branch_many` does. Stall: `--stall-trajectories` runs'
+round trips alone and while one more run posts `--stall-bytes` bodies (over max_model_len, refused) back to back.
+Figures and what they mean: docs/benchmarks.md, "Agent endpoint".
 
     python bench/agent_endpoint.py                  # 64 trajectories x 4 turns at 20, 10, 5 and 2.5 ms per token
     python bench/agent_endpoint.py --quick          # 16 x 3 at 2 ms per token, 1 branch per run
@@ -211,6 +212,51 @@ class Bench:
                 "agent_replay_diverged_branches": sum(bool(job[1].diverged) for job in jobs),
                 "agent_replay_exact_prefix_branches": exact}  # fmt: skip
 
+    def stall(self, trajectories: int, turns: int, body_bytes: int) -> dict:
+        """Other runs' round trips while one run posts ~`body_bytes` bodies (a conversation far over max_model_len,
+        refused as too long once tokenised) back to back, against the same runs alone."""
+        import random
+
+        import httpx
+
+        rng = random.Random(0)  # words the tokenizer cannot merge much: about one token per 1.1 characters
+        text = " ".join("".join(rng.choice("abcdefghij") for _ in range(7)) for _ in range(body_bytes // 8))
+        body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": text[: body_bytes - 100]}]})
+        figures = {"stall_body_bytes": len(body)}
+        for mode in ("alone", "with_big_bodies"):
+            opened = [self.endpoint.open_session(seed=j, group=j, session_id=f"stall-{mode}-{j}")[0]
+                      for j in range(trajectories)]  # fmt: skip
+            stop, big = threading.Event(), []
+
+            def big_run(url=self.endpoint.open_session(session_id=f"stall-{mode}-big")[0]):
+                with httpx.Client(timeout=600) as client:
+                    while not stop.is_set():
+                        start = time.perf_counter()
+                        reply = client.post(f"{url}/chat/completions", content=body,
+                                            headers={"content-type": "application/json"})  # fmt: skip
+                        big.append((reply.status_code, time.perf_counter() - start))
+
+            thread = threading.Thread(target=big_run)
+            if mode != "alone":
+                thread.start()
+                while not big and thread.is_alive():  # the first big body is in: the runs start under it
+                    time.sleep(0.05)
+            start = time.perf_counter()
+            trips = [1000 * t for ts in self.run(opened, turns) for t in ts]
+            wall = time.perf_counter() - start
+            stop.set()
+            if mode != "alone":
+                thread.join()
+                figures["stall_big_bodies"] = len(big)
+                figures["stall_big_statuses"] = sorted({status for status, _ in big})
+                figures["stall_big_body_s_p50"] = round(pct([s for _, s in big], 0.5), 2)
+            figures.update({f"stall_{mode}_trip_ms_p50": round(pct(trips, 0.5), 1),
+                            f"stall_{mode}_trip_ms_max": round(max(trips), 1),
+                            f"stall_{mode}_calls_per_s": round(len(trips) / wall, 1)})  # fmt: skip
+        figures["stall_trip_p50_ratio"] = round(figures["stall_with_big_bodies_trip_ms_p50"]
+                                                / figures["stall_alone_trip_ms_p50"], 2)  # fmt: skip
+        return figures
+
     def close(self) -> None:
         self.endpoint.close()
         self.engine.close()
@@ -223,11 +269,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--step-ms", default="20,10,5,2.5", help="fake decode time per token, comma-separated settings")
     ap.add_argument("--client", choices=["process", "thread"], default="process")
     ap.add_argument("--branches", type=int, default=2, help="replay branches per agent run (0: no replay figure)")
+    ap.add_argument("--stall-bytes", type=int, default=990_000,
+                    help="the stall case: one run posts bodies of this size meanwhile (0: no stall case)")
+    ap.add_argument("--stall-trajectories", type=int, default=16, help="the stall case's other runs")
     ap.add_argument("--quick", action="store_true", help="16 trajectories x 3 turns at 2 ms per token, 1 branch")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
     args = ap.parse_args(argv)
     if args.quick:
-        args.trajectories, args.turns, args.step_ms, args.branches = 16, 3, "2", 1
+        args.trajectories, args.turns, args.step_ms, args.branches, args.stall_trajectories = 16, 3, "2", 1, 4
     from appo_trl.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tempfile.mkdtemp(), chat_template="tools")
@@ -257,6 +306,14 @@ def main(argv=None) -> dict:
                   f"{figures['agent_replay_diverged_branches']} of {figures['agent_replay_branches']} branches "
                   f"diverged, {figures['agent_replay_exact_prefix_branches']} hold their parent's tokens up to the "
                   "branch point")  # fmt: skip
+        if args.stall_bytes:
+            figures.update(stall := bench.stall(args.stall_trajectories, args.turns, args.stall_bytes))
+            print(f"stall: {args.stall_trajectories} runs' round trips p50 {stall['stall_alone_trip_ms_p50']} ms "
+                  f"(max {stall['stall_alone_trip_ms_max']}) alone, {stall['stall_with_big_bodies_trip_ms_p50']} ms "
+                  f"(max {stall['stall_with_big_bodies_trip_ms_max']}) while one run posted "
+                  f"{stall['stall_big_bodies']} bodies of {stall['stall_body_bytes']} bytes (HTTP "
+                  f"{stall['stall_big_statuses']}, {stall['stall_big_body_s_p50']} s each): "
+                  f"x{stall['stall_trip_p50_ratio']}")  # fmt: skip
     finally:
         bench.close()
         conn.send(None)

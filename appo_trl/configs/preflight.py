@@ -9,7 +9,8 @@
 2. `check_quantization`: `load_in_4bit` / `load_in_8bit` build TRL's `BitsAndBytesConfig`
    (`trl.get_quantization_config`, as `trl grpo` does) into `model_init_kwargs`: QLoRA. Without
    bitsandbytes or a CUDA GPU, or without `use_peft`, the run stops: the setting is never ignored.
-   `check_peft`: `vllm_sync_adapter=always` without `use_peft` stops too.
+   `check_peft`: LoRA options and the module names they give (`configs.lora_checks`, on a meta-device build of the
+   model's config), and `vllm_sync_adapter=always` without `use_peft`, stop too.
 3. `prompt_token_limit`: the most prompt tokens the sampler takes (in vLLM server mode the `max_model_len`
    the server reports when it answers at start-up, else `vllm_max_model_length`, else the model config's
    `max_position_embeddings`), which `appo_trl.data` checks every prompt against (`configs.rows`).
@@ -171,8 +172,12 @@ def check_quantization(model_args, training_args) -> None:
 
 
 def check_peft(model_args, training_args) -> None:
-    """LoRA settings that cannot work together, before the model loads: `vllm_sync_adapter=always` without an
-    adapter to send (`use_peft`), or with one vLLM cannot serve as a LoRA adapter (DoRA, `lora_modules_to_save`)."""
+    """LoRA settings that cannot work, before the model loads: the options themselves and the modules they name
+    (`configs.lora_checks`), `vllm_sync_adapter=always` without an adapter to send (`use_peft`), or with one vLLM
+    cannot serve as a LoRA adapter (DoRA, `lora_modules_to_save`)."""
+    from appo_trl.configs.lora_checks import check_lora
+
+    check_lora(model_args, getattr(training_args, "trust_remote_code", False))
     if getattr(training_args, "vllm_sync_adapter", "auto") != "always":
         return
     if not getattr(model_args, "use_peft", False):

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 
-from appo_trl.rollout.agent_request import ChatRequest, RequestError, parse_request
+from appo_trl.rollout.agent_request import ChatRequest, RequestError, loads, parse_request
 from appo_trl.rollout.agent_session import AgentSession, ChatRenderer, RequestTooLong
 from appo_trl.rollout.agent_stream import sse_events
 from appo_trl.rollout.types import SamplingParams
@@ -190,7 +190,15 @@ class AgentEndpoint:
         session = self._sessions.get(p["key"])
         if session is None or session.closed:
             return _error(410, "this agent run has ended (it timed out, failed, or its round is over)")
+        response = await self._chat(request, session)
+        if 400 <= response.status_code < 500 and response.status_code != 410:  # the run learns why it has no row
+            session.refusals.append(f"HTTP {response.status_code}: {json.loads(response.body)['error']['message']}")
+        return response
+
+    async def _chat(self, request, session: AgentSession):
+        """The answer to one `chat/completions` request of `session`'s run (an error response: why not)."""
         from starlette.requests import ClientDisconnect
+        from starlette.responses import JSONResponse
 
         try:
             raw = await self._read_body(request)
@@ -200,11 +208,9 @@ class AgentEndpoint:
             return _error(413, f"the request body is over {self.max_body_bytes} bytes, the most the agent endpoint "
                                f"reads (the model's max_model_len is {self.max_model_len} tokens)")  # fmt: skip
         try:
-            req = parse_request(json.loads(raw))
+            req = parse_request(loads(raw))
         except RequestError as exc:
             return _error(400, str(exc))
-        except ValueError:  # JSONDecodeError, UnicodeDecodeError
-            return _error(400, "the request body is not JSON")
         self._warn_settings(req)
         body = req.model_dump(exclude_none=True)
         start, backend = time.perf_counter(), [0.0]
@@ -215,6 +221,8 @@ class AgentEndpoint:
             return _error(400, str(exc), "context_length_exceeded")
         except (ValueError, TypeError, KeyError) as exc:
             return _error(400, f"{type(exc).__name__}: {exc}")
+        except RecursionError:  # `parse_request` bounds nesting; a template recursing on its own is the same to us
+            return _error(400, "the chat template recursed too deep rendering this request")
         except RuntimeError as exc:
             return _error(410 if session.closed else 500, str(exc), "server_error")
         except Exception as exc:  # a backend failure: one line in the log, not a traceback wall; the agent sees 500

@@ -11,6 +11,8 @@
   schema would constrain decoding, and a row must be what the policy sampled: ask for JSON in the prompt),
   `logit_bias`, `top_logprobs`, image or audio content, `functions` / `function_call` (the legacy form of `tools`),
   `audio`, `modalities` other than text, `prediction`;
+- **refused anywhere in the body**: nesting deeper than `MAX_DEPTH` (tool arguments given as a JSON string too) and
+  text that is not Unicode a tokenizer takes (a lone surrogate such as `"\\ud800"`): a 400 naming where;
 - **ignored quietly**: bookkeeping that does not change the answer (`user`, `metadata`, `store`, `service_tier`,
   `prompt_cache_key`, `safety_identifier`, `parallel_tool_calls`); any other field is ignored with one warning per
   run (`ChatRequest.unknown`).
@@ -24,6 +26,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from appo_trl.rollout.text import MAX_DEPTH, body_problem
+
 _QUIET = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls"}
 _REFUSED = {
     "functions": "the legacy `functions` form is not served; pass `tools`",
@@ -35,6 +39,22 @@ _REFUSED = {
 
 class RequestError(ValueError):
     """A request body the endpoint cannot serve; the message names the field (HTTP 400)."""
+
+
+def loads(raw: bytes | str) -> Any:
+    """The request body as JSON; `RequestError` when it is not JSON or nests past what the parser takes."""
+    import json
+
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise RequestError(f"body: nested over {MAX_DEPTH} levels deep, more than is taken") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
+        raise RequestError(f"the request body is not JSON ({str(exc).splitlines()[0][:120]})") from None
+    problem = body_problem(body)
+    if problem is not None:
+        raise RequestError(problem)
+    return body
 
 
 class _Open(BaseModel):
@@ -50,6 +70,18 @@ class ToolCallFunction(_Open):
     def _arguments(cls, v: Any) -> Any:
         if v is not None and not isinstance(v, (str, dict)):
             raise ValueError("must be a JSON string or an object")
+        if isinstance(v, str) and v.strip()[:1] in ("{", "["):  # parsed later (rendering, comparing turns): check it
+            import json
+
+            try:
+                parsed = json.loads(v)
+            except RecursionError:
+                raise ValueError(f"nested over {MAX_DEPTH} levels deep, more than is taken") from None
+            except ValueError:
+                return v  # not JSON: kept as the text it is
+            problem = body_problem(parsed)
+            if problem is not None:
+                raise ValueError(f"the JSON text's {problem}")
         return v
 
 
@@ -117,6 +149,20 @@ class ChatRequest(_Open):
     logit_bias: dict | None = None
     modalities: list[str] | None = None
 
+    @field_validator("max_tokens", "max_completion_tokens", "n", "top_k", "seed", mode="before")
+    @classmethod
+    def _not_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # pydantic would read `true` as 1
+            raise ValueError(f"must be an integer, not {str(v).lower()}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v == "" or (isinstance(v, list) and "" in v):
+            raise ValueError("an empty stop string would match everywhere: leave it out")
+        return v
+
     @field_validator("n")
     @classmethod
     def _n(cls, v: int) -> int:
@@ -177,4 +223,4 @@ def parse_request(body: Any) -> ChatRequest:
         raise RequestError(f"{where}: {msg}{more}") from None
 
 
-__all__ = ["ChatRequest", "RequestError", "parse_request"]
+__all__ = ["MAX_DEPTH", "ChatRequest", "RequestError", "body_problem", "loads", "parse_request"]

@@ -25,7 +25,8 @@ and the rendered messages between them together, and fits `max_model_len`. A req
 `max_completion_tokens`) caps that turn only: its answer is at most that many tokens (`finish_reason: length`), the
 next turn closes it with the template's turn end and samples on; it never ends the chain. Once the chain's budget is
 spent, later turns are answered empty (`length`). A request longer than `max_model_len` is refused
-(`RequestTooLong`).
+(`RequestTooLong`). Messages of over `OFF_LOOP_CHARS` characters are rendered and tokenised on a worker thread
+(the tokenizer releases the GIL), so one run's huge request costs that run alone, never the endpoint's other runs.
 What it does not do: serve HTTP (`appo_trl.rollout.agent_endpoint`), run agents or score (the trainer).
 """
 
@@ -45,6 +46,7 @@ from appo_trl.rollout.text import topk_entropy
 from appo_trl.rollout.types import Origin, SamplingParams, Segment, Trajectory
 
 _SENTINEL = "assistant_sentinel_4c9e1b7d"
+OFF_LOOP_CHARS = 4096  # about 4 ms of tokenising: longer messages are tokenised off the endpoint's event loop
 
 
 def _text(content: Any) -> str:
@@ -151,6 +153,7 @@ class AgentSession:
         self.max_model_len, self.seed, self.group = max_model_len, seed, group
         self.chains: list[Trajectory] = []
         self.requests = 0
+        self.refusals: list[str] = []  # every request the endpoint refused (4xx), as `HTTP <code>: <message>`
         self.closed = False
         self._history: list[tuple] = []  # normalised messages of the current chain, the last answer included
         self._tools_key: str | None = None
@@ -179,7 +182,8 @@ class AgentSession:
         return [chain for i, chain in enumerate(self.chains) if i in sampled and chain is not row]
 
     def completion_messages(self) -> list[dict]:
-        """The last chain's conversation after its prompt: assistant, tool/user, ..., assistant (TRL's shape)."""
+        """The last chain's conversation after its prompt: assistant, tool/user, ..., assistant (TRL's shape). Only
+        answers with tokens in the row are in it, so its assistant messages are the row's turns (`turn_ends`)."""
         return [dict(m) for m in self._messages[self._first :]]
 
     async def complete(self, request: dict) -> dict:
@@ -208,7 +212,7 @@ class AgentSession:
             if self._full:  # the row's budget is spent (a turn's own max_tokens only ends that turn)
                 self._history = list(norm)
                 return self._answer([], "length", request, chain)
-            delta = self.renderer.delta_ids(new, tools)
+            delta = await _ids(self.renderer.delta_ids, new, tools)
             end = self.renderer.turn_end_ids
             if chain.completion_ids and chain.completion_ids[-len(end) :] != end:
                 delta = list(end) + delta  # the turn was cut (length): closed as the template closes it
@@ -220,7 +224,7 @@ class AgentSession:
             chain.append(delta, 0)
             self._messages.extend(dict(m) for m in new)
         else:
-            prompt = self.renderer.prompt_ids(messages, tools)
+            prompt = await _ids(self.renderer.prompt_ids, messages, tools)
             self._check_length(len(prompt))
             chain = Trajectory(prompt_ids=prompt, group=self.group,
                                entropies=[] if self.params.logprobs else None)  # fmt: skip
@@ -343,7 +347,8 @@ class AgentSession:
             chain.num_calls += len(calls)
         finish = "tool_calls" if calls else ("length" if reason == "length" else "stop")
         self._history.append(normalise(message))
-        self._messages.append(message)
+        if ids:  # an empty answer (the budget spent) holds no token of the row: no turn of it (`group_tree.turn_ends`)
+            self._messages.append(message)
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
         if request.get("logprobs") and logprobs is not None:
             choice["logprobs"] = {"content": [
@@ -383,6 +388,17 @@ class Replay:
     calls: list[dict]
     branch_call: int
     cut: int
+
+
+async def _ids(render: Callable[[list[dict], list | None], list[int]], messages: list[dict],
+               tools: list | None) -> list[int]:  # fmt: skip
+    """`render(messages, tools)`: inline for short messages (a thread hop costs more than they do), on a worker thread
+    once their text is over `OFF_LOOP_CHARS`, so the event loop keeps answering the other runs meanwhile."""
+    size = sum(len(_text(m.get("content"))) + sum(len(str((c.get("function") or {}).get("arguments") or ""))
+                                                  for c in m.get("tool_calls") or ()) for m in messages)  # fmt: skip
+    if size <= OFF_LOOP_CHARS:
+        return render(messages, tools)
+    return await asyncio.to_thread(render, messages, tools)
 
 
 def _call_id(k: int, j: int, ids: list[int]) -> str:

@@ -33,7 +33,7 @@ import dataclasses
 import json
 from typing import Any
 
-from appo_trl.rollout.text import neutralise_special_strings
+from appo_trl.rollout.text import body_problem, neutralise_special_strings, plain_text
 
 _NAME = "tool_name_5f1c0e7a"
 _KEY = "tool_key_9b2d4c1e"
@@ -186,8 +186,13 @@ class ChatToolFormat:
         body = turn_text[start + len(self.open) : end].strip()
         try:
             obj = json.loads(body)
-        except json.JSONDecodeError as exc:
-            return ParsedCall("unknown", None, f"the tool call is not valid JSON: {exc}", body)
+        except RecursionError:  # the model's own text: answered as a malformed call, never raised out of the round
+            return ParsedCall("unknown", None, "the tool call nests too deep to parse", body)
+        except ValueError as exc:  # JSONDecodeError; an integer of over 4300 digits
+            return ParsedCall("unknown", None, f"the tool call is not valid JSON: {str(exc).splitlines()[0]}", body)
+        problem = body_problem(obj)
+        if problem is not None:  # too deep to render, or a lone surrogate escape no tokenizer takes
+            return ParsedCall("unknown", None, f"the tool call cannot be used: {problem}", body)
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             return ParsedCall(
                 "unknown", None, 'the tool call must be a JSON object {"name": ..., "arguments": {...}}', body
@@ -196,8 +201,14 @@ class ChatToolFormat:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as exc:
-                return ParsedCall(obj["name"], None, f"the arguments are not valid JSON: {exc}", body)
+            except RecursionError:
+                return ParsedCall(obj["name"], None, "the arguments nest too deep to parse", body)
+            except ValueError as exc:
+                return ParsedCall(obj["name"], None, f"the arguments are not valid JSON: {str(exc).splitlines()[0]}",
+                                  body)  # fmt: skip
+            problem = body_problem(args)
+            if problem is not None:
+                return ParsedCall(obj["name"], None, f"the arguments cannot be used: {problem}", body)
         if not isinstance(args, dict):
             return ParsedCall(obj["name"], None, "the arguments must be a JSON object", body)
         return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False), None, body)
@@ -223,7 +234,8 @@ class ChatToolFormat:
         parts = self._template_parts(tuple(names))
 
         def enc(s: str) -> list[int]:
-            return self.tokenizer(s, add_special_tokens=False, split_special_tokens=True)["input_ids"] if s else []
+            return self.tokenizer(plain_text(s), add_special_tokens=False, split_special_tokens=True)["input_ids"] \
+                if s else []  # fmt: skip
 
         pieces = []
         for i, text in enumerate(texts):

@@ -1,6 +1,8 @@
 """Token-level text helpers shared by the backends and the engine: stop-string matching on sampled pieces,
 truncated top-k entropy, tool-call extraction and neutralising tool output (`neutralise_result`: protocol tags
-and special-token strings in a result are escaped before it is spliced into the trajectory).
+and special-token strings in a result are escaped before it is spliced into the trajectory; `plain_text`: lone
+surrogates, which no tokenizer takes, made U+FFFD), and `body_problem` (parsed JSON nested too deep or holding a lone
+surrogate: agent requests and the model's own tool calls).
 
 Stop strings are matched on decoded text, the way vLLM does it: a segment ends with the token whose text
 completes the stop string, and that token is kept whole even when it carries text after the stop string
@@ -11,6 +13,9 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
+
+MAX_DEPTH = 64  # containers inside containers: OpenAI's own bodies and any tool call's arguments are far shallower
 
 
 class PieceDecoder:
@@ -86,6 +91,41 @@ def extract_call(text: str, tag: str) -> str | None:
     if start < 0:
         return None
     return text[start + len(tag) + 2 : end].strip()
+
+
+def body_problem(value: Any) -> str | None:
+    """Where `value` (parsed JSON) nests over `MAX_DEPTH` deep or holds a string that is not valid Unicode (a lone
+    surrogate, which the tokenizer would refuse with a bare TypeError), as `path: problem`; None when neither.
+    Iterative, so a deep body never reaches Python's recursion limit here."""
+    stack: list[tuple[Any, tuple, int]] = [(value, (), 0)]
+    while stack:
+        v, at, depth = stack.pop()
+        where = ".".join(map(str, at)) or "body"
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    return f"{where}: holds a lone surrogate ({v[exc.start]!r} at character {exc.start}), not text"
+        elif isinstance(v, (dict, list)):
+            if depth >= MAX_DEPTH:
+                return f"{where}: nested over {MAX_DEPTH} levels deep, more than is taken"
+            for k, item in v.items() if isinstance(v, dict) else enumerate(v):
+                stack.append((item, (*at, k), depth + 1))
+                if isinstance(k, str) and not k.isascii():
+                    stack.append((k, (*at, "<key>"), depth + 1))
+    return None
+
+
+def plain_text(text: str) -> str:
+    """`text` with each lone surrogate (which no tokenizer takes) as U+FFFD; `text` itself when it has none."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return re.sub("[\ud800-\udfff]", "\ufffd", text)
+    return text
 
 
 def neutralise_special_strings(text: str, tokenizer) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-from appo_trl.rollout.text import extract_call, neutralise_result, neutralise_special_strings
+from appo_trl.rollout.text import extract_call, neutralise_result, neutralise_special_strings, plain_text
 from appo_trl.rollout.types import ToolCallRecord, Trajectory
 from appo_trl.tools.base import ToolResult
 from appo_trl.tools.callables import trl_error_text
@@ -26,7 +26,8 @@ class ToolTurns:
         """Token ids of the result block (tag format): no BOS, special-token strings in `text` stay plain text."""
 
         def enc(s: str) -> list[int]:
-            return self.tokenizer(s, add_special_tokens=False, split_special_tokens=True)["input_ids"] if s else []
+            return self.tokenizer(plain_text(s), add_special_tokens=False, split_special_tokens=True)["input_ids"] \
+                if s else []  # fmt: skip
 
         ids = enc(self._tmpl_pre + text + self._tmpl_post)
         if self._special_ids.intersection(ids):  # a tokenizer that ignores split_special_tokens

@@ -22,8 +22,9 @@ more line. The launcher then exits with its ranks.
 
 A vLLM server or router that fails mid-run (`VLLMServerError`, `WeightSyncError`, `RouterError`, or an error
 caused by one), and the user's agent stopping the run (`AgentError`: `agent_errors: raise`, a taken `agent_port`,
-every run failing round after round) end the stage the same way: one line with the error and the checkpoint kept,
-exit code 1 (`--debug` shows the traceback).
+every run failing round after round), a reward function that returned no reward (`RewardFunctionError`) and
+training that trains nothing (`GradNormError`: grad norms not finite) end the stage the same way: one line with the
+error and the checkpoint kept, exit code 1 (`--debug` shows the traceback).
 
 What this does not do: save a checkpoint on SIGTERM (transformers' `enable_jit_checkpoint` does, in the
 trainer), or interrupt a main thread blocked in a C call before that call returns.
@@ -200,11 +201,13 @@ def stop_message(prog: str, signum: int, output_dir: str | None, parent_gone: in
 def ending_errors() -> tuple[type[BaseException], ...]:
     """The errors that end a stage with one line and exit code 1 (module docstring): a vLLM server or router that
     failed mid-run, and the user's agent stopping the run (`agent_errors: raise`, or every run failing for
-    `max_failed_agent_rounds` rounds in a row)."""
+    `max_failed_agent_rounds` rounds in a row), a reward function's broken output and grad norms that are not finite."""
     from appo_trl.trainer.agents import AgentError
+    from appo_trl.trainer.grad_norms import GradNormError
+    from appo_trl.trainer.reward_checks import RewardFunctionError
     from appo_trl.vllm import RouterError, VLLMServerError, WeightSyncError
 
-    return (VLLMServerError, WeightSyncError, RouterError, AgentError)
+    return (VLLMServerError, WeightSyncError, RouterError, AgentError, RewardFunctionError, GradNormError)
 
 
 def ending_error(exc: BaseException) -> BaseException | None:

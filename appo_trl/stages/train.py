@@ -97,6 +97,7 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
     from appo_trl.rewards import get_reward_func
     from appo_trl.stages.logs import setup_logging
     from appo_trl.trainer.checkpoints import resolve_resume_checkpoint, save_final_model
+    from appo_trl.trainer.resume_kind import check_resume_kind
     from appo_trl.trainer.trainer import APPOTrainer
 
     prepare_trackers(training_args)  # a missing tracker package fails here; wandb offline without an account
@@ -106,6 +107,8 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
     preflight.check_output_dir(training_args.output_dir)  # read-only or missing parent: one line, before the model
     preflight.check_rollouts_dir(training_args.output_dir, getattr(training_args, "dump_rollouts", 0))
     preflight.check_agent_port(training_args)  # a taken agent_port: one line, before the model
+    checkpoint = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
+    check_resume_kind(checkpoint, peft_config)  # a LoRA checkpoint into a full run (or back): one line, before the model
     try:
         reward_funcs = [get_reward_func(name) for name in script_args.reward_funcs]
     except ValueError as exc:
@@ -157,7 +160,6 @@ def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> A
         getattr(training_args, "rollout_strategy", "grpo"),
     )
     logger.info(weight_sync_line(training_args, trainer.vllm_server, peft_config is not None))
-    checkpoint = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     if checkpoint is None:  # a SIGTERM line must not name another run's checkpoint
         from appo_trl.stages.interrupts import note_fresh_start
 

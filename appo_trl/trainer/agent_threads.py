@@ -71,6 +71,9 @@ class AgentRun:
         try:
             out = (True, asyncio.run(self._run_async()) if self.is_async else self.fn())
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting runner
+            if not isinstance(exc, (Exception, asyncio.CancelledError)):  # sys.exit() in the agent: its run's error,
+                what = f"sys.exit({exc.code!r})" if isinstance(exc, SystemExit) else type(exc).__name__  # never a
+                exc = RuntimeError(f"the agent raised {what}")  # SystemExit that stops the runner's loop (a hang)
             out = (False, exc)
         if self._loop is not None:  # the block that ended the run counts too
             self._max_gap = max(self._max_gap, time.monotonic() - self._last_beat - HEARTBEAT_S)

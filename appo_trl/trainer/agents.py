@@ -396,10 +396,14 @@ class AgentEngine:
             except ValueError as exc:
                 value, error = None, str(exc)
                 self.rounds._fault(error)
-        if row is None and error is None:
-            raise ValueError(
-                f"agent {self.rounds.name} returned without calling its base_url: an agent must send its chat "
-                "requests to the `base_url` it is given (openai.OpenAI(base_url=base_url, api_key='-'))"
+        if row is None and error is None and session.refusals:  # it called, and caught every refusal: a failed run
+            error = (f"the endpoint refused all {len(session.refusals)} of its requests, so it has no row (the "
+                     f"first: {session.refusals[0][:200]})")  # fmt: skip
+            self.rounds._fault(error)
+        elif row is None and error is None:
+            raise AgentError(
+                f"agent {self.rounds.name} returned without sending a single request to the base_url it was given: "
+                "an agent must send its chat requests there (openai.OpenAI(base_url=base_url, api_key='-'))"
             )
         if row is None:  # failed before its first answer: one masked token (no entropy), reward 0
             eos = self.rounds.trainer._tokenizer.eos_token_id

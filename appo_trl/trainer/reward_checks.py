@@ -8,8 +8,8 @@
   reward per assistant turn; `checked_reward_func(..., turns=record)` hands each list to `record(name, index,
   values)` and gives TRL their sum (the completion's return), so TRL's logs and statistics see one number per row.
   Where they land: `appo_trl.trainer.turn_rewards`. Without the tree estimator a list is refused, naming the setting.
-  A list holding a reward that is not finite (or over `REWARD_LIMIT`, its sum included) is not recorded: the
-  completion's reward is None, as below.
+  A list holding a reward that is not finite (NaN included, or over `REWARD_LIMIT`, its sum included) is not
+  recorded: the completion's reward is None, as below; a list holding anything but numbers is refused.
 - A reward that is not finite (inf, -inf, NaN) or beyond `REWARD_LIMIT` in size (1e308: the float32 group mean and
   std TRL computes overflow, and the whole group's gradient is dropped) is handled like None (TRL's NaN: this
   function does not score that completion), with one warning per function naming it (`finite_rewards`; the user's
@@ -47,8 +47,9 @@ def _is_reward(value: Any) -> bool:
     return value is None or isinstance(value, numbers.Number) or getattr(value, "ndim", None) == 0
 
 
-def check_rewards(name: str, output: Any) -> None:
-    """Raise `RewardFunctionError` naming `name` unless `output` is a list of numbers / None."""
+def check_rewards(name: str, output: Any, turns: bool = False) -> None:
+    """Raise `RewardFunctionError` naming `name` unless `output` is a list of numbers / None (`turns`: per-turn
+    lists are on, and were taken out already; what is left is not one)."""
     if isinstance(output, (str, bytes)) or not isinstance(output, Sequence) and not hasattr(output, "tolist"):
         raise RewardFunctionError(
             f"reward function {name!r} returned {type(output).__name__} {_short(output)}; it must return a list "
@@ -56,11 +57,11 @@ def check_rewards(name: str, output: Any) -> None:
         )
     for i, value in enumerate(output):
         if not _is_reward(value):
-            hint = (
-                " (a list per completion is per-turn rewards: set advantage_estimator=tree)"
-                if _is_turns(value)
-                else ""
-            )
+            hint = ""
+            if _is_turns(value):
+                hint = (" (per-turn rewards are a Python list of per-completion lists; a 2-d array is not read as "
+                        "turns: return .tolist() for per-turn rewards, or a flat array for one per completion)"
+                        if turns else " (a list per completion is per-turn rewards: set advantage_estimator=tree)")
             raise RewardFunctionError(
                 f"reward function {name!r} returned {type(value).__name__} {_short(value)} for completion {i}; "
                 f"a reward must be a number (or None to skip it){hint}"
@@ -80,14 +81,14 @@ def take_turn_rewards(name: str, output: Any, record: Callable) -> Any:
         if not _is_turns(value):
             continue
         turns = list(value.tolist() if hasattr(value, "tolist") else value)
-        if not all(isinstance(x, numbers.Number) and x == x for x in turns):  # no None / NaN / text inside
+        if not all(isinstance(x, numbers.Number) for x in turns):  # no None / text / lists inside (NaN: below)
             raise RewardFunctionError(
                 f"reward function {name!r} returned per-turn rewards {_short(value)} for completion {i}; each turn's "
                 "reward must be a number"
             )
         total = float(sum(turns))
         bad = next((float(x) for x in turns if not usable_reward(x)), None if usable_reward(total) else total)
-        if bad is not None:  # inf / over REWARD_LIMIT: the completion's reward is None (`finite_rewards` warns once)
+        if bad is not None:  # NaN / inf / over REWARD_LIMIT: the completion's reward is None (`finite_rewards` warns)
             out[i] = bad
             continue
         record(name, i, [float(x) for x in turns])
@@ -144,7 +145,7 @@ def checked_reward_func(func: Callable, name: str, turns: Callable | None = None
     def check(output):
         if turns is not None:
             output = take_turn_rewards(name, output, turns)
-        check_rewards(name, output)
+        check_rewards(name, output, turns=turns is not None)
         return finite_rewards(name, output, warned)
 
     if is_async_callable(func):

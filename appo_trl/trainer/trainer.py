@@ -18,7 +18,9 @@ from appo_trl.trainer.agents import agent_rewards_override
 from appo_trl.trainer.checkpoints import AtomicCheckpointMixin, read_sampler_state, write_sampler_state
 from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.environments import check_environments
+from appo_trl.trainer.grad_norms import GradNormWatch
 from appo_trl.trainer.loss import compute_policy_loss
+from appo_trl.trainer.resume_kind import check_resume_kind
 from appo_trl.trainer.rounds import RoundRunner
 from appo_trl.trainer.rows import group_permutation, left_pad, pad_rows, permute_rows, split_rows
 from appo_trl.trainer.sampling_paths import Given, SamplingPath, TRLSampler, resolve_path
@@ -200,6 +202,23 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         if self.is_world_process_zero():
             base = get_config_model_id(self.model.config)
             fix_local_base_model(os.path.join(self.args.output_dir, "README.md"), base)
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        """`Trainer._maybe_log_save_evaluate`, after each optimizer step's grad norm is checked (`grad_norms`)."""
+        if getattr(self, "_grad_norms", None) is None:
+            self._grad_norms = GradNormWatch(self.state.max_steps)
+        self._grad_norms.step(grad_norm, self.state.global_step, self.model)
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """`Trainer._load_from_checkpoint`, after the checkpoint's kind is checked against the model's (`resume_kind`:
+        LoRA or full, the adapter's shape), so a mismatch is one line, not a state-dict traceback."""
+        from peft import PeftModel
+
+        policy = self.accelerator.unwrap_model(self.model)
+        config = policy.peft_config.get(policy.active_adapter) if isinstance(policy, PeftModel) else None
+        check_resume_kind(resume_from_checkpoint, config)
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     # ---- checkpoints: the sampler's state (its seeds derive from the round counter) ------------------------------
     def _save_rng_state(self, output_dir: str) -> None:

@@ -11,6 +11,7 @@ sync (the weight sync does).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -41,6 +42,29 @@ class VLLMAbortedError(VLLMServerError):
 
 class WeightSyncError(RuntimeError):
     """The vLLM server did not take the new weights (unreachable, not in dev mode, or answering an error)."""
+
+
+class SyncDiskFullError(WeightSyncError):
+    """The weight sync's folder is full: the weights (or the adapter) could not be written for the server."""
+
+
+def raise_if_disk_full(exc: BaseException, folder: str, what: str) -> None:
+    """`SyncDiskFullError`, one line, when `exc` (or its cause) is a full disk (ENOSPC / EDQUOT, or safetensors'
+    `StorageFull`); the caller has removed its unfinished file already. Otherwise nothing."""
+    import errno
+    import shutil
+
+    seen = exc
+    while seen is not None:
+        full = isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT)
+        if full or "No space left on device" in str(seen) or "StorageFull" in str(seen):
+            free = shutil.disk_usage(folder).free // 2**20 if os.path.isdir(folder) else 0
+            raise SyncDiskFullError(
+                f"writing {what} to {folder} for the vLLM server failed: No space left on device ({free} MiB free "
+                "after removing the unfinished save); free some space there (vllm_weight_sync_dir), then resume "
+                "with --resume_from_checkpoint true"
+            ) from exc
+        seen = seen.__cause__ or seen.__context__
 
 
 class ServerNotReadyError(WeightSyncError):

@@ -21,7 +21,7 @@ import uuid
 import warnings
 from collections import Counter
 
-from appo_trl.vllm.client import WeightSyncError
+from appo_trl.vllm.client import WeightSyncError, raise_if_disk_full
 
 ADAPTER_SYNC = ("auto", "always", "never")
 logger = logging.getLogger(__name__)
@@ -144,7 +144,13 @@ class AdapterVersions:
         """Save the active adapter to `sync_dir/name` (every rank: gathers are collectives); its folder."""
         save_lora_adapter, _ = _trl_lora_tools()
         folder = os.path.join(self.sync_dir, name)
-        save_lora_adapter(model, accelerator, model.active_adapters[0], folder)
+        try:
+            save_lora_adapter(model, accelerator, model.active_adapters[0], folder)
+        except BaseException as exc:  # Ctrl-C too: TRL's staging folder (`.<name>.tmp`) never stays behind
+            if accelerator.is_main_process:
+                shutil.rmtree(os.path.join(self.sync_dir, f".{name}.tmp"), ignore_errors=True)
+                raise_if_disk_full(exc, self.sync_dir, f"the LoRA adapter {name}")
+            raise
         if accelerator.is_main_process:
             self.bytes_last = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
         return folder

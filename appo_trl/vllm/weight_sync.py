@@ -17,7 +17,7 @@ from typing import Any
 
 from trl.generation.vllm_generation import VLLMGeneration
 
-from appo_trl.vllm.client import ServerClient, WeightSyncError
+from appo_trl.vllm.client import ServerClient, WeightSyncError, raise_if_disk_full
 from appo_trl.vllm.lora import AdapterVersions, choose_adapter_sync, is_peft, server_infos
 from appo_trl.vllm.nccl import ReplicatedNCCLSync
 from appo_trl.vllm.ranks import broadcast_from_main, several_processes, share_replica_view
@@ -177,7 +177,13 @@ class DiskWeightSync(VLLMGeneration):
         if acc.is_main_process:
             try:
                 tmp = os.path.join(self.sync_dir, "model.safetensors.partial")
-                save_file(tensors, tmp, metadata={"format": "pt"})
+                try:
+                    save_file(tensors, tmp, metadata={"format": "pt"})
+                except BaseException as exc:  # a full disk (or Ctrl-C): no partial file stays behind
+                    with contextlib.suppress(OSError):
+                        os.remove(tmp)
+                    raise_if_disk_full(exc, self.sync_dir, "the weights")
+                    raise
                 os.replace(tmp, os.path.join(self.sync_dir, "model.safetensors"))
                 if self.replicas is None:
                     self.vllm_client.reload_weights(self.sync_dir, wait_s=self.server_wait_s)

@@ -314,7 +314,9 @@ def test_timeouts_and_an_agent_without_requests(tmp_path, tiny_chat_tokenizer, t
     [log] = [h for h in trainer.state.log_history if "reward" in h]
     assert log["agent/timeouts"] == 4.0 and log["reward"] == 0.0
     trainer, _ = make_trainer(tmp_path / "b", tiny_chat_model_path, tiny_chat_tokenizer, silent_agent, max_steps=1)
-    with pytest.raises(ValueError, match="agent 'silent_agent' returned without calling its base_url"):
+    from appo_trl.trainer.agents import AgentError
+
+    with pytest.raises(AgentError, match="agent 'silent_agent' returned without sending a single request"):
         trainer.train()
 
 

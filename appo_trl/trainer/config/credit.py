@@ -42,6 +42,12 @@ def credit_field(name: str, default):
     return field(default=default, metadata=CREDIT_HELP[name])
 
 
+# the advantages are float32 and scale with the weights: a gradient's squared norm overflows float32 (3.4e38) once a
+# token's advantage nears 1.8e19 / sqrt(parameters), 1.8e13 for a 1e12-parameter model; weights up to 1e6 leave the
+# rewards a range of 1e7 below that (larger weights mean nothing but overflow: the clip then zeroes every update)
+MAX_WEIGHT = 1e6
+MIN_WEIGHT = 1.2e-38  # float32's smallest normal number: below it the weights flush to 0 there
+
 DEFAULTS = {"tree_credit_global_weight": 1.0, "tree_credit_local_weight": 1.0, "tree_credit_scale": "sqrt_rows"}
 
 
@@ -61,8 +67,18 @@ def check_credit(cfg, strategy) -> None:
             "no branch, where tree credit is 2·(r − mean), TRL's `scale_rewards: none` doubled."
         )
     w = (cfg.tree_credit_global_weight, cfg.tree_credit_local_weight)
+    for name, x in zip(("tree_credit_global_weight", "tree_credit_local_weight"), w):
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            fail(f"{name}={x!r} must be a number.")
     if not all(math.isfinite(x) and x >= 0 for x in w) or not any(w):
         fail(f"tree_credit weights (global, local) = {w} must be finite, >= 0 and not both 0.")
+    if sum(w) < MIN_WEIGHT:
+        fail(f"tree_credit weights (global, local) = {w} sum to under {MIN_WEIGHT:g}, which is 0 in float32: "
+             "the advantages would all be 0 and nothing would train.")
+    if sum(w) > MAX_WEIGHT:
+        fail(f"tree_credit weights (global, local) = {w} sum to over {MAX_WEIGHT:g}: the float32 advantages would "
+             "overflow the gradient norm and clipping would zero every update (the scale of the advantages does not "
+             "matter to the clipped loss beyond that; scale the rewards instead).")
     if cfg.tree_credit_branch_rows is not None and not strategy.drops_branch_rows:
         fail(f"tree_credit_branch_rows is an appo option; {strategy.name} trains every row already.")
     if strategy.drops_branch_rows and cfg.tree_credit_branch_rows is None:
