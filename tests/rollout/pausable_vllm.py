@@ -1,0 +1,160 @@
+"""A scripted vLLM server with vLLM 0.31's in-flight update routes, for the pause/resume tests on CPU.
+
+`POST /v1/completions` with `stream: true` sends one token per `step_s` as server-sent events (vLLM's chunk
+shape: `token_ids`, `logprobs`, `finish_reason`). The token at absolute position `p` is `100 + p % 50`, so a
+re-fed request continues the same sequence; its logprob is `-(1 + weights) / 10`, where `weights` counts the
+`reload_weights` calls the server has taken when the token is generated: a token's logprob names its version.
+`/pause?mode=keep` freezes every request between two tokens, `abort` ends them (`finish_reason: "abort"`, their
+partial tokens already sent), `wait` lets them finish; new requests wait for `/resume` in every mode. Faults:
+`pause_delay_s` (a pause that hangs), `resume_fails` (the next N `/resume` answer 500), `no_pause_routes` (an
+older vLLM or no dev mode: the routes 404); `kill()` (from `FakeVLLMServer`) is a replica that dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from appo_trl.sampling import SamplingParams, Segment
+from appo_trl.vllm.inflight import PolicyClock
+from appo_trl.vllm.server import VLLMServerBackend
+from bench.fake_vllm import FakeVLLMServer
+
+
+class PausableVLLM(FakeVLLMServer):
+    def __init__(self, *, step_s: float = 0.005, pause_delay_s: float = 0.0, resume_fails: int = 0,
+                 no_pause_routes: bool = False):  # fmt: skip
+        self.step_s, self.pause_delay_s, self.resume_fails = step_s, pause_delay_s, resume_fails
+        self.no_pause_routes = no_pause_routes
+        self.weights = 0
+        self.state = "running"  # "keep" (PAUSED_ALL), "new" (PAUSED_NEW: abort and wait)
+        self.running: dict[int, dict] = {}  # request number -> {"aborted": bool}
+        self.prompts: list[list[int]] = []
+        self.salts: list[str | None] = []
+        self.calls: list[str] = []
+        super().__init__(None)
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            return JSONResponse({})
+
+        @app.get("/v1/models")
+        async def models():
+            return JSONResponse({"data": [{"id": self.model_name, "max_model_len": 4096}]})
+
+        @app.post("/collective_rpc")
+        async def collective_rpc(request: Request):
+            if (await request.json())["method"] == "reload_weights":
+                self.weights += 1
+            return JSONResponse({"results": [None]})
+
+        @app.post("/pause")
+        async def pause(mode: str = "abort"):
+            if self.no_pause_routes:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            self.calls.append(f"pause:{mode}")
+            await asyncio.sleep(self.pause_delay_s)
+            self.state = "keep" if mode == "keep" else "new"
+            if mode == "abort":
+                for entry in self.running.values():
+                    entry["aborted"] = True
+            while mode == "wait" and self.running:
+                await asyncio.sleep(0.001)
+            return JSONResponse({"status": "paused"})
+
+        @app.post("/resume")
+        async def resume():
+            self.calls.append("resume")
+            if self.resume_fails > 0:
+                self.resume_fails -= 1
+                return JSONResponse({"error": "Failed to resume generation: injected"}, status_code=500)
+            self.state = "running"
+            return JSONResponse({"status": "resumed"})
+
+        @app.get("/is_paused")
+        async def is_paused():
+            if self.no_pause_routes:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            return JSONResponse({"is_paused": self.state != "running"})
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            body = await request.json()
+            self.bodies.append(body)
+            self.prompts.append(list(body["prompt"][0]))
+            self.salts.append(body.get("cache_salt"))
+            return StreamingResponse(self._stream(body), media_type="text/event-stream")
+
+        return app
+
+    def _chunk(self, ids: list[int], logprobs: list[float], finish: str | None) -> str:
+        lp = {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": logprobs, "top_logprobs": None}
+        choice = {"index": 0, "text": "", "token_ids": ids, "logprobs": lp, "finish_reason": finish,
+                  "stop_reason": None}  # fmt: skip
+        return f"data: {json.dumps({'choices': [choice]})}\n\n"
+
+    async def _stream(self, body: dict):
+        n = len(self.bodies)
+        prompt_len, max_tokens = len(body["prompt"][0]), int(body["max_tokens"])
+        while self.state != "running":  # queued until /resume
+            await asyncio.sleep(0.001)
+        self.running[n] = entry = {"aborted": False}
+        try:
+            for i in range(max_tokens):
+                await asyncio.sleep(self.step_s)
+                while self.state == "keep":  # frozen between two decode steps
+                    await asyncio.sleep(0.001)
+                if entry["aborted"]:
+                    yield self._chunk([], [], "abort")
+                    break
+                finish = "length" if i == max_tokens - 1 else None
+                yield self._chunk([100 + (prompt_len + i) % 50], [-(1 + self.weights) / 10], finish)
+            yield "data: [DONE]\n\n"
+        finally:
+            self.running.pop(n, None)
+
+
+class Background:
+    """`backend.generate(prompt, params)` on its own event loop in a thread; `wait_tokens`, then `result`."""
+
+    def __init__(self, backend: VLLMServerBackend, prompt: list[int], params: SamplingParams):
+        self.backend, self.segment, self.error = backend, None, None
+
+        async def go():
+            try:
+                return await backend.generate(prompt, params)
+            finally:
+                await backend.aclose()
+
+        def run():
+            try:
+                self.segment = asyncio.run(go())
+            except BaseException as exc:  # told by `result`
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, name="inflight-request", daemon=True)
+        self.thread.start()
+
+    def wait_tokens(self, clock: PolicyClock, n: int, timeout_s: float = 120.0) -> int:
+        deadline = time.monotonic() + timeout_s
+        while clock.tokens_received < n:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise AssertionError(f"the request ended or stalled after {clock.tokens_received} tokens: {self.error}")
+            time.sleep(0.002)
+        return clock.tokens_received
+
+    def result(self, timeout_s: float = 300.0) -> Segment:
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise AssertionError(f"the request did not finish within {timeout_s:g} s")
+        if self.error is not None:
+            raise self.error
+        return self.segment
