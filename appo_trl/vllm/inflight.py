@@ -159,16 +159,22 @@ class ServerPause:
         backoff_s: delay between two `/resume` attempts.
         settle_s: quiet time (no token arriving) waited for before the clock advances, so every token sampled
             before the pause is stamped with the old version.
+        clear_cache: `/pause`'s `clear_cache`. vLLM 0.31 honours it in every mode: true preempts the running
+            requests and resets the prefix cache, so a kept request recomputes its KV cache under the new weights
+            at `/resume`. None (default): false in `keep` mode (the old weights' KV cache stays, as PipelineRL
+            does; the sampler's per-version cache salt keeps later requests off it), true in the others.
     """
 
     def __init__(self, urls: list[str], *, mode: PauseMode | str = PauseMode.KEEP, clock: PolicyClock | None = None,
-                 timeout_s: float = 60.0, resume_attempts: int = 3, backoff_s: float = 0.5, settle_s: float = 0.05):  # fmt: skip
+                 timeout_s: float = 60.0, resume_attempts: int = 3, backoff_s: float = 0.5, settle_s: float = 0.05,
+                 clear_cache: bool | None = None):  # fmt: skip
         if not urls:
             raise ValueError("ServerPause needs at least one server URL")
         try:
             self.mode = PauseMode(mode)
         except ValueError:
             raise ValueError(f"pause mode {mode!r}: expected one of {[m.value for m in PauseMode]}") from None
+        self.clear_cache = self.mode is not PauseMode.KEEP if clear_cache is None else bool(clear_cache)
         self.urls = [u.rstrip("/") for u in urls]
         self.clock, self.timeout_s, self.settle_s = clock, timeout_s, settle_s
         self.resume_attempts, self.backoff_s = max(1, resume_attempts), backoff_s
@@ -178,7 +184,8 @@ class ServerPause:
     def _pause(self, url: str) -> None:
         what = f"POST {url}/pause?mode={self.mode.value}"
         try:
-            resp = httpx.post(f"{url}/pause", params={"mode": self.mode.value}, timeout=self.timeout_s)
+            params = {"mode": self.mode.value, "clear_cache": str(self.clear_cache).lower()}
+            resp = httpx.post(f"{url}/pause", params=params, timeout=self.timeout_s)
         except httpx.TimeoutException as exc:
             raise InFlightUpdateError(f"vLLM server {url} did not pause within {self.timeout_s:g} s ({what})") from exc
         except httpx.HTTPError as exc:

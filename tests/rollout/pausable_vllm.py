@@ -37,6 +37,7 @@ class PausableVLLM(FakeVLLMServer):
         self.prompts: list[list[int]] = []
         self.salts: list[str | None] = []
         self.calls: list[str] = []
+        self.clear_cache: bool | None = None  # of the last /pause
         super().__init__(None)
 
     def _build_app(self) -> FastAPI:
@@ -57,10 +58,11 @@ class PausableVLLM(FakeVLLMServer):
             return JSONResponse({"results": [None]})
 
         @app.post("/pause")
-        async def pause(mode: str = "abort"):
+        async def pause(mode: str = "abort", clear_cache: bool = True):
             if self.no_pause_routes:
                 return JSONResponse({"detail": "Not Found"}, status_code=404)
             self.calls.append(f"pause:{mode}")
+            self.clear_cache = clear_cache
             await asyncio.sleep(self.pause_delay_s)
             self.state = "keep" if mode == "keep" else "new"
             if mode == "abort":

@@ -59,7 +59,7 @@ def test_keep_mode_splits_the_completion_where_the_update_happened():
     assert seg.token_ids == expected_ids(60) and seg.finish_reason == "length"
     assert seg.logprobs == [-0.1] * b + [-0.2] * rest  # every token under the weights it was generated with
     assert backend.num_requests == 1 and backend.num_aborts == 0 and clock.version == 1
-    assert server.calls == ["pause:keep", "resume"]
+    assert server.calls == ["pause:keep", "resume"] and server.clear_cache is False  # the KV cache stays
 
 
 def test_abort_mode_refeeds_the_partial_tokens_and_stitches_one_completion():
@@ -69,7 +69,7 @@ def test_abort_mode_refeeds_the_partial_tokens_and_stitches_one_completion():
     (v0, b), (v1, rest) = seg.version_runs
     assert (v0, v1) == (0, 1) and b + rest == 60
     assert seg.token_ids == expected_ids(60) and seg.logprobs == [-0.1] * b + [-0.2] * rest
-    assert backend.num_aborts == 1 and backend.num_requests == 2
+    assert backend.num_aborts == 1 and backend.num_requests == 2 and server.clear_cache is True
     assert second["prompt"] == [PROMPT + seg.token_ids[:b]] and second["max_tokens"] == 60 - b
     assert second["seed"] == first["seed"] + b  # the re-feed does not reuse the draws of the first b tokens
     # the prefix cache is keyed by version: the re-feed recomputes the prompt's KV under the new weights
