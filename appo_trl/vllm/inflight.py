@@ -90,7 +90,9 @@ def pause_capability(urls: list[str], timeout_s: float = 10.0) -> bool:
         try:
             resp = httpx.get(f"{url}/is_paused", timeout=timeout_s)
         except httpx.HTTPError as exc:
-            raise InFlightUpdateError(f"vLLM server {url} unreachable at GET /is_paused: {type(exc).__name__}: {exc}") from exc
+            raise InFlightUpdateError(
+                f"vLLM server {url} unreachable at GET /is_paused: {type(exc).__name__}: {exc}"
+            ) from exc
         if resp.status_code != 200 or not isinstance(_json(resp).get("is_paused"), bool):
             missing.append(url)
     if missing:
@@ -191,9 +193,13 @@ class ServerPause:
         except httpx.HTTPError as exc:
             raise InFlightUpdateError(f"vLLM server {url} unreachable at {what}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code == 404:
-            raise InFlightUpdateError(f"vLLM server {url} has no /pause: start it with VLLM_SERVER_DEV_MODE=1 (vLLM 0.31)")
+            raise InFlightUpdateError(
+                f"vLLM server {url} has no /pause: start it with VLLM_SERVER_DEV_MODE=1 (vLLM 0.31)"
+            )
         if resp.status_code != 200:
-            raise InFlightUpdateError(f"vLLM server {url} answered HTTP {resp.status_code} to {what}: {server_message(resp)}")
+            raise InFlightUpdateError(
+                f"vLLM server {url} answered HTTP {resp.status_code} to {what}: {server_message(resp)}"
+            )
 
     def _resume(self, url: str) -> str | None:
         """Resume `url`; None when it is running again, else the reason it is not."""

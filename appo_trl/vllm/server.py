@@ -54,7 +54,9 @@ def segment_from_vllm(ids, logprobs, top, reason, stop_reason) -> Segment | None
     return None
 
 
-def choice_tokens(choice: dict[str, Any], want_top: bool) -> tuple[list[int], list[float], list[dict[int, float]] | None]:
+def choice_tokens(
+    choice: dict[str, Any], want_top: bool
+) -> tuple[list[int], list[float], list[dict[int, float]] | None]:
     """The token ids, their logprobs and top logprobs (None unless `want_top`) of one `/v1/completions` choice of
     vLLM 0.31 (`return_token_ids=true`), whole or one streamed chunk."""
     ids = [int(t) for t in choice.get("token_ids") or []]
@@ -79,7 +81,9 @@ def choice_tokens(choice: dict[str, Any], want_top: bool) -> tuple[list[int], li
 def parse_choice(choice: dict[str, Any], want_top: bool) -> Segment:
     """Build a `Segment` from one `/v1/completions` choice of vLLM 0.31 (`return_token_ids=true`)."""
     if "token_ids" not in choice:
-        raise VLLMServerError("the server's completion has no token_ids: it ignores return_token_ids (vLLM 0.31 has it)")
+        raise VLLMServerError(
+            "the server's completion has no token_ids: it ignores return_token_ids (vLLM 0.31 has it)"
+        )
     ids, logprobs, top = choice_tokens(choice, want_top)
     reason = choice.get("finish_reason")
     segment = segment_from_vllm(ids, logprobs, top, reason, choice.get("stop_reason"))

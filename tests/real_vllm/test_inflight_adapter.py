@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
-import torch
 from inflight import TOL, Background, kept_cache_logps, plain_logps, worst
 from test_lora_sync import lora_server, monkeypatch_module, peft_model, train_step  # noqa: F401  (fixtures)
 
@@ -48,18 +46,23 @@ def test_keep_mode_with_an_adapter_loaded_in_place(lora_server, tiny_model_path,
         prompt = tiny_tokenizer("What is 17 plus 25? " * 24, add_special_tokens=False)["input_ids"]
         clock = PolicyClock(1)
         backend = VLLMServerBackend(lora_server.url, model=NAME, clock=clock, extra_body={"ignore_eos": True})
-        request = Background(backend, prompt, SamplingParams(max_tokens=300, temperature=1.0, seed=5))
+        request = Background(backend, prompt, SamplingParams(max_tokens=800, temperature=1.0, seed=5))
         request.wait_tokens(clock, 40)
-        with ServerPause([lora_server.url], mode="keep", clock=clock).paused(version=2):
+        pause = ServerPause([lora_server.url], mode="keep", clock=clock)
+        with pause.paused(version=2):
+            at_pause = clock.tokens_received
             client.load_lora_adapter(NAME, folder, inplace=True)
+            at_load = clock.tokens_received
         seg = request.result()
+        print(f"adapter keep: runs {seg.version_runs}, {at_pause} tokens received when /pause answered, {at_load} "
+              f"after the load, paused {pause.pause_s_last:.2f} s")  # fmt: skip
         (v0, b), (v1, rest) = seg.version_runs
-        assert (v0, v1) == (1, 2) and b + rest == 300
+        assert (v0, v1) == (1, 2) and b + rest == 800
         ids = seg.token_ids
         before = worst(seg.logprobs[:b], plain_logps(old, prompt, ids[:b]))
         after = worst(seg.logprobs[b:], kept_cache_logps(old, new, prompt, ids, b))
         fresh = worst(seg.logprobs[b:], plain_logps(new, prompt, ids)[b:])
-        print(f"adapter keep: runs {seg.version_runs}; max |server - trainer| logp before {before:.2e}, after "
+        print(f"adapter keep: max |server - trainer| logp before {before:.2e}, after "
               f"{after:.2e} (a fresh forward: {fresh:.2e})")  # fmt: skip
         assert before < TOL and after < TOL and fresh > 10 * TOL
 

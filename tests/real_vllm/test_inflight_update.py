@@ -21,7 +21,7 @@ from appo_trl.vllm.client import ServerClient
 from appo_trl.vllm.inflight import PolicyClock, ServerPause, pause_capability
 from appo_trl.vllm.server import VLLMServerBackend
 
-MAX_TOKENS = 300
+MAX_TOKENS = 800
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +58,10 @@ def sample_across_an_update(url, prompt, mode, folder, seed, clear_cache=None):
         at_pause = clock.tokens_received
         ServerClient(url).reload_weights(folder)
     seg = request.result()
-    print(f"{mode}: {len(seg.token_ids)} tokens, runs {seg.version_runs}, {at_pause} received when /pause "
-          f"answered, paused {pause.pause_s_last:.2f} s, aborts {backend.num_aborts}")
+    print(
+        f"{mode}: {len(seg.token_ids)} tokens, runs {seg.version_runs}, {at_pause} received when /pause "
+        f"answered, paused {pause.pause_s_last:.2f} s, aborts {backend.num_aborts}"
+    )
     assert seg.finish_reason == "length" and len(seg.token_ids) == MAX_TOKENS
     (v0, boundary), (v1, rest) = seg.version_runs
     assert (v0, v1) == (0, 1) and boundary >= at_pause and rest == MAX_TOKENS - boundary

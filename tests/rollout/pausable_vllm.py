@@ -149,11 +149,13 @@ class Background:
         deadline = time.monotonic() + timeout_s
         while clock.tokens_received < n:
             if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise AssertionError(f"the request ended or stalled after {clock.tokens_received} tokens: {self.error}")
+                raise AssertionError(
+                    f"the request ended or stalled after {clock.tokens_received} tokens: {self.error}"
+                )
             time.sleep(0.002)
         return clock.tokens_received
 
-    def result(self, timeout_s: float = 300.0) -> Segment:
+    def result(self, timeout_s: float = 120.0) -> Segment:
         self.thread.join(timeout_s)
         if self.thread.is_alive():
             raise AssertionError(f"the request did not finish within {timeout_s:g} s")
