@@ -104,6 +104,7 @@ class _Streamed:
     version_runs: list[tuple[int, int]]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    chunks: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (tokens, text) per streamed chunk
 
     def extend(self, part: _Streamed) -> None:
         self.token_ids += part.token_ids
@@ -112,6 +113,28 @@ class _Streamed:
             self.top_logprobs += part.top_logprobs
         for version, n in part.version_runs:
             add_version_run(self.version_runs, version, n)
+        self.chunks += part.chunks
+
+    def drop_open_stop(self, stops: list[str]) -> int:
+        """Drop the last chunks whose text may begin a stop string, and return how many tokens went. vLLM looks for
+        stop strings in one request's own text, so a re-fed request would never see one that began before it."""
+        text = "".join(t for _, t in self.chunks)
+        open_chars = max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+        dropped = dropped_chars = 0
+        while dropped_chars < open_chars and self.chunks:
+            n, piece = self.chunks.pop()
+            dropped, dropped_chars = dropped + n, dropped_chars + len(piece)
+        if dropped:
+            keep = len(self.token_ids) - dropped
+            del self.token_ids[keep:], self.logprobs[keep:]
+            if self.top_logprobs is not None:
+                del self.top_logprobs[keep:]
+            runs, self.version_runs = self.version_runs, []
+            for version, n in runs:
+                add_version_run(
+                    self.version_runs, version, max(0, min(n, keep - sum(m for _, m in self.version_runs)))
+                )
+        return dropped
 
 
 class VLLMServerBackend:
@@ -348,6 +371,7 @@ class VLLMServerBackend:
                 out.logprobs += logprobs
                 if out.top_logprobs is not None:
                     out.top_logprobs += top
+                out.chunks.append((len(ids), choice.get("text") or ""))
                 if choice.get("finish_reason") is not None:
                     out.finish_reason, out.stop_reason = choice["finish_reason"], choice.get("stop_reason")
                 self.clock.touch(len(ids))
@@ -386,6 +410,7 @@ class VLLMServerBackend:
                 return dataclasses.replace(seg, latency_s=time.perf_counter() - start, version_runs=done.version_runs)
             self.num_aborts += 1
             idle = 0 if part.token_ids else idle + 1
+            done.drop_open_stop(params.stop)
             if idle > self.max_retries:
                 raise VLLMAbortedError(
                     f"vLLM server {self.base_url} aborted the request {idle} times in a row without a new token; "

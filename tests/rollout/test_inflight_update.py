@@ -76,6 +76,18 @@ def test_abort_mode_refeeds_the_partial_tokens_and_stitches_one_completion():
     assert first["cache_salt"].endswith("-v0") and second["cache_salt"].endswith("-v1")
 
 
+@pytest.mark.parametrize("abort_after", [9, 8])
+def test_an_abort_inside_a_stop_string_refeeds_its_beginning(abort_after):
+    """The stop string "bcd" completes at token 10 (texts "defghijabcd..."). Aborted after 9 tokens ("...ab"), the
+    re-fed request would see only "cd" of it; the sampler re-feeds from before the "b", so the stop is found."""
+    with PausableVLLM(abort_first_after=abort_after) as server:
+        backend = VLLMServerBackend(server.url, clock=PolicyClock(0))
+        seg = Background(backend, PROMPT, SamplingParams(max_tokens=40, stop=["bcd"])).result()
+        second = server.bodies[1]
+    assert seg.finish_reason == "stop" and seg.stop_str == "bcd" and seg.token_ids == expected_ids(11)
+    assert len(second["prompt"][0]) == len(PROMPT) + 8 and seg.version_runs == [(0, 11)]
+
+
 def test_wait_mode_finishes_the_running_requests_under_the_old_weights():
     with PausableVLLM() as server:
         seg, backend, clock = across_an_update(server, "wait", n=30)
