@@ -66,8 +66,7 @@ def test_keep_mode_with_an_adapter_loaded_in_place(lora_server, tiny_model_path,
               f"{after:.2e} (a fresh forward: {fresh:.2e})")  # fmt: skip
         assert before < TOL and after < TOL and fresh > 10 * TOL
 
-        k = b // 2
-        backend = VLLMServerBackend(lora_server.url, model=NAME, clock=clock)
+        k = b // 2  # the same sampler: its request before the update put the prefix's blocks in the cache
         branch = Background(backend, prompt + ids[:k], SamplingParams(max_tokens=24, temperature=1.0, seed=7)).result()
         ref = plain_logps(new, prompt + ids[:k], branch.token_ids)
         print(f"adapter branch after the update: max |server - trainer| logp {worst(branch.logprobs, ref):.2e}")

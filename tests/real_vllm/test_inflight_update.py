@@ -65,7 +65,7 @@ def sample_across_an_update(url, prompt, mode, folder, seed, clear_cache=None):
     assert seg.finish_reason == "length" and len(seg.token_ids) == MAX_TOKENS
     (v0, boundary), (v1, rest) = seg.version_runs
     assert (v0, v1) == (0, 1) and boundary >= at_pause and rest == MAX_TOKENS - boundary
-    return seg, boundary, clock
+    return seg, boundary, backend
 
 
 def test_pause_routes_are_detected(vllm_server):
@@ -76,7 +76,7 @@ def test_keep_mode_old_tokens_old_weights_new_tokens_new_weights_over_the_old_ca
     vllm_server, restore_weights, models, prompt
 ):
     old, new, folder = models
-    seg, b, clock = sample_across_an_update(vllm_server.url, prompt, "keep", folder, seed=5)
+    seg, b, backend = sample_across_an_update(vllm_server.url, prompt, "keep", folder, seed=5)
     ids = seg.token_ids
     before = worst(seg.logprobs[:b], plain_logps(old, prompt, ids[:b]))
     after = worst(seg.logprobs[b:], kept_cache_logps(old, new, prompt, ids, b))
@@ -86,8 +86,7 @@ def test_keep_mode_old_tokens_old_weights_new_tokens_new_weights_over_the_old_ca
     assert fresh > 10 * TOL  # the reference that holds is the kept cache's, not a recompute
 
     # a branch after the update, from a prefix whose blocks the server computed under the old weights
-    k = b // 2
-    backend = VLLMServerBackend(vllm_server.url, clock=clock)
+    k = b // 2  # the same sampler: its requests before the update put the prefix's blocks in the cache
     branch = Background(backend, prompt + ids[:k], SamplingParams(max_tokens=24, temperature=1.0, seed=7)).result()
     ref = plain_logps(new, prompt + ids[:k], branch.token_ids)
     print(f"branch after the update: max |server - trainer| logp {worst(branch.logprobs, ref):.2e}")
