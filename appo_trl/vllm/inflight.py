@@ -2,9 +2,10 @@
 
 vLLM 0.31 serves `POST /pause?mode=keep|abort|wait`, `POST /resume` and `GET /is_paused` when started with
 `VLLM_SERVER_DEV_MODE=1` (`vllm/entrypoints/serve/dev/rlhf/api_router.py` in its wheel). `keep` freezes every
-running request with its KV cache (no decode step runs until `/resume`); `abort` ends them with
-`finish_reason: "abort"` and their partial tokens (`VLLMServerBackend` re-feeds those under the new weights);
-`wait` lets them finish first. In every mode new requests queue until `/resume`.
+running request (no decode step runs until `/resume`), with its KV cache when `clear_cache=false` (vLLM's
+default, true, preempts them: their cache is recomputed at `/resume`; `ServerPause` sends false in keep mode);
+`abort` ends them with `finish_reason: "abort"` and their partial tokens (`VLLMServerBackend` re-feeds those
+under the new weights); `wait` lets them finish first. In every mode new requests queue until `/resume`.
 
 `ServerPause.paused(version)` pauses every server it is given (each replica directly: the router has no such
 route), yields for the update, then advances the sampler's `PolicyClock` to `version` and resumes. It always

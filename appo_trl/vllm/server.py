@@ -5,8 +5,9 @@ ids, `logprobs` for the sampled token's logprob (plus top-k when asked), the too
 (`include_stop_str_in_output`); `SamplingParams.session_id` goes out as `X-Session-ID`, so behind vLLM's router
 (`appo_trl.vllm.router`) a tree stays on one replica. Failures (retries, aborts, a restarted server raising
 `VLLMServerRestarted`) are told in docs/architecture.md ("vLLM"). With the adapter-only sync a request names the
-LoRA version of its round (`adapters.request_model()`) instead of the served model. Everything but sampling
-(health, the served length) goes through its `ServerClient`. It does not start servers or sync weights.
+LoRA version of its round (`adapters.request_model()`) instead of the served model. With a `PolicyClock` (in-flight
+weight updates, docs/streaming.md) requests stream and every token keeps its policy version. Everything but
+sampling (health, the served length) goes through its `ServerClient`. It does not start servers or sync weights.
 """
 
 from __future__ import annotations
@@ -159,7 +160,8 @@ class VLLMServerBackend:
             version of the round in flight) instead of the served model; None: the served model.
         clock: the policy version of the weights in flight updates (`ServerPause`) advance: requests stream, each
             token is stamped with the version it arrived under (`Segment.version_runs`), and a request the server
-            aborted is re-fed its prompt plus its partial tokens and stitched into one completion. None: one
+            aborted is re-fed its prompt plus its partial tokens and stitched into one completion; each request
+            carries the version's `cache_salt`, so none reuses prefix-cache blocks of older weights. None: one
             answer per request, an aborted request is sent again whole.
     """
 
@@ -391,8 +393,9 @@ class VLLMServerBackend:
         while True:
             # a re-feed continues the completion: its prompt ends with the partial tokens, its seed moves on (the
             # random draws of the tokens sampled so far are not used again)
-            sub = dataclasses.replace(params, max_tokens=params.max_tokens - len(done.token_ids),
-                                      seed=None if params.seed is None else params.seed + len(done.token_ids))  # fmt: skip
+            n = len(done.token_ids)
+            sub = dataclasses.replace(params, max_tokens=params.max_tokens - n,
+                                      seed=None if params.seed is None else params.seed + n)  # fmt: skip
             while self.clock.held:  # aborted by a pause: re-fed once the servers run the new weights
                 await asyncio.sleep(0.01)
             body = {**self.request_body(list(prompt_ids) + done.token_ids, sub, model), "stream": True,
