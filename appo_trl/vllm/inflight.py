@@ -102,6 +102,17 @@ def pause_capability(urls: list[str], timeout_s: float = 10.0) -> bool:
     return not missing
 
 
+def _gone(url: str) -> bool:
+    """True when the server at `url` refuses a fresh connection (its process is gone)."""
+    try:
+        httpx.get(f"{url}/health", timeout=5.0)
+    except httpx.ConnectError:
+        return True
+    except httpx.HTTPError:
+        return False
+    return False
+
+
 def _json(resp: httpx.Response) -> dict:
     try:
         data = resp.json()
@@ -184,11 +195,11 @@ class ServerPause:
         self.num_pauses = 0
         self.pause_s_last = 0.0  # seconds the servers were paused at the last update (pause to resumed)
 
-    def _pause(self, url: str) -> None:
+    def _pause(self, http: httpx.Client, url: str) -> None:
         what = f"POST {url}/pause?mode={self.mode.value}"
         try:
             params = {"mode": self.mode.value, "clear_cache": str(self.clear_cache).lower()}
-            resp = httpx.post(f"{url}/pause", params=params, timeout=self.timeout_s)
+            resp = http.post(f"{url}/pause", params=params)
         except httpx.TimeoutException as exc:
             raise InFlightUpdateError(f"vLLM server {url} did not pause within {self.timeout_s:g} s ({what})") from exc
         except httpx.HTTPError as exc:
@@ -202,24 +213,24 @@ class ServerPause:
                 f"vLLM server {url} answered HTTP {resp.status_code} to {what}: {server_message(resp)}"
             )
 
-    def _resume(self, url: str) -> str | None:
+    def _resume(self, http: httpx.Client, url: str) -> str | None:
         """Resume `url`; None when it is running again, else the reason it is not."""
-        last, refused = "", False
+        last, transport = "", False
         for attempt in range(self.resume_attempts):
             if attempt:
                 time.sleep(self.backoff_s)
             try:
-                resp = httpx.post(f"{url}/resume", timeout=self.timeout_s)
+                resp = http.post(f"{url}/resume")
                 if resp.status_code == 200:
-                    check = httpx.get(f"{url}/is_paused", timeout=self.timeout_s)
+                    check = http.get(f"{url}/is_paused")
                     if _json(check).get("is_paused") is False:
                         return None
                     last = f"GET /is_paused answered {check.status_code} {check.text[:200]!r} after POST /resume"
                 else:
                     last = f"POST /resume answered HTTP {resp.status_code}: {server_message(resp)}"
             except httpx.HTTPError as exc:
-                last, refused = f"{type(exc).__name__}: {exc}", isinstance(exc, httpx.ConnectError)
-        if refused:
+                last, transport = f"{type(exc).__name__}: {exc}", isinstance(exc, httpx.TransportError)
+        if transport and _gone(url):
             return f"vLLM server {url} died while paused ({last}): its running requests are lost"
         return (f"vLLM server {url} is still paused: {last} ({self.resume_attempts} attempts); it samples nothing "
                 f"until `curl -X POST {url}/resume`")  # fmt: skip
@@ -229,13 +240,13 @@ class ServerPause:
         """Pause every server, yield for the update, advance the clock to `version` (when given) and resume."""
         touched: list[str] = []  # asked to pause (also the one whose pause failed: it may have paused anyway)
         start = time.monotonic()
-        with _SignalGuard() as guard:
+        with _SignalGuard() as guard, httpx.Client(timeout=self.timeout_s) as http:  # one client per update
             try:
                 if self.clock is not None:
                     self.clock.held = True
                 for url in self.urls:
                     touched.append(url)
-                    self._pause(url)
+                    self._pause(http, url)
                 self.num_pauses += 1
                 yield self
                 if self.clock is not None and version is not None:
@@ -243,7 +254,7 @@ class ServerPause:
                     self.clock.advance(version)
             finally:
                 guard.hold()
-                problems = [p for p in map(self._resume, touched) if p is not None]
+                problems = [p for p in (self._resume(http, url) for url in touched) if p is not None]
                 if self.clock is not None:
                     self.clock.held = False
                 self.pause_s_last = time.monotonic() - start
