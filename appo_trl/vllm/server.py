@@ -384,8 +384,6 @@ class VLLMServerBackend:
     async def _generate_streamed(self, prompt_ids: list[int], params: SamplingParams) -> Segment:
         """`generate` under in-flight updates: streamed, every token's version kept, an abort re-fed and stitched."""
         start = time.perf_counter()
-        adapter = self.adapters.request_model() if self.adapters is not None else None
-        model = adapter or await self.model_id()
         headers = {SESSION_HEADER: params.session_id} if params.session_id else None
         want_top = params.logprobs > 0
         done = _Streamed([], [], [] if want_top else None, [])
@@ -398,6 +396,8 @@ class VLLMServerBackend:
                                       seed=None if params.seed is None else params.seed + n)  # fmt: skip
             while self.clock.held:  # aborted by a pause: re-fed once the servers run the new weights
                 await asyncio.sleep(0.01)
+            adapter = self.adapters.request_model() if self.adapters is not None else None  # a re-feed asks again
+            model = adapter or await self.model_id()
             body = {**self.request_body(list(prompt_ids) + done.token_ids, sub, model), "stream": True,
                     "cache_salt": f"{self.salt}-v{self.clock.version}"}  # fmt: skip
             self.num_requests += 1
