@@ -8,7 +8,7 @@ re-fed request continues the same sequence; its logprob is `-(1 + weights) / 10`
 `/pause?mode=keep` freezes every request between two tokens, `abort` ends them (`finish_reason: "abort"`, their
 partial tokens already sent), `wait` lets them finish; new requests wait for `/resume` in every mode. Faults:
 `abort_first_after` (the first request is aborted after that many tokens), `pause_delay_s` (a pause that hangs),
-`resume_fails` (the next N `/resume` answer 500), `no_pause_routes` (an
+`resume_fails` (the next N `/resume` answer 500), `decodes_while_paused` (a broken keep mode), `no_pause_routes` (an
 older vLLM or no dev mode: the routes 404); `kill()` (from `FakeVLLMServer`) is a replica that dies.
 """
 
@@ -27,9 +27,11 @@ TEXT = "abcdefghij"  # the text of the token at absolute position p is TEXT[p % 
 
 class PausableVLLM(FakeVLLMServer):
     def __init__(self, *, step_s: float = 0.005, pause_delay_s: float = 0.0, resume_fails: int = 0,
-                 no_pause_routes: bool = False, abort_first_after: int | None = None):  # fmt: skip
+                 no_pause_routes: bool = False, abort_first_after: int | None = None,
+                 decodes_while_paused: bool = False):  # fmt: skip
         self.step_s, self.pause_delay_s, self.resume_fails = step_s, pause_delay_s, resume_fails
         self.no_pause_routes, self.abort_first_after = no_pause_routes, abort_first_after
+        self.decodes_while_paused = decodes_while_paused
         self.weights = 0
         self.state = "running"  # "keep" (PAUSED_ALL), "new" (PAUSED_NEW: abort and wait)
         self.running: dict[int, dict] = {}  # request number -> {"aborted": bool}
@@ -112,7 +114,7 @@ class PausableVLLM(FakeVLLMServer):
             text = ""  # this request's own output: vLLM matches stop strings there only
             for i in range(max_tokens):
                 await asyncio.sleep(self.step_s)
-                while self.state == "keep":  # frozen between two decode steps
+                while self.state == "keep" and not self.decodes_while_paused:  # frozen between two decode steps
                     await asyncio.sleep(0.001)
                 if entry["aborted"] or (n == 1 and i == self.abort_first_after):
                     yield self._chunk([], [], "abort")

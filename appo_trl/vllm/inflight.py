@@ -77,11 +77,14 @@ class PolicyClock:
         self.last_token_at = time.monotonic()
         self.tokens_received += n_tokens
 
-    def settle(self, quiet_s: float, most_s: float) -> None:
-        """Wait until no token has arrived for `quiet_s` seconds (at most `most_s` seconds)."""
+    def settle(self, quiet_s: float, most_s: float) -> bool:
+        """Wait until no token has arrived for `quiet_s` seconds; False if tokens still arrive after `most_s`."""
         deadline = time.monotonic() + most_s
-        while (wait := self.last_token_at + quiet_s - time.monotonic()) > 0 and time.monotonic() < deadline:
+        while (wait := self.last_token_at + quiet_s - time.monotonic()) > 0:
+            if time.monotonic() > deadline:
+                return False
             time.sleep(min(wait, quiet_s))
+        return True
 
 
 def pause_capability(urls: list[str], timeout_s: float = 10.0) -> bool:
@@ -250,7 +253,13 @@ class ServerPause:
                 self.num_pauses += 1
                 yield self
                 if self.clock is not None and version is not None:
-                    self.clock.settle(self.settle_s, most_s=max(1.0, 20 * self.settle_s))
+                    if not self.clock.settle(
+                        self.settle_s, most_s=self.timeout_s
+                    ):  # a stream far behind is waited for
+                        raise InFlightUpdateError(
+                            f"tokens still arrive {self.timeout_s:g} s into the pause of {', '.join(self.urls)}: a "
+                            "server that decodes while paused, so the tokens' policy versions cannot be told"
+                        )
                     self.clock.advance(version)
             finally:
                 guard.hold()

@@ -137,6 +137,18 @@ def test_a_replica_that_dies_while_paused_is_one_line_and_the_others_resume():
         assert a.state == "running" and a.calls == ["pause:keep", "resume"]
 
 
+def test_a_server_that_decodes_while_paused_is_one_line_not_wrong_versions():
+    with PausableVLLM(decodes_while_paused=True) as server:
+        clock = PolicyClock(0)
+        request = Background(VLLMServerBackend(server.url, clock=clock), PROMPT, SamplingParams(max_tokens=400))
+        request.wait_tokens(clock, 5)
+        with pytest.raises(InFlightUpdateError, match=r"tokens still arrive 0\.3 s into the pause of .*: a server "):
+            with ServerPause([server.url], clock=clock, timeout_s=0.3).paused(version=1):
+                pass
+        assert server.state == "running" and clock.version == 0
+        request.result()
+
+
 def test_a_failed_update_resumes_and_is_raised_as_it_was():
     clock = PolicyClock(0)
     with PausableVLLM() as server:
