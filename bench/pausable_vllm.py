@@ -8,7 +8,8 @@ re-fed request continues the same sequence; its logprob is `-(1 + weights) / 10`
 `/pause?mode=keep` freezes every request between two tokens, `abort` ends them (`finish_reason: "abort"`, their
 partial tokens already sent), `wait` lets them finish; new requests wait for `/resume` in every mode. Faults:
 `abort_first_after` (the first request is aborted after that many tokens), `pause_delay_s` (a pause that hangs),
-`resume_fails` (the next N `/resume` answer 500), `decodes_while_paused` (a broken keep mode), `no_pause_routes` (an
+`resume_fails` (the next N `/resume` answer 500), `decodes_while_paused` (a broken keep mode), `ahead` (the
+engine done at once, its stream behind), `no_pause_routes` (an
 older vLLM or no dev mode: the routes 404); `kill()` (from `FakeVLLMServer`) is a replica that dies.
 """
 
@@ -28,10 +29,10 @@ TEXT = "abcdefghij"  # the text of the token at absolute position p is TEXT[p % 
 class PausableVLLM(FakeVLLMServer):
     def __init__(self, *, step_s: float = 0.005, pause_delay_s: float = 0.0, resume_fails: int = 0,
                  no_pause_routes: bool = False, abort_first_after: int | None = None,
-                 decodes_while_paused: bool = False):  # fmt: skip
+                 decodes_while_paused: bool = False, ahead: bool = False):  # fmt: skip
         self.step_s, self.pause_delay_s, self.resume_fails = step_s, pause_delay_s, resume_fails
         self.no_pause_routes, self.abort_first_after = no_pause_routes, abort_first_after
-        self.decodes_while_paused = decodes_while_paused
+        self.decodes_while_paused, self.ahead = decodes_while_paused, ahead
         self.weights = 0
         self.state = "running"  # "keep" (PAUSED_ALL), "new" (PAUSED_NEW: abort and wait)
         self.running: dict[int, dict] = {}  # request number -> {"aborted": bool}
@@ -112,6 +113,15 @@ class PausableVLLM(FakeVLLMServer):
         self.running[n] = entry = {"aborted": False}
         try:
             text = ""  # this request's own output: vLLM matches stop strings there only
+            if self.ahead:  # the engine finished at once; the stream delivers behind it, whatever the pause does
+                logprob = -(1 + self.weights) / 10
+                for i in range(max_tokens):
+                    await asyncio.sleep(self.step_s)
+                    piece = TEXT[(prompt_len + i) % len(TEXT)]
+                    finish = "length" if i == max_tokens - 1 else None
+                    yield self._chunk([100 + (prompt_len + i) % 50], [logprob], finish, piece)
+                yield "data: [DONE]\n\n"
+                return
             for i in range(max_tokens):
                 await asyncio.sleep(self.step_s)
                 while self.state == "keep" and not self.decodes_while_paused:  # frozen between two decode steps

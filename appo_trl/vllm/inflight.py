@@ -61,6 +61,7 @@ class PolicyClock:
         self.last_token_at = 0.0
         self.tokens_received = 0
         self.held = False
+        self.per_request = False  # set by an abort or wait `ServerPause`: a request's tokens are of one version
 
     @property
     def version(self) -> int:
@@ -193,6 +194,8 @@ class ServerPause:
             raise ValueError(f"pause mode {mode!r}: expected one of {[m.value for m in PauseMode]}") from None
         self.clear_cache = self.mode is not PauseMode.KEEP if clear_cache is None else bool(clear_cache)
         self.urls = [u.rstrip("/") for u in urls]
+        if clock is not None:
+            clock.per_request = self.mode is not PauseMode.KEEP
         self.clock, self.timeout_s, self.settle_s = clock, timeout_s, settle_s
         self.resume_attempts, self.backoff_s = max(1, resume_attempts), backoff_s
         self.num_pauses = 0
@@ -253,7 +256,8 @@ class ServerPause:
                 self.num_pauses += 1
                 yield self
                 if self.clock is not None and version is not None:
-                    if not self.clock.settle(
+                    # keep mode stamps tokens as they arrive: the streams must have caught up with the engine
+                    if not self.clock.per_request and not self.clock.settle(
                         self.settle_s, most_s=self.timeout_s
                     ):  # a stream far behind is waited for
                         raise InFlightUpdateError(

@@ -356,8 +356,11 @@ class VLLMServerBackend:
         )
 
     async def _read_stream(self, resp: httpx.Response, want_top: bool) -> _Streamed:
-        """One streamed completion (server-sent events), each chunk's tokens stamped with the clock's version."""
+        """One streamed completion (server-sent events), each chunk's tokens stamped with the clock's version when
+        it arrives; with `clock.per_request` (abort and wait pauses: no request runs across an update) every token
+        with the version at its first token, so a stream running behind the engine is never split."""
         out = _Streamed([], [], [] if want_top else None, [])
+        first: int | None = None
         async for line in resp.aiter_lines():
             if not line.startswith("data:") or (payload := line[5:].strip()) == "[DONE]":
                 continue
@@ -368,7 +371,10 @@ class VLLMServerBackend:
                 raise VLLMServerError(f"vLLM server {self.base_url} failed a streamed completion: {message}")
             for choice in chunk.get("choices") or []:
                 ids, logprobs, top = choice_tokens(choice, want_top)
-                add_version_run(out.version_runs, self.clock.version, len(ids))
+                if first is None and ids:
+                    first = self.clock.version
+                version = first if self.clock.per_request and first is not None else self.clock.version
+                add_version_run(out.version_runs, version, len(ids))
                 out.token_ids += ids
                 out.logprobs += logprobs
                 if out.top_logprobs is not None:

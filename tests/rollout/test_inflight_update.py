@@ -88,6 +88,22 @@ def test_an_abort_inside_a_stop_string_refeeds_its_beginning(abort_after):
     assert len(second["prompt"][0]) == len(PROMPT) + 8 and seg.version_runs == [(0, 11)]
 
 
+def test_abort_mode_keeps_a_stream_behind_the_engine_in_one_version():
+    """The request finished on the engine before the pause (nothing to abort), its stream still arriving long after
+    the update: every token is of the version its first token arrived under (abort and wait pauses split no
+    request), and the pause does not wait for the stream."""
+    with PausableVLLM(ahead=True, step_s=0.01) as server:
+        clock = PolicyClock(0)
+        backend = VLLMServerBackend(server.url, clock=clock)
+        request = Background(backend, PROMPT, SamplingParams(max_tokens=300, seed=3))
+        request.wait_tokens(clock, 5)
+        with ServerPause([server.url], mode="abort", clock=clock, timeout_s=1.0).paused(version=1):
+            ServerClient(server.url).reload_weights("/new")
+        assert clock.tokens_received < 300  # the update is over, the stream is not
+        seg = request.result()
+    assert seg.version_runs == [(0, 300)] and seg.logprobs == [-0.1] * 300 and backend.num_aborts == 0
+
+
 def test_wait_mode_finishes_the_running_requests_under_the_old_weights():
     with PausableVLLM() as server:
         seg, backend, clock = across_an_update(server, "wait", n=30)
