@@ -3,7 +3,7 @@
 vLLM 0.31 serves `POST /pause?mode=keep|abort|wait`, `POST /resume` and `GET /is_paused` when started with
 `VLLM_SERVER_DEV_MODE=1` (`vllm/entrypoints/serve/dev/rlhf/api_router.py` in its wheel). `keep` freezes every
 running request (no decode step runs until `/resume`), with its KV cache when `clear_cache=false` (vLLM's
-default, true, preempts them: their cache is recomputed at `/resume`; `ServerPause` sends false in keep mode);
+default, true, preempts them: their cache is recomputed at `/resume`; `ServerPause` sends false);
 `abort` ends them with `finish_reason: "abort"` and their partial tokens (`VLLMServerBackend` re-feeds those
 under the new weights); `wait` lets them finish first. In every mode new requests queue until `/resume`.
 
@@ -179,20 +179,21 @@ class ServerPause:
             before the pause is stamped with the old version.
         clear_cache: `/pause`'s `clear_cache`. vLLM 0.31 honours it in every mode: true preempts the running
             requests and resets the prefix cache, so a kept request recomputes its KV cache under the new weights
-            at `/resume`. None (default): false in `keep` mode (the old weights' KV cache stays, as PipelineRL
-            does; the sampler's per-version cache salt keeps later requests off it), true in the others.
+            at `/resume`. Default false in every mode: in `keep` mode the old weights' KV cache stays (as in
+            PipelineRL), and the sampler's per-version cache salt keeps every later request off old blocks; on the
+            loaded test machine a pause with true landed only after 1,500-token requests had finished.
     """
 
     def __init__(self, urls: list[str], *, mode: PauseMode | str = PauseMode.KEEP, clock: PolicyClock | None = None,
                  timeout_s: float = 60.0, resume_attempts: int = 3, backoff_s: float = 0.5, settle_s: float = 0.05,
-                 clear_cache: bool | None = None):  # fmt: skip
+                 clear_cache: bool = False):  # fmt: skip
         if not urls:
             raise ValueError("ServerPause needs at least one server URL")
         try:
             self.mode = PauseMode(mode)
         except ValueError:
             raise ValueError(f"pause mode {mode!r}: expected one of {[m.value for m in PauseMode]}") from None
-        self.clear_cache = self.mode is not PauseMode.KEEP if clear_cache is None else bool(clear_cache)
+        self.clear_cache = bool(clear_cache)
         self.urls = [u.rstrip("/") for u in urls]
         if clock is not None:
             clock.per_request = self.mode is not PauseMode.KEEP

@@ -69,7 +69,7 @@ def test_abort_mode_refeeds_the_partial_tokens_and_stitches_one_completion():
     (v0, b), (v1, rest) = seg.version_runs
     assert (v0, v1) == (0, 1) and b + rest == 60
     assert seg.token_ids == expected_ids(60) and seg.logprobs == [-0.1] * b + [-0.2] * rest
-    assert backend.num_aborts == 1 and backend.num_requests == 2 and server.clear_cache is True
+    assert backend.num_aborts == 1 and backend.num_requests == 2 and server.clear_cache is False
     assert second["prompt"] == [PROMPT + seg.token_ids[:b]] and second["max_tokens"] == 60 - b
     assert second["seed"] == first["seed"] + b  # the re-feed does not reuse the draws of the first b tokens
     # the prefix cache is keyed by version: the re-feed recomputes the prompt's KV under the new weights
