@@ -60,6 +60,9 @@ class Segment:
         finish_reason: `"stop"` (a stop string), `"eos"` (an end-of-sequence token) or `"length"` (`max_tokens`).
         stop_str: the stop string that ended the segment when `finish_reason == "stop"`.
         latency_s: wall time of the request, seconds (metrics only).
+        version_runs: the policy version each token was sampled under, run-length encoded: `(version, n_tokens)`
+            in token order, summing to `len(token_ids)` (a weight update in flight splits a completion in two
+            runs). Empty: the backend does not record versions (every token is of the round's one version).
     """
 
     token_ids: list[int]
@@ -68,12 +71,31 @@ class Segment:
     finish_reason: FinishReason = "length"
     stop_str: str | None = None
     latency_s: float = 0.0
+    version_runs: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"{len(self.token_ids)} token ids but {len(self.logprobs)} logprobs")
         if self.top_logprobs is not None and len(self.top_logprobs) != len(self.token_ids):
             raise ValueError(f"{len(self.token_ids)} token ids but {len(self.top_logprobs)} top_logprobs entries")
+        if self.version_runs and sum(n for _, n in self.version_runs) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} token ids but version_runs {self.version_runs} cover "
+                             f"{sum(n for _, n in self.version_runs)}")  # fmt: skip
+
+
+def add_version_run(runs: list[tuple[int, int]], version: int, n_tokens: int) -> None:
+    """Append `n_tokens` sampled under `version` to the run-length list `runs` (merged into its last run when that
+    is of the same version; `n_tokens` 0 adds nothing)."""
+    if n_tokens < 0:
+        raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
+    if not n_tokens:
+        return
+    if runs and runs[-1][0] == version:
+        runs[-1] = (version, runs[-1][1] + n_tokens)
+    elif runs and version < runs[-1][0]:
+        raise ValueError(f"version {version} after version {runs[-1][0]}: a completion's versions never go back")
+    else:
+        runs.append((version, n_tokens))
 
 
 @runtime_checkable
@@ -113,4 +135,4 @@ def missing_members(obj: object, protocol: type) -> list[str]:
     return [m for m in dict.fromkeys(members) if not hasattr(obj, m)]
 
 
-__all__ = ["Backend", "FinishReason", "Sampler", "SamplingParams", "Segment", "missing_members"]
+__all__ = ["Backend", "FinishReason", "Sampler", "SamplingParams", "Segment", "add_version_run", "missing_members"]

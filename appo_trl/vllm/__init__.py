@@ -17,7 +17,8 @@ Public API::
 - `replicas` (`ReplicaSet`, `ReplicaBackend`), `router` (`VLLMRouter`, `RouterClient`), `spec` (`ServerSpec`);
 - `weight_sync` (`DiskWeightSync`, `ColocateWeightSync`, `weight_sync_factory`) and `nccl` (`ReplicatedNCCLSync`):
   TRL's `VLLMGeneration` subclasses, imported from their modules (they load TRL and torch);
-- `lora` (`AdapterVersions`, `choose_adapter_sync`): the adapter-only sync of a LoRA run, one name per version.
+- `lora` (`AdapterVersions`, `choose_adapter_sync`): the adapter-only sync of a LoRA run, one name per version;
+- `inflight` (`ServerPause`, `PolicyClock`, `pause_capability`): in-flight weight updates (docs/streaming.md).
 """
 
 from appo_trl.vllm.client import (
@@ -30,6 +31,7 @@ from appo_trl.vllm.client import (
     WeightSyncError,
 )
 from appo_trl.vllm.colocate import VLLMColocateBackend, VLLMColocateError
+from appo_trl.vllm.inflight import InFlightUpdateError, PauseMode, PolicyClock, ServerPause, pause_capability
 from appo_trl.vllm.replicas import (
     ReplicaBackend,
     ReplicaRemovalError,
@@ -42,6 +44,9 @@ from appo_trl.vllm.server import VLLMServerBackend
 from appo_trl.vllm.spec import ServerSpec, resolve_servers, server_urls
 
 __all__ = [
+    "InFlightUpdateError",
+    "PauseMode",
+    "PolicyClock",
     "ReplicaBackend",
     "ReplicaRemovalError",
     "ReplicaSet",
@@ -59,7 +64,9 @@ __all__ = [
     "VLLMServerBackend",
     "VLLMServerError",
     "VLLMServerRestarted",
+    "ServerPause",
     "WeightSyncError",
+    "pause_capability",
     "parse_server_urls",
     "resolve_servers",
     "server_urls",

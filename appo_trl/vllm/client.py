@@ -204,11 +204,14 @@ class ServerClient:
         body = {"method": "reload_weights", "kwargs": {"weights_path": weights_path}}
         self.call_waiting(wait_s, "POST", "/collective_rpc", json=body)
 
-    def load_lora_adapter(self, name: str, path: str, wait_s: float = 0.0) -> None:
+    def load_lora_adapter(self, name: str, path: str, wait_s: float = 0.0, *, inplace: bool = False) -> None:
         """`POST /v1/load_lora_adapter`: serve the adapter folder `path` as model `name` (the server needs
-        `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); an unreachable server is waited for `wait_s`."""
+        `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); an unreachable server is waited for `wait_s`.
+        `inplace`: `name` is loaded already and its weights are replaced (`load_inplace`), also under the requests
+        that name it and run now (an in-flight update)."""
+        body = {"lora_name": name, "lora_path": path, **({"load_inplace": True} if inplace else {})}
         try:
-            self.call_waiting(wait_s, "POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+            self.call_waiting(wait_s, "POST", "/v1/load_lora_adapter", json=body)
         except WeightSyncError as exc:
             if "answered 404" in str(exc):
                 raise WeightSyncError(

