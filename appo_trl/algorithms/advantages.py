@@ -147,9 +147,7 @@ def entropy_aware_advantage(
     return adv * factor.to(adv.dtype)
 
 
-def tree_grpo_advantages(
-    rewards, groups, trees, *, combine: str = "sum", eps: float = 1e-6
-) -> torch.Tensor:
+def tree_grpo_advantages(rewards, groups, trees, *, combine: str = "sum", eps: float = 1e-6) -> torch.Tensor:
     """Tree-GRPO's per-row advantage (AMAP-ML/Tree-GRPO, `verl/trainer/ppo`; docs/fidelity.md), (B,).
 
     With z_ids(x)_i = (x_i − mean_{j: id_j = id_i} x_j) / (std_{j: id_j = id_i}(x_j) + ε), the unbiased std, and a
@@ -166,7 +164,7 @@ def tree_grpo_advantages(
     """
     if combine not in TREE_GRPO_COMBINES:
         raise ValueError(f"tree_grpo: combine must be one of {TREE_GRPO_COMBINES}, got {combine!r}")
-    r = (rewards.detach().cpu().double().numpy() if isinstance(rewards, torch.Tensor) else np.asarray(rewards, float))
+    r = rewards.detach().cpu().double().numpy() if isinstance(rewards, torch.Tensor) else np.asarray(rewards, float)
     g, t = np.asarray(groups).reshape(-1), np.asarray(trees).reshape(-1)
     if not r.shape == g.shape == t.shape:
         raise ValueError(f"tree_grpo: {r.size} rewards, {g.size} group ids, {t.size} tree ids")

@@ -170,7 +170,9 @@ def path_from_root_to_node(node):
         child_value = node.accumulated_value / node.terminal_in_subtree
         if node.terminal:
             assert node.terminal_in_subtree == 1
-        path.append({"token_answer": node.answer_token, "value": child_value - parent_value, "state_value": child_value})
+        path.append(
+            {"token_answer": node.answer_token, "value": child_value - parent_value, "state_value": child_value}
+        )
         node = node.parent
     return path[::-1]
 
@@ -192,8 +194,11 @@ def gather_paths(selected):
     return paths
 
 
-def released_values(parents, branch_pos, lengths, rewards, num_traces, seed, correct=None):
+def released_values(parents, branch_pos, lengths, rewards, num_traces, seed, correct=None, selected_rows=None):
     """{row: per-token values} of the selected rows, and the selected rows, for one group of our rows.
+
+    `select_terminal` draws `num_traces` leaves with `random.Random(seed)`; `selected_rows` names them instead (the
+    rows our trainer keeps).
 
     Each row is a `TreeNode` holding its own tokens [b(i), L(i)); a child hangs at split index b(j) − b(p(j)) of
     its parent (b(j) >= b(p(j)): the branches our engine makes). `correct[i]` is the binary score (reward == 1)."""
@@ -212,7 +217,10 @@ def released_values(parents, branch_pos, lengths, rewards, num_traces, seed, cor
             nodes[p].child_nodes.append(nodes[i])
     root, leaves = build(trees)
     leaf_normalize(leaves, root)
-    selected = select_terminal(list(leaves), num_traces, random.Random(seed))
+    if selected_rows is None:
+        selected = select_terminal(list(leaves), num_traces, random.Random(seed))
+    else:
+        selected = [leaf for leaf in leaves if leaf.row in selected_rows]
     for leaf in selected:
         selected_backpropagate(leaf)
     compute_weighted_update(root)

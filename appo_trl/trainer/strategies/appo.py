@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from appo_trl.trainer.rows import pad_rows
-from appo_trl.trainer.strategies.base import RolloutStrategy, RoundBatch, register_strategy
+from appo_trl.trainer.strategies.base import TREE_ESTIMATORS, RolloutStrategy, RoundBatch, register_strategy
 
 
 def excluded_token_mask(tokenizer, mode: str = "whitespace_punct") -> torch.Tensor:
@@ -176,7 +176,7 @@ class APPOStrategy(RolloutStrategy):
     def advantages(self, batch, rewards, default, length):
         """(B_local, T) advantages: initial rows get dual-group credit; branch rows keep TRL's value (dropped later)."""
         a = self.args
-        tree = getattr(a, "advantage_estimator", "group") == "tree"
+        tree = getattr(a, "advantage_estimator", "group") in TREE_ESTIMATORS
         if tree or a.advantage_mode == "group" or a.initial_rollouts == a.num_generations:
             return super().advantages(batch, rewards, default, length)
         from appo_trl.algorithms.advantages import appo_dual_group_advantages

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 TRL_STD_EPS = 1e-4  # ε in TRL's (r − mean)/(std + ε) group advantage
+TREE_ESTIMATORS = ("tree", "tree_grpo")  # `advantage_estimator` values computed on the group's tree
 
 
 @dataclass
@@ -122,9 +123,10 @@ class RolloutStrategy:
 
         With `advantage_std_eps` other than TRL's 1e-4 (the released code: 1e-6) the group advantages are
         recomputed as (r − mean_g)/(std_g + ε) with TRL's unbiased group std (`scale_rewards: group` only).
-        `advantage_estimator: tree`: (B, length) token advantages from the groups' trees (`appo_trl.trainer.credit`).
+        `advantage_estimator: tree` (`tree_grpo`): (B, length) token ((B,) row) advantages from the groups' trees
+        (`appo_trl.trainer.credit`).
         """
-        if self.branches and getattr(self.args, "advantage_estimator", "group") == "tree":  # (not grpo's eval rounds)
+        if self.branches and getattr(self.args, "advantage_estimator", "group") in TREE_ESTIMATORS:  # (not grpo's eval)
             from appo_trl.trainer.credit import tree_advantages
 
             return tree_advantages(batch, rewards, length, self.args).to(default.device)
