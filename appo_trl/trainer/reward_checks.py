@@ -57,7 +57,7 @@ def check_rewards(name: str, output: Any) -> None:
     for i, value in enumerate(output):
         if not _is_reward(value):
             hint = (
-                " (a list per completion is per-turn rewards: set advantage_estimator=tree)"
+                " (a list per completion is per-turn rewards: set advantage_estimator=tree, tree_credit_form=paper)"
                 if _is_turns(value)
                 else ""
             )

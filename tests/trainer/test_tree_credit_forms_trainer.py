@@ -141,3 +141,17 @@ def test_config_refuses_what_the_released_forms_cannot_honour(tmp_path):
     assert (cfg.advantage_estimator, cfg.tree_grpo_combine, cfg.advantage_std_eps) == ("tree_grpo", "sum", 1e-6)
     with pytest.raises(ValueError, match="reference=tree_grpo sets advantage_estimator='tree_grpo'"):
         make(reference="tree_grpo", advantage_estimator="tree")
+
+
+def test_per_turn_rewards_are_refused_by_the_released_forms(tiny_chat_model_path, tiny_chat_tokenizer, tmp_path):
+    """The released estimators take one outcome per row: a per-turn list is a one-line error naming the function."""
+    from appo_trl.trainer.reward_checks import RewardFunctionError
+    from tests.trainer.test_turn_rewards import TurnReward, make
+
+    for i, kw in enumerate(({"advantage_estimator": "tree", "tree_credit_form": "treerl_released"},
+                            {"advantage_estimator": "tree_grpo"})):  # fmt: skip
+        trainer = make(tmp_path / str(i), tiny_chat_tokenizer, tiny_chat_model_path, TurnReward(), **kw)
+        with pytest.raises(
+            RewardFunctionError, match="'turn_reward' .* set advantage_estimator=tree, tree_credit_form=paper"
+        ):
+            trainer.train()
