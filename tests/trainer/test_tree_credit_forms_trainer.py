@@ -155,3 +155,24 @@ def test_per_turn_rewards_are_refused_by_the_released_forms(tiny_chat_model_path
             RewardFunctionError, match="'turn_reward' .* set advantage_estimator=tree, tree_credit_form=paper"
         ):
             trainer.train()
+
+
+def test_lineage_roots_follow_the_typed_parent_not_the_shared_tokens():
+    """Tree-GRPO's trees: a row joins the tree of the row it was branched from, even when it shares only the prompt
+    (an agent run branched by replay); a refill and an initial rollout are roots; a parent outside the group is none."""
+    from types import SimpleNamespace as Row
+
+    from appo_trl.rollout.group_tree import GroupTree, lineage_roots
+
+    rows = [
+        Row(uid="a", parent=None, branch_pos=0, prompt_ids=[1], completion_ids=[5, 6, 7]),
+        Row(uid="b", parent="a", branch_pos=2, prompt_ids=[1], completion_ids=[5, 6, 9]),  # a fork of a
+        Row(uid="c", parent="b", branch_pos=2, prompt_ids=[1], completion_ids=[8, 8]),  # replayed: only the prompt
+        Row(uid="d", parent=None, branch_pos=0, prompt_ids=[1], completion_ids=[4]),  # a refill
+        Row(uid="e", parent="zz", branch_pos=1, prompt_ids=[1], completion_ids=[4, 4]),  # parent not in the group
+    ]
+    assert GroupTree.of(rows).parents == (-1, 0, -1, -1, -1)  # token sharing: c shares only the prompt
+    assert lineage_roots(rows) == (0, 0, 0, 3, 4)
+    rows[0].parent = "c"
+    with pytest.raises(ValueError, match="parent chain loops"):
+        lineage_roots(rows)
