@@ -35,7 +35,7 @@ equations in four choices and one edge case (docs/fidelity.md, "Tree credit"):
    that child (the paper's form puts such a child under the root; it shares only the prompt).
 
 Cost: one pass over the rows in lineage order plus a few gathers over the (R, T) grid: O(R·T), linear in the
-group's row tokens, on the host. Pure maths: tensors (or lists) in, tensors out; the trainer's adapter builds the
+group's row tokens, on the host (the released form: one pass over its nodes, O(R² + R·T)). Pure maths: tensors (or lists) in, tensors out; the trainer's adapter builds the
 inputs from trajectories. It computes in numpy (float64): its ~30 small array operations would each pay torch's
 intra-op thread synchronisation, which on a busy host costs more than the work (`bench/tree_credit.py`).
 """
