@@ -84,8 +84,11 @@ def check_credit(cfg, strategy) -> None:
     if not strategy.branches:
         fail(
             f"advantage_estimator={estimator} needs a branching strategy (arpo, aepo, appo): {strategy.name}'s groups "
-            "have no branch, where tree credit is 2·(r − mean), TRL's `scale_rewards: none` doubled, and every "
-            "tree_grpo tree a single row."
+            + (
+                "have no branch, where tree credit is 2·(r − mean), TRL's `scale_rewards: none` doubled."
+                if estimator == "tree"
+                else "have no branch, so every tree is one row and Tree-GRPO adds its raw reward to GRPO's advantage."
+            )
         )
     if estimator == "tree":
         w = (cfg.tree_credit_global_weight, cfg.tree_credit_local_weight)
