@@ -176,3 +176,34 @@ def test_lineage_roots_follow_the_typed_parent_not_the_shared_tokens():
     rows[0].parent = "c"
     with pytest.raises(ValueError, match="parent chain loops"):
         lineage_roots(rows)
+
+
+def test_tree_grpo_on_agent_runs_branched_by_replay(tmp_path, tiny_chat_tokenizer, tiny_chat_model_path):
+    """An agent's fork (branched by replay) joins its root's tree: each group of (root, fork) is one tree, and the
+    loss gets the port's advantages over it."""
+    pytest.importorskip("openai")
+    from tests.trainer.test_agents import make_trainer, sdk_agent
+    from tests.trainer.test_trainer import spy_loss
+
+    trainer, _ = make_trainer(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, sdk_agent, "arpo",
+                              initial_rollouts=1, branch_probability=1.0, advantage_estimator="tree_grpo")  # fmt: skip
+    strat, calls = trainer.rounds.strategy, []
+    real = strat.advantages
+    strat.advantages = lambda batch, rewards, *a: (
+        calls.append((batch, rewards, real(batch, rewards, *a))) or calls[-1][2]
+    )
+    seen = spy_loss(trainer)
+    trainer.train()
+    assert len(calls) == 2
+    trained = sorted(round(x, 5) for s in seen for x in s["advantages"].tolist())
+    expected = []
+    for batch, rewards, adv in calls:
+        uid, tree_uid = [], []
+        for g, (root, fork) in enumerate(batch.groups):
+            assert fork.parent == root.uid and fork.origin == "fork"
+            uid += [f"p{g}"] * 2
+            tree_uid += [f"p{g}r"] * 2  # one tree: the root and its replayed fork
+        want = tree_grpo_port.released_tree(rewards.double(), uid, tree_uid)
+        assert adv.tolist() == pytest.approx(want.tolist(), abs=1e-5)
+        expected += [round(x, 5) for x in adv.tolist()]
+    assert trained == sorted(expected)
