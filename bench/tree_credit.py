@@ -59,7 +59,13 @@ def credit_ms(trajectories, repeats: int) -> float:
 
     from appo_trl.trainer.credit import tree_advantages
 
-    args = SimpleNamespace(tree_credit_global_weight=1.0, tree_credit_local_weight=1.0, tree_credit_scale="sqrt_rows")
+    args = SimpleNamespace(
+        advantage_estimator="tree",
+        tree_credit_form="paper",
+        tree_credit_global_weight=1.0,
+        tree_credit_local_weight=1.0,
+        tree_credit_scale="sqrt_rows",
+    )
     rewards = torch.tensor([float(i % 3 == 0) for i in range(len(trajectories))])
     length = max(len(t.completion_ids) for t in trajectories)
     times = []

@@ -34,11 +34,16 @@ are (B, T); masks float or bool.
 - `appo_dual_group_advantages(*, initial_rewards, branch_rewards, branch_rows, branch_positions, branch_scores,
   lengths=None, max_length, discount=0.9, m_scaling="advantage", eps=1e-6) -> Tensor (P·N, T)`.
 - `entropy_aware_advantage(advantages, entropies, mask, *, weight=0.2, clamp=(0, 2)) -> Tensor (B, T)`.
+- `tree_grpo_advantages(rewards, groups, trees, *, combine="sum", eps=1e-6) -> Tensor (B,)`: Tree-GRPO's advantage
+  as released (`sum`: z_group + z_tree, the scripts' estimator; `nested`: z_tree(z_group)).
 
-`tree_credit` (TreeRL, arXiv 2506.11902)
+`tree_credit` (TreeRL, arXiv 2506.11902; THUDM/TreeRL's released code)
 - `tree_credit(parents, branch_pos, lengths, rewards=None, *, token_rewards=None, max_length=None, weights=(1, 1),
   scale="sqrt_rows") -> TreeCredit(advantages, node_values, rows_through (R, T), root_value)`: per-token node-value
   advantages on one group's branch tree, outcome or per-turn (return-to-go) rewards.
+- `treerl_released_credit(parents, branch_pos, lengths, rewards, *, selected=None, max_length=None) -> TreeCredit`:
+  TreeRL's released estimator (leave-one-out leaves, sqrt per node over the selected rows, local terms carried
+  forward, the empty node under a token-0 branch); `tree_credit` is the paper's equations.
 - `runs(values, length=None) -> [[start, end, value], ...]`: equal-value stretches (the dump's `advantage_runs`).
 
 `losses` (verl dual clip, AEPO paper, APPO paper / FIPO)

@@ -4,11 +4,16 @@
 - `appo_dual_group_advantages`: APPO's dual-group advantage with prefix credit and saliency-decayed scale,
   (P·N, T) per-token advantages for the initial rollouts.
 - `entropy_aware_advantage`: AEPO's entropy-aware re-weighting of per-token advantages.
+- `tree_grpo_advantages`: Tree-GRPO's outcome advantage (arXiv 2509.21240), normalised within the prompt's group
+  and within each tree (one initial rollout and its expansions), exactly as AMAP-ML/Tree-GRPO releases it.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+TREE_GRPO_COMBINES = ("sum", "nested")
 
 
 def group_advantages(
@@ -186,3 +191,39 @@ def entropy_aware_advantage(
         factor = factor.clamp(*clamp)
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     return adv * factor.to(adv.dtype)
+
+
+def tree_grpo_advantages(rewards, groups, trees, *, combine: str = "sum", eps: float = 1e-6) -> torch.Tensor:
+    """Tree-GRPO's per-row advantage (AMAP-ML/Tree-GRPO, `verl/trainer/ppo`; docs/fidelity.md), (B,).
+
+    With z_ids(x)_i = (x_i − mean_{j: id_j = id_i} x_j) / (std_{j: id_j = id_i}(x_j) + ε), the unbiased std, and a
+    set of one row taking mean 0 and std 1 (so z = x/(1 + ε)):
+    `sum`: z_groups(r) + z_trees(r), the released scripts' estimator (`algorithm.adv_estimator=tree`: the
+    inter-tree and intra-tree advantages added); `nested`: z_trees(z_groups(r)), the released
+    `compute_tree_grpo_outcome_advantage` (`adv_estimator=tree_2norm`).
+
+    Args:
+        rewards: (B,) one outcome score per row. groups: (B,) the row's prompt group id. trees: (B,) its tree id
+            (ids need only be unique per set, across the whole batch).
+    Example: one group, trees {0, 1} of rewards [1, 0] and [1, 1]: z_group = [0.5, −1.5, 0.5, 0.5] (mean 0.75,
+    std 0.5); `sum` adds z_tree = [0.7071, −0.7071, 0, 0] → [1.2071, −2.2071, 0.5, 0.5].
+    """
+    if combine not in TREE_GRPO_COMBINES:
+        raise ValueError(f"tree_grpo: combine must be one of {TREE_GRPO_COMBINES}, got {combine!r}")
+    r = rewards.detach().cpu().double().numpy() if isinstance(rewards, torch.Tensor) else np.asarray(rewards, float)
+    g, t = np.asarray(groups).reshape(-1), np.asarray(trees).reshape(-1)
+    if not r.shape == g.shape == t.shape:
+        raise ValueError(f"tree_grpo: {r.size} rewards, {g.size} group ids, {t.size} tree ids")
+    inter = _z_by(r.reshape(-1), g, eps)
+    out = inter + _z_by(r.reshape(-1), t, eps) if combine == "sum" else _z_by(inter, t, eps)
+    return torch.from_numpy(out).float()
+
+
+def _z_by(x: np.ndarray, ids: np.ndarray, eps: float) -> np.ndarray:
+    """(x − mean)/(unbiased std + ε) within each id's rows; an id of one row: mean 0, std 1."""
+    _, inv, n = np.unique(ids, return_inverse=True, return_counts=True)
+    mean = np.bincount(inv, weights=x) / n
+    var = np.bincount(inv, weights=(x - mean[inv]) ** 2) / np.maximum(n - 1, 1)
+    single = n == 1
+    mean, std = np.where(single, 0.0, mean), np.where(single, 1.0, np.sqrt(var))
+    return (x - mean[inv]) / (std[inv] + eps)

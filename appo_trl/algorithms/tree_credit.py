@@ -1,4 +1,4 @@
-"""Tree credit: a group's branch tree turned into per-token advantages (TreeRL's estimator, arXiv 2506.11902).
+"""Tree credit: a group's branch tree turned into per-token advantages (TreeRL, arXiv 2506.11902).
 
 A group is a tree. Row i leaves its parent row p(i) at completion position b(i): its tokens [0, b(i)) are the
 parent's tokens at the same positions (recursively), its tokens from b(i) on are its own. A token is held by every
@@ -13,14 +13,29 @@ gets
     V(n) = Q at n's first token,   V(root) = mean of G_j[0] over the group (the rows' total returns)
     A_t  = (w_global·(Q_t − V(root)) + w_local·(Q_t − V(parent(n)))) / sqrt(|rows through n|)
 
-Defaults w = (1, 1) with the 1/sqrt scaling are TreeRL's form exactly (no further std normalisation). The baseline
-of each token depends only on the prompt (V(root)) and on a node already reached (V(parent(n))), never on a turn
-index. A token shared by several rows is computed once, at its canonical position (the highest row of the lineage
-that holds it), so every row holding it gets the same value. With no branch, every row is a leaf under the root and
-A = (w_global + w_local)·(r − mean r): twice GRPO's centred advantage by default, exactly it with w = (1, 0).
+`tree_credit` with w = (1, 1) and the 1/sqrt scaling is the paper's equations (no further std normalisation), not
+the code TreeRL released. The baseline of each token depends only on the prompt (V(root)) and on a node already
+reached (V(parent(n))), never on a turn index. A token shared by several rows is computed once, at its canonical
+position (the highest row of the lineage that holds it), so every row holding it gets the same value. With no
+branch, every row is a leaf under the root and A = (w_global + w_local)·(r − mean r): twice GRPO's centred
+advantage by default, exactly it with w = (1, 0).
+
+`treerl_released_credit` is the estimator of TreeRL's released code (THUDM/TreeRL: `tree_node.py`'s
+`leaf_normalize`, `select_terminal`, `compute_weighted_update`; `parallel_mcts.py`'s `gather_paths` with
+`use_state_value_reward` and `fill_in_paths`; the options of `scripts/treerl-qw14b.sh`). It differs from the paper's
+equations in four choices and one edge case (docs/fidelity.md, "Tree credit"):
+1. leave-one-out leaf values: a_i = r_i − mean of the other rows' rewards (N/(N−1)·(r_i − mean r));
+2. the sqrt per node: s(n) = Σ_{i through n} a_i / sqrt(S(n)) / |rows through n|, S(n) the *selected* rows through
+   n, and A_t = (s(n) − s(parent(n))) + s(n): the parent's term carries the parent's own scale;
+3. a local term s(n) − s(parent(n)) below 1e-8 in magnitude (not at the root's children) takes the parent's;
+4. selected leaves: S counts only the rows that reach the loss (every row, except APPO's branch rows where they are
+   dropped); the mean in s(n) and the leave-one-out baseline run over all rows;
+5. the empty node: a row whose child leaves at the row's own first token (a branch at token 0 of an initial
+   rollout) starts with an empty node holding the row's whole subtree, parent of the row's first tokens and of
+   that child (the paper's form puts such a child under the root; it shares only the prompt).
 
 Cost: one pass over the rows in lineage order plus a few gathers over the (R, T) grid: O(R·T), linear in the
-group's row tokens, on the host. Pure maths: tensors (or lists) in, tensors out; the trainer's adapter builds the
+group's row tokens, on the host (the released form: one pass over its nodes, O(R² + R·T)). Pure maths: tensors (or lists) in, tensors out; the trainer's adapter builds the
 inputs from trajectories. It computes in numpy (float64): its ~30 small array operations would each pay torch's
 intra-op thread synchronisation, which on a busy host costs more than the work (`bench/tree_credit.py`).
 """
@@ -33,6 +48,8 @@ import numpy as np
 import torch
 
 SCALES = ("sqrt_rows", "none")
+FORMS = ("paper", "treerl_released")  # `tree_credit_form`: the paper's equations, TreeRL's released code
+FILL_EPS = 1e-8  # fill_in_paths: a local term below this in magnitude takes the previous node's
 
 
 @dataclass
@@ -83,7 +100,7 @@ def tree_credit(
     weights: tuple[float, float] = (1.0, 1.0),
     scale: str = "sqrt_rows",
 ) -> TreeCredit:
-    """TreeRL's per-token advantages of one group (module docstring), (R, max_length).
+    """The paper's per-token advantages of one group (module docstring), (R, max_length).
 
     Args:
         parents: (R,) each row's parent row, -1 for a row that shares only the prompt.
@@ -103,20 +120,8 @@ def tree_credit(
         raise ValueError(f"tree credit: scale must be one of {SCALES}, got {scale!r}")
     if (rewards is None) == (token_rewards is None):
         raise ValueError("tree credit: pass exactly one of rewards (one per row) or token_rewards (R, T)")
-    par = [int(p) for p in _array(parents, np.int64).reshape(-1)]
+    par, bp, L, T, order = _tree_inputs(parents, branch_pos, lengths, max_length)
     R = len(par)
-    L = _array(lengths, np.int64).reshape(-1)
-    bp = _array(branch_pos, np.int64).reshape(-1).clip(min=0)
-    T = int(max_length if max_length is not None else (int(L.max()) if R else 0))
-    if L.size != R or bp.size != R or (R and int(L.max()) > T):
-        raise ValueError(f"tree credit: {R} parents, {L.size} lengths, {bp.size} branch positions, T={T}")
-    bp = np.where(np.array(par, dtype=np.int64) < 0, 0, bp)
-    order = lineage_order(par)
-    for i, p in enumerate(par):
-        if p >= 0 and bp[i] > min(L[i], L[p]):
-            raise ValueError(
-                f"tree credit: row {i} branches at {bp[i]}, past its own length {L[i]} or its parent's ({L[p]})"
-            )
     pos = np.arange(T)
     valid = pos[None, :] < L[:, None]  # (R, T)
     if token_rewards is None:
@@ -160,6 +165,104 @@ def tree_credit(
     )
 
 
+def treerl_released_credit(parents, branch_pos, lengths, rewards, *, selected=None, max_length=None) -> TreeCredit:
+    """TreeRL's released per-token values of one group (module docstring, choices 1-5), (R, max_length).
+
+    The value of node n is s(n) = (Σ_{i through n} a_i / sqrt(S(n))) / |rows through n| with a_i = r_i − mean of the
+    other rows' rewards and S(n) the selected rows through n (unscaled where S(n) = 0); s(root) likewise over the
+    group. Along every row, nodes from the root down: local(n) = s(n) − s(parent(n)), replaced by the parent's
+    (filled) local term where |local(n)| < 1e-8 and the parent is not the root; A_t = local(n) + s(n) on n's tokens.
+
+    Args:
+        parents, branch_pos, lengths, max_length: as `tree_credit`. A row that leaves its parent before the
+            parent's own first token (b(i) < b(p(i))) hangs on the nearest ancestor holding that token.
+        rewards: (R,) one outcome reward per row (R >= 2: the baseline is the other rows' mean).
+        selected: (R,) bool, the rows that reach the loss (default: all); the others get 0 (the released code
+            emits no path for them) but count in every mean.
+
+    Example: rewards [1, 0, 0], row 1 branching off row 0 at 2 (lengths 4, 3), row 2 a root (length 2), all selected:
+    a = [1, −0.5, −0.5]; node [0, 2) of row 0 holds rows 0, 1: s = 0.5/√2/2 = 0.1768, s(root) = 0; row 0's tail
+    s = 1, local 1 − 0.1768 → row 0 = [0.354, 0.354, 1.823, 1.823], row 1 = [0.354, 0.354, −1.177], row 2 = [−1, −1].
+    """
+    par, bp, L, T, order = _tree_inputs(parents, branch_pos, lengths, max_length)
+    R = len(par)
+    r = _array(rewards, np.float64).reshape(-1)
+    sel = np.ones(R, dtype=bool) if selected is None else _array(selected, bool).reshape(-1)
+    if r.size != R or sel.size != R:
+        raise ValueError(f"tree credit (treerl_released): {R} rows, {r.size} rewards, {sel.size} selected flags")
+    if R < 2:
+        raise ValueError("tree credit (treerl_released): a group needs >= 2 rows (the leave-one-out baseline)")
+    a = r - (r.sum() - r) / (R - 1)
+    attach = []  # the row whose own tokens [b(p), L(p)] hold the branch point
+    for i in range(R):
+        p = par[i]
+        while p >= 0 and bp[i] < bp[p]:
+            p = par[p]
+        attach.append(p)
+    sub = np.stack([a, r, np.ones(R), sel.astype(np.float64)], 1)  # (Σa, Σr, rows, selected) of each subtree
+    for i in reversed(order):
+        if attach[i] >= 0:
+            sub[attach[i]] += sub[i]
+    cuts = [sorted({int(bp[j]) for j in range(R) if attach[j] == i}) for i in range(R)]
+
+    def value(acc):  # acc = (Σa, Σr, rows, selected) of a node: its s(n)
+        return (acc[0] / np.sqrt(acc[3]) if acc[3] > 0 else acc[0]) / acc[2]
+
+    root = sub[[i for i in range(R) if attach[i] < 0]].sum(0)
+    s_root = value(root)
+    out, node_v, count = (np.zeros((R, T)) for _ in range(3))
+    ends: dict[tuple[int, int], tuple[float, float]] = {}  # (row, end) -> (s, filled local) of its node
+    for i in order:
+        bounds = [int(bp[i]), *cuts[i], int(L[i])]
+        acc = sub[i].copy()  # row i and every subtree hanging at or after the node's end
+        tails = [np.zeros(4) for _ in bounds]
+        for j in range(R):
+            if attach[j] == i:
+                tails[bounds.index(int(bp[j]), 1)] += sub[j]
+        parent = ends[(attach[i], int(bp[i]))] if attach[i] >= 0 else None
+        for k in range(len(bounds) - 1):
+            s = value(acc)
+            local = s - (parent[0] if parent else s_root)
+            if parent and abs(local) < FILL_EPS:
+                local = parent[1]
+            start, end = bounds[k], bounds[k + 1]
+            out[i, start:end], node_v[i, start:end], count[i, start:end] = local + s, acc[1] / acc[2], acc[2]
+            parent = (s, local)
+            if k + 2 < len(bounds):  # a node ending at a cut: the children there hang under it
+                ends[(i, end)] = parent
+            acc -= tails[k + 1]
+    for i in order:  # the shared tokens: the parent's values
+        if attach[i] >= 0:
+            for x in (out, node_v, count):
+                x[i, : bp[i]] = x[attach[i], : bp[i]]
+    out[~sel] = 0.0
+    return TreeCredit(
+        advantages=torch.from_numpy(out).float(),
+        node_values=torch.from_numpy(node_v).float(),
+        rows_through=torch.from_numpy(count).long(),
+        root_value=float(r.mean()),
+    )
+
+
+def _tree_inputs(parents, branch_pos, lengths, max_length):
+    """(parents, branch positions (0 at roots), lengths, T, lineage order), checked; ValueError naming the fault."""
+    par = [int(p) for p in _array(parents, np.int64).reshape(-1)]
+    R = len(par)
+    L = _array(lengths, np.int64).reshape(-1)
+    bp = _array(branch_pos, np.int64).reshape(-1).clip(min=0)
+    T = int(max_length if max_length is not None else (int(L.max()) if R else 0))
+    if L.size != R or bp.size != R or (R and int(L.max()) > T):
+        raise ValueError(f"tree credit: {R} parents, {L.size} lengths, {bp.size} branch positions, T={T}")
+    bp = np.where(np.array(par, dtype=np.int64) < 0, 0, bp)
+    order = lineage_order(par)
+    for i, p in enumerate(par):
+        if p >= 0 and bp[i] > min(L[i], L[p]):
+            raise ValueError(
+                f"tree credit: row {i} branches at {bp[i]}, past its own length {L[i]} or its parent's ({L[p]})"
+            )
+    return par, bp, L, T, order
+
+
 def _array(x, dtype) -> np.ndarray:
     """A host numpy copy of a tensor, array or list."""
     if isinstance(x, torch.Tensor):
@@ -179,4 +282,4 @@ def runs(values: list[float], length: int | None = None) -> list[list]:
     return out
 
 
-__all__ = ["SCALES", "TreeCredit", "lineage_order", "runs", "tree_credit"]
+__all__ = ["FORMS", "SCALES", "TreeCredit", "lineage_order", "runs", "tree_credit", "treerl_released_credit"]

@@ -16,8 +16,8 @@ where the cheapest strategy finished K steps, linearly interpolated between its 
 - `--full`: the papers' shape, n = 16 with 8 initial rollouts (GRPO at n = 16), the chain family added (3-5
   dependent calls; tool-call limit 5, completions up to 384 tokens, SFT traces up to 512), and each `reference:`
   preset beside our defaults (`arpo+ref`, `aepo+ref`, `appo+ref`), and tree credit (`arpo+tree`, `aepo+tree`,
-  `appo+tree`: `advantage_estimator: tree`, TreeRL's defaults). Far longer; it resumes from `study.json`, so
-  it can run in parts.
+  `appo+tree`: `advantage_estimator: tree`, the TreeRL paper's equations). Far longer; it resumes from
+  `study.json`, so it can run in parts.
 
 With the chain family, a fourth table says where the chain questions fail (`appo_trl.synthetic.chain_errors`).
 

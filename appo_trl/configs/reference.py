@@ -1,7 +1,7 @@
-"""`reference: arpo | aepo | appo`: the `APPOConfig` values that reproduce each released implementation.
+"""`reference: arpo | aepo | appo | tree_grpo`: the `APPOConfig` values that reproduce each released implementation.
 
 `REFERENCE_PRESETS[algo]` maps field names to the value that makes appo-trl behave like the authors' released
-code (verl forks of ARPO, AEPO and APPO). `APPOConfig.__post_init__` applies it; docs/fidelity.md explains every
+code (verl forks of ARPO, AEPO, APPO and Tree-GRPO; Tree-GRPO's tree search as far as ARPO's engine expresses it). `APPOConfig.__post_init__` applies it; docs/fidelity.md explains every
 entry (reason for our default, magnitude of the difference). This module holds data only; what it does NOT
 reproduce (the released code's bugs, round-synchronous sampling, random numbers) is listed there too.
 """
@@ -51,6 +51,14 @@ REFERENCE_PRESETS = {
         "min_remaining_tokens": 1,
         "fv_degeneracy_guard": False,
         "resample_selected_token": False,
+    },
+    "tree_grpo": {  # AMAP-ML/Tree-GRPO's train_*_tree_search.sh; its sampler mapped in docs/fidelity.md
+        **_REFERENCE_COMMON,
+        "rollout_strategy": "arpo",  # expansions at tool-call boundaries (its nodes: thought, action, observation)
+        "entropy_weight": 0.0,  # expand_mode=random: a node is expanded at random, not by entropy
+        "loss_mode": "dual_clip",  # policy_loss=grpo runs verl's compute_policy_loss_dual_clip (c = 3)
+        "advantage_estimator": "tree_grpo",
+        "tree_grpo_combine": "sum",  # adv_estimator=tree: inter-tree + intra-tree advantages
     },
 }
 

@@ -8,6 +8,10 @@ need not be its parent's row), shares only the prompt (parent -1). Tree credit (
 through `appo_trl.trainer.credit`) and the rollout dump (`appo_trl.reporting.rollout_dump`) both read this, so what
 the dump shows is what the credit used.
 
+`lineage_roots` gives each row's tree in Tree-GRPO's sense (`tree_index`): the first row of its `Trajectory.parent`
+chain inside the group, so an APPO branch and an agent run branched by replay join the tree of the rollout they
+were branched from, even where the row shares only the prompt with it.
+
 `turn_ends` gives the per-turn reward positions: the last token of each run of sampled tokens (an assistant turn of
 the chat format, a segment between tool calls of the tag format, one model call of an agent's chain).
 """
@@ -47,6 +51,21 @@ def shares_prefix(row, parent, position: int) -> bool:
     return row.prompt_ids == parent.prompt_ids and row.completion_ids[:position] == parent.completion_ids[:position]
 
 
+def lineage_roots(rows) -> tuple[int, ...]:
+    """Each row's tree: the index of the first row of its `parent` chain within the group (itself for a root)."""
+    index = {t.uid: i for i, t in enumerate(rows)}
+    roots = []
+    for i in range(len(rows)):
+        seen, j = {i}, i
+        while rows[j].parent is not None and index.get(rows[j].parent, -1) >= 0:
+            j = index[rows[j].parent]
+            if j in seen:
+                raise ValueError(f"group lineage: row {i}'s parent chain loops (rows {sorted(seen)})")
+            seen.add(j)
+        roots.append(j)
+    return tuple(roots)
+
+
 def turn_ends(loss_mask) -> list[int]:
     """Index of the last sampled token of each turn (each maximal run of mask-1 tokens), in order."""
     ends = []
@@ -56,4 +75,4 @@ def turn_ends(loss_mask) -> list[int]:
     return ends
 
 
-__all__ = ["GroupTree", "shares_prefix", "turn_ends"]
+__all__ = ["GroupTree", "lineage_roots", "shares_prefix", "turn_ends"]

@@ -61,7 +61,7 @@ def check_rewards(name: str, output: Any, turns: bool = False) -> None:
             if _is_turns(value):
                 hint = (" (per-turn rewards are a Python list of per-completion lists; a 2-d array is not read as "
                         "turns: return .tolist() for per-turn rewards, or a flat array for one per completion)"
-                        if turns else " (a list per completion is per-turn rewards: set advantage_estimator=tree)")
+                        if turns else " (a list per completion is per-turn rewards: set advantage_estimator=tree, tree_credit_form=paper)")
             raise RewardFunctionError(
                 f"reward function {name!r} returned {type(value).__name__} {_short(value)} for completion {i}; "
                 f"a reward must be a number (or None to skip it){hint}"

@@ -147,7 +147,8 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
         from appo_trl.trainer.reward_checks import NaNRewardGuard, checked_reward_func
 
-        tree = self.args.advantage_estimator == "tree"  # per-turn lists go to the round (built after this)
+        args = self.args  # per-turn lists go to the round (built after this); the paper's tree form only
+        tree = args.advantage_estimator == "tree" and args.tree_credit_form == "paper"
         turns = (lambda *a: self.rounds.record_turn_rewards(*a)) if tree else None
         self._checked_reward_funcs = [  # used by _calculate_rewards only: `reward_funcs` stays the user's
             f if isinstance(f, nn.Module) else checked_reward_func(f, name, turns)

@@ -14,7 +14,7 @@ from tests.trainer.test_trainer import CPU, RewardSpy, make_trainer, spy_loss
 REF_CPU = {k: v for k, v in CPU.items() if k != "loss_type"}  # the preset sets loss_type: bnpo
 
 
-@pytest.mark.parametrize("algo", ["arpo", "aepo", "appo"])
+@pytest.mark.parametrize("algo", ["arpo", "aepo", "appo", "tree_grpo"])
 def test_reference_preset_trains_one_step(algo, tmp_path, tiny_tokenizer, tiny_model_path):
     engine, reward = ScriptedEngine(tiny_tokenizer), RewardSpy()
     kw = dict(initial_rollouts=2, num_generations=4, per_device_train_batch_size=4, max_steps=1)

@@ -3,8 +3,7 @@
 Every field is a recipe key (flat YAML) and a CLI flag (`--key value`), parsed by `appo_trl.configs.recipes`;
 enum-like fields are `Literal`s (argparse lists their choices) and each field names its `--help` group. The
 strategy's own defaults and checks live beside it (`appo_trl.trainer.strategies`, `RolloutStrategy.validate`);
-the other checks are `appo_trl.trainer.config.checks`. Behaviour lives in `appo_trl.trainer.trainer`, the maths
-in `appo_trl.algorithms`.
+the other checks are `appo_trl.trainer.config.checks`; behaviour is `appo_trl.trainer.trainer`, maths `algorithms`.
 """
 
 from __future__ import annotations
@@ -42,16 +41,15 @@ class APPOConfig(GRPOConfig):
     the source trajectory's prefix and optimises the initial rollouts only (ARPO, AEPO and APPO papers; every
     place where our defaults differ from the released code is listed in docs/fidelity.md).
 
-    `reference: arpo | aepo | appo` sets every switch of that algorithm to the released implementation's
-    behaviour (`REFERENCE_PRESETS`); a switch set explicitly to a value other than its default and other than
-    the preset's value is an error; one left at (or set to) its default takes the preset's value.
+    `reference: <algorithm>` sets every switch to the released implementation's behaviour (`REFERENCE_PRESETS`):
+    a switch set explicitly to neither its default nor the preset's value is an error; one at its default follows.
     """
 
-    reference: Literal["arpo", "aepo", "appo"] | None = field(
+    reference: Literal["arpo", "aepo", "appo", "tree_grpo"] | None = field(
         default=None,
         metadata=_strategy(
-            "`arpo`, `aepo` or `appo`: reproduce that algorithm's released implementation (sets the strategy and "
-            "every fidelity switch, see docs/fidelity.md); unset = our defaults.",
+            "`arpo`, `aepo`, `appo` or `tree_grpo`: reproduce that algorithm's released implementation (sets the "
+            "strategy and every fidelity switch, see docs/fidelity.md); unset = our defaults.",
         ),
     )
 
@@ -358,10 +356,12 @@ class APPOConfig(GRPOConfig):
             "source's prefix) or `group` (TRL's single group over all n rows).",
         ),
     )
-    advantage_estimator: Literal["group", "tree"] = credit_field("advantage_estimator", "group")
+    advantage_estimator: Literal["group", "tree", "tree_grpo"] = credit_field("advantage_estimator", "group")
     tree_credit_global_weight: float = credit_field("tree_credit_global_weight", 1.0)
     tree_credit_local_weight: float = credit_field("tree_credit_local_weight", 1.0)
     tree_credit_scale: Literal["sqrt_rows", "none"] = credit_field("tree_credit_scale", "sqrt_rows")
+    tree_credit_form: Literal["paper", "treerl_released"] = credit_field("tree_credit_form", "paper")
+    tree_grpo_combine: Literal["sum", "nested"] = credit_field("tree_grpo_combine", "sum")
     tree_credit_branch_rows: bool | None = credit_field("tree_credit_branch_rows", None)
     m_scaling: Literal["advantage", "reward_noop"] = field(
         default="advantage",

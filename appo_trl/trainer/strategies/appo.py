@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from appo_trl.trainer.rows import pad_rows
-from appo_trl.trainer.strategies.base import RolloutStrategy, register_strategy
+from appo_trl.trainer.strategies.base import TREE_ESTIMATORS, RolloutStrategy, register_strategy
 from appo_trl.trainer.strategies.record import Round
 
 
@@ -184,7 +184,7 @@ class APPOStrategy(RolloutStrategy):
     def advantages(self, rnd, rewards, default, length):
         """(B_local, T) advantages: initial rows get dual-group credit; branch rows keep TRL's value (dropped later)."""
         a = self.args
-        tree = a.advantage_estimator == "tree"
+        tree = a.advantage_estimator in TREE_ESTIMATORS
         if tree or a.advantage_mode == "group" or a.initial_rollouts == a.num_generations:
             return super().advantages(rnd, rewards, default, length)
         from appo_trl.algorithms.advantages import appo_dual_group_advantages

@@ -16,6 +16,7 @@ from appo_trl.configs.errors import fail
 from appo_trl.trainer.strategies.record import Round
 
 TRL_STD_EPS = 1e-4  # ε in TRL's (r − mean)/(std + ε) group advantage
+TREE_ESTIMATORS = ("tree", "tree_grpo")  # `advantage_estimator` values computed on the group's tree
 
 
 class RolloutStrategy:
@@ -112,9 +113,10 @@ class RolloutStrategy:
 
         With `advantage_std_eps` other than TRL's 1e-4 (the released code: 1e-6) the group advantages are
         recomputed as (r − mean_g)/(std_g + ε) with TRL's unbiased group std (`scale_rewards: group` only).
-        `advantage_estimator: tree`: (B, length) token advantages from the groups' trees (`appo_trl.trainer.credit`).
+        `advantage_estimator: tree` (`tree_grpo`): (B, length) token ((B,) row) advantages from the groups' trees
+        (`appo_trl.trainer.credit`).
         """
-        if self.branches and self.args.advantage_estimator == "tree":  # (not grpo's eval rounds)
+        if self.branches and self.args.advantage_estimator in TREE_ESTIMATORS:  # (not grpo's eval rounds)
             from appo_trl.trainer.credit import tree_advantages
 
             return tree_advantages(rnd, rewards, length, self.args).to(default.device)
