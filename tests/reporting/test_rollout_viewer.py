@@ -22,6 +22,7 @@ import torch
 from appo_trl.cli import main
 from appo_trl.reporting import atomic, rollout_dump
 from appo_trl.reporting.rollout_page import build, make_server
+from appo_trl.trainer.strategies import Round
 from bench.rollout_viewer import synthetic_group
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -214,7 +215,7 @@ def _trainer(out, step=0, **args):
 
 
 def _round(trajectory):
-    batch = SimpleNamespace(groups=[[trajectory]], keep=[True])
+    batch = Round(groups=[[trajectory]], keep=[True])
     n = len(trajectory.completion_ids)
     out = {"advantages": torch.full((1, n), 0.25), "completion_mask": torch.ones(1, n)}
     return [{"prompt": "p", "answer": "a"}], batch, torch.ones(1), out

@@ -32,6 +32,7 @@ class FakeTrajectory:
     parent: str | None = None
     branch_pos: int | None = None
     origin: str = "root"
+    role: str = "sample"
     meta: dict = field(default_factory=dict)
 
 

@@ -151,7 +151,8 @@ def test_tree_credit_leaves_an_unscorable_row_out_by_hand():
 
     rows = [FakeTrajectory([1], [5, 6], [1, 1], [-0.5] * 2, [0.1] * 2) for _ in range(3)]
     batch = Round(groups=[rows], keep=[True] * 3)
-    args = SimpleNamespace(tree_credit_global_weight=1.0, tree_credit_local_weight=1.0, tree_credit_scale="sqrt_rows")
+    args = SimpleNamespace(advantage_estimator="tree", tree_credit_form="paper", tree_credit_global_weight=1.0,
+                           tree_credit_local_weight=1.0, tree_credit_scale="sqrt_rows")
     # three roots, rewards [1, NaN, 0]: root value 0.5; rows 0 and 2 are leaves: 2 (r - 0.5) = +-1; row 1: 0
     out = tree_advantages(batch, torch.tensor([1.0, math.nan, 0.0]), 2, args)
     assert out.tolist() == [[1.0, 1.0], [0.0, 0.0], [-1.0, -1.0]]
