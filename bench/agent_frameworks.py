@@ -173,7 +173,7 @@ def run(model_dir, tok, name: str, steps: int, tree: bool, out: str) -> dict:
         return batch
 
     trainer.rounds.strategy.generate = generate
-    agents, generation = trainer.rounds.agents, []
+    agents, generation = trainer.rounds.path.agents, []
     real_runs = agents.generate
 
     def timed_runs(*a):

@@ -91,7 +91,7 @@ def run(model_dir, tok, steps: int, staleness: int, tool_s: float, out: str) -> 
     trainer = APPOTrainer(model=model_dir, args=args, train_dataset=data, processing_class=tok,
                           agent=make_agent(tool_s))  # fmt: skip
     trainer.rollout_engine.backend = ScriptedBackend(tok)
-    agents, generation = trainer.rounds.agents, []
+    agents, generation = trainer.rounds.path.agents, []
     real_generate = agents.generate
 
     def timed_generate(*a):

@@ -24,20 +24,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from appo_trl.algorithms.tree_credit import runs
+
 WORDS = "the model adds three to seven and checks the sum before it answers with a number".split()
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
-
-
-def _runs(values):
-    out = []
-    for t, x in enumerate(values):
-        if out and out[-1][2] == x:
-            out[-1][1] = t + 1
-        else:
-            out.append([t, t + 1, x])
-    return out
 
 
 def synthetic_group(rng: random.Random, step: int, g: int, rows: int, tokens: int) -> dict:
@@ -72,8 +64,8 @@ def synthetic_group(rng: random.Random, step: int, g: int, rows: int, tokens: in
             "reward": reward, "advantage": sum(adv) / len(adv), "kept": parent is None or rng.random() < 0.5,
             "num_calls": sum(1 for t in toks if t == "<python>"), "tool_calls": [],
             "finish_reason": rng.choice(["eos", "eos", "length", "call_limit"]), "length": tokens,
-            "completion": "".join(toks)[:4000], "continuation": None, "tokens": toks, "mask_runs": _runs(mask),
-            "tool_spans": [sp for sp in spans if sp[1] <= tokens], "advantage_runs": _runs(adv), "node_runs": node,
+            "completion": "".join(toks)[:4000], "continuation": None, "tokens": toks, "mask_runs": runs(mask),
+            "tool_spans": [sp for sp in spans if sp[1] <= tokens], "advantage_runs": runs(adv), "node_runs": node,
             "branch_entropy": None if parent is None else round(rng.random() * 3, 3),
             "branch_score": None if parent is None else round(rng.random(), 3), "version_runs": None,
         })  # fmt: skip

@@ -58,6 +58,7 @@ def credit_ms(trajectories, repeats: int) -> float:
     from types import SimpleNamespace
 
     from appo_trl.trainer.credit import tree_advantages
+    from appo_trl.trainer.strategies import Round
 
     args = SimpleNamespace(
         advantage_estimator="tree",
@@ -70,7 +71,7 @@ def credit_ms(trajectories, repeats: int) -> float:
     length = max(len(t.completion_ids) for t in trajectories)
     times = []
     for _ in range(repeats):
-        batch = SimpleNamespace(groups=[trajectories], info={})
+        batch = Round(groups=[trajectories], keep=[True] * len(trajectories))
         t0 = time.perf_counter()
         tree_advantages(batch, rewards, length, args)
         times.append(time.perf_counter() - t0)

@@ -175,7 +175,8 @@ def test_compacting_agent_trains_two_steps(tmp_path, strategy, tiny_chat_tokeniz
         from appo_trl.reporting.rollout_dump import read_dumps
 
         _, groups = read_dumps(tmp_path)
-        assert {(r["origin"], r["role"]) for g in groups for r in g["rows"]} == {("restart", "sample")}
+        seen = {(r["origin"], r["role"]) for g in groups for r in g["rows"]}
+        assert seen == {("restart", "sample"), ("root", "chain")}  # the run's row, and its first chain as a chain row
     logs = [h for h in trainer.state.log_history if "reward" in h]
     if strategy == "grpo":
         assert all(h["agent/restarts"] == 4.0 and h["agent/chain_rows"] == 4.0 for h in logs)
