@@ -228,7 +228,7 @@ class Bench:
                       for j in range(trajectories)]  # fmt: skip
             stop, big = threading.Event(), []
 
-            def big_run(url=self.endpoint.open_session(session_id=f"stall-{mode}-big")[0]):
+            def big_run(url=self.endpoint.open_session(session_id=f"stall-{mode}-big")[0], stop=stop, big=big):
                 with httpx.Client(timeout=600) as client:
                     while not stop.is_set():
                         start = time.perf_counter()
