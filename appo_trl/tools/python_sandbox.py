@@ -153,6 +153,7 @@ class _Zygote:
         self.bad_messages = 0
         self.host_pid: int | None = None
         self.lock = threading.Lock()  # guards `pending` (the sandbox's own lock may be held while probing)
+        self.kill_lock = threading.Lock()  # one `_kill` at a time: close() and the reader thread may both kill
 
 
 class PythonSandbox:
@@ -361,25 +362,26 @@ class PythonSandbox:
         self._kill(z)
 
     def _kill(self, z: _Zygote) -> None:
-        z.dead = True
-        z.queue.put(None)
-        zygote = z.host_pid or (_find_zygote(z.proc.pid) if z.proc.poll() is None else None)
-        if zygote is not None:  # init of the sandbox's pid namespace: every process inside dies with it
+        with z.kill_lock:  # a second caller waits, then finds every step already done
+            z.dead = True
+            z.queue.put(None)
+            zygote = z.host_pid or (_find_zygote(z.proc.pid) if z.proc.poll() is None else None)
+            if zygote is not None:  # init of the sandbox's pid namespace: every process inside dies with it
+                try:
+                    os.kill(zygote, signal.SIGKILL)
+                except OSError:
+                    pass
+            if z.proc.poll() is None:
+                try:
+                    os.killpg(z.proc.pid, signal.SIGKILL)
+                except OSError:
+                    z.proc.kill()
             try:
-                os.kill(zygote, signal.SIGKILL)
-            except OSError:
+                z.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
                 pass
-        if z.proc.poll() is None:
-            try:
-                os.killpg(z.proc.pid, signal.SIGKILL)
-            except OSError:
-                z.proc.kill()
-        try:
-            z.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        z.launch.cleanup()
-        z.stderr_file.close()
+            z.launch.cleanup()
+            z.stderr_file.close()
 
     def close(self) -> None:
         """Stop the zygote: every process of every call dies with its namespaces."""
