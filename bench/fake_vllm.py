@@ -158,8 +158,8 @@ class FakeVLLMServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def _build_app(self) -> FastAPI:
-        app = FastAPI()
+    def _identity_routes(self, app: FastAPI) -> None:
+        """`GET /health` and `GET /v1/models` (with `max_model_len`), the routes every fake server answers."""
 
         @app.get("/health")
         async def health():
@@ -169,6 +169,10 @@ class FakeVLLMServer:
         async def models():
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "vllm",
                                                 "max_model_len": self.max_model_len}]}  # fmt: skip
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI()
+        self._identity_routes(app)
 
         @app.post("/reset_prefix_cache")
         async def reset_prefix_cache():

@@ -40,18 +40,11 @@ class PausableVLLM(FakeVLLMServer):
         self.salts: list[str | None] = []
         self.calls: list[str] = []
         self.clear_cache: bool | None = None  # of the last /pause
-        super().__init__(None)
+        super().__init__(None, max_model_len=4096)
 
     def _build_app(self) -> FastAPI:
         app = FastAPI()
-
-        @app.get("/health")
-        async def health():
-            return JSONResponse({})
-
-        @app.get("/v1/models")
-        async def models():
-            return JSONResponse({"data": [{"id": self.model_name, "max_model_len": 4096}]})
+        self._identity_routes(app)
 
         @app.post("/collective_rpc")
         async def collective_rpc(request: Request):
