@@ -148,9 +148,8 @@ def _row_record(t, i: int, *, adv, token_adv: list[float], kept: bool, reward: f
              for c in t.tool_calls] or agent_tool_calls(getattr(t, "messages", None))  # fmt: skip
     if not calls and role == "chain":
         calls = text_tool_calls(decode(list(t.completion_ids)))
-    versions = getattr(t, "version_runs", None)
-    if versions is None and getattr(t, "versions", None) is not None:
-        versions = runs([int(v) for v in t.versions])
+    versions = getattr(t, "versions", None)  # per token (`Trajectory.versions`): [[start, end, version], ...]
+    versions = None if versions is None else runs([int(v) for v in versions])
     return {
         "index": i, "uid": t.uid, "parent": parent, "origin": str(t.origin), "role": role, "run": run,
         "branch_pos": bp, "advantage_runs": runs(token_adv), "node_runs": node_runs,

@@ -333,7 +333,8 @@ class RolloutEngine(ToolTurns):
         if traj.entropies is not None:
             tops = seg.top_logprobs or [None] * len(seg.token_ids)
             ents = [topk_entropy(t) for t in tops]
-        traj.append(seg.token_ids, 1, list(seg.logprobs), ents)
+        versions = [v for v, n in seg.version_runs for _ in range(n)] if seg.version_runs else None
+        traj.append(seg.token_ids, 1, list(seg.logprobs), ents, versions)
         if traj.entropies is not None and traj.root_entropy is None:
             traj.root_entropy = self._window(ents)
         return ents

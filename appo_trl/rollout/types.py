@@ -108,6 +108,10 @@ class Trajectory:
         chain: the index of this chain in its agent session.
         messages: an agent run's assistant messages (what reward functions see as the completion).
         generation_s: wall time spent sampling this row (agent chains).
+        versions: per completion token, the policy version it was sampled under (from `Segment.version_runs`); an
+            injected token (mask 0) carries the version of the token before it (the first sampled token's when it
+            opens the row). None: the backend records no versions (every token is of the round's one version).
+            `version_runs` gives them run-length encoded; a prefix copy (a branch) keeps its prefix's versions.
     """
 
     prompt_ids: list[int]
@@ -134,16 +138,53 @@ class Trajectory:
     chain: int | None = None
     messages: list[dict[str, Any]] | None = None
     generation_s: float = 0.0
+    versions: list[int] | None = None
+
+    @property
+    def version_runs(self) -> list[tuple[int, int]] | None:
+        """`versions` run-length encoded, `[(version, n_tokens), ...]` in token order (None: not recorded)."""
+        if self.versions is None:
+            return None
+        runs: list[tuple[int, int]] = []
+        for v in self.versions:
+            if runs and runs[-1][0] == v:
+                runs[-1] = (v, runs[-1][1] + 1)
+            else:
+                runs.append((v, 1))
+        return runs
+
+    def oldest_version(self) -> int | None:
+        """The oldest version of a token the policy sampled (mask 1); None when versions are not recorded or the row
+        sampled nothing. The staleness bound applies to it."""
+        if self.versions is None:
+            return None
+        sampled = [v for v, m in zip(self.versions, self.loss_mask) if m]
+        return min(sampled) if sampled else None
 
     def check(self) -> None:
         """Raise `AssertionError` if the per-token lists disagree (cheap; the engine calls it on every row)."""
         n = len(self.completion_ids)
         assert len(self.loss_mask) == n and len(self.logprobs) == n, (n, len(self.loss_mask), len(self.logprobs))
         assert self.entropies is None or len(self.entropies) == n
+        assert self.versions is None or len(self.versions) == n, (n, len(self.versions))
 
     def append(self, ids: list[int], mask: int, logprobs: list[float] | None = None,
-               entropies: list[float] | None = None) -> None:  # fmt: skip
-        """Append tokens with one mask value; missing logprobs/entropies become NaN."""
+               entropies: list[float] | None = None, versions: list[int] | None = None) -> None:  # fmt: skip
+        """Append tokens with one mask value; missing logprobs/entropies become NaN. `versions` (per token) starts
+        or extends `self.versions`; without it an injected token takes the version before it, and a sampled
+        token on a row that records versions is an error (its version would be guessed)."""
+        if versions is not None:
+            if len(versions) != len(ids):
+                raise ValueError(f"{len(ids)} token ids but {len(versions)} versions")
+            if self.versions is None:  # tokens before the first recorded ones (injected): the first version
+                self.versions = [versions[0]] * len(self.completion_ids) if versions else None
+            if self.versions is not None:
+                self.versions.extend(int(v) for v in versions)
+        elif self.versions is not None and ids:
+            if mask:
+                raise ValueError(f"row {self.uid}: {len(ids)} sampled tokens without policy versions on a row "
+                                 "that records them")  # fmt: skip
+            self.versions.extend([self.versions[-1] if self.versions else 0] * len(ids))
         self.completion_ids.extend(ids)
         self.loss_mask.extend([mask] * len(ids))
         self.logprobs.extend(logprobs if logprobs is not None else [math.nan] * len(ids))
@@ -162,6 +203,7 @@ class Trajectory:
             loss_mask=self.loss_mask[:position],
             logprobs=self.logprobs[:position],
             entropies=None if self.entropies is None else self.entropies[:position],
+            versions=None if self.versions is None else self.versions[:position],
             tool_calls=[dataclasses.replace(c) for c in calls],
             num_calls=len(calls),
             group=self.group,
