@@ -113,6 +113,9 @@ class DiskWeightSync(VLLMGeneration):
         sync_dir: folder the server reads (default: a temporary folder, removed at exit).
         replicas: the `ReplicaSet` behind a router: every replica is synced (docs/architecture.md, "vLLM").
         server_wait_s: how long a server found unreachable is waited for (`GET /health`) before the reload.
+        reset_prefix_cache: reset it after the reload (default). An in-flight update inside a `keep` pause clears
+            it (`appo_trl.trainer.inflight_sync`): the frozen requests hold blocks, so the reset would fail, and the
+            sampler's per-version cache salt keeps every later request off the old weights' blocks.
         adapter: sync the LoRA adapter only (`appo_trl.vllm.lora`; the caller checked the servers take it).
         **kwargs: `VLLMGeneration`'s arguments (`mode` must be `"server"`).
     """
@@ -125,6 +128,7 @@ class DiskWeightSync(VLLMGeneration):
         self.replicas = replicas
         self.server_wait_s = server_wait_s
         self.num_syncs = 0
+        self.reset_prefix_cache = True
         super().__init__(*args, **kwargs)
 
     def _init_vllm(self):
@@ -187,7 +191,8 @@ class DiskWeightSync(VLLMGeneration):
                 os.replace(tmp, os.path.join(self.sync_dir, "model.safetensors"))
                 if self.replicas is None:
                     self.vllm_client.reload_weights(self.sync_dir, wait_s=self.server_wait_s)
-                    self.vllm_client.reset_prefix_cache()
+                    if self.reset_prefix_cache:
+                        self.vllm_client.reset_prefix_cache()
                 else:
                     self._sync_replicas()
             except Exception as exc:
@@ -232,7 +237,8 @@ class DiskWeightSync(VLLMGeneration):
                 self.adapters.load_on(url, self._pending_adapter)
                 return
             self.clients[url].reload_weights(self.sync_dir)
-            self.clients[url].reset_prefix_cache()
+            if self.reset_prefix_cache:
+                self.clients[url].reset_prefix_cache()
         except WeightSyncError as exc:
             raise WeightSyncError(
                 f"vLLM replica {url} did not take the new weights ({exc}); the run stops rather than sample "

@@ -65,12 +65,12 @@ def test_the_oldest_complete_groups_pass_an_unfinished_older_one_which_carries_o
     s = Sampler()
     gs = stream(s, max_groups=4)
     gs.feed(rows_for("abcd"), [[1], [2], [3], [4]], [1, 2, 3, 4])
-    s.finish(3), s.finish(1)  # group 0 (the long tail) still samples
+    s.finish(3), s.finish(2), s.finish(1)  # group 0 (the long tail) still samples
     batch = gs.take(2, step=0)
-    assert [g.order for g in batch.groups] == [1, 3]  # oldest first among the complete
-    assert batch.carried_groups == 2 and [g.order for g in gs.in_flight()] == [0, 2]
-    s.finish(0), s.finish(2)
-    assert [g.order for g in gs.take(2, step=0).groups] == [0, 2]
+    assert [g.order for g in batch.groups] == [1, 2]  # the oldest of the complete ones
+    assert batch.carried_groups == 2 and [g.order for g in gs.in_flight()] == [0]
+    s.finish(0)
+    assert [g.order for g in gs.take(2, step=0).groups] == [0, 3]
 
 
 def test_a_too_stale_group_is_dropped_whole_and_its_prompt_sampled_again():

@@ -1,0 +1,64 @@
+"""The trainer's in-flight weight sync: TRL's weight sync run inside `ServerPause` (appo_trl/vllm/inflight.py).
+
+`InFlightSync.sync(version)` pauses every server (each replica, never the router), pushes the weights by the disk
+route (`DiskWeightSync`) without its prefix-cache reset (inside a `keep` pause the frozen requests hold blocks; the
+sampler's per-version cache salt keeps later requests off the old weights' blocks), advances the sampler's clock
+to `version` and resumes; in `abort` mode the sampler re-feeds the aborted requests under the new weights. Its
+faults are `ServerPause`'s one-line `InFlightUpdateError`s. Routes it cannot run in flight (NCCL, the adapter
+route) are refused at start-up in one line. The rules: docs/streaming.md.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from appo_trl.vllm.inflight import PauseMode, PolicyClock, ServerPause
+
+logger = logging.getLogger(__name__)
+
+
+class InFlightSync:
+    """Weight syncs inside a pause of every server (module docstring).
+
+    Args:
+        generation: TRL's `vllm_generation` (appo's `DiskWeightSync`, full weights).
+        urls: every vLLM server (`ServerSpec.urls`: the replicas behind a router).
+        mode: `PauseMode` (or its value), `inflight_update`.
+        clock: the sampler's `PolicyClock` (the `VLLMServerBackend` stamps tokens with it).
+        timeout_s: most seconds one `/pause` may take.
+    """
+
+    def __init__(self, generation, urls: list[str], mode: PauseMode | str, clock: PolicyClock,
+                 timeout_s: float = 60.0):  # fmt: skip
+        if not hasattr(generation, "reset_prefix_cache"):
+            raise ValueError(
+                f"rollout_stream with the {type(generation).__name__} weight sync (NCCL): an in-flight update needs "
+                "the disk route (vllm_weight_sync: disk), whose prefix-cache reset can be left out inside a pause"
+            )
+        if getattr(generation, "adapter", False):
+            raise ValueError(
+                "rollout_stream with the adapter-only sync: loading the new adapter in place under the names the "
+                "running requests use is not built yet; use vllm_sync_adapter: never (full weights, disk route)"
+            )
+        self.generation, self.clock = generation, clock
+        self.pause = ServerPause(urls, mode=mode, clock=clock, timeout_s=timeout_s)
+        self.pause_s: list[float] = []  # seconds the servers were paused, per sync
+
+    @property
+    def version(self) -> int:
+        return self.clock.version
+
+    def sync(self, version: int) -> float:
+        """Push the trainer's weights as `version` with every server paused; the seconds they were paused."""
+        gen = self.generation
+        before, gen.reset_prefix_cache = gen.reset_prefix_cache, False
+        try:
+            with self.pause.paused(version=version):
+                gen.sync_weights()
+        finally:
+            gen.reset_prefix_cache = before
+            self.pause_s.append(self.pause.pause_s_last)
+        return self.pause.pause_s_last
+
+
+__all__ = ["InFlightSync"]
