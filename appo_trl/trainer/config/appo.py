@@ -18,6 +18,7 @@ from appo_trl.trainer.config.agent import AGENT_HELP
 from appo_trl.trainer.config.credit import check_credit, credit_field
 from appo_trl.trainer.config.lora import SYNC_ADAPTER_HELP, check_sync_adapter
 from appo_trl.trainer.config.script import _loss, _rollout, _strategy, _vllm
+from appo_trl.trainer.config.stream import StreamFields
 from appo_trl.trainer.strategies import strategy_class
 
 # fields that were removed, with the one line that names their replacement (Python, recipe and command line)
@@ -30,7 +31,7 @@ REMOVED_FIELDS = {
 
 
 @dataclass
-class APPOConfig(GRPOConfig):
+class APPOConfig(GRPOConfig, StreamFields):
     """`GRPOConfig` plus the agentic-RL settings of appo-trl.
 
     `num_generations` is the final group size n (rows per prompt that reach the reward functions). Strategies:
@@ -70,8 +71,7 @@ class APPOConfig(GRPOConfig):
         ),
     )
     tool_config: dict | str | None = field(
-        default=None,
-        metadata=_rollout("Per-tool parameters as a mapping (YAML) or JSON string, keyed by tool name."),
+        default=None, metadata=_rollout("Per-tool parameters as a mapping (YAML) or JSON string, keyed by tool name.")
     )
     tool_call_limit: int | None = field(
         default=3,

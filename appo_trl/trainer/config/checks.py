@@ -16,6 +16,7 @@ from dataclasses import fields
 from appo_trl.configs.errors import fail
 from appo_trl.configs.reference import REFERENCE_PRESETS
 from appo_trl.trainer import trl_rules
+from appo_trl.trainer.config.stream import check_stream
 
 # Loss normalisers the custom (non-TRL) loss modes reproduce exactly (TRL `GRPOTrainer._compute_loss`).
 CUSTOM_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
@@ -140,7 +141,9 @@ def check_vllm(cfg) -> None:
 
 
 def check_async(cfg) -> None:
-    """`max_staleness` / `weight_sync_steps`: settings the background rounds can honour (see async_rounds)."""
+    """`max_staleness` / `weight_sync_steps`: settings the background rounds can honour (see async_rounds), and the
+    streaming fields (`config.stream`)."""
+    check_stream(cfg, fail)
     k, w = cfg.max_staleness, cfg.weight_sync_steps
     if k < 0 or w < 1:
         fail(f"max_staleness={k} must be >= 0 and weight_sync_steps={w} >= 1.")
