@@ -10,7 +10,8 @@ partial tokens already sent), `wait` lets them finish; new requests wait for `/r
 `abort_first_after` (the first request is aborted after that many tokens), `pause_delay_s` (a pause that hangs),
 `resume_fails` (the next N `/resume` answer 500), `decodes_while_paused` (a broken keep mode), `ahead` (the
 engine done at once, its stream behind), `no_pause_routes` (an
-older vLLM or no dev mode: the routes 404); `kill()` (from `FakeVLLMServer`) is a replica that dies.
+older vLLM or no dev mode: the routes 404); `kill()` (from `FakeVLLMServer`) is a replica that dies. `/server_info`
+and `/reset_prefix_cache` (500 under a `keep` pause with requests frozen, as vLLM) serve the trainer's disk route.
 """
 
 from __future__ import annotations
@@ -51,6 +52,19 @@ class PausableVLLM(FakeVLLMServer):
             if (await request.json())["method"] == "reload_weights":
                 self.weights += 1
             return JSONResponse({"results": [None]})
+
+        @app.get("/server_info")
+        async def server_info():  # what the trainer's disk route reads at start-up
+            return {"vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs",
+                                                     "max_model_len": self.max_model_len},
+                                    "device_config": {"device": self.device}, "lora_config": None}}  # fmt: skip
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache():  # as vLLM: frozen requests hold blocks, so a reset under a keep pause fails
+            self.calls.append("reset_prefix_cache")
+            if self.state == "keep" and self.running:
+                return JSONResponse({"error": "running requests hold blocks"}, status_code=500)
+            return JSONResponse({"success": True})
 
         @app.post("/pause")
         async def pause(mode: str = "abort", clear_cache: bool = True):

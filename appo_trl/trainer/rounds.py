@@ -25,6 +25,7 @@ from appo_trl.trainer.rows import select_rows
 from appo_trl.trainer.setup import build_rollout_engine
 from appo_trl.trainer.sharded import full_weights_for_round
 from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RolloutStrategy, Round
+from appo_trl.trainer.stream_rounds import build_stream_rounds
 from appo_trl.trainer.turn_rewards import token_rewards
 from appo_trl.trainer.weight_sync import generate_round, held_adapter
 
@@ -48,11 +49,13 @@ class RoundRunner:
         self._scoring: tuple | None = None  # (TRL's generation batch, mode) of the scoring call in progress
         self.round_index = 0  # seeds derive from it; checkpointed (`state`)
         self.tool_idle_rounds = 0
-        self.async_rounds = build_async_rounds(trainer)  # None unless max_staleness >= 1 (async_rounds)
-        self.sampler = self.async_rounds.sampler if self.async_rounds is not None else None
         # the sampling path resolved at start-up (`sampling_paths`): every round, foreground or background, is its
         # `sample()`, and the path owns the round's life
         self.path = trainer.sampling_path().bind(self)
+        self.stream = build_stream_rounds(trainer, self)  # rollout_stream: groups stream (stream_rounds), else None
+        # None unless max_staleness >= 1 without streaming (async_rounds)
+        self.async_rounds = build_async_rounds(trainer) if self.stream is None else None
+        self.sampler = self.async_rounds.sampler if self.async_rounds is not None else None
         backend = getattr(engine, "backend", None)
         if self.sampler is not None and getattr(backend, "model", None) is trainer.model:
             backend.model, backend.accelerator = self.sampler.model, None  # decode with the copy, not the policy
@@ -61,8 +64,21 @@ class RoundRunner:
     def engine(self):
         if self._engine is None:
             sampler_model = self.sampler.model if self.sampler is not None else None
-            self._engine = build_rollout_engine(self.trainer, sampler_model=sampler_model)
+            clock = self.stream.clock if self.stream is not None else None
+            self._engine = build_rollout_engine(self.trainer, sampler_model=sampler_model, clock=clock)
         return self._engine
+
+    @property
+    def lookahead(self):
+        """The `BatchLookahead` the trainer's batches go through (background rounds, streaming), else None."""
+        owner = self.async_rounds if self.async_rounds is not None else self.stream
+        return None if owner is None else owner.lookahead
+
+    def stream_inputs(self, inputs):
+        """rollout_stream, training: TRL's generation batch -> the rows of the groups the stream hands over."""
+        if self.stream is None or not self.trainer.model.training:
+            return inputs
+        return self.stream.inputs_for(inputs)
 
     # ---- seeds and checkpoints ------------------------------------------------------------------------------
     def next_seed(self) -> int:
@@ -86,12 +102,16 @@ class RoundRunner:
         rounds = self.async_rounds
         if rounds is not None:
             rounds.reset()
+        if self.stream is not None:
+            self.stream.reset()
         with split_cpu_threads() if self.sampler is not None else contextlib.nullcontext():
             try:
                 yield
             finally:
                 if rounds is not None:
                     rounds.closed = True
+                if self.stream is not None:
+                    self.stream.close()  # no group starts; those in flight are cancelled with the engine
                 self.path.close()
                 closer = getattr(self._engine, "close", None)
                 if closer is not None:
@@ -176,7 +196,10 @@ class RoundRunner:
         strategy = self.strategy if mode == "train" else self.eval_strategy
         self.path.prepare(strategy, prompts, n)
         prompt_ids, _, _ = t._tokenize_prompts(copy.deepcopy(prompts))
-        rnd, version = self._sample(inputs, mode, strategy, prompt_ids, n)
+        if self.stream is not None and mode == "train":  # the groups `stream_inputs` handed over
+            rnd, version = self.stream.take_round(prompts)
+        else:
+            rnd, version = self._sample(inputs, mode, strategy, prompt_ids, n)
         self.path.hand_over(rnd, mode, prompts)  # trainer's thread: an agent's metrics, a round's own environments
         rows = rnd.rows
         if len(rows) != len(prompts) or any(len(g) != n for g in rnd.groups):
@@ -197,6 +220,9 @@ class RoundRunner:
             self.current = rnd
         if mode == "train" and self.async_rounds is not None:
             for key, value in self.async_rounds.metrics().items():
+                trl_seams.log_metric(t, mode, key, value)
+        if mode == "train" and self.stream is not None:
+            for key, value in self.stream.metrics.items():
                 trl_seams.log_metric(t, mode, key, value)
         # rows without cached logps get ratio 1 (they are dropped); background rounds: the proximal forward runs
         if rnd.selection_logps is not None and self.async_rounds is None and trl_rules.runs_old_logp_pass(t):

@@ -28,13 +28,14 @@ def resolve_reward_funcs(reward_funcs):
     return [rewards.get_reward_func(f) if isinstance(f, str) and f in registry else f for f in funcs]
 
 
-def build_rollout_engine(trainer, sampler_model=None):
+def build_rollout_engine(trainer, sampler_model=None, clock=None):
     """The rollout engine the config asks for: tools from `tools`/`tool_config`, backend from `use_vllm`.
 
     `use_vllm=True` samples through the vLLM servers resolved at start-up (`trainer.vllm_server`, a `ServerSpec`:
     the router with several replicas) in server mode, or through TRL's in-process engine
     (`trainer.vllm_generation.llm`) in colocate mode; otherwise the policy samples in-process (`TransformersBackend`),
-    or `sampler_model` (the sampler copy, max_staleness >= 1) does.
+    or `sampler_model` (the sampler copy, max_staleness >= 1) does. `clock` (rollout_stream): the server sampler
+    streams and stamps each token with its policy version.
     """
     from appo_trl.rollout import RolloutConfig, RolloutEngine, TransformersBackend
     from appo_trl.tools import ToolExecutor
@@ -50,7 +51,8 @@ def build_rollout_engine(trainer, sampler_model=None):
     elif args.use_vllm:
         backend = trainer.vllm_server.backend(max_concurrency=args.rollout_concurrency,
                                               server_wait_s=args.vllm_server_wait_s,
-                                              timeout_s=args.vllm_request_timeout_s)  # fmt: skip
+                                              timeout_s=args.vllm_request_timeout_s,
+                                              **({} if clock is None else {"clock": clock}))  # fmt: skip
     elif sampler_model is not None:  # max_staleness >= 1: the sampler copy decodes
         backend = TransformersBackend(sampler_model, trainer._tokenizer)
     else:

@@ -186,9 +186,10 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """`Trainer.get_batch_samples`; with max_staleness >= 1 through a lookahead that can peek the next round."""
-        if self.rounds.async_rounds is None:
+        lookahead = self.rounds.lookahead  # background rounds or streaming
+        if lookahead is None:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
-        batch_samples = self.rounds.async_rounds.lookahead.pull(epoch_iterator, num_batches)
+        batch_samples = lookahead.pull(epoch_iterator, num_batches)
         return batch_samples, self._get_num_items_in_batch(batch_samples, device)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
@@ -327,6 +328,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         """TRL's, once, on the round the runner holds for this call; then the strategy's advantages and rows."""
+        inputs = self.rounds.stream_inputs(inputs)  # rollout_stream: the rows of the groups handed over
         with self.rounds.scoring(inputs):
             with self.rounds.behaviour_correction():  # background rounds in-process: TRL's importance weight
                 out = super()._generate_and_score_completions(inputs)

@@ -1,0 +1,68 @@
+"""`rollout_stream: true` end to end on the tiny model against the scripted pausable server (bench/pausable_vllm.py):
+groups stream, the weights sync in flight at every hand-over (keep pause, no prefix-cache reset), every row's
+tokens carry their policy versions into the Round and the rollout dump; a server without /pause falls back to the
+max_staleness rounds with one line."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import threading
+
+import pytest
+
+from bench.pausable_vllm import PausableVLLM
+from tests.trainer.test_trainer import RewardSpy, make_trainer
+
+pytestmark = pytest.mark.network
+STREAM = dict(use_vllm=True, vllm_mode="server", num_generations=2, per_device_train_batch_size=4,
+              max_completion_length=24, max_staleness=2, rollout_stream=True)  # fmt: skip
+
+
+def test_groups_stream_and_the_weights_update_in_flight(tmp_path, tiny_tokenizer, tiny_model_path):
+    server = PausableVLLM(step_s=0.01).start()
+    try:
+        trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), max_steps=4,
+                               vllm_server_base_url=server.url, stream_overprovision=0.5, dump_rollouts=2,
+                               **STREAM)  # fmt: skip
+        assert trainer.rounds.stream is not None and trainer.rounds.async_rounds is None
+        stream, handed = trainer.rounds.stream, []
+        take = stream.take_round
+        stream.take_round = lambda prompts: handed.append(take(prompts)) or handed[-1]
+        trainer.train()
+    finally:
+        server.stop()
+    assert trainer.state.global_step == 4 and len(handed) == 4
+    assert server.calls.count("pause:keep") == 4 and server.calls.count("resume") == 4  # one sync per hand-over
+    assert "reset_prefix_cache" not in server.calls  # the per-version cache salt replaces it
+    assert server.weights == 4 and stream.clock.version == 3
+    for step, (rnd, oldest) in enumerate(handed):
+        assert len(rnd.groups) == 2 and all(len(g) == 2 for g in rnd.groups) and all(rnd.keep)
+        for row in rnd.rows:
+            assert row.versions is not None and len(row.versions) == len(row.completion_ids)
+            assert row.versions == sorted(row.versions) and max(row.versions) <= step
+            assert step - row.oldest_version() <= 2  # the bound, per token
+        assert oldest == min(r.oldest_version() for r in rnd.rows)
+    # the server stamps its own version in each logprob: a token's version names the weights it was sampled on
+    for rnd, _ in handed:
+        for row in rnd.rows:
+            assert all(lp == pytest.approx(-(2 + v) / 10) for lp, v in zip(row.logprobs, row.versions))
+    records = [json.loads(x) for f in sorted(glob.glob(f"{tmp_path}/rollouts/step_*.jsonl")) for x in open(f)]
+    assert records and all(r["version_runs"] for rec in records for r in rec["rows"])
+    assert stream.stream is None  # closed at the end of training
+    assert not [t for t in threading.enumerate() if t.name.startswith("appo-round")]
+
+
+def test_a_server_without_pause_gets_one_line_and_the_rounds_of_today(tmp_path, tiny_tokenizer, tiny_model_path,
+                                                                      caplog):  # fmt: skip
+    server = PausableVLLM(no_pause_routes=True).start()
+    try:
+        with caplog.at_level(logging.WARNING):
+            trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), max_steps=1,
+                                   vllm_server_base_url=server.url, **STREAM)  # fmt: skip
+    finally:
+        server.stop()
+    assert trainer.rounds.stream is None and trainer.rounds.async_rounds is not None
+    lines = [r.getMessage() for r in caplog.records if "/pause" in r.getMessage()]
+    assert len(lines) == 1 and "the weights sync between rounds" in lines[0]
