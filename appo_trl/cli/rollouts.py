@@ -55,6 +55,7 @@ def _label(row: dict, chars: int):
     else:
         label.append("  no tool calls", style="dim")
     label.append(f"  {row['finish_reason']}, {row['length']} tok", style="dim")
+    label.append(_versions(row), style="yellow")
     if not row.get("kept", True):
         label.append("  (not in loss)", style="dim italic")
     label.append(_credit(row), style="cyan")
@@ -67,6 +68,16 @@ def _label(row: dict, chars: int):
             label.append(f"\n  <{c.get('tag')}> {_short(c.get('query', ''), 80)}  → {_short(c.get('result', ''), 60)}",
                          style="dim")  # fmt: skip
     return label
+
+
+def _versions(row: dict) -> str:
+    """The row's policy versions, and where it crossed a weight update (streaming: `version_runs`)."""
+    runs = row.get("version_runs") or []
+    if not runs:
+        return ""
+    if len(runs) == 1:
+        return f"  v{runs[0][2]}"
+    return "  v" + " → ".join(f"{v} [{s},{e})" for s, e, v in runs) + f" (crossed {len(runs) - 1} update(s))"
 
 
 def _credit(row: dict) -> str:

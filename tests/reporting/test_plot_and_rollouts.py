@@ -131,3 +131,15 @@ def test_appo_train_then_plot_and_rollouts(tmp_path, tiny_model_path, capsys):
     assert main(["plot", str(out)]) == 0
     assert (out / "training_curves.png").is_file()
     assert "reward" in capsys.readouterr().out
+
+
+def test_group_tree_shows_where_a_row_crossed_a_weight_update():
+    import copy
+
+    record = copy.deepcopy(RECORD)
+    record["rows"][0]["version_runs"] = [[0, 5, 3], [5, 12, 4]]  # tokens 0-4 sampled under version 3, then 4
+    record["rows"][1]["version_runs"] = [[0, 9, 4]]
+    lines = _render(group_tree(record, chars=0)).splitlines()
+    root0 = next(line for line in lines if "#0 root" in line)
+    assert "v3 [0,5) → 4 [5,12) (crossed 1 update(s))" in root0
+    assert any("#1 " in line and "v4" in line and "crossed" not in line for line in lines)
