@@ -20,12 +20,13 @@ STREAM = dict(use_vllm=True, vllm_mode="server", num_generations=2, per_device_t
               max_completion_length=24, max_staleness=2, rollout_stream=True)  # fmt: skip
 
 
-def test_groups_stream_and_the_weights_update_in_flight(tmp_path, tiny_tokenizer, tiny_model_path):
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_groups_stream_and_the_weights_update_in_flight(tmp_path, tiny_tokenizer, tiny_model_path, mode):
     server = PausableVLLM(step_s=0.01).start()
     try:
         trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), max_steps=4,
                                vllm_server_base_url=server.url, stream_overprovision=0.5, dump_rollouts=2,
-                               **STREAM)  # fmt: skip
+                               inflight_update=mode, **STREAM)  # fmt: skip
         assert trainer.rounds.stream is not None and trainer.rounds.async_rounds is None
         stream, handed = trainer.rounds.stream, []
         take = stream.take_round
@@ -34,7 +35,7 @@ def test_groups_stream_and_the_weights_update_in_flight(tmp_path, tiny_tokenizer
     finally:
         server.stop()
     assert trainer.state.global_step == 4 and len(handed) == 4
-    assert server.calls.count("pause:keep") == 4 and server.calls.count("resume") == 4  # one sync per hand-over
+    assert server.calls.count(f"pause:{mode}") == 4 and server.calls.count("resume") == 4  # one sync per hand-over
     assert "reset_prefix_cache" not in server.calls  # the per-version cache salt replaces it
     assert server.weights == 4 and stream.clock.version == 3
     for step, (rnd, oldest) in enumerate(handed):
@@ -66,3 +67,19 @@ def test_a_server_without_pause_gets_one_line_and_the_rounds_of_today(tmp_path, 
     assert trainer.rounds.stream is None and trainer.rounds.async_rounds is not None
     lines = [r.getMessage() for r in caplog.records if "/pause" in r.getMessage()]
     assert len(lines) == 1 and "the weights sync between rounds" in lines[0]
+
+
+def test_a_resume_that_fails_during_training_is_one_line_and_leaves_nothing_running(tmp_path, tiny_tokenizer,
+                                                                                     tiny_model_path):  # fmt: skip
+    from appo_trl.vllm.inflight import InFlightUpdateError
+
+    server = PausableVLLM(step_s=0.01, resume_fails=3).start()  # the first sync's three /resume attempts fail
+    try:
+        trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), max_steps=2,
+                               vllm_server_base_url=server.url, **STREAM)  # fmt: skip
+        with pytest.raises(InFlightUpdateError, match="is still paused: POST /resume answered HTTP 500"):
+            trainer.train()
+    finally:
+        server.stop()
+    assert trainer.rounds.stream.stream is None  # closed: no group starts, none left in flight
+    assert not [t for t in threading.enumerate() if t.name.startswith(("appo-round", "appo-rollout"))]
