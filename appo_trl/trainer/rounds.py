@@ -87,6 +87,8 @@ class RoundRunner:
         return hash((t.args.seed, t.state.global_step, t.accelerator.process_index, self.round_index)) % (2**31)
 
     def state(self) -> dict:
+        if self.stream is not None:  # a checkpoint: what it does not hold is logged
+            self.stream.note_checkpoint(self.trainer.state.global_step)
         return {"round_index": self.round_index, "tool_idle_rounds": self.tool_idle_rounds}
 
     def load_state(self, state: dict) -> None:

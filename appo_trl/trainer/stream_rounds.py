@@ -62,6 +62,14 @@ class StreamRounds:
             if dropped:
                 logger.info("rollout_stream: %d group(s) unfinished at the end of training were dropped", dropped)
 
+    def note_checkpoint(self, step: int) -> None:
+        """At a checkpoint: say what it does not hold (the groups in flight, complete or queued)."""
+        unfinished = self.stream.unfinished() if self.stream is not None else []
+        if unfinished:
+            logger.info("checkpoint at step %d: %d group(s) of the stream (sampling, complete or queued) are not "
+                        "saved; a resume samples the data from step %d on again, and a group carried over from an "
+                        "earlier batch is not sampled again", step, len(unfinished), step)  # fmt: skip
+
     def _start_group(self, prompt_ids: list[int], seed: int):
         engine = self.runner.engine
 
@@ -95,6 +103,10 @@ class StreamRounds:
         num_groups = len(inputs) // self.n
         if self.stream is None:
             self.stream = self._build(num_groups)
+            if step > 0:
+                logger.warning("rollout_stream: starting at step %d (a resume) with no group in flight: the groups "
+                               "the checkpoint did not hold are sampled again from the data of step %d on",
+                               step, step)  # fmt: skip
         if self.clock.version != step:
             self.sync.sync(step)
             trl_seams.mark_weights_synced(t)

@@ -83,3 +83,22 @@ def test_a_resume_that_fails_during_training_is_one_line_and_leaves_nothing_runn
         server.stop()
     assert trainer.rounds.stream.stream is None  # closed: no group starts, none left in flight
     assert not [t for t in threading.enumerate() if t.name.startswith(("appo-round", "appo-rollout"))]
+
+
+def test_a_resume_with_groups_in_flight_samples_them_again_and_says_so(tmp_path, tiny_tokenizer, tiny_model_path,
+                                                                       caplog):  # fmt: skip
+    server = PausableVLLM(step_s=0.005).start()
+    kw = dict(vllm_server_base_url=server.url, save_strategy="steps", save_steps=1, **STREAM)
+    try:
+        with caplog.at_level(logging.INFO):
+            make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), max_steps=2, **kw).train()
+            saved = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint at step")]
+            caplog.clear()
+            trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), max_steps=3, **kw)
+            trainer.train(resume_from_checkpoint=True)
+    finally:
+        server.stop()
+    assert saved and "group(s) of the stream" in saved[0] and "are not saved" in saved[0]
+    assert trainer.state.global_step == 3
+    resumed = [r.getMessage() for r in caplog.records if "(a resume)" in r.getMessage()]
+    assert len(resumed) == 1 and "starting at step 2" in resumed[0] and "sampled again" in resumed[0]
