@@ -178,3 +178,16 @@ def test_the_agent_tools_answer_as_the_tool_loop_does(cold, monkeypatch):
     doc = json.loads(Path(cold["search_corpus"]).read_text().splitlines()[0])
     name = doc["id"].split("-")[0]
     assert agent.search(f"{name} {doc['id'].split('-')[1]}") == f"Page 1: {doc['contents']}"
+
+
+def test_feature_runs_window_stats_by_hand():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("feature_runs", REPO_ROOT / "scripts" / "feature_runs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    s = mod.window_stats([0.0, 1.0, 9.0, 2.0, 3.0], 2)  # first [0, 1], last [2, 3]; the middle is left out
+    assert s["first_mean"] == 0.5 and s["last_mean"] == 2.5 and s["change"] == 2.0
+    assert s["first_sd"] == pytest.approx(0.5**0.5) and s["last_sd"] == pytest.approx(0.5**0.5)  # sqrt(0.5 / 1)
+    with pytest.raises(ValueError, match="need at least 4 values for two windows of 2"):
+        mod.window_stats([1.0, 2.0, 3.0], 2)
