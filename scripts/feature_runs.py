@@ -1,13 +1,16 @@
 """Run the demo's feature recipes one after the other on the cold start; say how each one's training reward moved.
 
     python scripts/feature_runs.py [--recipes lora tree agent async] [--window 10] [--out outputs/feature_runs.json]
+    python scripts/feature_runs.py --heldout sft lora tree async [--samples 2]   # after the runs
 
 Needs the cold start (`make cold-start`). Each recipe runs as `appo train --config recipes/demo/<name>.yaml` in a
 child process, one at a time. Per run: wall time, the child's CPU seconds (user + system, its own children
 included), the 1-minute load average before and after (the machine is shared: say so next to the figures), and from
 its `trainer_state.json` the mean and sample sd of the per-step training reward over the first and over the last
 `window` steps (`window_stats`), and the same for tool calls per completion. Nothing is tuned here: the settings
-are the recipes'. Figures: README, "Features on the cold start"; docs/benchmarks.md, "Features on the cold start".
+are the recipes'. `--heldout` evaluates the cold start (`sft`) and the runs' final models on the cold start's 96
+held-out questions (`appo_trl.synthetic.pipeline.evaluate_heldout`: `--samples` each at temperature 1, seed 0, the
+real python sandbox and `appo serve-search`), the training reward being too noisy at 16 rows a step. Figures: README, "Features on the cold start"; docs/benchmarks.md, "Features on the cold start".
 """
 
 from __future__ import annotations
@@ -58,12 +61,36 @@ def run_one(name: str, window: int) -> dict:
             "log": str(log.relative_to(REPO))}  # fmt: skip
 
 
+def heldout(names: list[str], samples: int, out: str) -> None:
+    """Held-out pass@1 / pass@k / tool calls per sample of `outputs/demo/sft` (`sft`) or `outputs/demo-<name>`."""
+    from appo_trl.synthetic import pipeline as P
+
+    data = REPO / "outputs" / "demo" / "data"
+    results = json.loads(Path(out).read_text()) if Path(out).is_file() else {}
+    with P.search_server(str(data / "corpus.jsonl"), str(REPO / "outputs" / "feature-search.log")) as srv:
+        for name in names:
+            model = REPO / "outputs" / ("demo/sft" if name == "sft" else f"demo-{name}")
+            t0 = time.monotonic()
+            r = P.evaluate_heldout(str(model), str(data / "benchmarks.yaml"), srv.url,
+                                   str(REPO / "outputs" / "feature-eval" / name), num_samples=samples, seed=0)  # fmt: skip
+            r["wall_s"], r["load"] = round(time.monotonic() - t0, 1), os.getloadavg()[0]
+            results.setdefault("heldout", {})[name] = r
+            print(f"{name:6} held-out pass@1 {100 * r['pass@1']:.1f} %  pass@{r['k']} {100 * r['pass@k']:.1f} %  "
+                  f"tool calls/sample {r['calls_per_sample']:.2f}  by family {r['by_family']}", flush=True)  # fmt: skip
+            Path(out).write_text(json.dumps(results, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipes", nargs="+", default=["lora", "tree", "agent", "async"])
     p.add_argument("--window", type=int, default=10, help="steps averaged at the start and at the end")
     p.add_argument("--out", default="outputs/feature_runs.json")
+    p.add_argument("--heldout", nargs="+", help="evaluate these (sft = the cold start) instead of training")
+    p.add_argument("--samples", type=int, default=2, help="samples per held-out question (--heldout)")
     a = p.parse_args(argv)
+    if a.heldout:
+        heldout(a.heldout, a.samples, a.out.replace(".json", "_heldout.json"))
+        return 0
     if not (REPO / "outputs" / "demo" / "sft" / "config.json").is_file():
         p.error("no cold start in outputs/demo/sft: run `make cold-start` (appo demo --sft_only) first")
     results = {}

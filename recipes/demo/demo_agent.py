@@ -7,7 +7,9 @@ the agent runs that call itself and sends the result back in a user turn (`<resu
 Its tools: `python` evaluates `print(<integer arithmetic>)` (+, -, *, parentheses: what the demo's questions
 need; anything else is an error result, nothing is executed), `search` is BM25 over the demo's encyclopedia
 (`appo_trl.tools.search_server.BM25Index`, the index `appo serve-search` builds, loaded once per process) with the
-top hit formatted as the search tool does (`Page 1: ...`). What it does not do: sandbox arbitrary code.
+top hit formatted as the search tool does (`Page 1: ...`). What it does not do: sandbox arbitrary code, or keep the
+SFT traces' format: the endpoint closes the model's turn before the agent's next message, so each result arrives in
+a new user turn, which the demo's cold start never saw (docs/benchmarks.md, "Features on the cold start").
 """
 
 from __future__ import annotations
