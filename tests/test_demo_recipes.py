@@ -95,7 +95,7 @@ def test_sft_only_refuses_what_it_would_ignore(flags, capsys):
 
 
 def test_the_cold_start_writes_what_the_recipes_read(tmp_path):
-    """A tiny cold start (2 SFT steps); the real one is `make cold-start` (2,000 steps, about 40 min on 2 cores)."""
+    """A tiny cold start (2 SFT steps); the real one is `make cold-start` (2,000 steps, 32 min on 2 loaded cores)."""
     lines: list[str] = []
     work = tmp_path / "demo"
     a = parse_args(["--sft_only", "--workdir", str(work), "--sft_steps", "2", "--num_sft", "24"])
