@@ -1,5 +1,5 @@
 # appo-trl developer commands. `make test` and `make demo` create .venv when it is missing.
-.PHONY: install test test-fast test-vllm install-vllm demo study study-full bench quality clean
+.PHONY: install test test-fast test-vllm install-vllm demo cold-start study study-full bench quality clean
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -75,6 +75,10 @@ test-fast: install
 
 demo: install
 	$(VENV)/bin/appo demo
+
+# the demo's SFT cold start only: outputs/demo/sft and outputs/demo/data, what every recipes/demo/*.yaml starts from
+cold-start: install
+	$(VENV)/bin/appo demo --sft_only
 
 # GRPO vs ARPO vs AEPO vs APPO from one SFT checkpoint, 3 seeds, at equal steps and matched compute (docs/study.md);
 # 35 to 56 minutes on 2 cores

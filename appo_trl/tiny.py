@@ -51,7 +51,8 @@ def random_weights_note(model_path: str | os.PathLike | None) -> str | None:
         return None
     return (
         f"{model_path} has random weights (appo tiny-model): this run checks the plumbing and will not learn "
-        "(reward stays flat); to see RL learn on a CPU, run `make demo` (an SFT cold start, then APPO)"
+        "(reward stays flat); to see a feature learn on a CPU, run `make cold-start` (`appo demo --sft_only`), then "
+        "`appo train --config recipes/demo/lora.yaml` (tree.yaml, agent.yaml, async.yaml)"
     )
 
 

@@ -10,6 +10,9 @@
 5. RL with `recipes/demo/appo.yaml` (APPO, the sandboxed python tool and the search tool, both for real);
 6. `appo eval` of RL checkpoints and of the final model on the same held-out questions.
 
+`--sft_only` stops after step 2: `outputs/demo/sft` and `outputs/demo/data` are then the cold start that every
+recipe in `recipes/demo/` starts from (`appo train --config recipes/demo/lora.yaml`, ...; `make cold-start`).
+
 Prints a before/after table, writes `<workdir>/report.json` and `<workdir>/curves.png` (reward, held-out
 accuracy at the checkpoints, tool calls per sample over the RL steps). Sampling is at temperature 1 for
 training and evaluation alike. What it does not show: anything about large models; the task is synthetic and
@@ -19,6 +22,7 @@ the model tiny. Seed spread and timings: docs/benchmarks.md ("Demo").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -95,6 +99,11 @@ def parser() -> argparse.ArgumentParser:
         help="intermediate RL checkpoints evaluated on the held-out split (default: %(default)s)",
     )
     p.add_argument(
+        "--sft_only",
+        action="store_true",
+        help="stop after the cold start: <workdir>/sft and <workdir>/data are what recipes/demo/*.yaml start from",
+    )
+    p.add_argument(
         "--reuse_sft",
         action="store_true",
         help="reuse <workdir>/sft when it exists (a finished cold start of the same settings)",
@@ -115,7 +124,56 @@ def main(argv: list[str]) -> int:
     a = parse_args(argv)
     if a.rl_steps < 1 or a.sft_steps < 1 or a.eval_samples < 1 or a.checkpoints < 0:
         parser().error("--rl_steps, --sft_steps and --eval_samples must be >= 1, --checkpoints >= 0")
+    if a.sft_only:
+        unused = [f"--{k}" for k in RL_OPTIONS if getattr(a, k) != parser().get_default(k)]
+        unused += [x for x in a.extra if x.startswith("-")]  # RL recipe overrides
+        if unused:
+            parser().error(f"--sft_only runs no RL and no evaluation: {' '.join(unused)} would be ignored")
+        cold_start(a)
+        return 0
     return 0 if run(a)["heldout_accuracy_rl"] is not None else 1
+
+
+# the options only the RL and evaluation stages read (`--sft_only` refuses them)
+RL_OPTIONS = ("recipe", "rl_steps", "checkpoints", "num_heldout", "eval_samples")
+# where recipes/demo/*.yaml read the cold start from (`appo demo --sft_only` with the default --workdir writes it)
+COLD_START_WORKDIR = "outputs/demo"
+
+
+def cold_start_paths(workdir: str | os.PathLike) -> dict[str, str]:
+    """The cold start's files as the demo recipes name them: the model, the RL prompts and the search corpus."""
+    w = Path(workdir)
+    return {"model_name_or_path": str(w / "sft"), "dataset_name": str(w / "data" / "rl.jsonl"),
+            "search_corpus": str(w / "data" / "corpus.jsonl")}  # fmt: skip
+
+
+def cold_start(a: argparse.Namespace, printer=None) -> dict[str, str]:
+    """Steps 1-2 of the demo (`--sft_only`): the task files and the SFT checkpoint; returns `cold_start_paths`."""
+    from appo_trl.synthetic import pipeline as P
+
+    printer = printer or _say
+    _silence_progress_bars()
+    P.stop_on_sigterm()
+    work = Path(a.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    t0, c0 = time.monotonic(), _cpu_s()
+    printer(f"[demo] 1/2 synthetic task (seed {a.seed}) -> {work / 'data'}")
+    paths = task_files(work, a.seed, a)
+    printer(f"[demo] 2/2 tiny model + SFT cold start ({a.sft_steps} steps on {a.num_sft} traces)")
+    if a.reuse_sft and (work / "sft" / "config.json").is_file():
+        printer(f"        reusing the SFT checkpoint in {work / 'sft'} (--reuse_sft)")
+    else:
+        P.build_model(str(work / "model"), a.seed)
+        P.run_sft(str(work / "model"), paths["sft"], str(work / "sft"), steps=a.sft_steps, seed=a.seed,
+                  schedule=a.sft_schedule, printer=printer)  # fmt: skip
+    out = cold_start_paths(work)
+    printer(f"[demo] cold start in {out['model_name_or_path']} ({time.monotonic() - t0:.0f} s wall, "
+            f"{_cpu_s() - c0:.0f} s CPU); RL from it: appo train --config recipes/demo/lora.yaml "
+            "(tree.yaml, agent.yaml, async.yaml, appo.yaml, ...)")  # fmt: skip
+    if Path(a.workdir).resolve() != Path(COLD_START_WORKDIR).resolve():
+        flags = " ".join(f"--{k} {v}" for k, v in out.items())
+        printer(f"        recipes/demo/*.yaml read {COLD_START_WORKDIR}; for this --workdir add: {flags}")
+    return out
 
 
 def _say(msg: str) -> None:
@@ -153,12 +211,12 @@ def run(a, printer=_say) -> dict:
     evals: dict[int, dict] = {}
     server: dict = {}
     with P.search_server(paths["corpus"], str(work / "search_server.log")) as srv:
-        server = dict(srv)
-        printer(f"[demo] 3/6 appo serve-search on 127.0.0.1:{srv['port']} (pid {srv['pid']})")
+        server = dataclasses.asdict(srv)
+        printer(f"[demo] 3/6 appo serve-search on 127.0.0.1:{srv.port} (pid {srv.pid})")
 
         def evaluate(step: int, model: str) -> dict:
             s = time.monotonic()
-            r = P.evaluate_heldout(model, paths["registry"], srv["url"], str(work / "eval" / f"step{step}"),
+            r = P.evaluate_heldout(model, paths["registry"], srv.url, str(work / "eval" / f"step{step}"),
                                    num_samples=a.eval_samples, seed=a.seed, printer=printer)  # fmt: skip
             times[f"eval_step{step}"] = round(time.monotonic() - s, 1)
             printer(f"        held-out @ step {step:>3}: pass@1 {100 * r['pass@1']:.1f} %  pass@{r['k']} "
@@ -170,7 +228,7 @@ def run(a, printer=_say) -> dict:
         evaluate(0, str(work / "sft"))
         printer(f"[demo] 5/6 RL: {a.recipe}, {a.rl_steps} steps, tools python + search")
         s = time.monotonic()
-        args = P.rl_arguments(a.recipe, str(work / "sft"), paths["rl"], str(work / "rl"), srv["url"],
+        args = P.rl_arguments(a.recipe, str(work / "sft"), paths["rl"], str(work / "rl"), srv.url,
                               steps=a.rl_steps, seed=a.seed, overrides=a.extra)  # fmt: skip
         trainer, history = P.run_rl(args, save_steps=save_steps, printer=printer)
         stage("rl", s)

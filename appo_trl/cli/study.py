@@ -223,7 +223,7 @@ def run(a, printer=_say) -> dict:
     with P.search_server(paths["corpus"], str(work / "search_server.log")) as srv:
         if "sft" not in done:
             shutil.rmtree(work / "eval" / "sft", ignore_errors=True)  # a half-finished eval of an older server
-            done["sft"] = P.evaluate_heldout(str(sft), paths["registry"], srv["url"], str(work / "eval" / "sft"),
+            done["sft"] = P.evaluate_heldout(str(sft), paths["registry"], srv.url, str(work / "eval" / "sft"),
                                              **eval_kw)  # fmt: skip
         printer(f"[study] SFT held-out pass@1 {100 * done['sft']['pass@1']:.1f} %")
         for seed in a.seeds:
@@ -234,7 +234,7 @@ def run(a, printer=_say) -> dict:
                 printer(f"[study] {key}: {a.rl_steps} RL steps, held-out evaluations at {[*save_steps, a.rl_steps]}")
                 run_dir = work / "rl" / variant / f"seed{seed}"
                 args = P.rl_arguments(f"recipes/demo/{variant.partition('+')[0]}.yaml", str(sft), paths["rl"],
-                                      str(run_dir), srv["url"], steps=a.rl_steps, seed=seed,
+                                      str(run_dir), srv.url, steps=a.rl_steps, seed=seed,
                                       overrides=variant_overrides(variant, a))  # fmt: skip
                 start = time.monotonic()
                 _, history = P.run_rl(args, save_steps=save_steps, printer=printer, label=f"RL {key}", every_s=20.0)
@@ -244,7 +244,7 @@ def run(a, printer=_say) -> dict:
                     model = run_dir / f"checkpoint-{step}" if step < a.rl_steps else run_dir
                     out = work / "eval" / variant / f"seed{seed}" / f"step{step}"
                     shutil.rmtree(out, ignore_errors=True)
-                    evals[str(step)] = P.evaluate_heldout(str(model), paths["registry"], srv["url"], str(out),
+                    evals[str(step)] = P.evaluate_heldout(str(model), paths["registry"], srv.url, str(out),
                                                           **eval_kw)  # fmt: skip
                 ev = evals[str(a.rl_steps)]
                 results[key] = {"strategy": variant, "seed": seed, "eval": ev, "evals": evals, "history": history,

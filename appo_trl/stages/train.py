@@ -77,6 +77,41 @@ def weight_sync_line(args, spec, peft: bool) -> str:
 
 
 def main(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> APPOTrainer:  # noqa: F821
+    """`train`, with `appo serve-search` running on `script_args.search_corpus` when it is set.
+
+    The server (127.0.0.1, a free port; its log `<output_dir>/search_server.log`) is started after the checks of
+    `appo_trl.configs.search_corpus`, the search tool's `url` points at it, and it is stopped when training ends or
+    fails. The pushed card's recipe is the one as given (with `search_corpus`, not the run's port).
+    """
+    import contextlib
+    import os
+
+    from appo_trl.configs import preflight
+    from appo_trl.configs.search_corpus import check_search_corpus, search_tool_config
+    from appo_trl.reporting.hub import recipe_dict
+    from appo_trl.stages.logs import setup_logging
+
+    corpus = check_search_corpus(script_args, training_args)
+    if corpus is None:
+        return train(script_args, training_args, model_args, recipe, tool_dirs)
+    from appo_trl.tools.search_process import search_server
+
+    setup_logging()  # the server's line below, at INFO
+    recipe = recipe if recipe is not None else recipe_dict(script_args, training_args, model_args)
+    preflight.check_output_dir(training_args.output_dir)
+    os.makedirs(training_args.output_dir, exist_ok=True)
+    log = os.path.join(training_args.output_dir, "search_server.log")
+    with contextlib.ExitStack() as stack:
+        try:
+            srv = stack.enter_context(search_server(corpus, log))
+        except RuntimeError as exc:  # exited early or never healthy: one line naming its log
+            raise preflight.PreflightError(f"search_corpus {corpus!r}: {exc}") from exc
+        logger.info("search: appo serve-search on %s over %s (pid %d, log %s)", srv.url, corpus, srv.pid, log)
+        training_args.tool_config = search_tool_config(training_args, srv.url)
+        return train(script_args, training_args, model_args, recipe, tool_dirs)
+
+
+def train(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> APPOTrainer:  # noqa: F821
     """Train with already-parsed arguments and return the trainer (its state holds the log history).
 
     `recipe` is what the pushed model card prints; default: the settings as parsed, before this function

@@ -1,7 +1,7 @@
 """The stages `appo demo` and `appo study` chain on the synthetic task: model, SFT, search server, eval, RL, plot.
 
-- `search_server(corpus)`: runs `appo serve-search` as a subprocess on 127.0.0.1 on a free port, waits for
-  `/health`, yields the `/retrieve` URL and always stops the server (also on errors and Ctrl-C).
+- `search_server(corpus)`: `appo serve-search` as a subprocess on 127.0.0.1 on a free port, always stopped
+  (`appo_trl.tools.search_process`).
 - `build_model(dir, seed)`: the tiny Qwen3 at the demo size (explicit sizes, `appo_trl.tiny.build_tiny_model`).
 - `run_sft(...)`: the cold start through `appo_trl.stages.sft.main` on the task's SFT traces.
 - `evaluate_heldout(...)`: `appo eval` (`appo_trl.evaluation.evaluate`, in-process transformers backend, the
@@ -17,12 +17,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+
+from appo_trl.tools.search_process import free_port, search_server  # noqa: F401 - the demo's stages
 
 # the demo model: big enough to learn copying in a few hundred SFT steps, small enough for seconds per RL step
 MODEL_SIZE = {"num_layers": 2, "hidden_size": 128, "vocab_size": 512, "max_position_embeddings": 1024}
@@ -31,59 +30,6 @@ MODEL_SIZE = {"num_layers": 2, "hidden_size": 128, "vocab_size": 512, "max_posit
 # 0.3 % (2 or 4 layers, copying never learned); 64-dim heads 15.6 % (2 layers), 12.2 % (4 layers).
 ATTENTION = {"head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
 SEARCH_TOOL = {"backend": "local", "max_results": 1, "cache": False}  # every query reaches the server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def search_server(corpus: str, log_path: str | None = None, timeout_s: float = 120.0):
-    """`appo serve-search --corpus corpus` on 127.0.0.1:<free port>; yields the retrieve URL, stops it on exit."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "appo_trl.cli", "serve-search", "--corpus", corpus, "--host", "127.0.0.1",
-           "--port", str(port)]  # fmt: skip
-    log = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            preexec_fn=_die_with_parent)  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"appo serve-search exited with code {proc.returncode} (log: {log_path})")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if json.load(r).get("status") == "ok":
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"appo serve-search did not answer /health within {timeout_s:g} s")
-            time.sleep(0.2)
-        yield {"url": base + "/retrieve", "pid": proc.pid, "port": port}
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
-
-
-def _die_with_parent() -> None:
-    """In the server child (Linux): get SIGTERM when the demo process dies, even by SIGKILL."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def stop_on_sigterm() -> None:
@@ -241,18 +187,26 @@ def _quiet():
 
 def rl_arguments(recipe: str, model: str, data: str, out_dir: str, url: str, *, steps: int, seed: int,
                  save_steps: list[int] | None = None, overrides: list[str] | None = None):  # fmt: skip
-    """(script, training, model) arguments of `recipe` with the demo's model, data, search URL and seed."""
+    """(script, training, model) arguments of `recipe` with the demo's model, data, search URL and seed.
+
+    The system prompt and the search settings are the recipe's own (`recipes/demo/*.yaml` are self-contained); the
+    recipe's `search_corpus` is dropped, because the demo's server (`url`) already serves that corpus."""
     from appo_trl.configs.recipes import REPO_ROOT, parse_recipe
+    from appo_trl.configs.search_corpus import search_tool_config
     from appo_trl.stages.train import dataclass_types
-    from appo_trl.synthetic.task import SYSTEM_PROMPT
 
     path = recipe if os.path.exists(recipe) else str(REPO_ROOT / recipe)
-    tool_config = json.dumps({"search": {**SEARCH_TOOL, "url": url}})
-    return parse_recipe(dataclass_types(), [
+    args = parse_recipe(dataclass_types(), [
         "--config", path, "--model_name_or_path", model, "--dataset_name", data, "--output_dir", out_dir,
-        "--max_steps", str(steps), "--seed", str(seed), "--tool_config", tool_config,
-        "--system_prompt", SYSTEM_PROMPT, *(overrides or []),
+        "--max_steps", str(steps), "--seed", str(seed), *(overrides or []),
     ])  # fmt: skip
+    script_args, training_args, _ = args
+    if not script_args.system_prompt:
+        raise ValueError(f"{recipe} has no system_prompt; the demo's SFT traces start with the one of "
+                         "recipes/demo/appo.yaml")  # fmt: skip
+    script_args.search_corpus = None
+    training_args.tool_config = search_tool_config(training_args, url)
+    return args
 
 
 class StepLine:

@@ -18,7 +18,9 @@ def test_the_random_tiny_model_says_so_and_a_trained_copy_does_not(tiny_model_pa
 
     note = random_weights_note(tiny_model_path)
     assert note.startswith(f"{tiny_model_path} has random weights (appo tiny-model): this run checks the plumbing")
-    assert "will not learn" in note and "make demo" in note and "\n" not in note
+    assert "will not learn" in note and "\n" not in note
+    # it points at the one command that makes a checkpoint the feature recipes learn from, and at a recipe of them
+    assert "`make cold-start` (`appo demo --sft_only`)" in note and "recipes/demo/lora.yaml" in note
     AutoModelForCausalLM.from_pretrained(tiny_model_path).save_pretrained(tmp_path / "trained")  # e.g. after SFT
     assert random_weights_note(str(tmp_path / "trained")) is None
     assert random_weights_note("Qwen/Qwen3-0.6B") is None and random_weights_note(None) is None

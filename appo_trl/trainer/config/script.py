@@ -37,6 +37,8 @@ class APPOScriptArguments(ScriptArguments):
         answer_column: column holding the gold answer(s), passed to reward functions as `answer`.
         reward_funcs: reward function names from `appo_trl.rewards` or dotted import paths.
         system_prompt: system message prepended to string prompts (a name from the prompt registry or text).
+        search_corpus: a JSONL corpus for the `search` tool: `appo train` starts `appo serve-search` on it
+            (127.0.0.1, a free port) for the run, points `tool_config.search.url` there and stops it at the end.
         skip_bad_rows: drop bad rows (malformed or non-UTF-8 JSON lines, null or empty prompts, prompts too long
             for the model), counted and logged per file, instead of stopping at the first one.
     """
@@ -52,6 +54,13 @@ class APPOScriptArguments(ScriptArguments):
     )
     system_prompt: str | None = field(
         default=None, metadata=_data("System prompt name (prompt registry) or literal text.")
+    )
+    search_corpus: str | None = field(
+        default=None,
+        metadata=_data(
+            "JSONL corpus for the `search` tool: `appo train` starts `appo serve-search` on it (127.0.0.1, a free "
+            "port), points `tool_config.search.url` there, and stops it at the end. None: no server is started.",
+        ),
     )
     skip_bad_rows: bool = field(
         default=False,
