@@ -28,7 +28,8 @@ def test_quick_is_the_demo_shape_and_full_is_the_papers():
     assert args("--full", "--sft_steps", "10", "--sft_lr", "0.1").sft_steps == 10
     chains = args("--families", "python", "chain")  # a quick study with chains gets their budgets
     assert (chains.tool_call_limit, chains.max_completion_length, chains.sft_max_length) == (5, 384, 512)
-    assert full.strategies[4:] == ["arpo+ref", "aepo+ref", "appo+ref", "arpo+tree", "aepo+tree", "appo+tree"]
+    assert full.strategies[4:] == ["arpo+ref", "aepo+ref", "appo+ref", "arpo+tree", "aepo+tree", "appo+tree",
+                                   "arpo+treerl", "arpo+treegrpo"]  # fmt: skip
     assert "chain" in full.families
     assert variant_overrides("appo+tree", full)[:2] == ["--advantage_estimator", "tree"]
     assert variant_overrides("grpo", full) == [
@@ -58,6 +59,35 @@ def test_each_tree_variant_builds_its_config(variant, tmp_path):
                                   overrides=variant_overrides(variant, args("--full")))  # fmt: skip
     assert training.advantage_estimator == "tree" and training.num_generations == 16
     assert training.tree_credit_branch_rows is (True if variant == "appo+tree" else None)
+
+
+def test_the_released_tree_variants_are_arpo_with_the_released_estimators(tmp_path):
+    """`arpo+treerl` is ARPO's recipe with TreeRL's released estimator (its sampling ARPO's); `arpo+treegrpo` is
+    ARPO's recipe with Tree-GRPO's estimator and random expansion (no entropy term). Both keep the --full shape:
+    n = 16 from 8 initial rollouts, so the branch budget is 8 expansions per prompt."""
+    from appo_trl.synthetic.pipeline import rl_arguments
+
+    full = args("--full")
+    shape = ["--num_generations", "16", "--per_device_train_batch_size", "64", "--initial_rollouts", "8",
+             "--tool_call_limit", "5", "--max_completion_length", "384"]  # fmt: skip
+    assert variant_overrides("arpo+treerl", full) == ["--advantage_estimator", "tree", "--tree_credit_form",
+                                                      "treerl_released", *shape]  # fmt: skip
+    assert variant_overrides("arpo+treegrpo", full) == ["--advantage_estimator", "tree_grpo", "--tree_grpo_combine",
+                                                        "sum", "--entropy_weight", "0.0", *shape]  # fmt: skip
+    built = {}
+    for variant in ("arpo+tree", "arpo+treerl", "arpo+treegrpo"):
+        _, built[variant], _ = rl_arguments("recipes/demo/arpo.yaml", str(tmp_path / "m"), str(tmp_path / "d"),
+                                            str(tmp_path / variant), "http://127.0.0.1:1", steps=2, seed=0,
+                                            overrides=variant_overrides(variant, full))  # fmt: skip
+    paper, released, tree_grpo = built.values()
+    assert (paper.advantage_estimator, paper.tree_credit_form) == ("tree", "paper")
+    assert (released.advantage_estimator, released.tree_credit_form) == ("tree", "treerl_released")
+    assert released.entropy_weight == paper.entropy_weight == 0.2  # TreeRL's variant samples as ARPO does
+    assert (tree_grpo.advantage_estimator, tree_grpo.tree_grpo_combine, tree_grpo.entropy_weight) == (
+        "tree_grpo", "sum", 0.0)  # fmt: skip
+    for cfg in built.values():  # the same shape, branching rule, loss and learning rate as every variant
+        assert (cfg.rollout_strategy, cfg.num_generations, cfg.initial_rollouts, cfg.beam_size) == ("arpo", 16, 8, 2)
+        assert (cfg.branch_probability, cfg.loss_type, cfg.learning_rate, cfg.beta) == (0.5, "dapo", 2e-4, 0.0)
 
 
 @pytest.mark.parametrize("variant", ["arpo+ref", "aepo+ref", "appo+ref"])
