@@ -156,7 +156,8 @@ def test_render_has_the_three_tables():
         "history": [{"step": i, "reward": 0.1, "sampled_tokens": tok, "calls": 1.0, "tool_calls": 4,
                      "loss_rows": 8, "loss_rows_frac": 0.5, "step_time": 1.0, "cpu_s": 1.0, "wall_s": 1.0}
                     for i in (1, 2, 3, 4)],
-        "evals": {"2": {"pass@1": a2}, "4": {"pass@1": a4, "pass@k": a4, "calls_per_sample": 1.0,
+        "evals": {"2": {"pass@1": a2, "by_family": {"python": a2, "chain": a2 / 2}},
+                  "4": {"pass@1": a4, "pass@k": a4, "calls_per_sample": 1.0,
                                                "by_family": {"python": a4, "chain": a4 / 2}}},
     }  # fmt: skip
     from appo_trl.cli.study import matched, summarize
@@ -168,8 +169,10 @@ def test_render_has_the_three_tables():
             "runs": runs, "config": {"rl_steps": 4}}  # fmt: skip
     done["summary"] = summarize(done, ["grpo", "appo"])
     done["matched"] = matched(done, ["grpo", "appo"])
-    assert set(done["matched"]) == set(BUDGETS)
+    assert set(done["matched"]) == {*BUDGETS, "chain_sampled_tokens"}
     text = render(done)
+    # the chains at appo's 200 tokens: grpo's step 2 (60 % / 2), appo's end (70 % / 2)
+    assert "| chain family only, policy-sampled tokens | 200 | appo | 30.0 ± 0.0 % | 35.0 ± 0.0 % |" in text
     # tokens: appo spent 200 in K steps, grpo 400; at 200 tokens grpo had its step-2 accuracy, 60 %
     assert "| policy-sampled tokens | 200 | appo | 60.0 ± 0.0 % | 70.0 ± 0.0 % |" in text
     assert "| tool calls | 16 | grpo | 80.0 ± 0.0 % | 70.0 ± 0.0 % |" in text  # equal calls: compared at the end
@@ -201,7 +204,7 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
         assert [h["step"] for h in r["history"]] == [1, 2]
         assert all(h["loss_rows"] > 0 and "tool_calls" in h and h["cpu_s"] > 0 for h in r["history"])
         assert set(r["eval"]["by_family"]) == {"python", "chain"}
-    assert set(done["matched"]) == set(BUDGETS)
+    assert set(done["matched"]) == {*BUDGETS, "chain_sampled_tokens"}
     text = (tmp_path / "study.md").read_text()
     assert "at matched compute" in text and "| chain |" in text
     assert "Where the chain questions fail" in text and "appo/seed0/step2 |" in text

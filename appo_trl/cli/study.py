@@ -161,6 +161,7 @@ def resolve(a):
     return a
 
 
+CHAIN_MATCHED = "chain_sampled_tokens"  # `matched`: the chain family's pass@1 at matched policy-sampled tokens
 RESUMABLE = ("workdir", "strategies", "seeds")  # what a resumed study may change: which runs it adds
 # settings added after a study.json could have been written, with the value every such study ran with
 ADDED = {"sft_schedule": "constant_with_warmup"}
@@ -287,7 +288,10 @@ def matched(done: dict, strategies) -> dict:
     runs = [r for r in done["runs"].values() if r["strategy"] in strategies and r.get("evals")]
     if not runs:
         return {}
-    return {key: matched_budget(runs, key, done["sft"]["pass@1"]) for key in BUDGETS}
+    out = {key: matched_budget(runs, key, done["sft"]["pass@1"]) for key in BUDGETS}
+    if "chain" in done["sft"].get("by_family", {}):  # the chains' question: their pass@1 at matched sampled tokens
+        out[CHAIN_MATCHED] = matched_budget(runs, "sampled_tokens", done["sft"]["by_family"]["chain"], family="chain")
+    return out
 
 
 def chain_error_tables(done: dict, work: Path) -> dict:
@@ -387,7 +391,8 @@ def _render_matched(done: dict) -> list[str]:
              "(step 0 = the SFT model), mean ± sd over seeds.", "",
              "| budget | matched at | cheapest | " + " | ".join(names) + " |",
              "|---|---|---|" + "---|" * len(names)]  # fmt: skip
-    for key, label in BUDGETS.items():
+    chain = {CHAIN_MATCHED: "chain family only, policy-sampled tokens"} if CHAIN_MATCHED in m else {}
+    for key, label in {**BUDGETS, **chain}.items():
         row = m[key]
         cells = []
         for s in names:
