@@ -111,7 +111,8 @@ def parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         choices=STRATEGIES + REFERENCES + TREE + RELEASED_TREE,
-        help="variants to run (default: the four strategies; with --full also the reference presets and tree credit)",
+        help="variants to run (default: the four strategies; with --full also the reference presets, tree credit and "
+        "the released tree estimators)",
     )
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="RL seeds (default: %(default)s)")
     p.add_argument("--task_seed", type=int, default=0, help="task, model and SFT seed (default: %(default)s)")
