@@ -28,7 +28,8 @@ def test_quick_is_the_demo_shape_and_full_is_the_papers():
     assert args("--full", "--sft_steps", "10", "--sft_lr", "0.1").sft_steps == 10
     chains = args("--families", "python", "chain")  # a quick study with chains gets their budgets
     assert (chains.tool_call_limit, chains.max_completion_length, chains.sft_max_length) == (5, 384, 512)
-    assert full.strategies[4:] == ["arpo+ref", "aepo+ref", "appo+ref", "arpo+tree", "aepo+tree", "appo+tree"]
+    assert full.strategies[4:] == ["arpo+ref", "aepo+ref", "appo+ref", "arpo+tree", "aepo+tree", "appo+tree",
+                                   "arpo+treerl", "arpo+treegrpo"]  # fmt: skip
     assert "chain" in full.families
     assert variant_overrides("appo+tree", full)[:2] == ["--advantage_estimator", "tree"]
     assert variant_overrides("grpo", full) == [
@@ -58,6 +59,35 @@ def test_each_tree_variant_builds_its_config(variant, tmp_path):
                                   overrides=variant_overrides(variant, args("--full")))  # fmt: skip
     assert training.advantage_estimator == "tree" and training.num_generations == 16
     assert training.tree_credit_branch_rows is (True if variant == "appo+tree" else None)
+
+
+def test_the_released_tree_variants_are_arpo_with_the_released_estimators(tmp_path):
+    """`arpo+treerl` is ARPO's recipe with TreeRL's released estimator (its sampling ARPO's); `arpo+treegrpo` is
+    ARPO's recipe with Tree-GRPO's estimator and random expansion (no entropy term). Both keep the --full shape:
+    n = 16 from 8 initial rollouts, so the branch budget is 8 expansions per prompt."""
+    from appo_trl.synthetic.pipeline import rl_arguments
+
+    full = args("--full")
+    shape = ["--num_generations", "16", "--per_device_train_batch_size", "64", "--initial_rollouts", "8",
+             "--tool_call_limit", "5", "--max_completion_length", "384"]  # fmt: skip
+    assert variant_overrides("arpo+treerl", full) == ["--advantage_estimator", "tree", "--tree_credit_form",
+                                                      "treerl_released", *shape]  # fmt: skip
+    assert variant_overrides("arpo+treegrpo", full) == ["--advantage_estimator", "tree_grpo", "--tree_grpo_combine",
+                                                        "sum", "--entropy_weight", "0.0", *shape]  # fmt: skip
+    built = {}
+    for variant in ("arpo+tree", "arpo+treerl", "arpo+treegrpo"):
+        _, built[variant], _ = rl_arguments("recipes/demo/arpo.yaml", str(tmp_path / "m"), str(tmp_path / "d"),
+                                            str(tmp_path / variant), "http://127.0.0.1:1", steps=2, seed=0,
+                                            overrides=variant_overrides(variant, full))  # fmt: skip
+    paper, released, tree_grpo = built.values()
+    assert (paper.advantage_estimator, paper.tree_credit_form) == ("tree", "paper")
+    assert (released.advantage_estimator, released.tree_credit_form) == ("tree", "treerl_released")
+    assert released.entropy_weight == paper.entropy_weight == 0.2  # TreeRL's variant samples as ARPO does
+    assert (tree_grpo.advantage_estimator, tree_grpo.tree_grpo_combine, tree_grpo.entropy_weight) == (
+        "tree_grpo", "sum", 0.0)  # fmt: skip
+    for cfg in built.values():  # the same shape, branching rule, loss and learning rate as every variant
+        assert (cfg.rollout_strategy, cfg.num_generations, cfg.initial_rollouts, cfg.beam_size) == ("arpo", 16, 8, 2)
+        assert (cfg.branch_probability, cfg.loss_type, cfg.learning_rate, cfg.beta) == (0.5, "dapo", 2e-4, 0.0)
 
 
 @pytest.mark.parametrize("variant", ["arpo+ref", "aepo+ref", "appo+ref"])
@@ -126,7 +156,8 @@ def test_render_has_the_three_tables():
         "history": [{"step": i, "reward": 0.1, "sampled_tokens": tok, "calls": 1.0, "tool_calls": 4,
                      "loss_rows": 8, "loss_rows_frac": 0.5, "step_time": 1.0, "cpu_s": 1.0, "wall_s": 1.0}
                     for i in (1, 2, 3, 4)],
-        "evals": {"2": {"pass@1": a2}, "4": {"pass@1": a4, "pass@k": a4, "calls_per_sample": 1.0,
+        "evals": {"2": {"pass@1": a2, "by_family": {"python": a2, "chain": a2 / 2}},
+                  "4": {"pass@1": a4, "pass@k": a4, "calls_per_sample": 1.0,
                                                "by_family": {"python": a4, "chain": a4 / 2}}},
     }  # fmt: skip
     from appo_trl.cli.study import matched, summarize
@@ -138,8 +169,10 @@ def test_render_has_the_three_tables():
             "runs": runs, "config": {"rl_steps": 4}}  # fmt: skip
     done["summary"] = summarize(done, ["grpo", "appo"])
     done["matched"] = matched(done, ["grpo", "appo"])
-    assert set(done["matched"]) == set(BUDGETS)
+    assert set(done["matched"]) == {*BUDGETS, "chain_sampled_tokens"}
     text = render(done)
+    # the chains at appo's 200 tokens: grpo's step 2 (60 % / 2), appo's end (70 % / 2)
+    assert "| chain family only, policy-sampled tokens | 200 | appo | 30.0 ± 0.0 % | 35.0 ± 0.0 % |" in text
     # tokens: appo spent 200 in K steps, grpo 400; at 200 tokens grpo had its step-2 accuracy, 60 %
     assert "| policy-sampled tokens | 200 | appo | 60.0 ± 0.0 % | 70.0 ± 0.0 % |" in text
     assert "| tool calls | 16 | grpo | 80.0 ± 0.0 % | 70.0 ± 0.0 % |" in text  # equal calls: compared at the end
@@ -171,7 +204,7 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
         assert [h["step"] for h in r["history"]] == [1, 2]
         assert all(h["loss_rows"] > 0 and "tool_calls" in h and h["cpu_s"] > 0 for h in r["history"])
         assert set(r["eval"]["by_family"]) == {"python", "chain"}
-    assert set(done["matched"]) == set(BUDGETS)
+    assert set(done["matched"]) == {*BUDGETS, "chain_sampled_tokens"}
     text = (tmp_path / "study.md").read_text()
     assert "at matched compute" in text and "| chain |" in text
     assert "Where the chain questions fail" in text and "appo/seed0/step2 |" in text

@@ -52,3 +52,31 @@ def test_equal_budgets_compare_at_the_end():
     assert m["budget"] == 8.0
     assert m["strategies"]["grpo"]["mean"] == pytest.approx(0.8)
     assert m["strategies"]["appo"]["mean"] == pytest.approx(0.8)
+
+
+def family_run(strategy, seed, tokens_per_step, chain):
+    r = run(strategy, seed, tokens_per_step, {})
+    r["evals"] = {step: {"pass@1": 0.0, "by_family": {"chain": c}} for step, c in chain.items()}
+    return r
+
+
+CHAIN_RUNS = [
+    family_run("grpo", 0, 100, {"2": 0.3, "4": 0.5}),  # chain 0.3 at 200 tokens, 0.5 at 400
+    family_run("arpo", 0, 50, {"2": 0.2, "4": 0.6}),  # 0.2 at 100, 0.6 at 200
+    family_run("arpo", 1, 30, {"2": 0.4, "4": 0.4}),  # 0.4 at 60, 0.4 at 120: ends below 150
+]
+
+
+def test_one_familys_pass_at_1_at_a_budget_fixed_in_advance():
+    assert curve(CHAIN_RUNS[1], "sampled_tokens", 0.1, "chain") == [(0.0, 0.1), (100.0, 0.2), (200.0, 0.6)]
+    m = matched_budget(CHAIN_RUNS, "sampled_tokens", 0.1, family="chain", budget=150.0)
+    assert m["budget"] == 150.0 and m["cheapest"] == "arpo"  # arpo's mean final budget 160 < grpo's 400
+    grpo, arpo = m["strategies"]["grpo"], m["strategies"]["arpo"]
+    assert grpo["per_seed"] == pytest.approx([0.1 + 0.2 * 150 / 200])  # SFT 0.1 at 0 -> 0.3 at 200: 0.25
+    assert arpo["per_seed"][0] == pytest.approx(0.2 + 0.4 * 50 / 100) and arpo["per_seed"][1] is None  # 0.4
+    assert arpo["mean"] == pytest.approx(0.4) and arpo["sd"] == 0.0  # the run that ended below 150 is left out
+    default = matched_budget(CHAIN_RUNS, "sampled_tokens", 0.1, family="chain")  # the smallest final: 120
+    assert default["budget"] == 120.0
+    assert default["strategies"]["arpo"]["per_seed"] == pytest.approx([0.2 + 0.4 * 20 / 100, 0.4])  # 0.28, 0.4
+    with pytest.raises(ValueError, match="grpo seed 0 step 2: no pass@1 of family 'python'"):
+        curve(CHAIN_RUNS[0], "sampled_tokens", 0.1, "python")

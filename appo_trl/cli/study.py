@@ -16,8 +16,10 @@ where the cheapest strategy finished K steps, linearly interpolated between its 
 - `--full`: the papers' shape, n = 16 with 8 initial rollouts (GRPO at n = 16), the chain family added (3-5
   dependent calls; tool-call limit 5, completions up to 384 tokens, SFT traces up to 512), and each `reference:`
   preset beside our defaults (`arpo+ref`, `aepo+ref`, `appo+ref`), and tree credit (`arpo+tree`, `aepo+tree`,
-  `appo+tree`: `advantage_estimator: tree`, the TreeRL paper's equations). Far longer; it resumes from
-  `study.json`, so it can run in parts.
+  `appo+tree`: `advantage_estimator: tree`, the TreeRL paper's equations), and the released tree estimators on
+  ARPO's recipe (`arpo+treerl`: `tree_credit_form: treerl_released`; `arpo+treegrpo`: `advantage_estimator:
+  tree_grpo` with Tree-GRPO's random expansion, `entropy_weight: 0`). Far longer; it resumes from `study.json`,
+  so it can run in parts.
 
 With the chain family, a fourth table says where the chain questions fail (`appo_trl.synthetic.chain_errors`).
 
@@ -41,6 +43,16 @@ from appo_trl.synthetic.task import ALL_FAMILIES, FAMILIES
 STRATEGIES = ("grpo", "arpo", "aepo", "appo")
 REFERENCES = ("arpo+ref", "aepo+ref", "appo+ref")  # `reference: <algo>` on the same recipe
 TREE = ("arpo+tree", "aepo+tree", "appo+tree")  # `advantage_estimator: tree` on the same recipe (tree credit)
+# the released tree estimators on ARPO's recipe (docs/fidelity.md, Tree credit; docs/study.md section 3.4)
+RELEASED_TREE = ("arpo+treerl", "arpo+treegrpo")
+# the overrides of each: TreeRL's released estimator and script options (ARPO's sampling: TreeRL's EPTree sampler
+# is not one of ours); Tree-GRPO's estimator (`adv_estimator=tree`: group z-score + tree z-score) and its sampler
+# as ARPO's engine expresses it, `expand_mode=random` (fork after a tool result with P = branch_probability, no
+# entropy term). Everything else, the loss included, is the recipe's, as for every variant.
+RELEASED_TREE_OVERRIDES = {
+    "treerl": ["--advantage_estimator", "tree", "--tree_credit_form", "treerl_released"],
+    "treegrpo": ["--advantage_estimator", "tree_grpo", "--tree_grpo_combine", "sum", "--entropy_weight", "0.0"],
+}
 # --full: the papers' group shape and the long chains
 # A 5-call chain solution is up to 295 completion tokens (tool results included) and 424 with its prompt
 # (`tests/test_study.py` checks both against the generated traces), so neither budget truncates one.
@@ -65,6 +77,7 @@ def variant_overrides(variant: str, a) -> list[str]:
     strategy, _, suffix = variant.partition("+")
     if suffix == "tree":  # TreeRL's default weights and scaling, fixed before any run (appo: branch rows trained)
         out += ["--advantage_estimator", "tree"]
+    out += RELEASED_TREE_OVERRIDES.get(suffix, [])
     if suffix == "ref":
         import yaml
 
@@ -97,8 +110,9 @@ def parser() -> argparse.ArgumentParser:
         "--strategies",
         nargs="+",
         default=None,
-        choices=STRATEGIES + REFERENCES + TREE,
-        help="variants to run (default: the four strategies; with --full also the reference presets and tree credit)",
+        choices=STRATEGIES + REFERENCES + TREE + RELEASED_TREE,
+        help="variants to run (default: the four strategies; with --full also the reference presets, tree credit and "
+        "the released tree estimators)",
     )
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="RL seeds (default: %(default)s)")
     p.add_argument("--task_seed", type=int, default=0, help="task, model and SFT seed (default: %(default)s)")
@@ -141,13 +155,14 @@ def resolve(a):
     if a.full:
         _fill(a, FULL)
     _fill(a, FULL_SFT if a.full else QUICK_SFT)
-    a.strategies = a.strategies or list(STRATEGIES + (REFERENCES + TREE if a.full else ()))
+    a.strategies = a.strategies or list(STRATEGIES + (REFERENCES + TREE + RELEASED_TREE if a.full else ()))
     a.families = a.families or list(FAMILIES + (("chain",) if a.full else ()))
     if "chain" in a.families:  # the chains' budgets, also in a quick study that adds the family
         _fill(a, {key: FULL[key] for key in CHAIN_BUDGETS})
     return a
 
 
+CHAIN_MATCHED = "chain_sampled_tokens"  # `matched`: the chain family's pass@1 at matched policy-sampled tokens
 RESUMABLE = ("workdir", "strategies", "seeds")  # what a resumed study may change: which runs it adds
 # settings added after a study.json could have been written, with the value every such study ran with
 ADDED = {"sft_schedule": "constant_with_warmup"}
@@ -274,7 +289,10 @@ def matched(done: dict, strategies) -> dict:
     runs = [r for r in done["runs"].values() if r["strategy"] in strategies and r.get("evals")]
     if not runs:
         return {}
-    return {key: matched_budget(runs, key, done["sft"]["pass@1"]) for key in BUDGETS}
+    out = {key: matched_budget(runs, key, done["sft"]["pass@1"]) for key in BUDGETS}
+    if "chain" in done["sft"].get("by_family", {}):  # the chains' question: their pass@1 at matched sampled tokens
+        out[CHAIN_MATCHED] = matched_budget(runs, "sampled_tokens", done["sft"]["by_family"]["chain"], family="chain")
+    return out
 
 
 def chain_error_tables(done: dict, work: Path) -> dict:
@@ -374,7 +392,8 @@ def _render_matched(done: dict) -> list[str]:
              "(step 0 = the SFT model), mean ± sd over seeds.", "",
              "| budget | matched at | cheapest | " + " | ".join(names) + " |",
              "|---|---|---|" + "---|" * len(names)]  # fmt: skip
-    for key, label in BUDGETS.items():
+    chain = {CHAIN_MATCHED: "chain family only, policy-sampled tokens"} if CHAIN_MATCHED in m else {}
+    for key, label in {**BUDGETS, **chain}.items():
         row = m[key]
         cells = []
         for s in names:

@@ -6,7 +6,8 @@ budget; TreePO: GPU-hours saved), so `appo study` compares strategies at equal c
 - `BUDGETS`: the five budgets, each a per-step figure of `pipeline.StepLine.history` summed over steps:
   policy-sampled tokens, tool calls, rows reaching the loss, trainer CPU-seconds and wall seconds.
 - `cumulative(history, key)`: the running sum of one budget at every step.
-- `curve(run, key)`: (cumulative budget, held-out pass@1) at each evaluated step, from (0, the SFT accuracy).
+- `curve(run, key)`: (cumulative budget, held-out pass@1) at each evaluated step, from (0, the SFT accuracy);
+  with `family`, one question family's pass@1.
 - `accuracy_at(points, budget)`: linear interpolation between evaluated checkpoints; the last point's accuracy
   beyond the run's end is not extrapolated (None: the run did not reach that budget).
 - `matched_budget(runs, key)`: the cheapest strategy (the smallest mean, over seeds, of the budget spent in K
@@ -39,16 +40,19 @@ def cumulative(history: list[dict], key: str) -> dict[int, float]:
     return out
 
 
-def curve(run: dict, key: str, sft_accuracy: float) -> list[tuple[float, float]]:
+def curve(run: dict, key: str, sft_accuracy: float, family: str | None = None) -> list[tuple[float, float]]:
     """(budget spent, held-out pass@1) at step 0 (the SFT start) and at every evaluated checkpoint of `run`.
 
-    `run["evals"]` maps a step (int or its string, as JSON keeps it) to that checkpoint's evaluation.
+    `run["evals"]` maps a step (int or its string, as JSON keeps it) to that checkpoint's evaluation. With
+    `family`, the pass@1 of that question family (`eval["by_family"]`; `sft_accuracy` then is the SFT's on it).
     """
     spent = cumulative(run["history"], key)
     points = [(0.0, sft_accuracy)]
     for step, ev in sorted(((int(s), e) for s, e in run["evals"].items()), key=lambda x: x[0]):
         if step > 0:
-            points.append((spent[step], ev["pass@1"]))
+            if family is not None and family not in ev.get("by_family", {}):
+                raise ValueError(f"{run['strategy']} seed {run['seed']} step {step}: no pass@1 of family {family!r}")
+            points.append((spent[step], ev["pass@1"] if family is None else ev["by_family"][family]))
     return points
 
 
@@ -62,9 +66,12 @@ def accuracy_at(points: list[tuple[float, float]], budget: float) -> float | Non
     return points[0][1]
 
 
-def matched_budget(runs: list[dict], key: str, sft_accuracy: float) -> dict:
+def matched_budget(runs: list[dict], key: str, sft_accuracy: float, family: str | None = None,
+                   budget: float | None = None) -> dict:  # fmt: skip
     """Every strategy's accuracy at the budget where the cheapest strategy finished K steps.
 
+    `family`: that question family's pass@1 (`curve`). `budget`: compare there instead (a point fixed before the
+    runs); a run that ended below it has None in `per_seed` and is left out of the mean.
     Returns {"budget", "cheapest", "strategies": {name: {"mean", "sd", "per_seed", "final_budget"}}}.
     """
     by_strategy: dict[str, list[dict]] = {}
@@ -72,10 +79,11 @@ def matched_budget(runs: list[dict], key: str, sft_accuracy: float) -> dict:
         by_strategy.setdefault(r["strategy"], []).append(r)
     finals = {s: [max(cumulative(r["history"], key).values()) for r in rs] for s, rs in by_strategy.items()}
     cheapest = min(finals, key=lambda s: statistics.fmean(finals[s]))
-    budget = min(min(f) for f in finals.values())  # every run reached it: interpolated, never extrapolated
+    if budget is None:
+        budget = min(min(f) for f in finals.values())  # every run reached it: interpolated, never extrapolated
     out = {}
     for s, rs in by_strategy.items():
-        accs = [accuracy_at(curve(r, key, sft_accuracy), budget) for r in rs]
+        accs = [accuracy_at(curve(r, key, sft_accuracy, family), budget) for r in rs]
         reached = [a for a in accs if a is not None]
         out[s] = {
             "mean": statistics.fmean(reached) if reached else None,
