@@ -26,7 +26,7 @@ cancels the runs, ends every session, stops the endpoint and its loop, and waits
 
 Branching is by replay, for every strategy whose class has `branches_by_replay`: the strategy samples through
 `AgentEngine`, chooses its points on the recorded runs (appo: after its forward; arpo/aepo: their hook at each fork
-point, `appo_trl.trainer.strategies.arpo_replay`), and `branch_many` re-runs the agent with the parent's recorded
+point, `appo_trl.strategies.arpo_replay`), and `branch_many` re-runs the agent with the parent's recorded
 answers up to the branch call (`AgentSession.branch_call`). Background rounds (`max_staleness >= 1`): `generate`
 runs on the round's thread, `report` logs the round's counts at its hand-over on the trainer's thread.
 """
@@ -45,10 +45,10 @@ import threading
 import time
 
 from appo_trl.rollout.types import Origin, Role, Trajectory
+from appo_trl.strategies import AgentReport, Round
 from appo_trl.trainer import trl_seams
 from appo_trl.trainer.agent_threads import AgentRun, join_within
 from appo_trl.trainer.reward_checks import REWARD_LIMIT, non_finite_note, usable_reward
-from appo_trl.trainer.strategies import AgentReport, Round
 from appo_trl.trainer.turn_rewards import call_rewards_per_turn
 
 logger = logging.getLogger(__name__)

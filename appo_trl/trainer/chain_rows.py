@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from appo_trl.trainer import trl_rules
-from appo_trl.trainer.rows import left_pad, pad_rows
+from appo_trl import trl_rules
+from appo_trl.algorithms.rows import pad_rows
+from appo_trl.trainer.rows import left_pad
 
 
 def add_chain_rows(trainer, out: dict, rows: list, keep: list[bool]) -> tuple[dict, list[bool]]:

@@ -29,10 +29,10 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+from appo_trl import trl_rules
 from appo_trl.rollout.environments import RoundEnvironments, branch_mode, environment_methods
+from appo_trl.strategies.record import HandedEnvironments
 from appo_trl.tools.callables import ToolSpecError, tool_schema
-from appo_trl.trainer import trl_rules
-from appo_trl.trainer.strategies.record import HandedEnvironments
 
 
 def check_environments(trainer) -> None:

@@ -17,14 +17,15 @@ import math
 
 import torch
 
+from appo_trl import trl_rules
 from appo_trl.reporting.console import canonical_metrics
 from appo_trl.reporting.rollout_dump import dump_round
-from appo_trl.trainer import trl_rules, trl_seams
+from appo_trl.strategies import STRATEGIES, GRPOStrategy, RolloutStrategy, Round
+from appo_trl.trainer import trl_seams
 from appo_trl.trainer.async_rounds import build_async_rounds, split_cpu_threads
 from appo_trl.trainer.rows import select_rows
 from appo_trl.trainer.setup import build_rollout_engine
 from appo_trl.trainer.sharded import full_weights_for_round
-from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RolloutStrategy, Round
 from appo_trl.trainer.turn_rewards import token_rewards
 from appo_trl.trainer.weight_sync import generate_round, held_adapter
 

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 from trl.data_utils import is_conversational
 
 from appo_trl.sampling import Sampler, missing_members
-from appo_trl.trainer.strategies import Round
+from appo_trl.strategies import Round
 
 
 @dataclass(frozen=True)

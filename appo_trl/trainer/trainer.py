@@ -12,17 +12,18 @@ import logging
 import torch
 from trl import GRPOTrainer
 
+from appo_trl.algorithms.rows import pad_rows
+from appo_trl.config import APPOConfig
 from appo_trl.reporting.console import install_step_line
 from appo_trl.trainer import trl_seams
 from appo_trl.trainer.agents import agent_rewards_override
 from appo_trl.trainer.checkpoints import AtomicCheckpointMixin, read_sampler_state, write_sampler_state
-from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.environments import check_environments
 from appo_trl.trainer.grad_norms import GradNormWatch
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.resume_kind import check_resume_kind
 from appo_trl.trainer.rounds import RoundRunner
-from appo_trl.trainer.rows import group_permutation, left_pad, pad_rows, permute_rows, split_rows
+from appo_trl.trainer.rows import group_permutation, left_pad, permute_rows, split_rows
 from appo_trl.trainer.sampling_paths import Given, SamplingPath, TRLSampler, resolve_path
 from appo_trl.trainer.setup import has_tools, resolve_reward_funcs, resolve_startup_plan, setup_chat_tools
 from appo_trl.trainer.weight_sync import prepare_vllm_server

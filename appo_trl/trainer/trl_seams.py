@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-from appo_trl.trainer.trl_rules import (  # the TRL these seams (and TRL's copied rules) were read from
+from appo_trl.trl_rules import (  # the TRL these seams (and TRL's copied rules) were read from
     TRL_VERSION,
     generate_every,
 )

@@ -9,7 +9,7 @@ import torch
 
 from appo_trl.reporting.rollout_dump import dump_round, read_dumps
 from appo_trl.rollout.types import Trajectory
-from appo_trl.trainer.strategies import Round
+from appo_trl.strategies import Round
 
 
 class _Tok:

@@ -22,7 +22,7 @@ import torch
 from appo_trl.cli import main
 from appo_trl.reporting import atomic, rollout_dump
 from appo_trl.reporting.rollout_page import build, make_server
-from appo_trl.trainer.strategies import Round
+from appo_trl.strategies import Round
 from bench.rollout_viewer import synthetic_group
 
 ROOT = Path(__file__).resolve().parents[2]
