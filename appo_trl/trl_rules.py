@@ -3,7 +3,8 @@
 Floor 1 (it imports torch and TRL only), so the config's checks (`generate_every`) and the trainer read the same copy.
 
 Each was read from `GRPOTrainer._generate_and_score_completions` of trl `TRL_VERSION`; when TRL moves, this is the
-file to read again (its private attributes: `trl_seams`). The rules: whether TRL runs its no-grad old-logp pass
+file to read again (its private attributes: `trainer/trl_seams.py`; as TRL's own code, these copies read two of them,
+`_tokenizer` and `_multi_environment`, which `tests/trainer/test_trl_seams.py` lists). The rules: whether TRL runs its no-grad old-logp pass
 (`runs_old_logp_pass`), the vLLM importance-sampling ratio (`importance_ratio`), the reference forward, or the
 adapter-free / "ref" adapter one under PEFT (`reference_logps`), and truncated-completion masking
 (`truncated_rows`), and the reward rule of rows every reward function left unscored (`scored_rewards`,

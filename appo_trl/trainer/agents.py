@@ -149,10 +149,10 @@ class AgentRounds:
         fmt = t.chat_tool_format
         if fmt is None:
             try:
-                fmt = ChatToolFormat(t._tokenizer, t.chat_template, t.chat_template_kwargs)
+                fmt = ChatToolFormat(trl_seams.tokenizer(t), t.chat_template, t.chat_template_kwargs)
             except ChatTemplateToolError:
                 fmt = None  # the template cannot express tool calls: answers never carry `tool_calls`
-        renderer = ChatRenderer(t._tokenizer, t.chat_template, t.chat_template_kwargs, fmt)
+        renderer = ChatRenderer(trl_seams.tokenizer(t), t.chat_template, t.chat_template_kwargs, fmt)
         cfg = engine.config
         from appo_trl.rollout.types import SamplingParams
 
@@ -406,7 +406,7 @@ class AgentEngine:
                 "an agent must send its chat requests there (openai.OpenAI(base_url=base_url, api_key='-'))"
             )
         if row is None:  # failed before its first answer: one masked token (no entropy), reward 0
-            eos = self.rounds.trainer._tokenizer.eos_token_id
+            eos = trl_seams.tokenizer(self.rounds.trainer).eos_token_id
             row = Trajectory(prompt_ids=list(self.prompt_ids[g]), completion_ids=[eos], loss_mask=[0],
                              logprobs=[math.nan], finish_reason="error",
                              entropies=[math.nan] if self.rounds._entropies() else None)  # fmt: skip

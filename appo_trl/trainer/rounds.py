@@ -11,7 +11,6 @@ through one training step: docs/architecture.md.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import math
 
@@ -176,7 +175,7 @@ class RoundRunner:
         n = t.num_generations if mode == "train" else t.num_generations_eval
         strategy = self.strategy if mode == "train" else self.eval_strategy
         self.path.prepare(strategy, prompts, n)
-        prompt_ids, _, _ = t._tokenize_prompts(copy.deepcopy(prompts))
+        prompt_ids = trl_seams.tokenize_prompts(t, prompts)
         rnd, version = self._sample(inputs, mode, strategy, prompt_ids, n)
         self.path.hand_over(rnd, mode, prompts)  # trainer's thread: an agent's metrics, a round's own environments
         rows = rnd.rows

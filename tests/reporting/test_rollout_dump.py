@@ -21,7 +21,7 @@ def _trainer(out, step):
     args = SimpleNamespace(dump_rollouts=1, output_dir=str(out), rollout_strategy="grpo")
     return SimpleNamespace(
         args=args, accelerator=SimpleNamespace(is_main_process=True), state=SimpleNamespace(global_step=step),
-        _tokenizer=_Tok(),
+        processing_class_tokenizer=_Tok(),
     )  # fmt: skip
 
 

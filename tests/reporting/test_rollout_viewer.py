@@ -211,7 +211,7 @@ class _Tok:
 def _trainer(out, step=0, **args):
     return SimpleNamespace(args=SimpleNamespace(dump_rollouts=1, output_dir=str(out), rollout_strategy="grpo", **args),
                            accelerator=SimpleNamespace(is_main_process=True), state=SimpleNamespace(global_step=step),
-                           _tokenizer=_Tok())  # fmt: skip
+                           processing_class_tokenizer=_Tok())  # fmt: skip
 
 
 def _round(trajectory):
