@@ -17,8 +17,8 @@ if "torch" not in _sys.modules:
 __version__ = "0.1.0.dev0"
 
 _LAZY = {
-    "APPOConfig": "appo_trl.trainer.config",
-    "APPOScriptArguments": "appo_trl.trainer.config",
+    "APPOConfig": "appo_trl.config",
+    "APPOScriptArguments": "appo_trl.config",
     "APPOTrainer": "appo_trl.trainer.trainer",
     "APPOSFTConfig": "appo_trl.stages.sft",
     "build_tiny_model": "appo_trl.tiny",

@@ -150,7 +150,7 @@ def trie_tokens(rows: list[list[int]]) -> int:
 def run(model_dir, tok, name: str, steps: int, tree: bool, out: str) -> dict:
     from datasets import Dataset
 
-    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.config import APPOConfig
     from appo_trl.trainer.trainer import APPOTrainer
 
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"what is 6 times 7 ({i})"}]

@@ -79,7 +79,7 @@ def make_agent(tool_s: float):
 def run(model_dir, tok, steps: int, staleness: int, tool_s: float, out: str) -> dict:
     from datasets import Dataset
 
-    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.config import APPOConfig
     from appo_trl.trainer.trainer import APPOTrainer
 
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"what is 6 times 7 ({i})"}]

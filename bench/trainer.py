@@ -100,8 +100,8 @@ class NoSyncVLLMGeneration:
 def run(strategy, model_path, tok, url, prompts, n, initial, steps, out_dir, budget):
     import trl.trainer.grpo_trainer as grpo_mod
 
+    from appo_trl.config import APPOConfig
     from appo_trl.rollout import RolloutConfig, RolloutEngine
-    from appo_trl.trainer.config import APPOConfig
     from appo_trl.trainer.trainer import APPOTrainer
     from appo_trl.vllm import VLLMServerBackend
 
@@ -244,8 +244,8 @@ def run_overlap(k, model_path, tok, server, prompts, n, steps, out_dir, budget):
     import trl.trainer.grpo_trainer as grpo_mod
     from transformers import TrainerCallback
 
+    from appo_trl.config import APPOConfig
     from appo_trl.rollout import RolloutConfig, RolloutEngine
-    from appo_trl.trainer.config import APPOConfig
     from appo_trl.trainer.trainer import APPOTrainer
     from appo_trl.vllm import VLLMServerBackend
     from bench.rollout import SimTool

@@ -57,8 +57,8 @@ def arpo_group(prompt: int, n: int, comp: int, tool: int, vocab: int):
 def credit_ms(trajectories, repeats: int) -> float:
     from types import SimpleNamespace
 
-    from appo_trl.trainer.credit import tree_advantages
-    from appo_trl.trainer.strategies import Round
+    from appo_trl.strategies import Round
+    from appo_trl.strategies.credit import tree_advantages
 
     args = SimpleNamespace(
         advantage_estimator="tree",

@@ -236,9 +236,9 @@ def test_check_hub(monkeypatch, api, repo, expected):
 def test_trainer_api_checks_reward_columns_before_the_model_loads():
     from datasets import Dataset
 
+    from appo_trl.config import APPOConfig
     from appo_trl.configs.errors import PreflightError
     from appo_trl.rewards import REWARD_FUNCS
-    from appo_trl.trainer.config import APPOConfig
     from appo_trl.trainer.trainer import APPOTrainer
 
     args = APPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", num_generations=2,

@@ -2,7 +2,7 @@
 
 Every `import` in every module of `appo_trl` counts, also the ones inside functions (the lazy imports that keep
 `appo --help` fast are still dependencies). A new subpackage or top-level module must be given a floor here,
-and the top level holds only `__init__.py`, `data.py`, `tiny.py`, `sampling.py` and the subpackages.
+and the top level holds only `__init__.py`, `data.py`, `tiny.py`, `sampling.py`, `trl_rules.py` and the subpackages.
 """
 
 from __future__ import annotations
@@ -29,12 +29,15 @@ FLOORS = {
     "data": 4,
     "reporting": 5,
     "evaluation": 5,
-    "trainer": 6,
-    "stages": 7,
-    "synthetic": 8,
-    "cli": 9,
+    "strategies": 6,
+    "config": 7,
+    "trainer": 8,
+    "stages": 9,
+    "synthetic": 10,
+    "cli": 11,
+    "trl_rules": 1,
 }
-TOP_LEVEL_FILES = {"__init__.py", "data.py", "tiny.py", "sampling.py", "py.typed"}
+TOP_LEVEL_FILES = {"__init__.py", "data.py", "tiny.py", "sampling.py", "trl_rules.py", "py.typed"}
 
 
 def _unit(module: str) -> str | None:
@@ -228,10 +231,16 @@ def test_no_import_circle_between_modules():
 
 
 def test_config_and_strategies_import_in_one_order():
-    """`trainer.config` imports `trainer.strategies` (the strategy validates its part of the config); no strategy
-    module imports the config package back, not even lazily (the strategy's checks run from `APPOConfig`)."""
-    edges = import_edges(_package_sources())
-    back = sorted((m, w) for m, ws in edges.items() if m.startswith("appo_trl.trainer.strategies")
-                  for w in ws if w.startswith("appo_trl.trainer.config"))  # fmt: skip
-    assert not back, f"strategies import the config: {back}"
-    assert any(w.startswith("appo_trl.trainer.strategies") for w in edges["appo_trl.trainer.config.appo"])
+    """`config` imports `strategies` (the strategy validates its part of the config); no strategy module imports
+    the config back, not even lazily (the strategy's checks run from `APPOConfig`), nor the trainer: a strategy
+    sees the policy through `strategies.base.PolicyForward` only, and reads no `.trainer` of anything."""
+    sources = _package_sources()
+    edges = import_edges(sources)
+    config = ("appo_trl.config", "appo_trl.trainer")
+    back = sorted((m, w) for m, ws in edges.items() if m.startswith("appo_trl.strategies")
+                  for w in ws if w in config or w.startswith(tuple(f"{c}." for c in config)))  # fmt: skip
+    assert not back, f"strategies import the config or the trainer: {back}"
+    assert any(w.startswith("appo_trl.strategies") for w in edges["appo_trl.config.appo"])
+    reads = sorted(f"{m}:{node.lineno}" for m, src in sources.items() if m.startswith("appo_trl.strategies")
+                   for node in ast.walk(ast.parse(src)) if isinstance(node, ast.Attribute) and node.attr == "trainer")  # fmt: skip
+    assert not reads, f"strategies read `.trainer` (use `PolicyForward`): {reads}"

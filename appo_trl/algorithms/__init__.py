@@ -54,4 +54,7 @@ are (B, T); masks float or bool.
   chunk_size=128).
   Losses are un-normalised; the trainer multiplies by `keep_mask` and applies TRL's `loss_type` normaliser.
 - `discounted_future_sum(x, gamma, chunk_size=128) -> Tensor`: Σ_{k≥t} γ^(k−t)·x_k, chunked matmul.
+
+`rows`
+- `pad_rows(rows, value, length=None) -> Tensor (R, T)`: ragged rows right-padded with `value` (float if any is).
 """

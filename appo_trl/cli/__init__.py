@@ -1,4 +1,4 @@
-"""Floor 9, the top: the `appo` command line. A registry of subcommands, each in its own module, imported only when used.
+"""Floor 11, the top: the `appo` command line. A registry of subcommands, each in its own module, imported only when used.
 
 Every subcommand module exposes `main(argv: list[str]) -> int` and parses its own arguments, so
 `appo --help` stays instant (no torch import) and a new command is one file plus one registry line.

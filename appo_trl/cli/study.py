@@ -92,7 +92,7 @@ def variant_overrides(variant: str, a) -> list[str]:
     if a.num_generations:
         out += ["--num_generations", str(a.num_generations), "--per_device_train_batch_size",
                 str(a.num_generations * a.prompts_per_step)]  # fmt: skip
-        from appo_trl.trainer.strategies import STRATEGIES
+        from appo_trl.strategies import STRATEGIES
 
         if STRATEGIES[strategy].branches:
             out += ["--initial_rollouts", str(a.initial_rollouts)]

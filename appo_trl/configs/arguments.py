@@ -8,7 +8,7 @@
   `trl grpo --help`. With a recipe, the defaults shown are the recipe's values.
 
 appo-trl's own fields name their group in their metadata (`metadata={"help": ..., "group": "strategy"}`,
-`appo_trl.trainer.config.script._h`). The fields inherited from TRL and transformers carry no group: they
+`appo_trl.config.script._h`). The fields inherited from TRL and transformers carry no group: they
 are grouped by name rules and by "anchor" fields (a dataclass's fields are read in declaration order and an
 anchor switches the group for the fields that follow it).
 

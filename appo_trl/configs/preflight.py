@@ -136,7 +136,7 @@ def agent_port_problem(host: str, port: int) -> str | None:
 def check_agent_port(training_args) -> None:
     """With an agent and a fixed `agent_port`: one line when the endpoint could not listen there, before the
     model loads (the trainer checks it again for `APPOTrainer(agent=...)`)."""
-    if getattr(training_args, "agent", None):
+    if training_args.agent:
         problem = agent_port_problem(training_args.agent_host, training_args.agent_port)
         if problem:
             raise PreflightError(problem)
@@ -153,7 +153,7 @@ def check_quantization(model_args, training_args) -> None:
         problems.append("bitsandbytes is not installed (pip install bitsandbytes)")
     import torch
 
-    if getattr(training_args, "use_cpu", False):
+    if training_args.use_cpu:
         problems.append("use_cpu=True")
     elif not torch.cuda.is_available():
         problems.append("no CUDA GPU is visible")
@@ -177,8 +177,8 @@ def check_peft(model_args, training_args) -> None:
     cannot serve as a LoRA adapter (DoRA, `lora_modules_to_save`)."""
     from appo_trl.configs.lora_checks import check_lora
 
-    check_lora(model_args, getattr(training_args, "trust_remote_code", False))
-    if getattr(training_args, "vllm_sync_adapter", "auto") != "always":
+    check_lora(model_args, training_args.trust_remote_code)
+    if training_args.vllm_sync_adapter != "always":
         return
     if not getattr(model_args, "use_peft", False):
         raise PreflightError("vllm_sync_adapter=always sends the LoRA adapter to vLLM, but use_peft is false: set "
@@ -231,7 +231,7 @@ def prompt_token_limit(training_args, model_args) -> tuple[int, str] | None:
     served = served_max_model_len(training_args)
     if served is not None:
         return served
-    if getattr(training_args, "vllm_max_model_length", None):
+    if training_args.vllm_max_model_length:
         return int(training_args.vllm_max_model_length), "vllm_max_model_length"
     from transformers import AutoConfig
 
@@ -239,7 +239,7 @@ def prompt_token_limit(training_args, model_args) -> tuple[int, str] | None:
         config = AutoConfig.from_pretrained(
             model_args.model_name_or_path,
             revision=getattr(model_args, "model_revision", None),
-            trust_remote_code=getattr(training_args, "trust_remote_code", False),
+            trust_remote_code=training_args.trust_remote_code,
         )
     except (OSError, ValueError):
         return None  # check_model_source has vouched for the model; a config we cannot read here is not fatal
@@ -256,11 +256,11 @@ def served_max_model_len(training_args, timeout_s: float = 5.0) -> tuple[int, st
     `vllm_max_model_length` that differs from a served length is an error here, before the model loads.
     None when no server answers in `timeout_s` (the trainer waits for it later) or none reports the length.
     """
-    if not (getattr(training_args, "use_vllm", False) and getattr(training_args, "vllm_mode", None) == "server"):
+    if not (training_args.use_vllm and training_args.vllm_mode == "server"):
         return None
     from appo_trl.vllm import ServerClient, VLLMServerError, server_urls
 
-    configured = getattr(training_args, "vllm_max_model_length", None)
+    configured = training_args.vllm_max_model_length
     found = []
     for url in server_urls(training_args):
         server = ServerClient(url, timeout_s, connect_timeout_s=timeout_s, max_retries=0)
@@ -281,7 +281,7 @@ def hub_repo_id(training_args) -> str:
 
 def check_hub(training_args, api=None) -> None:
     """With `push_to_hub`: the Hub is reachable, the token is valid and may write to the repo's namespace."""
-    if not getattr(training_args, "push_to_hub", False):
+    if not training_args.push_to_hub:
         return
     from huggingface_hub import constants
 
@@ -290,7 +290,7 @@ def check_hub(training_args, api=None) -> None:
     if api is None:
         from huggingface_hub import HfApi
 
-        api = HfApi(token=getattr(training_args, "hub_token", None))
+        api = HfApi(token=training_args.hub_token)
     try:
         who = api.whoami()
     except Exception as exc:  # noqa: BLE001 - any failure means the final push would fail too
@@ -316,9 +316,9 @@ def default_search_cache(training_args) -> dict[str, Any] | None:
 
     A configured `cache_path` (or `cache: false`) is kept; runs never share a cache file by accident.
     """
-    config = parse_tool_config(getattr(training_args, "tool_config", None))
-    if "search" not in (getattr(training_args, "tools", None) or []):
-        return config or getattr(training_args, "tool_config", None)
+    config = parse_tool_config(training_args.tool_config)
+    if "search" not in (training_args.tools or []):
+        return config or training_args.tool_config
     search = dict(config.get("search") or {})
     if search.get("cache", True) and not search.get("cache_path") and search.get("backend", "local") != "cache":
         search["cache_path"] = os.path.join(training_args.output_dir, "search_cache.sqlite")

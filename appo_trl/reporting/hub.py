@@ -49,7 +49,7 @@ CARD_METRICS = (
 IGNORE_ON_UPLOAD = ("checkpoint-*", "checkpoint-*/**", "runs/**", "*.pt", "*.pth", "rng_state*", "training_args.bin")
 
 # The method of each rollout strategy, for both model cards (TRL's local card and the pushed one). The strategies
-# own these facts (`appo_trl.trainer.strategies`: each class's `paper` and `card_title`) and hand them over here
+# own these facts (`appo_trl.strategies`: each class's `paper` and `card_title`) and hand them over here
 # when they are registered (`register_method`); this floor never imports the trainer.
 STRATEGY_PAPERS: dict[str, dict[str, str]] = {}
 TRL_NO_BASE_MODEL = "[None](https://huggingface.co/None)"  # what TRL's card template renders for a local base

@@ -245,7 +245,7 @@ def dump_round(trainer, inputs, batch, rewards, out: dict) -> Path | None:
     step = trainer.state.global_step + 1
     records = group_records(
         batch, inputs, rewards.detach().cpu(), out["advantages"].detach().cpu(), out["completion_mask"].detach().cpu(),
-        trainer._tokenizer, step=step, strategy=args.rollout_strategy, max_groups=args.dump_rollouts,
+        trainer.processing_class_tokenizer, step=step, strategy=args.rollout_strategy, max_groups=args.dump_rollouts,
     )  # fmt: skip
     path = Path(args.output_dir) / "rollouts" / f"step_{step:06d}.jsonl"
     written = trainer.__dict__.setdefault("_rollout_dump_steps", set())  # steps this process has written

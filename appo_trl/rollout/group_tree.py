@@ -5,7 +5,7 @@ replay and environment groups. It is read off the trajectories' typed lineage (`
 and kept only where the tokens really are shared: a row whose parent is not in the group, or whose prompt and first
 `branch_pos` completion tokens differ from its parent's (an agent branch's row is the chain of its branch call, which
 need not be its parent's row), shares only the prompt (parent -1). Tree credit (`appo_trl.algorithms.tree_credit`,
-through `appo_trl.trainer.credit`) and the rollout dump (`appo_trl.reporting.rollout_dump`) both read this, so what
+through `appo_trl.strategies.credit`) and the rollout dump (`appo_trl.reporting.rollout_dump`) both read this, so what
 the dump shows is what the credit used.
 
 `lineage_roots` gives each row's tree in Tree-GRPO's sense (`tree_index`): the first row of its `Trajectory.parent`

@@ -1,4 +1,4 @@
-"""Floor 7: the RL and SFT stages as functions, what `appo train` / `appo sft`, `sft/train.py` and the
+"""Floor 9: the RL and SFT stages as functions, what `appo train` / `appo sft`, `sft/train.py` and the
 study call.
 
 - `train`: `appo train`: recipe -> preflight -> `APPOTrainer` -> train -> save -> push;

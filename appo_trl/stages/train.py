@@ -16,7 +16,7 @@ logger = logging.getLogger("appo_trl.stages.train")
 def dataclass_types() -> tuple[type, ...]:
     from trl import ModelConfig
 
-    from appo_trl.trainer.config import APPOConfig, APPOScriptArguments
+    from appo_trl.config import APPOConfig, APPOScriptArguments
 
     return (APPOScriptArguments, APPOConfig, ModelConfig)
 

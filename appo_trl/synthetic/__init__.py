@@ -1,4 +1,4 @@
-"""Floor 8: synthetic, seed-determined agentic tasks for the CPU demo and the strategy study (see `task`).
+"""Floor 10: synthetic, seed-determined agentic tasks for the CPU demo and the strategy study (see `task`).
 
 `task` builds the data and tools; `pipeline` runs SFT, RL and evaluation on them, so this floor imports the
 stages, the trainer and evaluation below it, and never `cli`.

@@ -1,10 +1,8 @@
-"""Floor 6: the trainer. TRL's config/trainer pair and what only the training loop uses.
+"""Floor 8: the trainer. The trainer half of TRL's config/trainer pair and what only the training loop uses.
 
-- `config/`: `APPOConfig(GRPOConfig)` and `APPOScriptArguments` (fields and their validation only);
-- `trainer`: `APPOTrainer(GRPOTrainer)`, the override points of TRL's trainer;
+- `trainer`: `APPOTrainer(GRPOTrainer)`, the override points of TRL's trainer (the config is `appo_trl.config`, the
+  strategies it runs `appo_trl.strategies`, floors 7 and 6);
 - `rounds`: the round runner (strategies, engine, seeds, background rounds) and the typed `Round` it fills;
-- `strategies/`: how one generation round turns prompts into groups of n rows, one module per strategy (grpo /
-  arpo / aepo / appo) and a registry; each class declares the facts the rest of the trainer asks of it;
 - `loss`: the policy-loss step for the loss modes TRL does not have;
 - `weight_sync`: the vLLM servers set up around TRL's `__init__`; one round after the weight sync;
 - `trl_seams`: every write into TRL's private attributes, each naming its seam and TRL version;
@@ -14,7 +12,7 @@
 - `rows`: tensor helpers over TRL's generation-batch dict;
 - `trl_compat`: TRL's constructor on `APPOTrainer` (default config, a plain `GRPOConfig`, `rollout_func`).
 
-Imports the floors below it (`tools`, `rollout`, `vllm`, `algorithms`, `rewards`, `configs`, `data`, `reporting`);
-never `evaluation`, `stages`, `synthetic` or `cli`. Nothing is imported here, so `appo_trl.trainer.config`
-loads without the trainer; the public names are `from appo_trl import APPOConfig, APPOTrainer`.
+Imports the floors below it (`config`, `strategies`, `tools`, `rollout`, `vllm`, `algorithms`, `rewards`, `configs`,
+`data`, `reporting`, `trl_rules`); never `evaluation`, `stages`, `synthetic` or `cli`. Nothing is imported here;
+the public names are `from appo_trl import APPOConfig, APPOTrainer`.
 """

@@ -26,7 +26,7 @@ cancels the runs, ends every session, stops the endpoint and its loop, and waits
 
 Branching is by replay, for every strategy whose class has `branches_by_replay`: the strategy samples through
 `AgentEngine`, chooses its points on the recorded runs (appo: after its forward; arpo/aepo: their hook at each fork
-point, `appo_trl.trainer.strategies.arpo_replay`), and `branch_many` re-runs the agent with the parent's recorded
+point, `appo_trl.strategies.arpo_replay`), and `branch_many` re-runs the agent with the parent's recorded
 answers up to the branch call (`AgentSession.branch_call`). Background rounds (`max_staleness >= 1`): `generate`
 runs on the round's thread, `report` logs the round's counts at its hand-over on the trainer's thread.
 """
@@ -45,10 +45,10 @@ import threading
 import time
 
 from appo_trl.rollout.types import Origin, Role, Trajectory
+from appo_trl.strategies import AgentReport, Round
 from appo_trl.trainer import trl_seams
 from appo_trl.trainer.agent_threads import AgentRun, join_within
 from appo_trl.trainer.reward_checks import REWARD_LIMIT, non_finite_note, usable_reward
-from appo_trl.trainer.strategies import AgentReport, Round
 from appo_trl.trainer.turn_rewards import call_rewards_per_turn
 
 logger = logging.getLogger(__name__)
@@ -149,10 +149,10 @@ class AgentRounds:
         fmt = t.chat_tool_format
         if fmt is None:
             try:
-                fmt = ChatToolFormat(t._tokenizer, t.chat_template, t.chat_template_kwargs)
+                fmt = ChatToolFormat(trl_seams.tokenizer(t), t.chat_template, t.chat_template_kwargs)
             except ChatTemplateToolError:
                 fmt = None  # the template cannot express tool calls: answers never carry `tool_calls`
-        renderer = ChatRenderer(t._tokenizer, t.chat_template, t.chat_template_kwargs, fmt)
+        renderer = ChatRenderer(trl_seams.tokenizer(t), t.chat_template, t.chat_template_kwargs, fmt)
         cfg = engine.config
         from appo_trl.rollout.types import SamplingParams
 
@@ -406,7 +406,7 @@ class AgentEngine:
                 "an agent must send its chat requests there (openai.OpenAI(base_url=base_url, api_key='-'))"
             )
         if row is None:  # failed before its first answer: one masked token (no entropy), reward 0
-            eos = self.rounds.trainer._tokenizer.eos_token_id
+            eos = trl_seams.tokenizer(self.rounds.trainer).eos_token_id
             row = Trajectory(prompt_ids=list(self.prompt_ids[g]), completion_ids=[eos], loss_mask=[0],
                              logprobs=[math.nan], finish_reason="error",
                              entropies=[math.nan] if self.rounds._entropies() else None)  # fmt: skip

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from appo_trl import trl_rules
 from appo_trl.tools.main_thread import MAIN_THREAD
-from appo_trl.trainer import trl_rules
 
 logger = logging.getLogger(__name__)
 

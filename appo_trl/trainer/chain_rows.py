@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from appo_trl.trainer import trl_rules
-from appo_trl.trainer.rows import left_pad, pad_rows
+from appo_trl import trl_rules
+from appo_trl.algorithms.rows import pad_rows
+from appo_trl.trainer import trl_seams
+from appo_trl.trainer.rows import left_pad
 
 
 def add_chain_rows(trainer, out: dict, rows: list, keep: list[bool]) -> tuple[dict, list[bool]]:
@@ -30,7 +32,7 @@ def add_chain_rows(trainer, out: dict, rows: list, keep: list[bool]) -> tuple[di
     if most == 0:
         return out, list(keep)
     trl_rules.check_extendable(out, len(rows))
-    pad_id = trainer._tokenizer.pad_token_id
+    pad_id = trl_seams.tokenizer(trainer).pad_token_id
     runs = [i for i, _ in chains]
     trajs = [f for _, f in chains] + [rows[0]] * (most - len(chains))  # padding rows: forwards only
     prompt_ids, prompt_mask = left_pad([list(t.prompt_ids) for t in trajs], pad_id)
@@ -72,7 +74,7 @@ def _forward_logps(trainer, out: dict, new: dict) -> dict:
     batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
 
     def logps(model):
-        return trainer._get_per_token_logps_and_entropies(model, ids, mask, width, batch_size=batch_size)[0]
+        return trl_seams.per_token_logps_and_entropies(trainer, model, ids, mask, width, batch_size=batch_size)[0]
 
     with torch.no_grad(), disable_gradient_checkpointing(trainer.model, args.gradient_checkpointing_kwargs):
         if "old_per_token_logps" in out:

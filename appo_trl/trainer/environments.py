@@ -29,10 +29,11 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+from appo_trl import trl_rules
 from appo_trl.rollout.environments import RoundEnvironments, branch_mode, environment_methods
+from appo_trl.strategies.record import HandedEnvironments
 from appo_trl.tools.callables import ToolSpecError, tool_schema
-from appo_trl.trainer import trl_rules
-from appo_trl.trainer.strategies.record import HandedEnvironments
+from appo_trl.trainer import trl_seams
 
 
 def check_environments(trainer) -> None:
@@ -42,7 +43,7 @@ def check_environments(trainer) -> None:
         return
     strategy = trainer.args.strategy_class
     methods = set()
-    for name, pool in trainer._environment_pool.items():
+    for name, pool in trl_seams.environment_pool(trainer).items():
         probe = pool[0]  # TRL's probe instance
         for method_name, method in environment_methods(probe).items():
             methods.add(method_name)
@@ -63,7 +64,7 @@ def share_group_tasks(trainer, strategy, prompts: list, n: int, own: OwnInstance
     step and logs read the prompt each row was sampled on). `own`: a background round's instances instead of TRL's."""
     if not getattr(trainer, "_env_owns_data", False) or not strategy.branches:
         return
-    envs, names = (trainer.environments, trainer._batch_environments) if own is None else (own.instances, own.names)
+    envs, names = (trainer.environments, trl_seams.batch_environment_names(trainer)) if own is None else (own.instances, own.names)
     for s in range(0, len(prompts), n):
         if all(prompts[j] == prompts[s] for j in range(s, s + n)):
             continue
@@ -84,7 +85,7 @@ def _fresh(trainer, row: dict, name, prompt_ids: list[int], index: int):
     env = trainer.environment_factories[name]()
     observation = env.reset(**trl_rules.reset_kwargs(trainer, row))
     prompt = trl_rules.observed_prompt(row, observation)
-    if trl_rules.environment_prompt_ids(trainer, prompt, trainer._env_tools[name]) != list(prompt_ids):
+    if trl_rules.environment_prompt_ids(trainer, prompt, trl_seams.environment_tools(trainer, name)) != list(prompt_ids):
         raise ValueError(
             f"environment_factory: a new {type(env).__name__} instance reset() with row {index} returned "
             f"{str(observation)[:200]!r}, a different observation from the one its group was sampled on; refills "
@@ -107,7 +108,7 @@ class OwnInstances:
 def own_instances(trainer, inputs: list[dict]) -> OwnInstances:
     """New instances from the factories for generation batch `inputs`, each `reset()` with its row as TRL resets its
     pool (no `environment` key when several), and each row's prompt with its observation."""
-    multi = trainer._multi_environment
+    multi = trl_seams.multi_environment(trainer)
     names = [x.get("environment") if multi else None for x in inputs]
     unknown = sorted({str(x) for x in names if x not in trainer.environment_factories})
     if unknown:
@@ -124,7 +125,7 @@ def own_instances(trainer, inputs: list[dict]) -> OwnInstances:
 
 def own_prompt_ids(trainer, own: OwnInstances) -> list[list[int]]:
     """The ids of `own`'s prompts, each rendered with its environment's tools (as TRL's `_tokenize_prompts`)."""
-    return [trl_rules.environment_prompt_ids(trainer, p, trainer._env_tools[name])
+    return [trl_rules.environment_prompt_ids(trainer, p, trl_seams.environment_tools(trainer, name))
             for p, name in zip(own.prompts, own.names)]  # fmt: skip
 
 
@@ -137,7 +138,7 @@ def round_environments(
     for the n rows of one prompt, their prompts differ: grpo then samples each row on its own prompt (as TRL),
     and a branching strategy raises (a branch shares its group's prompt). `strategy`: the round's `RolloutStrategy`.
     """
-    rows, names = (trainer.environments, trainer._batch_environments) if own is None else (own.instances, own.names)
+    rows, names = (trainer.environments, trl_seams.batch_environment_names(trainer)) if own is None else (own.instances, own.names)
     if not len(rows) == len(names) == len(inputs) == len(prompt_ids):
         raise RuntimeError(f"{len(rows)} environments for {len(prompt_ids)} rows")
     per_row = any(prompt_ids[i] != prompt_ids[i - i % n] for i in range(len(prompt_ids)))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from appo_trl.trainer.trl_seams import step_metrics
+from appo_trl.trainer.trl_seams import per_token_logps_and_entropies, step_metrics
 
 
 def _dapo(trainer, per_token, mask, inputs, train):
@@ -113,7 +113,8 @@ def compute_policy_loss(trainer, model, inputs) -> torch.Tensor:
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-    logps, entropies, aux_loss = trainer._get_per_token_logps_and_entropies(
+    logps, entropies, aux_loss = per_token_logps_and_entropies(
+        trainer,
         model,
         input_ids,
         attention_mask,

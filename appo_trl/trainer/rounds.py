@@ -11,20 +11,20 @@ through one training step: docs/architecture.md.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import math
 
 import torch
 
+from appo_trl import trl_rules
 from appo_trl.reporting.console import canonical_metrics
 from appo_trl.reporting.rollout_dump import dump_round
-from appo_trl.trainer import trl_rules, trl_seams
+from appo_trl.strategies import STRATEGIES, GRPOStrategy, RolloutStrategy, Round
+from appo_trl.trainer import trl_seams
 from appo_trl.trainer.async_rounds import build_async_rounds, split_cpu_threads
 from appo_trl.trainer.rows import select_rows
 from appo_trl.trainer.setup import build_rollout_engine
 from appo_trl.trainer.sharded import full_weights_for_round
-from appo_trl.trainer.strategies import STRATEGIES, GRPOStrategy, RolloutStrategy, Round
 from appo_trl.trainer.stream_rounds import build_stream_rounds
 from appo_trl.trainer.turn_rewards import token_rewards
 from appo_trl.trainer.weight_sync import generate_round, held_adapter
@@ -197,7 +197,7 @@ class RoundRunner:
         n = t.num_generations if mode == "train" else t.num_generations_eval
         strategy = self.strategy if mode == "train" else self.eval_strategy
         self.path.prepare(strategy, prompts, n)
-        prompt_ids, _, _ = t._tokenize_prompts(copy.deepcopy(prompts))
+        prompt_ids = trl_seams.tokenize_prompts(t, prompts)
         if self.stream is not None and mode == "train":  # the groups `stream_inputs` handed over
             rnd, version = self.stream.take_round(prompts)
         else:

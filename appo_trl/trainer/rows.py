@@ -1,21 +1,9 @@
-"""Small tensor helpers shared by the trainer modules (padding ragged rows right or, as TRL pads prompts, left;
-selecting and splitting rows of TRL's batch dict)."""
+"""Small tensor helpers shared by the trainer modules (padding ragged id rows as TRL pads prompts, left; selecting
+and splitting rows of TRL's batch dict). Right-padding ragged rows is `appo_trl.algorithms.rows.pad_rows`."""
 
 from __future__ import annotations
 
 import torch
-
-
-def pad_rows(rows: list[list], value: float | int, length: int | None = None) -> torch.Tensor:
-    """Right-pad ragged rows into one (R, T) tensor (float if `value` or any element is a float)."""
-    length = max((len(r) for r in rows), default=0) if length is None else length
-    is_float = isinstance(value, float) or any(isinstance(x, float) for r in rows for x in r[:1])
-    out = torch.full((len(rows), length), value, dtype=torch.float32 if is_float else torch.long)
-    for i, r in enumerate(rows):
-        r = r[:length]
-        if len(r):
-            out[i, : len(r)] = torch.as_tensor(r, dtype=out.dtype)
-    return out
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,6 @@ not do: score, or hold rounds.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -27,7 +26,8 @@ from typing import Any, ClassVar
 from trl.data_utils import is_conversational
 
 from appo_trl.sampling import Sampler, missing_members
-from appo_trl.trainer.strategies import Round
+from appo_trl.strategies import Round
+from appo_trl.trainer import trl_seams
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ class SamplingPath:
     def background_job(self, strategy, inputs: list[dict], n: int, seed: int) -> Callable[[], Any]:
         """On the trainer's thread: what a background round of generation batch `inputs` needs (its prompt ids);
         the returned job runs `sample` on the round's thread."""
-        prompt_ids, _, _ = self.trainer._tokenize_prompts(copy.deepcopy([x["prompt"] for x in inputs]))
+        prompt_ids = trl_seams.tokenize_prompts(self.trainer, [x["prompt"] for x in inputs])
         return lambda: self.sample(strategy, prompt_ids, n, seed, inputs)
 
     def prepare(self, strategy, prompts: list, n: int) -> None:

@@ -54,9 +54,9 @@ def build_rollout_engine(trainer, sampler_model=None, clock=None):
                                               timeout_s=args.vllm_request_timeout_s,
                                               **({} if clock is None else {"clock": clock}))  # fmt: skip
     elif sampler_model is not None:  # max_staleness >= 1: the sampler copy decodes
-        backend = TransformersBackend(sampler_model, trainer._tokenizer)
+        backend = TransformersBackend(sampler_model, trl_seams.tokenizer(trainer))
     else:
-        backend = TransformersBackend(trainer.model, trainer._tokenizer, accelerator=trainer.accelerator)
+        backend = TransformersBackend(trainer.model, trl_seams.tokenizer(trainer), accelerator=trainer.accelerator)
     # prompt + completion must fit the sampler: the colocated engine's length, vLLM's --max-model-len when given,
     # else the model's positions
     if not (args.use_vllm and args.vllm_mode == "colocate"):
@@ -78,7 +78,7 @@ def build_rollout_engine(trainer, sampler_model=None, clock=None):
         concurrency=args.rollout_concurrency,
     )
     return RolloutEngine(
-        backend, trainer._tokenizer, config, ToolExecutor(tools, max_workers=args.rollout_concurrency),
+        backend, trl_seams.tokenizer(trainer), config, ToolExecutor(tools, max_workers=args.rollout_concurrency),
         chat=trainer.chat_tool_format,
     )  # fmt: skip
 
@@ -118,11 +118,10 @@ def setup_chat_tools(trainer, train_dataset) -> None:
             "tool_format=chat: the model's chat template cannot render a tool-calling conversation "
             "(user -> assistant with tool_calls -> tool); use a tool-capable template or tool_format=tags."
         )
-    trainer.chat_tool_format = ChatToolFormat(trainer._tokenizer, trainer.chat_template, trainer.chat_template_kwargs)
+    trainer.chat_tool_format = ChatToolFormat(trl_seams.tokenizer(trainer), trainer.chat_template, trainer.chat_template_kwargs)
     # TRL's `_tokenize_prompts` renders `trainer.tools` into every prompt (schemas from get_json_schema); with
     # environments, each row's `_env_tools[name]`: the standalone tools, then its environment's methods (TRL's)
     standalone = [t.func for t in trainer.startup_plan.tools.values()] if trainer.startup_plan.tools else []
-    trainer._standalone_tools = standalone
     trl_seams.prepend_tools(trainer, standalone)
     if train_dataset is not None and "prompt" in getattr(train_dataset, "column_names", []) and len(train_dataset):
         if not is_conversational({"prompt": train_dataset[0]["prompt"]}):

@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from appo_trl.trainer import trl_seams
+
 
 def _fsdp2_modules(model: torch.nn.Module) -> list:
     try:
@@ -109,9 +111,9 @@ def full_weights_for_round(trainer) -> Iterator[torch.nn.Module]:
         unwrap_model_for_generation(
             wrapped, accelerator, gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
         ) as model,
-        _zero3_start_hook_removed(wrapped) if trainer._dist.is_zero3 else contextlib.nullcontext(),
+        _zero3_start_hook_removed(wrapped) if trl_seams.distributed(trainer).is_zero3 else contextlib.nullcontext(),
         _fsdp2_unsharded(_fsdp2_modules(model)) if fsdp2 else contextlib.nullcontext(),
-        trainer._dist.summon_full_params(wrapped, recurse=False),  # FSDP1 (TRL's path); a no-op otherwise
+        trl_seams.distributed(trainer).summon_full_params(wrapped, recurse=False),  # FSDP1 (TRL's path); a no-op otherwise
     ):
         trainer._full_weights_held = True
         try:
@@ -126,7 +128,7 @@ def agree_forward_count(trainer) -> Callable[[int], int] | None:
     Sharded: ZeRO-3 or FSDP, outside `full_weights_for_round` (inside it no forward runs a collective, and the
     round's forward counts differ by design). Every rank must call the returned function at the same point.
     """
-    dist = getattr(trainer, "_dist", None)
+    dist = trl_seams.distributed(trainer)
     if dist is None or not (dist.is_zero3 or dist.is_fsdp) or getattr(trainer, "_full_weights_held", False):
         return None
     device = trainer.accelerator.device

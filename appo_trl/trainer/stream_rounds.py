@@ -15,10 +15,11 @@ import copy
 import logging
 import math
 
-from appo_trl.trainer import trl_rules, trl_seams
+from appo_trl import trl_rules
+from appo_trl.strategies import Round
+from appo_trl.trainer import trl_seams
 from appo_trl.trainer.async_rounds import BatchLookahead
 from appo_trl.trainer.inflight_sync import InFlightSync
-from appo_trl.trainer.strategies import Round
 from appo_trl.trainer.streaming import GroupStream
 from appo_trl.vllm.inflight import PolicyClock, pause_capability
 

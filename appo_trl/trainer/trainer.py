@@ -12,17 +12,18 @@ import logging
 import torch
 from trl import GRPOTrainer
 
+from appo_trl.algorithms.rows import pad_rows
+from appo_trl.config import APPOConfig
 from appo_trl.reporting.console import install_step_line
 from appo_trl.trainer import trl_seams
 from appo_trl.trainer.agents import agent_rewards_override
 from appo_trl.trainer.checkpoints import AtomicCheckpointMixin, read_sampler_state, write_sampler_state
-from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.environments import check_environments
 from appo_trl.trainer.grad_norms import GradNormWatch
 from appo_trl.trainer.loss import compute_policy_loss
 from appo_trl.trainer.resume_kind import check_resume_kind
 from appo_trl.trainer.rounds import RoundRunner
-from appo_trl.trainer.rows import group_permutation, left_pad, pad_rows, permute_rows, split_rows
+from appo_trl.trainer.rows import group_permutation, left_pad, permute_rows, split_rows
 from appo_trl.trainer.sampling_paths import Given, SamplingPath, TRLSampler, resolve_path
 from appo_trl.trainer.setup import has_tools, resolve_reward_funcs, resolve_startup_plan, setup_chat_tools
 from appo_trl.trainer.weight_sync import prepare_vllm_server
@@ -115,7 +116,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 environment_factory=environment_factory,
             )
         self._check_reward_outputs()
-        if self._custom_loss and self._entropy_bonus_enabled:
+        if self._custom_loss and trl_seams.entropy_bonus_enabled(self):
             raise ValueError(f"loss_mode={args.loss_mode} does not add TRL's entropy bonus; set entropy_coef=0.")
         setup_chat_tools(self, train_dataset)
         check_environments(self)
@@ -163,7 +164,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
     @property
     def processing_class_tokenizer(self):
-        return self._tokenizer
+        return trl_seams.tokenizer(self)
 
     @property
     def rollout_engine(self):
@@ -190,7 +191,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
         if lookahead is None:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         batch_samples = lookahead.pull(epoch_iterator, num_batches)
-        return batch_samples, self._get_num_items_in_batch(batch_samples, device)
+        return batch_samples, trl_seams.num_items_in_batch(self, batch_samples, device)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's card, naming the strategy's method and paper, and a local base model by its path."""
@@ -289,12 +290,12 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
             batch = permute_rows(batch, order)
             return [unsplit_pixel_values_by_grid(b) for b in split_rows(batch, self.args.steps_per_generation)]
 
-        return trl_seams.buffered_generation(self, make_batches)[self._step % self.args.steps_per_generation]
+        return trl_seams.buffered_generation(self, make_batches)[trl_seams.micro_step(self) % self.args.steps_per_generation]
 
     def score_trajectories(self, trajectories) -> dict[str, torch.Tensor]:
         """No-grad trainer forward on trajectories: per-token logps and exact entropies, (R, T) on CPU."""
         prompts = [list(t.prompt_ids) for t in trajectories]
-        pad_id = self._tokenizer.pad_token_id
+        pad_id = trl_seams.tokenizer(self).pad_token_id
         prompt_ids, prompt_mask = left_pad(prompts, pad_id)  # as TRL pads prompts
         completion_ids = pad_rows([list(t.completion_ids) for t in trajectories], pad_id)
         completion_mask = pad_rows([[1] * len(t.completion_ids) for t in trajectories], 0)

@@ -30,7 +30,7 @@ import logging
 
 from trl import GRPOConfig
 
-from appo_trl.trainer.config import APPOConfig
+from appo_trl.config import APPOConfig
 
 logger = logging.getLogger(__name__)
 

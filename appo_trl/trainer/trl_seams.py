@@ -1,7 +1,11 @@
-"""Every write appo-trl makes into TRL's private attributes or module globals: one function per seam.
+"""Every write appo-trl makes into TRL's private attributes or module globals, and every read of one: one function
+per seam.
 
 Each function names its seam and the TRL version it was read from (trl 1.16.0); when TRL moves, this is the file
-to read again. Not here: subclassing TRL's `VLLMGeneration` (`appo_trl.vllm.weight_sync`, `appo_trl.vllm.nccl`:
+to read again. `tests/trainer/test_trl_seams.py` fails when another module reads one of `GRPOTrainer`'s private
+members itself (overriding TRL's hooks and calling `super()`'s is the subclass's own business, not a seam; the
+copied rules in `appo_trl.trl_rules`, which floor 1 keeps from importing this module, read two, listed there).
+Not here: subclassing TRL's `VLLMGeneration` (`appo_trl.vllm.weight_sync`, `appo_trl.vllm.nccl`:
 `_init_vllm` overridden, `_iter_named_params` read) and the one module global it swaps while TRL builds the
 colocated engine (`trl.generation.vllm_generation.LLM`, `appo_trl.vllm.weight_sync._trl_llm_takes`: floor 2
 cannot import this module).
@@ -10,8 +14,9 @@ cannot import this module).
 from __future__ import annotations
 
 import contextlib
+import copy
 
-from appo_trl.trainer.trl_rules import (  # the TRL these seams (and TRL's copied rules) were read from
+from appo_trl.trl_rules import (  # the TRL these seams (and TRL's copied rules) were read from
     TRL_VERSION,
     generate_every,
 )
@@ -84,9 +89,11 @@ def trl_importance_correction(trainer):
 
 
 def prepend_tools(trainer, standalone: list) -> None:
-    """Seams `GRPOTrainer.tools` and `GRPOTrainer._env_tools` (trl 1.16.0): the functions whose schemas
-    `_tokenize_prompts` renders into every prompt, and with `environment_factory` each environment's own list
-    (its methods). `standalone` (the configured tools) goes first in both, as the chat template lists them."""
+    """Seams `GRPOTrainer.tools`, `_standalone_tools` and `_env_tools` (trl 1.16.0): the functions whose schemas
+    `_tokenize_prompts` renders into every prompt, the ones bound to no environment, and with `environment_factory`
+    each environment's own list (its methods). `standalone` (the configured tools) goes first in both lists, as the
+    chat template lists them."""
+    trainer._standalone_tools = standalone
     env_methods = list(trainer.tools) if trainer.environment_factories is not None else []
     trainer.tools = standalone + env_methods
     for name in getattr(trainer, "_env_tools", None) or {}:
@@ -108,6 +115,71 @@ def buffered_generation(trainer, make_batches) -> list:
     return trainer._buffered_inputs
 
 
-__all__ = ["TRL_VERSION", "buffered_generation", "prepend_tools", "set_card", "log_metric", "mark_weights_sleeping", "mark_weights_synced", "step_metrics",
-           "trl_importance_correction",
+# ---- reads ---------------------------------------------------------------------------------------------------------
+def tokenizer(trainer):
+    """Seam `GRPOTrainer._tokenizer` (trl 1.16.0): the processing class's tokenizer (a processor's `.tokenizer`)."""
+    return trainer._tokenizer
+
+
+def tokenize_prompts(trainer, prompts: list) -> list[list[int]]:
+    """Seam `GRPOTrainer._tokenize_prompts` (trl 1.16.0): the prompt ids TRL samples from (its chat template, the
+    tools' schemas, multimodal inputs), for a deep copy of `prompts` (TRL's renderer edits the messages in place)."""
+    prompt_ids, _, _ = trainer._tokenize_prompts(copy.deepcopy(prompts))
+    return prompt_ids
+
+
+def per_token_logps_and_entropies(trainer, model, *args, **kwargs):
+    """Seam `GRPOTrainer._get_per_token_logps_and_entropies` (trl 1.16.0): the forward TRL's loss and old-logp pass
+    run, `(logps, entropies, aux_loss)`; on `APPOTrainer` its override (the tree forward, the cached old logps)."""
+    return trainer._get_per_token_logps_and_entropies(model, *args, **kwargs)
+
+
+def micro_step(trainer) -> int:
+    """Seam `GRPOTrainer._step` (trl 1.16.0): the training micro-steps so far, as `_prepare_inputs` counts them."""
+    return trainer._step
+
+
+def num_items_in_batch(trainer, batch_samples, device):
+    """Seam `Trainer._get_num_items_in_batch` (transformers, under trl 1.16.0): the loss normaliser of a batch."""
+    return trainer._get_num_items_in_batch(batch_samples, device)
+
+
+def entropy_bonus_enabled(trainer) -> bool:
+    """Seam `GRPOTrainer._entropy_bonus_enabled` (trl 1.16.0): TRL adds its entropy bonus to the loss
+    (`entropy_coef != 0` or the adaptive one)."""
+    return trainer._entropy_bonus_enabled
+
+
+def distributed(trainer):
+    """Seam `GRPOTrainer._dist` (trl 1.16.0): TRL's `DistributedBackend` (`is_zero3`, `is_fsdp`,
+    `summon_full_params`); None before TRL's `__init__` has built it."""
+    return getattr(trainer, "_dist", None)
+
+
+def multi_environment(trainer) -> bool:
+    """Seam `GRPOTrainer._multi_environment` (trl 1.16.0): `environment_factory` was a dict of named factories."""
+    return trainer._multi_environment
+
+
+def environment_pool(trainer) -> dict:
+    """Seam `GRPOTrainer._environment_pool` (trl 1.16.0): environment name -> its reusable instances (TRL's probe
+    instance first)."""
+    return trainer._environment_pool
+
+
+def batch_environment_names(trainer) -> list:
+    """Seam `GRPOTrainer._batch_environments` (trl 1.16.0): the environment name of each row of the current
+    generation batch, beside `trainer.environments` (its instances)."""
+    return trainer._batch_environments
+
+
+def environment_tools(trainer, name) -> list:
+    """Seam `GRPOTrainer._env_tools` (trl 1.16.0): the tools exposed while environment `name` is selected."""
+    return trainer._env_tools[name]
+
+
+__all__ = ["TRL_VERSION", "batch_environment_names", "buffered_generation", "distributed", "entropy_bonus_enabled",
+           "environment_pool", "environment_tools", "log_metric", "mark_weights_sleeping", "mark_weights_synced",
+           "micro_step", "multi_environment", "num_items_in_batch", "per_token_logps_and_entropies", "prepend_tools",
+           "set_card", "step_metrics", "tokenize_prompts", "tokenizer", "trl_importance_correction",
            "vllm_generation_replaced", "weights_sleeping", "weights_synced_at"]  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from appo_trl.trainer.config import APPOConfig
+from appo_trl.config import APPOConfig
 
 BASE = dict(output_dir="/tmp/appo-fidelity-test", use_cpu=True, bf16=False, report_to="none", save_strategy="no")
 

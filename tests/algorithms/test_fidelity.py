@@ -18,9 +18,9 @@ import torch
 
 from appo_trl.algorithms.advantages import appo_dual_group_advantages
 from appo_trl.algorithms.losses import POLICY_LOSSES
-from appo_trl.trainer.config import REFERENCE_PRESETS
+from appo_trl.config import REFERENCE_PRESETS
+from appo_trl.strategies import APPOStrategy
 from appo_trl.trainer.loss import loss_params, per_token_kl, reduce_loss
-from appo_trl.trainer.strategies import APPOStrategy
 from tests.algorithms.fidelity_helpers import _trainer, make
 
 
@@ -203,7 +203,7 @@ class _Engine:
 
 
 def _strategy_picks(cfg, trajs, G, N):
-    from appo_trl.trainer.rows import pad_rows
+    from appo_trl.algorithms.rows import pad_rows
 
     engine = _Engine(trajs, N)
 

@@ -19,8 +19,8 @@ from appo_trl.algorithms.advantages import entropy_aware_advantage
 from appo_trl.algorithms.arpo import ARPOBranchState, PromptRoundCounter, arpo_branch_probability
 from appo_trl.algorithms.entropy import segment_entropy
 from appo_trl.algorithms.losses import POLICY_LOSSES
+from appo_trl.strategies import ARPOStrategy, BranchHook, Round
 from appo_trl.trainer.loss import loss_params, per_token_kl
-from appo_trl.trainer.strategies import ARPOStrategy, BranchHook, Round
 from tests.algorithms.fidelity_helpers import _trainer, make
 
 

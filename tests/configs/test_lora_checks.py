@@ -10,8 +10,8 @@ from appo_trl.configs.errors import PreflightError
 
 
 def _model_settings(path, **kw):
+    from appo_trl.config import APPOConfig
     from appo_trl.stages.train import model_settings
-    from appo_trl.trainer.config import APPOConfig
 
     args = APPOConfig(output_dir="/tmp/unused-appo-lora-check", use_cpu=True, report_to="none", bf16=False)
     return model_settings(ModelConfig(model_name_or_path=path, use_peft=True, **kw), args)

@@ -14,7 +14,7 @@ import functools
 
 from trl import GRPOConfig, GRPOTrainer
 
-from appo_trl.trainer.config import APPOConfig
+from appo_trl.config import APPOConfig
 from appo_trl.trainer.trainer import APPOTrainer
 from tests.examples.scripted import ScriptedTurns
 

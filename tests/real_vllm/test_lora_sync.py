@@ -130,7 +130,7 @@ def test_lora_appo_trains_through_the_server_with_background_rounds(lora_server,
     from datasets import Dataset
     from peft import LoraConfig
 
-    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.config import APPOConfig
     from appo_trl.trainer.trainer import APPOTrainer
 
     def length_reward(completions, completion_ids, **kw):

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from appo_trl.config import REFERENCE_PRESETS
 from appo_trl.configs.recipes import REPO_ROOT, parse_recipe
 from appo_trl.stages.train import dataclass_types
-from appo_trl.trainer.config import REFERENCE_PRESETS
 
 PAPER_MODELS = ("qwen2.5-7b-instruct", "qwen3-8b", "qwen3-14b", "llama3.1-8b-instruct", "qwen2.5-3b")  # not tiny/ or demo/
 PAPER = sorted(p for m in PAPER_MODELS for p in (REPO_ROOT / "recipes" / m).glob("*.yaml"))

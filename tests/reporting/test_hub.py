@@ -114,7 +114,7 @@ def test_push_only_from_main_process(tmp_path):
 def test_rl_card_names_algorithm_hub_datasets_and_metrics(tmp_path):
     from trl import ModelConfig
 
-    from appo_trl.trainer.config import APPOConfig, APPOScriptArguments
+    from appo_trl.config import APPOConfig, APPOScriptArguments
 
     script = APPOScriptArguments(dataset_name={"dongguanting/ARPO-RL-DeepSearch-1K": 1.0, "./local.parquet": 0.5})
     cfg = APPOConfig(

@@ -99,7 +99,7 @@ def test_rollouts_without_dump_says_how_to_get_one(tmp_path, capsys):
 
 
 def test_dump_rollouts_on_trl_sampler_is_an_error(tmp_path, tiny_model_path, tiny_tokenizer):
-    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.config import APPOConfig
     from appo_trl.trainer.trainer import APPOTrainer
     from tests.trainer.test_trainer import CPU, dataset
 

@@ -9,7 +9,7 @@ import torch
 
 from appo_trl.reporting.rollout_dump import dump_round, read_dumps
 from appo_trl.rollout.types import Trajectory
-from appo_trl.trainer.strategies import Round
+from appo_trl.strategies import Round
 
 
 class _Tok:
@@ -21,7 +21,7 @@ def _trainer(out, step):
     args = SimpleNamespace(dump_rollouts=1, output_dir=str(out), rollout_strategy="grpo")
     return SimpleNamespace(
         args=args, accelerator=SimpleNamespace(is_main_process=True), state=SimpleNamespace(global_step=step),
-        _tokenizer=_Tok(),
+        processing_class_tokenizer=_Tok(),
     )  # fmt: skip
 
 

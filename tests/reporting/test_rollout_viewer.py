@@ -22,7 +22,7 @@ import torch
 from appo_trl.cli import main
 from appo_trl.reporting import atomic, rollout_dump
 from appo_trl.reporting.rollout_page import build, make_server
-from appo_trl.trainer.strategies import Round
+from appo_trl.strategies import Round
 from bench.rollout_viewer import synthetic_group
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -211,7 +211,7 @@ class _Tok:
 def _trainer(out, step=0, **args):
     return SimpleNamespace(args=SimpleNamespace(dump_rollouts=1, output_dir=str(out), rollout_strategy="grpo", **args),
                            accelerator=SimpleNamespace(is_main_process=True), state=SimpleNamespace(global_step=step),
-                           _tokenizer=_Tok())  # fmt: skip
+                           processing_class_tokenizer=_Tok())  # fmt: skip
 
 
 def _round(trajectory):

@@ -69,7 +69,7 @@ def test_the_train_stage_logs_the_route_and_the_random_weights_line(tiny_model_p
 def test_no_pin_memory_on_a_machine_without_an_accelerator(tmp_path, monkeypatch):
     import torch
 
-    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.config import APPOConfig
 
     if torch.cuda.is_available():
         pytest.skip("the point is a machine without an accelerator")
@@ -80,7 +80,7 @@ def test_no_pin_memory_on_a_machine_without_an_accelerator(tmp_path, monkeypatch
             [1, 2], pin_memory=APPOConfig(output_dir=str(tmp_path)).dataloader_pin_memory
         )
         assert list(loader) == [torch.tensor([1]), torch.tensor([2])]
-    monkeypatch.setattr("appo_trl.trainer.config.checks._has_accelerator", lambda: True)  # TRL's default kept
+    monkeypatch.setattr("appo_trl.config.checks._has_accelerator", lambda: True)  # TRL's default kept
     assert APPOConfig(output_dir=str(tmp_path), bf16=False).dataloader_pin_memory is True
 
 

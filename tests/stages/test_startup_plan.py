@@ -56,7 +56,7 @@ def test_python_api_trainer_plans_once_before_the_model_loads(counted, tiny_mode
     """`APPOTrainer(tools=[...])` without a plan resolves its own in `__init__`, once; errors come before the model."""
     from datasets import Dataset
 
-    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.config import APPOConfig
     from appo_trl.trainer.trainer import APPOTrainer
 
     cpu = dict(use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, beta=0.0)

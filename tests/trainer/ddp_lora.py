@@ -16,7 +16,7 @@ import torch.distributed as dist  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from appo_trl.trainer.config import APPOConfig  # noqa: E402
+from appo_trl.config import APPOConfig  # noqa: E402
 from appo_trl.trainer.trainer import APPOTrainer  # noqa: E402
 from bench.fake_vllm import FakeVLLMServer, ScriptedPolicy  # noqa: E402
 from tests.trainer.test_trainer import CPU, RewardSpy, dataset  # noqa: E402

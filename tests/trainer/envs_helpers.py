@@ -18,8 +18,8 @@ from pathlib import Path
 import trl
 from datasets import Dataset
 
+from appo_trl.config import APPOConfig
 from appo_trl.rollout import Segment
-from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.trainer import APPOTrainer
 from tests.trainer.test_trainer import CPU
 

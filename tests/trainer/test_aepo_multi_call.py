@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from appo_trl.algorithms.arpo import aepo_initial_rollouts
 from appo_trl.rollout import RolloutConfig
 from appo_trl.rollout.types import ToolCallRecord, Trajectory
-from appo_trl.trainer.strategies import AEPOStrategy
+from appo_trl.strategies import AEPOStrategy
 
 
 def test_a_multi_call_turn_is_one_tool_segment():

@@ -15,10 +15,10 @@ import pytest
 
 pytest.importorskip("openai")
 
+from appo_trl.config import APPOConfig  # noqa: E402
 from appo_trl.rollout import RolloutConfig, RolloutEngine, Trajectory  # noqa: E402
-from appo_trl.trainer.config import APPOConfig  # noqa: E402
-from appo_trl.trainer.strategies import ARPOStrategy, BranchHook  # noqa: E402
-from appo_trl.trainer.strategies.arpo_replay import EntropyWindow, decide  # noqa: E402
+from appo_trl.strategies import ARPOStrategy, BranchHook  # noqa: E402
+from appo_trl.strategies.arpo_replay import EntropyWindow, decide  # noqa: E402
 from appo_trl.trainer.trainer import APPOTrainer  # noqa: E402
 from bench.fake_vllm import ScriptedPolicy  # noqa: E402
 from tests.rollout.conftest import ScriptedTool  # noqa: E402

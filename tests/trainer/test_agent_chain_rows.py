@@ -16,10 +16,10 @@ import torch
 
 openai = pytest.importorskip("openai")
 
+from appo_trl.config import APPOConfig  # noqa: E402
 from appo_trl.rollout.agent_session import AgentSession, ChatRenderer  # noqa: E402
 from appo_trl.rollout.chat_format import ChatToolFormat  # noqa: E402
 from appo_trl.rollout.types import SamplingParams  # noqa: E402
-from appo_trl.trainer.config import APPOConfig  # noqa: E402
 from appo_trl.trainer.trainer import APPOTrainer  # noqa: E402
 from tests.trainer.test_agents import TOOLS, ScriptedBackend, make_trainer, prompts  # noqa: E402
 from tests.trainer.test_trainer import CPU, spy_loss  # noqa: E402

@@ -18,8 +18,8 @@ from datasets import Dataset
 
 openai = pytest.importorskip("openai")
 
+from appo_trl.config import APPOConfig  # noqa: E402
 from appo_trl.rollout import Segment  # noqa: E402
-from appo_trl.trainer.config import APPOConfig  # noqa: E402
 from appo_trl.trainer.trainer import APPOTrainer  # noqa: E402
 from tests.trainer.test_trainer import CPU, spy_loss  # noqa: E402
 

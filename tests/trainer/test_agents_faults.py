@@ -169,8 +169,8 @@ def test_a_taken_agent_port_is_named_before_the_model_loads_and_at_start(tmp_pat
                                                                           tiny_chat_model_path):  # fmt: skip
     import socket
 
+    from appo_trl.config import APPOConfig
     from appo_trl.trainer.agents import AgentError
-    from appo_trl.trainer.config import APPOConfig
     from appo_trl.trainer.trainer import APPOTrainer
     from tests.trainer.test_agents import prompts
     from tests.trainer.test_trainer import CPU
@@ -219,7 +219,7 @@ def test_rounds_in_which_every_run_failed_warn_then_stop_the_run(tmp_path, tiny_
 
 
 def test_agent_config_ranges(tmp_path):
-    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.config import APPOConfig
     from tests.trainer.test_trainer import CPU
 
     with pytest.raises(ValueError, match=r"max_failed_agent_rounds=-1 must be >= 0 \(0 = never stop\)"):

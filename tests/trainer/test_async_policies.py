@@ -16,11 +16,11 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
+from appo_trl.config import APPOConfig
 from appo_trl.trainer.async_rounds import (
     AsyncRounds,
     OptimizerStepLock,
 )
-from appo_trl.trainer.config import APPOConfig
 from tests.trainer.async_helpers import GRPO, Round, _weights
 from tests.trainer.fakes import ScriptedEngine
 from tests.trainer.test_trainer import CPU, RewardSpy, dataset, make_trainer

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 from accelerate.utils import DistributedType
 
+from appo_trl.config import APPOConfig
 from appo_trl.trainer.async_rounds import (
     AsyncRounds,
     BackgroundRoundError,
@@ -21,7 +22,6 @@ from appo_trl.trainer.async_rounds import (
     OptimizerStepLock,
     build_async_rounds,
 )
-from appo_trl.trainer.config import APPOConfig
 from tests.trainer.async_helpers import Round
 from tests.trainer.test_trainer import CPU
 

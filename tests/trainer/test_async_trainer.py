@@ -84,7 +84,7 @@ def test_background_rounds_in_process(tmp_path, tiny_tokenizer, tiny_model_path)
 
 def test_an_epoch_of_one_generation_batch_says_its_rounds_stay_synchronous(tmp_path, tiny_tokenizer, tiny_model_path,
                                                                            caplog):  # fmt: skip
-    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.config import APPOConfig
     from appo_trl.trainer.trainer import APPOTrainer
     from tests.trainer.test_trainer import CPU, dataset
 

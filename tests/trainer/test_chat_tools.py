@@ -15,9 +15,9 @@ import pytest
 import torch
 from datasets import Dataset
 
+from appo_trl.config import APPOConfig
 from appo_trl.rollout import Segment
 from appo_trl.tools.base import ToolResult
-from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.trainer import APPOTrainer
 from tests.trainer.test_trainer import CPU, spy_loss
 

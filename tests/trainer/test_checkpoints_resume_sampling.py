@@ -13,8 +13,8 @@ import json
 import torch
 from transformers import TrainerCallback
 
+from appo_trl.config import APPOConfig
 from appo_trl.trainer.checkpoints import SAMPLER_STATE_NAME
-from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.trainer import APPOTrainer
 from tests.trainer.test_trainer import CPU, dataset
 

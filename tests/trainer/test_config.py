@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from trl import GRPOConfig
 
-from appo_trl.trainer.config import APPOConfig
+from appo_trl.config import APPOConfig
 
 BASE = dict(output_dir="/tmp/appo-config-test", use_cpu=True, bf16=False, report_to="none", save_strategy="no")
 

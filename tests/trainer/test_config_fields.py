@@ -8,8 +8,8 @@ import typing
 
 import pytest
 
+from appo_trl.config import REMOVED_FIELDS, APPOConfig, APPOScriptArguments
 from appo_trl.configs.arguments import GROUPS
-from appo_trl.trainer.config import REMOVED_FIELDS, APPOConfig, APPOScriptArguments
 from tests.test_cli_errors import appo, one_error_line, recipe, workdir  # noqa: F401 - `workdir` is a fixture
 
 BASE = dict(output_dir="/tmp/appo-fields-test", use_cpu=True, bf16=False, report_to="none",

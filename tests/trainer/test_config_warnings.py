@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from appo_trl.trainer.config import APPOConfig
+from appo_trl.config import APPOConfig
 
 BASE = dict(output_dir="/tmp/appo-config-test", use_cpu=True, bf16=False, report_to="none", save_strategy="no",
             num_generations=4, per_device_train_batch_size=4)  # fmt: skip

@@ -37,7 +37,7 @@ def small_disk(tmp_path):
 def _trainer(out, tok, model_path):
     from datasets import Dataset
 
-    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.config import APPOConfig
     from appo_trl.trainer.trainer import APPOTrainer
     from tests.trainer.test_trainer import CPU
 

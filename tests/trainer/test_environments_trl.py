@@ -14,8 +14,8 @@ import pytest
 import torch
 from datasets import Dataset
 
+from appo_trl.config import APPOConfig
 from appo_trl.rollout import Segment
-from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.trainer import APPOTrainer
 from tests.trainer.envs_helpers import (
     LOCK,

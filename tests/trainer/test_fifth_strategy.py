@@ -12,8 +12,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from appo_trl.trainer.config import APPOConfig
-from appo_trl.trainer.strategies import STRATEGIES, RolloutStrategy, Round, register_strategy
+from appo_trl.config import APPOConfig
+from appo_trl.strategies import STRATEGIES, RolloutStrategy, Round, register_strategy
 
 CPU = dict(use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, learning_rate=1e-2,
            beta=0.0, seed=0, loss_type="dapo")  # fmt: skip

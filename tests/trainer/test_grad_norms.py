@@ -13,7 +13,7 @@ from appo_trl.trainer.grad_norms import STREAK, GradNormError, GradNormWatch
 
 
 def _config(tmp_path, **kw):
-    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.config import APPOConfig
     from tests.trainer.test_trainer import CPU
 
     return APPOConfig(output_dir=str(tmp_path), **CPU, num_generations=4, per_device_train_batch_size=4,

@@ -13,7 +13,7 @@ import torch
 import yaml
 from peft import LoraConfig
 
-from appo_trl.trainer.config import APPOConfig
+from appo_trl.config import APPOConfig
 from appo_trl.trainer.trainer import APPOTrainer
 from tests.trainer.test_checkpoints_resume_sampling import CompletionLog, StopAt
 from tests.trainer.test_trainer import CPU, dataset

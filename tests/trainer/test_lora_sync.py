@@ -12,7 +12,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from appo_trl.trainer.config import APPOConfig
+from appo_trl.config import APPOConfig
 from appo_trl.trainer.trainer import APPOTrainer
 from tests.trainer.test_trainer import CPU, RewardSpy, dataset
 

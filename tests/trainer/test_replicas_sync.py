@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from appo_trl.trainer.config import APPOConfig
+from appo_trl.config import APPOConfig
 from appo_trl.vllm import WeightSyncError
 from appo_trl.vllm.router import RouterError, router_executable
 from tests.trainer.test_trainer import CPU, RewardSpy, make_trainer

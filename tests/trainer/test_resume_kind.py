@@ -45,7 +45,7 @@ def test_each_mismatch_is_named(tmp_path):
 
 
 def _trainer(tmp_path, model_path, tokenizer, peft_config, **kw):
-    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.config import APPOConfig
     from appo_trl.trainer.trainer import APPOTrainer
     from tests.trainer.test_trainer import CPU, dataset
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from appo_trl.trainer.config import APPOConfig
+from appo_trl.config import APPOConfig
 from appo_trl.trainer.reward_checks import NaNRewardGuard, RewardFunctionError, check_rewards, checked_reward_func
 from tests.trainer.test_trainer import CPU
 from tests.trainer.test_trainer_engine import real_engine

@@ -133,7 +133,7 @@ def test_appo_dual_groups_leave_nan_rows_out_by_hand():
 
 
 def test_scorable_tree_hands_a_gone_row_to_its_latest_child():
-    from appo_trl.trainer.credit import scorable_tree
+    from appo_trl.strategies.credit import scorable_tree
 
     # row 0 (gone) has children 1 (at 3) and 2 (at 2): 1 takes its place, 2 branches off 1 at 2
     assert scorable_tree([-1, 0, 0], [0, 3, 2], [1, 2]) == ([-1, 0], [0, 2])
@@ -145,8 +145,8 @@ def test_scorable_tree_hands_a_gone_row_to_its_latest_child():
 def test_tree_credit_leaves_an_unscorable_row_out_by_hand():
     from types import SimpleNamespace
 
-    from appo_trl.trainer.credit import tree_advantages
-    from appo_trl.trainer.strategies import Round
+    from appo_trl.strategies import Round
+    from appo_trl.strategies.credit import tree_advantages
     from tests.trainer.fakes import FakeTrajectory
 
     rows = [FakeTrajectory([1], [5, 6], [1, 1], [-0.5] * 2, [0.1] * 2) for _ in range(3)]
@@ -167,7 +167,7 @@ def test_tree_credit_leaves_an_unscorable_row_out_by_hand():
     ],
 )
 def test_normalize_then_sum_is_refused_where_the_advantages_are_our_own(kw, what, tmp_path):
-    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.config import APPOConfig
 
     with pytest.raises(ValueError, match=f"multi_objective_aggregation=normalize_then_sum .* but {what}") as e:
         APPOConfig(output_dir=str(tmp_path), **CPU, multi_objective_aggregation="normalize_then_sum", **kw)

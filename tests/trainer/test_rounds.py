@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from appo_trl.strategies import Round
 from appo_trl.trainer import tree
-from appo_trl.trainer.strategies import Round
 from tests.trainer.fakes import ScriptedEngine
 from tests.trainer.test_trainer import RewardSpy, make_trainer
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from appo_trl.trainer.config import APPOConfig
+from appo_trl.config import APPOConfig
+from appo_trl.strategies import STRATEGIES, RolloutStrategy
+from appo_trl.strategies.arpo import ARPOStrategy
 from appo_trl.trainer.sampling_paths import PATHS, REFUSALS, Given, refusal, resolve_path
-from appo_trl.trainer.strategies import STRATEGIES, RolloutStrategy
-from appo_trl.trainer.strategies.arpo import ARPOStrategy
 from appo_trl.trainer.trainer import APPOTrainer
 from tests.trainer.test_trainer import CPU, RewardSpy
 

@@ -1,11 +1,11 @@
-"""`rollout_stream` and its fields (appo_trl/trainer/config/stream.py): each setting the producer cannot honour is
+"""`rollout_stream` and its fields (appo_trl/config/stream.py): each setting the producer cannot honour is
 one line before the model loads."""
 
 from __future__ import annotations
 
 import pytest
 
-from appo_trl.trainer.config.appo import APPOConfig
+from appo_trl.config.appo import APPOConfig
 
 STREAM = dict(rollout_stream=True, max_staleness=1, use_vllm=True, vllm_mode="server")
 

@@ -32,7 +32,7 @@ def test_a_full_disk_at_the_sync_is_one_line_and_leaves_nothing(route, tmp_path,
             assert trainer.vllm_server.weight_sync == "adapter"
             monkeypatch.setattr("peft.peft_model.safe_save_file", _writes_then_fails)
         else:
-            from appo_trl.trainer.config import APPOConfig
+            from appo_trl.config import APPOConfig
             from appo_trl.trainer.trainer import APPOTrainer
             from tests.trainer.test_trainer import CPU, RewardSpy, dataset
 

@@ -11,7 +11,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.chat_template_utils import add_response_schema, supports_tool_calling
 
 from appo_trl.cli import tiny_model
-from appo_trl.trainer.config import APPOConfig
+from appo_trl.config import APPOConfig
 from appo_trl.trainer.trainer import APPOTrainer
 from tests.trainer.test_trainer import CPU, dataset
 

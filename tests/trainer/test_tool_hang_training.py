@@ -14,8 +14,8 @@ import threading
 import pytest
 from datasets import Dataset
 
+from appo_trl.config import APPOConfig
 from appo_trl.rollout import Segment, TransformersBackend
-from appo_trl.trainer.config import APPOConfig
 from appo_trl.trainer.trainer import APPOTrainer
 from tests.trainer.test_trainer import CPU
 

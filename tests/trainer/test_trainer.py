@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from datasets import Dataset
 
-from appo_trl.trainer.config import APPOConfig
+from appo_trl.config import APPOConfig
 from appo_trl.trainer.trainer import APPOTrainer
 from tests.trainer.fakes import ScriptedEngine
 

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from appo_trl.trainer.config import APPOConfig
+from appo_trl.config import APPOConfig
 from appo_trl.trainer.trainer import APPOTrainer
 from tests.trainer.test_trainer import CPU, dataset
 from tests.trainer.test_trl_compat import length_reward

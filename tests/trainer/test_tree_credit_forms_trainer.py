@@ -24,7 +24,7 @@ def run(request, tmp_path, strategy, compare, **kw):
         trainer, _, seen, compared = run_one_step(tmp_path, tok, path, compare=compare, dump_rollouts=2,
                                                   **STRATEGIES["appo"], **kw)  # fmt: skip
         return trainer, seen, compared
-    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.config import APPOConfig
     from appo_trl.trainer.trainer import APPOTrainer
     from tests.trainer.test_chat_tools import Reward, multiply, prompts
     from tests.trainer.test_trainer import CPU

@@ -50,7 +50,7 @@ def expand(runs: list[list], length: int) -> list[float]:
 def test_arpo_tree_credit_reaches_the_loss_exactly_and_the_dump_recomputes(
     tiny_chat_model_path, tiny_chat_tokenizer, tmp_path
 ):
-    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.config import APPOConfig
     from appo_trl.trainer.trainer import APPOTrainer
     from tests.trainer.test_chat_tools import Reward, multiply, prompts
     from tests.trainer.test_trainer import CPU
@@ -121,7 +121,7 @@ def test_appo_tree_credit_branch_rows_option(branch_rows, tiny_model_path, tiny_
 
 
 def test_config_refuses_what_tree_credit_cannot_honour(tmp_path):
-    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.config import APPOConfig
     from tests.trainer.test_trainer import CPU
 
     def make(**kw):

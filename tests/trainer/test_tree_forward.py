@@ -199,7 +199,7 @@ def test_packer_scores_every_completion_token_and_no_leaf():
 
 
 def test_bad_input_fails_with_one_clear_line(tmp_path):
-    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.config import APPOConfig
     from appo_trl.tree.forward import row_spans
 
     with pytest.raises(ValueError, match="tree_token_budget=0 must be >= 1"):

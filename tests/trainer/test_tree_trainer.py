@@ -121,7 +121,7 @@ class VariedChat:
 def test_chat_tool_format_loss_and_gradients_equal_rowwise(tiny_chat_model_path, tiny_chat_tokenizer, tmp_path):
     """`tool_format="chat"` with the trainer's own engine (`tools=[multiply]`), ARPO: two micro-batches of one
     group each, whose rows share the prompt and, for the branches, the turn up to the tool result."""
-    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.config import APPOConfig
     from appo_trl.trainer.trainer import APPOTrainer
     from tests.trainer.test_chat_tools import Reward, multiply, prompts
     from tests.trainer.test_trainer import CPU

@@ -11,7 +11,7 @@ import pytest
 import trl
 from trl import GRPOConfig
 
-from appo_trl.trainer.config import APPOConfig
+from appo_trl.config import APPOConfig
 from appo_trl.trainer.trainer import APPOTrainer
 from tests.trainer.test_trainer import CPU, RewardSpy, dataset
 

@@ -1,4 +1,4 @@
-"""TRL's copied rules (`appo_trl.trainer.trl_rules`) on hand-computed numbers, and the one left-pad helper."""
+"""TRL's copied rules (`appo_trl.trl_rules`) on hand-computed numbers, and the one left-pad helper."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from appo_trl.trainer import trl_rules, trl_seams
+from appo_trl import trl_rules
+from appo_trl.trainer import trl_seams
 from appo_trl.trainer.rows import left_pad
 
 

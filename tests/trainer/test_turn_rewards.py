@@ -30,7 +30,7 @@ class TurnReward:
 
 
 def make(tmp_path, tokenizer, model_path, reward, **kw):
-    from appo_trl.trainer.config import APPOConfig
+    from appo_trl.config import APPOConfig
     from appo_trl.trainer.trainer import APPOTrainer
     from tests.trainer.test_chat_tools import multiply, prompts
     from tests.trainer.test_trainer import CPU

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from appo_trl.trainer.config.script import _vllm
+from appo_trl.config.script import _vllm
 
 SYNC_ADAPTER_HELP = _vllm(
     "LoRA runs (use_peft) in vllm_mode=server: what each weight sync sends. `auto` (default): only the adapter when "

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from appo_trl.trainer.strategies.base import RolloutStrategy, register_strategy
-from appo_trl.trainer.strategies.record import Round
+from appo_trl.strategies.base import RolloutStrategy, register_strategy
+from appo_trl.strategies.record import Round
 
 
 @register_strategy

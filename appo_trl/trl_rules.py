@@ -1,14 +1,17 @@
 """TRL's own rules, copied where appo-trl must apply them to rows TRL did not build: one function per rule.
 
+Floor 1 (it imports torch and TRL only), so the config's checks (`generate_every`) and the trainer read the same copy.
+
 Each was read from `GRPOTrainer._generate_and_score_completions` of trl `TRL_VERSION`; when TRL moves, this is the
-file to read again (its private attributes: `trl_seams`). The rules: whether TRL runs its no-grad old-logp pass
+file to read again (its private attributes: `trainer/trl_seams.py`; as TRL's own code, these copies read two of them,
+`_tokenizer` and `_multi_environment`, which `tests/trainer/test_trl_seams.py` lists). The rules: whether TRL runs its no-grad old-logp pass
 (`runs_old_logp_pass`), the vLLM importance-sampling ratio (`importance_ratio`), the reference forward, or the
 adapter-free / "ref" adapter one under PEFT (`reference_logps`), and truncated-completion masking
 (`truncated_rows`), and the reward rule of rows every reward function left unscored (`scored_rewards`,
 `unscorable_rows`, `zero_unscorable`), the environments' reset and observation rules (`reset_kwargs`,
 `observed_prompt`, `environment_prompt_ids`), how often a generation batch starts (`generate_every`), its generation metrics (`log_generation`), and the layout of its scored batch (`extend_scored_batch`, which appends
-rows handed over as plain data, such as an agent run's chain rows, padded as TRL pads each entry). Users: the round runner (`rounds.py`: the old-logp cache, the rewards a
-strategy's own advantages read) and an agent's chain rows (`chain_rows.py`). What this does not do: decide when a
+rows handed over as plain data, such as an agent run's chain rows, padded as TRL pads each entry). Users: the round runner (`trainer/rounds.py`: the old-logp cache, the rewards a
+strategy's own advantages read) and an agent's chain rows (`trainer/chain_rows.py`). What this does not do: decide when a
 rule applies beyond TRL's own condition.
 
 `TRL_COPIES` names, for each rule, the TRL function it was read from and the SHA-256 of that function's source in

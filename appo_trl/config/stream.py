@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from appo_trl.trainer.config.script import _rollout
+from appo_trl.config.script import _rollout
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from appo_trl.trainer.strategies.arpo import ARPOStrategy
-from appo_trl.trainer.strategies.base import register_strategy
+from appo_trl.strategies.arpo import ARPOStrategy
+from appo_trl.strategies.base import register_strategy
 
 
 @register_strategy
@@ -54,7 +54,7 @@ class AEPOStrategy(ARPOStrategy):
         # other samples than the group's (seed + 7919), on the same replica as the group (routing keys from `seed`)
         probes = engine.run(engine.rollout(prompt_ids, 1, seed=seed + 7919, route_seed=seed))
         cfg = engine.config
-        norm = math.log(len(self.trainer.processing_class_tokenizer)) if cfg.entropy_normalize else 1.0
+        norm = math.log(len(self.policy.processing_class_tokenizer)) if cfg.entropy_normalize else 1.0
         window, replays = self.entropy_window(engine), engine.replays_branches
         counts, kept = [], []
         for (probe,) in probes:

@@ -2,8 +2,8 @@
 
 The engine calls `BranchHook` after every tool result; forks and refills bring each group to exactly n rows, and
 every row reaches the loss. The user's agent runs its own loop: the same hook then decides on the recorded runs,
-and forks re-run the agent by replay (`appo_trl.trainer.strategies.arpo_replay`). AEPO
-(`appo_trl.trainer.strategies.aepo`) is this loop with its penalty and budget.
+and forks re-run the agent by replay (`appo_trl.strategies.arpo_replay`). AEPO
+(`appo_trl.strategies.aepo`) is this loop with its penalty and budget.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import math
 import random
 from typing import Any
 
-from appo_trl.trainer.strategies.base import RolloutStrategy, register_strategy
-from appo_trl.trainer.strategies.record import Round
+from appo_trl.strategies.base import RolloutStrategy, register_strategy
+from appo_trl.strategies.record import Round
 
 
 class BranchHook:
@@ -128,9 +128,9 @@ class ARPOStrategy(RolloutStrategy):
 
     def entropy_window(self, engine):
         """The engine's window entropy over recorded rows (for fork points and budgets measured after the runs)."""
-        from appo_trl.trainer.strategies.arpo_replay import EntropyWindow
+        from appo_trl.strategies.arpo_replay import EntropyWindow
 
-        return EntropyWindow(engine.config, len(self.trainer.processing_class_tokenizer))
+        return EntropyWindow(engine.config, len(self.policy.processing_class_tokenizer))
 
     def initial_counts(self, prompt_ids, n, seed, engine) -> tuple[list[int], list[list[Any]]]:
         """Roots per prompt and trajectories already sampled for each group (none for ARPO)."""
@@ -141,7 +141,7 @@ class ARPOStrategy(RolloutStrategy):
         hook = BranchHook(self.args, seed, self.penalty)
         sizes = [n - len(k) for k in kept]
         if engine.replays_branches:  # the user's agent: the rule on its recorded runs
-            from appo_trl.trainer.strategies.arpo_replay import branch_after_runs
+            from appo_trl.strategies.arpo_replay import branch_after_runs
 
             groups = branch_after_runs(engine, hook, prompt_ids, counts, sizes, seed, self.entropy_window(engine))
         else:

@@ -11,9 +11,9 @@ import warnings
 
 import torch
 
-from appo_trl.trainer.rows import pad_rows
-from appo_trl.trainer.strategies.base import TREE_ESTIMATORS, RolloutStrategy, register_strategy
-from appo_trl.trainer.strategies.record import Round
+from appo_trl.algorithms.rows import pad_rows
+from appo_trl.strategies.base import TREE_ESTIMATORS, PolicyForward, RolloutStrategy, register_strategy
+from appo_trl.strategies.record import Round
 
 
 def excluded_token_mask(tokenizer, mode: str = "whitespace_punct") -> torch.Tensor:
@@ -69,8 +69,8 @@ class APPOStrategy(RolloutStrategy):
         "branch/no_candidates",
     )
 
-    def __init__(self, trainer):
-        super().__init__(trainer)
+    def __init__(self, policy: PolicyForward):
+        super().__init__(policy)
         self._excluded = None
 
     @classmethod
@@ -100,7 +100,7 @@ class APPOStrategy(RolloutStrategy):
         if mode == "none":
             return None
         if self._excluded is None:
-            self._excluded = excluded_token_mask(self.trainer.processing_class_tokenizer, mode)
+            self._excluded = excluded_token_mask(self.policy.processing_class_tokenizer, mode)
         return self._excluded
 
     def generate(self, prompt_ids, n, seed, engine):
@@ -111,7 +111,7 @@ class APPOStrategy(RolloutStrategy):
         if N == n:  # degenerate: nothing to branch, APPO reduces to its loss on n initial rollouts
             return Round(groups=init, keep=[True] * (len(init) * n), points=[[] for _ in init])
         flat = [t for g in init for t in g]
-        scored = self.trainer.score_trajectories(flat)  # trainer forward: current logps (+ exact entropies)
+        scored = self.policy.score_trajectories(flat)  # the policy's forward: current logps (+ exact entropies)
         mask = pad_rows([t.loss_mask for t in flat], 0).float()
         ids = pad_rows([t.completion_ids for t in flat], 0)
         sampler_lp = pad_rows([t.logprobs for t in flat], float("nan"))

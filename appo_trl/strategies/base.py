@@ -4,19 +4,38 @@ A strategy turns one round's unique prompts into groups of n rows, a `Round` (`g
 may replace TRL's group advantages once rewards are known (`advantages`). Its class declares what the config, the engine set-up, the
 environments and the model card would otherwise decide by comparing the strategy's name. `register_strategy`
 (a class decorator) adds a class to `STRATEGIES` (name -> class) and hands its paper to the model-card code.
+`PolicyForward` is all a strategy sees of the policy it samples for (the trainer implements it and hands itself
+over): the strategy is a producer that never imports the trainer and calls nothing of it beyond that Protocol.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from appo_trl.configs.errors import fail
-from appo_trl.trainer.strategies.record import Round
+from appo_trl.strategies.record import Round
 
 TRL_STD_EPS = 1e-4  # ε in TRL's (r − mean)/(std + ε) group advantage
 TREE_ESTIMATORS = ("tree", "tree_grpo")  # `advantage_estimator` values computed on the group's tree
+
+
+class PolicyForward(Protocol):
+    """What a strategy reads of the policy it samples for; `APPOTrainer` implements it.
+
+    `args`: the run's `APPOConfig` (typed `Any`: this floor may not import the config, which imports it).
+    `processing_class_tokenizer`: the policy's tokenizer (its vocabulary size, APPO's excluded tokens).
+    `score_trajectories(trajectories)`: one no-grad forward of the policy on finished rows, `{"logps", "entropies"}`
+    as (R, T) CPU tensors (APPO's branch selection; in a background round, the proximal weights).
+    """
+
+    args: Any
+
+    @property
+    def processing_class_tokenizer(self) -> Any: ...
+
+    def score_trajectories(self, trajectories: list) -> dict[str, torch.Tensor]: ...
 
 
 class RolloutStrategy:
@@ -55,9 +74,9 @@ class RolloutStrategy:
     def no_tool_calls_note(self) -> str:
         return f" {self.name.upper()} branches only after tool results: no branching happened."
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.args = trainer.args
+    def __init__(self, policy: PolicyForward):
+        self.policy = policy
+        self.args = policy.args
 
     @classmethod
     def needs_sampler_entropies(cls, args) -> bool:
@@ -114,10 +133,10 @@ class RolloutStrategy:
         With `advantage_std_eps` other than TRL's 1e-4 (the released code: 1e-6) the group advantages are
         recomputed as (r − mean_g)/(std_g + ε) with TRL's unbiased group std (`scale_rewards: group` only).
         `advantage_estimator: tree` (`tree_grpo`): (B, length) token ((B,) row) advantages from the groups' trees
-        (`appo_trl.trainer.credit`).
+        (`appo_trl.strategies.credit`).
         """
         if self.branches and self.args.advantage_estimator in TREE_ESTIMATORS:  # (not grpo's eval rounds)
-            from appo_trl.trainer.credit import tree_advantages
+            from appo_trl.strategies.credit import tree_advantages
 
             return tree_advantages(rnd, rewards, length, self.args).to(default.device)
         eps = self.args.advantage_std_eps

@@ -6,7 +6,7 @@ The fields themselves are declared on `APPOConfig`; the contract and the endpoin
 
 from __future__ import annotations
 
-from appo_trl.trainer.config.script import _rollout
+from appo_trl.config.script import _rollout
 
 AGENT_HELP = {
     "agent": _rollout(

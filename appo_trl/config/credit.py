@@ -1,7 +1,7 @@
 """`APPOConfig`'s tree-credit fields: their help and their one check (`check_credit`).
 
 The fields are declared on `APPOConfig`; the maths is `appo_trl.algorithms.tree_credit`, the adapter from a round's
-trajectories `appo_trl.trainer.credit`.
+trajectories `appo_trl.strategies.credit`.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import field
 
-from appo_trl.trainer.config.checks import fail
-from appo_trl.trainer.config.script import _strategy
+from appo_trl.config.checks import fail
+from appo_trl.config.script import _strategy
 
 CREDIT_HELP = {
     "advantage_estimator": _strategy(

@@ -1,4 +1,4 @@
-"""Rollout strategies of `APPOTrainer`: how one generation round turns unique prompts into groups of n rows.
+"""Floor 6: rollout strategies of `APPOTrainer`: how one generation round turns unique prompts into groups of n rows.
 
 One module per strategy (`grpo`, `arpo`, `aepo`, `appo`), each a `RolloutStrategy` subclass that declares its
 facts (default loss mode, branching, sampler entropies, environment snapshots, async under sharding, paper) and
@@ -7,23 +7,28 @@ is one class (see `tests/trainer/test_fifth_strategy.py`). `arpo_replay` applies
 recorded runs (the user's agent, which branches by replay). A strategy orchestrates the rollout engine
 (`appo_trl.rollout`) and the maths of `appo_trl.algorithms`; it holds no trainer state across rounds.
 
+It also holds the round's record (`record`: `Round`) and tree credit (`credit`: the advantage step of
+`advantage_estimator: tree` / `tree_grpo`). A strategy sees the policy only through `PolicyForward` (`base`).
+
 What this package does not do: tokenise prompts, gather across ranks, log, or compute losses (the trainer does).
+It imports floors 1-5 only: never `config` (which imports it), `trainer`, `stages`, `synthetic` or `cli`.
 """
 
-from appo_trl.trainer.strategies.aepo import AEPOStrategy
-from appo_trl.trainer.strategies.appo import APPOStrategy, excluded_token_mask
-from appo_trl.trainer.strategies.arpo import ARPOStrategy, BranchHook
-from appo_trl.trainer.strategies.base import (
+from appo_trl.strategies.aepo import AEPOStrategy
+from appo_trl.strategies.appo import APPOStrategy, excluded_token_mask
+from appo_trl.strategies.arpo import ARPOStrategy, BranchHook
+from appo_trl.strategies.base import (
     STRATEGIES,
     TRL_STD_EPS,
+    PolicyForward,
     RolloutStrategy,
     register_strategy,
     strategy_class,
 )
-from appo_trl.trainer.strategies.grpo import GRPOStrategy
-from appo_trl.trainer.strategies.record import AgentReport, HandedEnvironments, Round
+from appo_trl.strategies.grpo import GRPOStrategy
+from appo_trl.strategies.record import AgentReport, HandedEnvironments, Round
 
 __all__ = [
-    "STRATEGIES", "TRL_STD_EPS", "RolloutStrategy", "Round", "AgentReport", "HandedEnvironments", "register_strategy", "strategy_class",
+    "STRATEGIES", "TRL_STD_EPS", "PolicyForward", "RolloutStrategy", "Round", "AgentReport", "HandedEnvironments", "register_strategy", "strategy_class",
     "GRPOStrategy", "ARPOStrategy", "BranchHook", "AEPOStrategy", "APPOStrategy", "excluded_token_mask",
 ]  # fmt: skip

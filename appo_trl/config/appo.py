@@ -2,8 +2,8 @@
 
 Every field is a recipe key (flat YAML) and a CLI flag (`--key value`), parsed by `appo_trl.configs.recipes`;
 enum-like fields are `Literal`s (argparse lists their choices) and each field names its `--help` group. The
-strategy's own defaults and checks live beside it (`appo_trl.trainer.strategies`, `RolloutStrategy.validate`);
-the other checks are `appo_trl.trainer.config.checks`; behaviour is `appo_trl.trainer.trainer`, maths `algorithms`.
+strategy's own defaults and checks live beside it (`appo_trl.strategies`, `RolloutStrategy.validate`);
+the other checks are `appo_trl.config.checks`; behaviour is `appo_trl.trainer.trainer`, maths `algorithms`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from typing import Literal
 
 from trl import GRPOConfig
 
-from appo_trl.trainer.config import checks
-from appo_trl.trainer.config.agent import AGENT_HELP
-from appo_trl.trainer.config.credit import check_credit, credit_field
-from appo_trl.trainer.config.lora import SYNC_ADAPTER_HELP, check_sync_adapter
-from appo_trl.trainer.config.script import _loss, _rollout, _strategy, _vllm
-from appo_trl.trainer.config.stream import StreamFields
-from appo_trl.trainer.strategies import strategy_class
+from appo_trl.config import checks
+from appo_trl.config.agent import AGENT_HELP
+from appo_trl.config.credit import check_credit, credit_field
+from appo_trl.config.lora import SYNC_ADAPTER_HELP, check_sync_adapter
+from appo_trl.config.script import _loss, _rollout, _strategy, _vllm
+from appo_trl.config.stream import StreamFields
+from appo_trl.strategies import strategy_class
 
 # fields that were removed, with the one line that names their replacement (Python, recipe and command line)
 REMOVED_FIELDS = {
@@ -189,7 +189,7 @@ class APPOConfig(GRPOConfig, StreamFields):
         default="grpo",
         metadata=_strategy(
             "Rollout strategy: `grpo` (no branching), `arpo`, `aepo` or `appo`, or any class registered with "
-            "`appo_trl.trainer.strategies.register_strategy`.",
+            "`appo_trl.strategies.register_strategy`.",
         ),
     )
     initial_rollouts: int | None = field(
@@ -470,7 +470,7 @@ class APPOConfig(GRPOConfig, StreamFields):
 
     @property
     def strategy_class(self):
-        """The registered `RolloutStrategy` subclass of `rollout_strategy` (its facts: `appo_trl.trainer.strategies`)."""
+        """The registered `RolloutStrategy` subclass of `rollout_strategy` (its facts: `appo_trl.strategies`)."""
         return strategy_class(self.rollout_strategy)
 
     @property

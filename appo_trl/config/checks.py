@@ -13,10 +13,10 @@ import types
 import typing
 from dataclasses import fields
 
+from appo_trl import trl_rules
+from appo_trl.config.stream import check_stream
 from appo_trl.configs.errors import fail
 from appo_trl.configs.reference import REFERENCE_PRESETS
-from appo_trl.trainer import trl_rules
-from appo_trl.trainer.config.stream import check_stream
 
 # Loss normalisers the custom (non-TRL) loss modes reproduce exactly (TRL `GRPOTrainer._compute_loss`).
 CUSTOM_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
