@@ -102,7 +102,8 @@ class PausableVLLM(FakeVLLMServer):
             self.bodies.append(body)
             self.prompts.append(list(body["prompt"][0]))
             self.salts.append(body.get("cache_salt"))
-            return StreamingResponse(self._stream(body), media_type="text/event-stream")
+            # numbered here, not when the stream starts: two requests whose streams start late must not share a number
+            return StreamingResponse(self._stream(body, len(self.bodies)), media_type="text/event-stream")
 
         return app
 
@@ -112,8 +113,7 @@ class PausableVLLM(FakeVLLMServer):
                   "stop_reason": stop}  # fmt: skip
         return f"data: {json.dumps({'choices': [choice]})}\n\n"
 
-    async def _stream(self, body: dict):
-        n = len(self.bodies)
+    async def _stream(self, body: dict, n: int):
         prompt_len, max_tokens = len(body["prompt"][0]), int(body["max_tokens"])
         while self.state != "running":  # queued until /resume
             await asyncio.sleep(0.001)

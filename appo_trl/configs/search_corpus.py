@@ -26,7 +26,7 @@ def check_search_corpus(script_args, training_args) -> str | None:
     if "search" not in (getattr(training_args, "tools", None) or []):
         raise PreflightError(f"search_corpus {corpus!r} is set but the run has no `search` tool; add `search` to "
                              "`tools` or leave search_corpus out")  # fmt: skip
-    search = parse_tool_config(getattr(training_args, "tool_config", None)).get("search") or {}
+    search = parse_tool_config(training_args.tool_config).get("search") or {}
     if search.get("backend", "local") != "local":
         raise PreflightError(f"search_corpus starts a local server, but tool_config.search.backend is "
                              f"{search['backend']!r}; set backend: local or leave search_corpus out")  # fmt: skip
@@ -38,6 +38,6 @@ def check_search_corpus(script_args, training_args) -> str | None:
 
 def search_tool_config(training_args, url: str) -> dict[str, Any]:
     """`tool_config` with `search.url` set to the run's server."""
-    config = parse_tool_config(getattr(training_args, "tool_config", None))
+    config = parse_tool_config(training_args.tool_config)
     config["search"] = {**(config.get("search") or {}), "url": url}
     return config

@@ -11,7 +11,6 @@ weight against the sampler's per-token logprobs (docs/streaming.md, "The ratio")
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 
@@ -89,7 +88,7 @@ class StreamRounds:
             return
         self._fed[id(batch)] = batch
         firsts = [batch[g * self.n] for g in range(len(batch) // self.n)]
-        prompt_ids, _, _ = self.trainer._tokenize_prompts(copy.deepcopy([x["prompt"] for x in firsts]))
+        prompt_ids = trl_seams.tokenize_prompts(self.trainer, [x["prompt"] for x in firsts])
         self.stream.feed(list(batch), [list(p) for p in prompt_ids], [self.runner.next_seed() for _ in firsts])
 
     # ---- hand-over ----------------------------------------------------------------------------------------------
