@@ -35,12 +35,15 @@ def test_family_series_shows_a_family_that_falls_while_the_total_rises():
 
 def test_curves_have_the_family_panel_and_the_reward_both_ways(tmp_path):
     out = tmp_path / "curves.png"
-    titles = plot_curves(REPORT, out)
-    assert titles == ["training reward", "held-out accuracy", "held-out pass@1 per family", "tool calls"]
+    drawn = plot_curves(REPORT, out)
+    assert list(drawn) == ["training reward", "held-out accuracy", "held-out pass@1 per family", "tool calls"]
+    assert drawn["held-out pass@1 per family"] == ["both", "python", "search"]
+    assert drawn["training reward"] == ["training rows, per step", "training rows, mean of last 1 steps",
+                                        "held-out samples, same reward"]  # fmt: skip
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # a report from before the held-out reward was recorded still draws
+    # a report from before the held-out reward was recorded: the training reward alone
     old = {**REPORT, "eval": {s: {k: v for k, v in e.items() if k != "reward"} for s, e in REPORT["eval"].items()}}
-    assert plot_curves(old, tmp_path / "old.png") == titles
+    assert plot_curves(old, tmp_path / "old.png")["training reward"] == drawn["training reward"][:2]
 
 
 def test_heldout_breakdown_by_hand(tmp_path):

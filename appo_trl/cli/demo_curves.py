@@ -37,8 +37,8 @@ def family_series(report: dict) -> dict[str, tuple[list[int], list[float]]]:
     return out
 
 
-def plot_curves(report: dict, path: str | os.PathLike) -> list[str]:
-    """Draw the four panels into `path`; returns the panel titles drawn."""
+def plot_curves(report: dict, path: str | os.PathLike) -> dict[str, list[str]]:
+    """Draw the four panels into `path`; returns each panel's title and the labels of the lines drawn in it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,5 +79,6 @@ def plot_curves(report: dict, path: str | os.PathLike) -> list[str]:
     fig.suptitle(f"appo demo: {report['strategy']} on the synthetic tool task, seed {report['seed']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    drawn = {ax.get_title(): [line.get_label() for line in ax.get_lines()] for ax in axes}
     plt.close(fig)
-    return titles
+    return drawn

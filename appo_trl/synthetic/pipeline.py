@@ -230,7 +230,7 @@ def heldout_breakdown(out_dir: str, registry: str) -> dict[str, float | dict[str
         "by_family": {f: sum(v) / len(v) for f, v in sorted(hits.items())},
         "calls_by_family": {
             f: {t: sum(c[t] for c in v) / len(v) for t in ("python", "search")} for f, v in sorted(calls.items())
-        },  # fmt: skip
+        },
         "reward": sum(rewards) / len(rewards) if rewards else None,
     }
 
