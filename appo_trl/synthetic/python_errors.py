@@ -1,6 +1,6 @@
 """Where the python questions fail: each python-family sample in exactly one category.
 
-A python question (`appo_trl.synthetic.task.python_question`) is "What is 37 * 4 + 5?"; its trace copies the
+A python question (`appo_trl.synthetic.task.python_question`) is "What is 137 * 4 + 5?"; its trace copies the
 expression into `print(...)`, reads the printed value and boxes it. The categories, checked in this order:
 
 1. `correct`: the boxed answer scores (exact match, as the held-out evaluation scores it).
