@@ -5,8 +5,9 @@ Four panels, from the demo's `report.json`:
 1. **training reward**: per RL step, the mean ARPO reward (`appo_trl.rewards.deep_research`: −1 for a bad format,
    else the token-F1 of the boxed answer, +0.1 with both tools) over the step's sampled rows: 4 RL prompts x 4
    rows, APPO's branch rows included, on the training prompts of that step (a different mix of families each
-   step). Beside it, the same quantity on the held-out split at each evaluated checkpoint (every held-out sample
-   scored by the same reward), so "the reward fell" on a step's prompts can be read against the held-out reward.
+   step), and its mean over full windows of steps. Beside it, the same quantity on the held-out split at each
+   evaluated checkpoint (every held-out sample scored by the same reward), so "the reward fell" on a step's
+   prompts can be read against the held-out reward.
 2. **held-out accuracy**: pass@1 and pass@k at the checkpoints (step 0 = the SFT start).
 3. **held-out pass@1 per family** (python, search, both): a family that falls while the total rises shows here.
 4. **tool calls per sample**: training rollouts per step, held-out samples at the checkpoints.
@@ -53,7 +54,9 @@ def plot_curves(report: dict, path: str | os.PathLike) -> dict[str, list[str]]:
     w = max(1, len(rewards) // 8)
     ax = axes[0]
     ax.plot(steps, rewards, color="tab:blue", alpha=0.3, label="training rows, per step")
-    ax.plot(steps, moving_mean(rewards, w), color="tab:blue", label=f"training rows, mean of last {w} steps")
+    # full windows only: a "mean" of the first step alone read as a reward that fell from there (issue 49)
+    ax.plot(steps[w - 1 :], moving_mean(rewards, w)[w - 1 :], color="tab:blue",
+            label=f"training rows, mean of last {w} steps")  # fmt: skip
     scored = [(s, v["reward"]) for s, v in ev if v.get("reward") is not None]
     if scored:
         ax.plot([s for s, _ in scored], [r for _, r in scored], marker="o", color="tab:red",
