@@ -13,8 +13,9 @@
 `--sft_only` stops after step 2: `outputs/demo/sft` and `outputs/demo/data` are then the cold start that every
 recipe in `recipes/demo/` starts from (`appo train --config recipes/demo/lora.yaml`, ...; `make cold-start`).
 
-Prints a before/after table, writes `<workdir>/report.json` and `<workdir>/curves.png` (reward, held-out
-accuracy at the checkpoints, tool calls per sample over the RL steps). Sampling is at temperature 1 for
+Prints a before/after table, writes `<workdir>/report.json` and `<workdir>/curves.png` (the training reward
+beside the same reward on the held-out split, held-out accuracy overall and per family at the checkpoints, tool
+calls per sample; `appo_trl.cli.demo_curves`). Sampling is at temperature 1 for
 training and evaluation alike. What it does not show: anything about large models; the task is synthetic and
 the model tiny. Seed spread and timings: docs/benchmarks.md ("Demo").
 """
@@ -30,6 +31,7 @@ import shutil
 import time
 from pathlib import Path
 
+from appo_trl.cli.demo_curves import plot_curves
 from appo_trl.synthetic.task import GUESS_SHARE
 
 # The cold start's learning-rate schedule (transformers' `lr_scheduler_type`). At a constant 3e-3 the last steps'
@@ -306,42 +308,6 @@ def _table(r: dict, printer) -> None:
     for name, before, after, unit in rows:
         printer(f"  {name:24} {before:>7.1f}{unit or ' '} {after:>8.1f}{unit or ' '} {after - before:>+7.1f}{unit}")
     printer("")
-
-
-def plot_curves(report: dict, path: str | os.PathLike) -> None:
-    """Reward per RL step, held-out pass@1 at the evaluated checkpoints, tool calls per sample per step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    hist = report["rl_history"]
-    steps = [h["step"] for h in hist]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    rewards = [h["reward"] for h in hist]
-    axes[0].plot(steps, rewards, color="tab:blue", alpha=0.35, label="per step")
-    w = max(1, len(rewards) // 8)
-    smooth = [
-        sum(rewards[max(0, i - w + 1) : i + 1]) / len(rewards[max(0, i - w + 1) : i + 1]) for i in range(len(rewards))
-    ]
-    axes[0].plot(steps, smooth, color="tab:blue", label=f"mean of last {w}")
-    axes[0].set(xlabel="RL step", ylabel="training reward", title="reward")
-    axes[0].legend()
-    ev = sorted((int(s), v) for s, v in report["eval"].items())
-    axes[1].plot([s for s, _ in ev], [100 * v["pass@1"] for _, v in ev], marker="o", label="pass@1")
-    axes[1].plot([s for s, _ in ev], [100 * v["pass@k"] for _, v in ev], marker="s", ls="--",
-                 label=f"pass@{report['k']}")  # fmt: skip
-    axes[1].set(xlabel="RL step (0 = SFT)", ylabel="held-out accuracy (%)", title="held-out accuracy", ylim=(0, 100))
-    axes[1].legend()
-    axes[2].plot(steps, [h.get("calls", 0) for h in hist], color="tab:green", label="training rollouts")
-    axes[2].plot([s for s, _ in ev], [v["calls_per_sample"] for _, v in ev], marker="o", color="tab:olive",
-                 label="held-out eval")  # fmt: skip
-    axes[2].set(xlabel="RL step", ylabel="tool calls / sample", title="tool calls")
-    axes[2].legend()
-    fig.suptitle(f"appo demo: {report['strategy']} on the synthetic tool task, seed {report['seed']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _silence_progress_bars() -> None:

@@ -147,23 +147,38 @@ def evaluate_heldout(model: str, registry: str, url: str, out_dir: str, *, num_s
         "calls_per_sample": stats["calls_per_sample"],
         "calls_by_tool": stats["calls_per_sample_by_tool"],
         "failed_call_share": stats["failed_call_share"],
-        "by_family": _by_family(out_dir, registry),
+        **heldout_breakdown(out_dir, registry),
     }
 
 
-def _by_family(out_dir: str, registry: str) -> dict[str, float]:
-    """pass@1 per question family, from the stored samples (em of the extracted answer)."""
+def heldout_breakdown(out_dir: str, registry: str) -> dict[str, float | dict[str, float]]:
+    """From the stored samples: pass@1 per question family (`by_family`, em of the extracted answer), python and
+    search calls per sample per family (`calls_by_family`), and the mean training reward of the held-out samples
+    (`reward`, ARPO's `compute_score`, the RL reward: -1 bad format, else F1, +0.1 with both tools), so that the
+    training reward and the held-out split can be read in the same units."""
     from appo_trl.evaluation.metrics import extract_prediction
+    from appo_trl.rewards.deep_research import compute_score
     from appo_trl.rewards.qa import exact_match
 
     heldout = json.loads(Path(registry).read_text())["benchmarks"]["synthetic"]["path"]
     rows = [json.loads(line) for line in Path(heldout).read_text().splitlines() if line.strip()]
     hits: dict[str, list[float]] = {}
+    calls: dict[str, list[dict[str, int]]] = {}
+    rewards: list[float] = []
     for line in Path(out_dir, "samples.jsonl").read_text().splitlines():
         rec = json.loads(line)
         row = rows[rec["index"]]
         hits.setdefault(row["family"], []).append(exact_match(extract_prediction(rec["completion"]), row["answer"]))
-    return {f: sum(v) / len(v) for f, v in sorted(hits.items())}
+        tags = [c["tag"] for c in rec.get("tool_calls", [])]
+        calls.setdefault(row["family"], []).append({t: tags.count(t) for t in ("python", "search")})
+        rewards.append(compute_score(rec["completion"], row["answer"]))
+    return {
+        "by_family": {f: sum(v) / len(v) for f, v in sorted(hits.items())},
+        "calls_by_family": {
+            f: {t: sum(c[t] for c in v) / len(v) for t in ("python", "search")} for f, v in sorted(calls.items())
+        },
+        "reward": sum(rewards) / len(rewards) if rewards else None,
+    }
 
 
 @contextlib.contextmanager
