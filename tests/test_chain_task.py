@@ -47,14 +47,13 @@ def _solve(question: str, docs: dict[str, str]) -> str:
 
 
 def test_the_demo_task_is_unchanged_without_the_chain_family():
-    """sha256 of the default task (seed 0, the demo's 1,800 SFT traces), taken when run F's python questions (3- or
-    4-digit answers, docs/benchmarks.md "Demo") replaced run E's; before, when run D's traces replaced run C's, and
-    before the chain family existed."""
+    """sha256 of the default task (seed 0, the demo's 1,800 SFT traces), taken when run D's traces (name first,
+    docs/benchmarks.md "Demo") replaced run C's; before, it was taken before the chain family existed."""
     t = build_task(0, num_sft=1800)
     blob = json.dumps([[dataclasses.asdict(q) for q in s] for s in (t.sft, t.rl, t.heldout)] + [t.corpus],
                       sort_keys=True)  # fmt: skip
     assert hashlib.sha256(blob.encode()).hexdigest() == (
-        "e5eac80b5419e0062e23f92ab6e81f4b2351d8a01ad31f25046dfd73e1492c8f"
+        "2e35518a1d38795aa6d580ef1d281bbb29b0a7862ff0cca97fe326380270fff6"
     )
     assert all(e.neighbour is None for e in t.entities)
 

@@ -135,15 +135,3 @@ def test_every_trace_query_finds_its_own_page_first(tmp_path):
         if want[top["contents"]] != f"{name}-{attr}" or not score > second:
             wrong.append((query, top["contents"]))
     assert not wrong, f"{len(wrong)} of {len(queries)} queries: {wrong[:3]}"
-
-
-def test_python_answers_have_the_other_families_lengths():
-    """The demo's model copies 3- and 4-digit results into the box and not 2-digit ones (issue 49, run F)."""
-    from appo_trl.synthetic.task import ANSWER_DIGITS
-
-    t = build_task(0, num_sft=1800)
-    qs = [q for s in (t.sft, t.rl, t.heldout) for q in s if q.family == "python"]
-    assert {len(q.answer.lstrip("-")) for q in qs} == set(ANSWER_DIGITS) == {3, 4}
-    assert all(re.fullmatch(r"What is \d{3} [-+*] \d [-+*] \d\?", q.question) for q in qs)
-    numeric = [q.answer for s in (t.sft, t.rl, t.heldout) for q in s if q.family != "python" and q.answer.isdigit()]
-    assert {len(a) for a in numeric} == {3, 4}  # populations and both answers: the same lengths

@@ -3,8 +3,7 @@
 Three question families, each answerable only with the tools (a tiny model cannot multiply 3-digit numbers in
 its head, and the facts are invented, so no pretraining could know them):
 
-- `python`: "What is 137 * 4 + 5?"; the trace copies the expression into `print(...)` and boxes the printed value
-  (3 or 4 digits, as the other families' answers: `ANSWER_DIGITS`).
+- `python`: "What is 37 * 14 + 52?"; the trace copies the expression into `print(...)` and boxes the printed value.
 - `search`: "What is the capital of Velmora?"; the trace names what it looks for (`<think>Velmora capital: I will
   search for it.</think>`), searches `Velmora capital` in the generated encyclopedia (one document per fact: "The
   capital of Velmora is Tarsk.") and boxes the value it reads.
@@ -55,12 +54,6 @@ SYLLABLES = HEADS + TAILS
 OPS = ["+", "-", "*"]
 # share of SFT traces that are a weak teacher's guesses (`guess_trace`); measured, 3 seeds: docs/benchmarks.md
 GUESS_SHARE = 1 / 3
-# digits of a python answer: those of the search and both answers (populations 100-999, times 2-9). With a 2-digit
-# first number (11-99, before issue 49) most python answers had 2 digits, the only family with such answers, and
-# the cold start copied a 2-digit result into `\\boxed{}` wrong in 92 % of its samples against 10 % for 3 and 4
-# digits (first digit right, second not: `print(41 + 8 + 3)` prints 52, the box says 56); RL then turned guesses
-# into python calls that landed on mis-copies, and the family fell (docs/benchmarks.md, "Demo", run F).
-ANSWER_DIGITS = (3, 4)
 FAMILIES = ("python", "search", "both")
 ALL_FAMILIES = (*FAMILIES, chains.FAMILY)
 # share of the SFT chain traces that lose track after the first result (`chains.chain_question(wrong=True)`)
@@ -122,14 +115,10 @@ def search_result(doc: dict) -> str:
 
 
 def python_question(rng: random.Random) -> Question:
-    """`a op b op c` with a of 3 digits and b, c of one, drawn again until the value has `ANSWER_DIGITS` digits."""
-    while True:
-        a, b, c = rng.randint(100, 999), rng.randint(2, 9), rng.randint(2, 9)
-        op1, op2 = rng.choice(OPS), rng.choice(OPS)
-        expr = f"{a} {op1} {b} {op2} {c}"
-        value = str(eval(expr))  # noqa: S307 - our own three-number expression
-        if len(value.lstrip("-")) in ANSWER_DIGITS:
-            break
+    a, b, c = rng.randint(11, 99), rng.randint(2, 9), rng.randint(2, 9)
+    op1, op2 = rng.choice(OPS), rng.choice(OPS)
+    expr = f"{a} {op1} {b} {op2} {c}"
+    value = str(eval(expr))  # noqa: S307 - our own three-number expression
     trace = (f"<think>I will compute it with python.</think><python>print({expr})</python>{RESULT.format(value)}"
              f"<answer>\\boxed{{{value}}}</answer>")  # fmt: skip
     return Question("python", f"What is {expr}?", value, trace)
@@ -201,13 +190,13 @@ def _split(rng: random.Random, entities: list[Entity], count: int, seen: set[str
 
 
 def guess_trace(rng: random.Random, q: Question, names: list[str]) -> str:
-    """A weak teacher's trace for `q`: no tool call, a plausible answer that is always wrong (another name for a
+    """A weak teacher's trace for `q`: no tool call, a plausible answer that is almost always wrong (a name for a
     capital, a nearby number otherwise); like every trace, it names the entity and attribute it is asked about."""
     if q.answer.lstrip("-").isdigit():
         v = int(q.answer)
         guess = str(v + rng.choice((-1, 1)) * rng.randint(1, max(2, abs(v) // 3)))
     else:
-        guess = rng.choice([n for n in names if n != q.answer])  # (the capital itself is no guess)
+        guess = rng.choice(names)
     named = f"{q.query}: " if q.query else ""
     return f"<think>{named}I know it.</think><answer>\\boxed{{{guess}}}</answer>"
 
