@@ -162,12 +162,7 @@ def cold_start(a: argparse.Namespace, printer=None) -> dict[str, str]:
     printer(f"[demo] 1/2 synthetic task (seed {a.seed}) -> {work / 'data'}")
     paths = task_files(work, a.seed, a)
     printer(f"[demo] 2/2 tiny model + SFT cold start ({a.sft_steps} steps on {a.num_sft} traces)")
-    if a.reuse_sft and (work / "sft" / "config.json").is_file():
-        printer(f"        reusing the SFT checkpoint in {work / 'sft'} (--reuse_sft)")
-    else:
-        P.build_model(str(work / "model"), a.seed)
-        P.run_sft(str(work / "model"), paths["sft"], str(work / "sft"), steps=a.sft_steps, seed=a.seed,
-                  schedule=a.sft_schedule, printer=printer)  # fmt: skip
+    _cold_start(a, work, paths["sft"], printer)
     out = cold_start_paths(work)
     printer(f"[demo] cold start in {out['model_name_or_path']} ({time.monotonic() - t0:.0f} s wall, "
             f"{_cpu_s() - c0:.0f} s CPU); RL from it: appo train --config recipes/demo/lora.yaml "
@@ -176,6 +171,18 @@ def cold_start(a: argparse.Namespace, printer=None) -> dict[str, str]:
         flags = " ".join(f"--{k} {v}" for k, v in out.items())
         printer(f"        recipes/demo/*.yaml read {COLD_START_WORKDIR}; for this --workdir add: {flags}")
     return out
+
+
+def _cold_start(a, work: Path, sft_file: str, printer) -> None:
+    """The tiny model and its SFT cold start in `work/sft`, or the one already there with `--reuse_sft`."""
+    from appo_trl.synthetic import pipeline as P
+
+    if a.reuse_sft and (work / "sft" / "config.json").is_file():
+        printer(f"        reusing the SFT checkpoint in {work / 'sft'} (--reuse_sft)")
+        return
+    P.build_model(str(work / "model"), a.seed)
+    P.run_sft(str(work / "model"), sft_file, str(work / "sft"), steps=a.sft_steps, seed=a.seed,
+              schedule=a.sft_schedule, printer=printer)  # fmt: skip
 
 
 def _say(msg: str) -> None:
@@ -201,12 +208,7 @@ def run(a, printer=_say) -> dict:
     paths = task_files(work, a.seed, a)
     printer(f"[demo] 2/6 tiny model + SFT cold start ({a.sft_steps} steps on {a.num_sft} traces)")
     s = time.monotonic()
-    if a.reuse_sft and (work / "sft" / "config.json").is_file():
-        printer(f"        reusing the SFT checkpoint in {work / 'sft'} (--reuse_sft)")
-    else:
-        P.build_model(str(work / "model"), a.seed)
-        P.run_sft(str(work / "model"), paths["sft"], str(work / "sft"), steps=a.sft_steps, seed=a.seed,
-                  schedule=a.sft_schedule, printer=printer)  # fmt: skip
+    _cold_start(a, work, paths["sft"], printer)
     stage("sft", s)
     every = max(1, a.rl_steps // (a.checkpoints + 1))
     save_steps = [every * (i + 1) for i in range(a.checkpoints) if every * (i + 1) < a.rl_steps]
