@@ -31,7 +31,7 @@ REMOVED_FIELDS = {
 
 
 @dataclass
-class APPOConfig(GRPOConfig, StreamFields):
+class APPOConfig(StreamFields, GRPOConfig):  # GRPOConfig's fields first: APPOConfig("out") is output_dir
     """`GRPOConfig` plus the agentic-RL settings of appo-trl.
 
     `num_generations` is the final group size n (rows per prompt that reach the reward functions). Strategies:

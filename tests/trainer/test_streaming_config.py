@@ -37,3 +37,17 @@ def test_defaults_are_off_and_a_streaming_config_builds():
 def test_what_cannot_be_honoured_is_one_line(kw, line):
     with pytest.raises(ValueError, match=line):
         cfg(**kw)
+
+
+def test_grpo_configs_fields_keep_their_positions():
+    """A base dataclass's fields come first: the streaming fields after GRPOConfig's, so `APPOConfig("out")` sets
+    output_dir as `GRPOConfig("out")` does (TRL's example scripts and users pass it positionally)."""
+    from dataclasses import fields
+
+    from trl import GRPOConfig
+
+    from appo_trl import APPOConfig
+
+    grpo = [f.name for f in fields(GRPOConfig)]
+    assert [f.name for f in fields(APPOConfig)][: len(grpo)] == grpo
+    assert APPOConfig("out").output_dir == "out" and APPOConfig("out").rollout_stream is False
