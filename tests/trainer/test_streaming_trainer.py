@@ -73,6 +73,7 @@ def test_a_resume_that_fails_during_training_is_one_line_and_leaves_nothing_runn
                                                                                      tiny_model_path):  # fmt: skip
     from appo_trl.vllm.inflight import InFlightUpdateError
 
+    before = set(threading.enumerate())  # other tests' threads in this process are not this run's
     server = PausableVLLM(step_s=0.01, resume_fails=3).start()  # the first sync's three /resume attempts fail
     try:
         trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), max_steps=2,
@@ -82,7 +83,10 @@ def test_a_resume_that_fails_during_training_is_one_line_and_leaves_nothing_runn
     finally:
         server.stop()
     assert trainer.rounds.stream.stream is None  # closed: no group starts, none left in flight
-    assert not [t for t in threading.enumerate() if t.name.startswith(("appo-round", "appo-rollout"))]
+    left = [t for t in set(threading.enumerate()) - before if t.name.startswith(("appo-round", "appo-rollout"))]
+    for t in left:
+        t.join(timeout=10)
+    assert not [t for t in left if t.is_alive()]
 
 
 def test_a_resume_with_groups_in_flight_samples_them_again_and_says_so(tmp_path, tiny_tokenizer, tiny_model_path,
