@@ -1,4 +1,5 @@
-"""Every README code block says where it runs, and every block that claims to run on a CPU runs as pasted (issue 49).
+"""Every README code block says where it runs, every block that claims to run on a CPU runs as pasted, every link
+resolves and the recipe table names every shipped recipe (issue 49).
 
 Each fence in README.md follows a marker line `<!-- snippet: KIND -->`: `cpu` (run here, in README order, in one
 fresh working directory, offline), `cpu slow` (the same, marked `slow`), `gpu` or `hub` (needs a GPU or the Hub: not
@@ -12,6 +13,7 @@ the python blocks build their own model and run in the default selection.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -138,3 +140,28 @@ def test_the_anchor_rule_on_headings_of_these_pages():
     assert _anchor("3. Branching at equal compute, at the papers' group size") == (
         "3-branching-at-equal-compute-at-the-papers-group-size"
     )
+
+
+def _shipped_recipes_table(text: str) -> dict[str, set[str]]:
+    """The README's "Shipped recipes" table: model folder -> the stages it names (parentheses are comments)."""
+    lines = text[text.index("Shipped recipes") :].splitlines()[1:]
+    rows = [line for line in itertools.takewhile(lambda x: x.startswith("|") or not x, lines) if line.startswith("|")]
+    table = {}
+    for row in rows[2:]:  # the header and its rule
+        model, stages = (cell.strip() for cell in row.strip("|").split("|", 1))
+        while re.search(r"\([^()]*\)", stages):
+            stages = re.sub(r"\([^()]*\)", "", stages)  # innermost first: a comment may hold a link
+        table[re.match(r"`([^`]+)`", model).group(1)] = {s.strip() for s in re.split(r"[;,]", stages) if s.strip()}
+    return table
+
+
+def test_the_recipe_table_names_every_shipped_recipe():
+    """Issue 49: the table once omitted appo_lora, appo_chat, arpo_chat and sft_chat."""
+    shipped = {d.name: {p.stem for p in d.glob("*.yaml")} for d in (ROOT / "recipes").iterdir() if d.is_dir()}
+    shipped = {name: stems for name, stems in shipped.items() if stems}
+    assert _shipped_recipes_table(README.read_text(encoding="utf-8")) == shipped
+
+
+def test_the_recipe_table_parser_reads_comments_and_links():
+    text = "Shipped recipes:\n\n| model | stages |\n|---|---|\n| `m` (x) | a, b (c, [d](e#f)); c_d (g) |\n\nLayout"
+    assert _shipped_recipes_table(text) == {"m": {"a", "b", "c_d"}}

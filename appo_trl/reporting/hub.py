@@ -66,7 +66,7 @@ def register_method(name: str, paper: Mapping[str, str], title: str | None = Non
 
 def defer_push(training_args) -> bool:
     """Turn off transformers' in-training push and return whether the recipe asked for a push."""
-    requested = bool(getattr(training_args, "push_to_hub", False))
+    requested = bool(training_args.push_to_hub)
     training_args.push_to_hub = False
     return requested
 
@@ -374,7 +374,7 @@ def push_model(
         api = HfApi(token=training_args.hub_token)
     repo_url = api.create_repo(repo_id=repo_id, private=training_args.hub_private_repo, exist_ok=True)
     repo_id = getattr(repo_url, "repo_id", None) or repo_id
-    revision = getattr(training_args, "hub_revision", None)
+    revision = training_args.hub_revision
     if revision:
         api.create_branch(repo_id=repo_id, branch=revision, exist_ok=True)
     commit = api.upload_folder(

@@ -47,7 +47,7 @@ def model_settings(model_args, training_args):
         "revision": model_args.model_revision,
         "attn_implementation": model_args.attn_implementation,
         "dtype": model_args.dtype,
-        "trust_remote_code": getattr(training_args, "trust_remote_code", False),
+        "trust_remote_code": training_args.trust_remote_code,
     }
     training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
     preflight.check_model_source(
@@ -62,7 +62,7 @@ def weight_sync_line(args, spec, peft: bool) -> str:
     """The start-up line naming how the sampler gets the policy's weights: in-process, colocated, or a server route
     (`spec.weight_sync`: adapter, disk or nccl, of the merged weights under LoRA)."""
     if not args.use_vllm:
-        if getattr(args, "max_staleness", 0) >= 1:
+        if args.max_staleness >= 1:
             return "weight sync: in-process (no vLLM; a copy of the policy samples ahead, updated every weight_sync_steps)"
         return "weight sync: in-process (no vLLM; the policy samples itself, nothing to sync)"
     if args.vllm_mode == "colocate":
@@ -140,7 +140,7 @@ def train(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> 
     recipe = recipe if recipe is not None else recipe_dict(script_args, training_args, model_args)
     peft_config = model_settings(model_args, training_args)
     preflight.check_output_dir(training_args.output_dir)  # read-only or missing parent: one line, before the model
-    preflight.check_rollouts_dir(training_args.output_dir, getattr(training_args, "dump_rollouts", 0))
+    preflight.check_rollouts_dir(training_args.output_dir, training_args.dump_rollouts)
     preflight.check_agent_port(training_args)  # a taken agent_port: one line, before the model
     checkpoint = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
     check_resume_kind(checkpoint, peft_config)  # a LoRA checkpoint into a full run (or back): one line, before the model
@@ -192,7 +192,7 @@ def train(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> 
         state.process_index,
         state.num_processes,
         state.distributed_type,
-        getattr(training_args, "rollout_strategy", "grpo"),
+        training_args.rollout_strategy,
     )
     logger.info(weight_sync_line(training_args, trainer.vllm_server, peft_config is not None))
     if checkpoint is None:  # a SIGTERM line must not name another run's checkpoint
@@ -205,7 +205,7 @@ def train(script_args, training_args, model_args, recipe=None, tool_dirs=()) -> 
     if push:
         push_model(
             trainer,
-            algorithm=getattr(training_args, "rollout_strategy", "grpo"),
+            algorithm=training_args.rollout_strategy,
             args=(script_args, training_args, model_args),
             recipe=recipe,
         )

@@ -22,6 +22,7 @@ from appo_trl.strategies.base import (
     TRL_STD_EPS,
     PolicyForward,
     RolloutStrategy,
+    TokenScores,
     register_strategy,
     strategy_class,
 )
@@ -29,6 +30,6 @@ from appo_trl.strategies.grpo import GRPOStrategy
 from appo_trl.strategies.record import AgentReport, HandedEnvironments, Round
 
 __all__ = [
-    "STRATEGIES", "TRL_STD_EPS", "PolicyForward", "RolloutStrategy", "Round", "AgentReport", "HandedEnvironments", "register_strategy", "strategy_class",
+    "STRATEGIES", "TRL_STD_EPS", "PolicyForward", "TokenScores", "RolloutStrategy", "Round", "AgentReport", "HandedEnvironments", "register_strategy", "strategy_class",
     "GRPOStrategy", "ARPOStrategy", "BranchHook", "AEPOStrategy", "APPOStrategy", "excluded_token_mask",
 ]  # fmt: skip

@@ -117,7 +117,7 @@ class APPOStrategy(RolloutStrategy):
         sampler_lp = pad_rows([t.logprobs for t in flat], float("nan"))
         sampler_lp = torch.nan_to_num(sampler_lp, nan=0.0) * mask
         if a.branch_entropy_source == "trainer":
-            entropy = scored["entropies"]
+            entropy = scored.entropies
         elif any(t.entropies is None for t in flat):
             raise RuntimeError(
                 "branch_entropy_source=sampler_topk needs sampler entropies: build the rollout engine "
@@ -125,7 +125,7 @@ class APPOStrategy(RolloutStrategy):
             )
         else:
             entropy = torch.nan_to_num(pad_rows([t.entropies for t in flat], float("nan")), nan=0.0)
-        fv = future_value(scored["logps"] * mask, sampler_lp, mask, gamma=a.fv_gamma, clip_eps=a.future_kl_clip_ratio)
+        fv = future_value(scored.logps * mask, sampler_lp, mask, gamma=a.fv_gamma, clip_eps=a.future_kl_clip_ratio)
         excluded = self._exclusions()
         token_excluded = excluded[ids.clamp(max=len(excluded) - 1)] if excluded is not None else None
         valid = candidate_mask(
@@ -170,7 +170,7 @@ class APPOStrategy(RolloutStrategy):
             return Round(groups=groups, keep=[True] * (len(init) * n), points=points, metrics=metrics)
         keep = ([True] * N + [False] * (n - N)) * len(init)
         # step 2's logps are θ_old's: the trainer reuses them as old logps instead of a second forward
-        old = [scored["logps"][i, : len(t.completion_ids)] for i, t in enumerate(flat)]
+        old = [scored.logps[i, : len(t.completion_ids)] for i, t in enumerate(flat)]
         old_rows = [old[g * N + j] if j < N else None for g in range(len(init)) for j in range(n)]
         return Round(groups=groups, keep=keep, points=points, selection_logps=old_rows, metrics=metrics)
 

@@ -10,6 +10,7 @@ over): the strategy is a producer that never imports the trainer and calls nothi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -21,13 +22,26 @@ TRL_STD_EPS = 1e-4  # ε in TRL's (r − mean)/(std + ε) group advantage
 TREE_ESTIMATORS = ("tree", "tree_grpo")  # `advantage_estimator` values computed on the group's tree
 
 
+@dataclass(frozen=True)
+class TokenScores:
+    """One no-grad policy forward on finished rows (`PolicyForward.score_trajectories`).
+
+    Args:
+        logps (`torch.Tensor`): per-token log-probabilities of the sampled ids, (R, T) on CPU, 0 past a row's end.
+        entropies (`torch.Tensor`): the exact per-token entropies of the policy, (R, T) on CPU, 0 past a row's end.
+    """
+
+    logps: torch.Tensor
+    entropies: torch.Tensor
+
+
 class PolicyForward(Protocol):
     """What a strategy reads of the policy it samples for; `APPOTrainer` implements it.
 
     `args`: the run's `APPOConfig` (typed `Any`: this floor may not import the config, which imports it).
     `processing_class_tokenizer`: the policy's tokenizer (its vocabulary size, APPO's excluded tokens).
-    `score_trajectories(trajectories)`: one no-grad forward of the policy on finished rows, `{"logps", "entropies"}`
-    as (R, T) CPU tensors (APPO's branch selection; in a background round, the proximal weights).
+    `score_trajectories(trajectories)`: one no-grad forward of the policy on finished rows, a `TokenScores`
+    ((R, T) CPU tensors) (APPO's branch selection; in a background round, the proximal weights).
     """
 
     args: Any
@@ -35,7 +49,7 @@ class PolicyForward(Protocol):
     @property
     def processing_class_tokenizer(self) -> Any: ...
 
-    def score_trajectories(self, trajectories: list) -> dict[str, torch.Tensor]: ...
+    def score_trajectories(self, trajectories: list) -> TokenScores: ...
 
 
 class RolloutStrategy:

@@ -15,6 +15,7 @@ from trl import GRPOTrainer
 from appo_trl.algorithms.rows import pad_rows
 from appo_trl.config import APPOConfig
 from appo_trl.reporting.console import install_step_line
+from appo_trl.strategies.base import TokenScores
 from appo_trl.trainer import trl_seams
 from appo_trl.trainer.agents import agent_rewards_override
 from appo_trl.trainer.checkpoints import AtomicCheckpointMixin, read_sampler_state, write_sampler_state
@@ -292,8 +293,8 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
 
         return trl_seams.buffered_generation(self, make_batches)[trl_seams.micro_step(self) % self.args.steps_per_generation]
 
-    def score_trajectories(self, trajectories) -> dict[str, torch.Tensor]:
-        """No-grad trainer forward on trajectories: per-token logps and exact entropies, (R, T) on CPU."""
+    def score_trajectories(self, trajectories) -> TokenScores:
+        """No-grad trainer forward on rows (`PolicyForward`): per-token logps and exact entropies, (R, T) on CPU."""
         prompts = [list(t.prompt_ids) for t in trajectories]
         pad_id = trl_seams.tokenizer(self).pad_token_id
         prompt_ids, prompt_mask = left_pad(prompts, pad_id)  # as TRL pads prompts
@@ -312,7 +313,7 @@ class APPOTrainer(AtomicCheckpointMixin, GRPOTrainer):
                 compute_entropy=True,
             )
         mask = completion_mask.to(device)
-        return {"logps": (logps * mask).float().cpu(), "entropies": (entropies * mask).float().cpu()}
+        return TokenScores(logps=(logps * mask).float().cpu(), entropies=(entropies * mask).float().cpu())
 
     # ---- scoring ---------------------------------------------------------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):

@@ -204,11 +204,12 @@ class _Engine:
 
 def _strategy_picks(cfg, trajs, G, N):
     from appo_trl.algorithms.rows import pad_rows
+    from appo_trl.strategies import TokenScores
 
     engine = _Engine(trajs, N)
 
     def score(flat):
-        return {"logps": pad_rows([t.train for t in flat], 0.0), "entropies": torch.zeros(len(flat), 1)}
+        return TokenScores(logps=pad_rows([t.train for t in flat], 0.0), entropies=torch.zeros(len(flat), 1))
 
     trainer = SimpleNamespace(
         args=cfg, rollout_engine=engine, score_trajectories=score, processing_class_tokenizer=_Tok()

@@ -1,5 +1,6 @@
-"""`configs/` reads APPOConfig's settings from the config, never `getattr(args, field, <APPOConfig's default>)`:
-such a copy of a default drifts silently when the config's default changes (issue 46)."""
+"""The package reads APPOConfig's settings from the config, never `getattr(args, field, <APPOConfig's default>)`:
+such a copy of a default drifts silently when the config's default changes (issue 46). Every module of
+`appo_trl/` is scanned; `config/` itself (which declares the defaults) included."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import ast
 import dataclasses
 from pathlib import Path
 
-CONFIGS = Path(__file__).resolve().parents[2] / "appo_trl" / "configs"
-# (file, field): where the object is not always an APPOConfig, so the field may be absent
+PACKAGE = Path(__file__).resolve().parents[2] / "appo_trl"
+# (path under appo_trl/, field): where the object is not always an APPOConfig, so the field may be absent
 ALLOWED = {
-    ("plan.py", "tool_config"): "APPOTrainer(args=GRPOConfig(...)) and `appo eval`'s namespace have no tool fields",
-    ("plan.py", "tool_format"): "as tool_config",
-    ("preflight.py", "use_cpu"): "check_launch_engine asks every parsed dataclass of a recipe, not the config only",
+    ("configs/plan.py", "tool_config"): "APPOTrainer(args=GRPOConfig(...)) and `appo eval`'s namespace have no tools",
+    ("configs/plan.py", "tool_format"): "as tool_config",
+    ("configs/preflight.py", "use_cpu"): "check_launch_engine asks every parsed dataclass of a recipe, not the config",
 }
 
 
@@ -42,18 +43,31 @@ def repeated_defaults(source: str, defaults: dict) -> list[tuple[int, str]]:
     return out
 
 
-def test_configs_never_repeat_a_default_of_appo_config():
+def test_the_package_never_repeats_a_default_of_appo_config():
     from appo_trl.config import APPOConfig
 
     defaults = {f.name: _default(f) for f in dataclasses.fields(APPOConfig)}
+    paths = sorted(PACKAGE.rglob("*.py"))
+    assert len(paths) > 100 and any(p.parent.name == "stages" for p in paths)  # the whole package, not one folder
     problems = [
-        f"appo_trl/configs/{path.name}:{line}: getattr(..., {field!r}, {defaults[field]!r}) repeats APPOConfig's "
-        f"default; read `args.{field}`"
-        for path in sorted(CONFIGS.glob("*.py"))
+        f"appo_trl/{rel}:{line}: getattr(..., {field!r}, {defaults[field]!r}) repeats APPOConfig's default; "
+        f"read `args.{field}`"
+        for path in paths
+        for rel in [path.relative_to(PACKAGE).as_posix()]
         for line, field in repeated_defaults(path.read_text(), defaults)
-        if (path.name, field) not in ALLOWED
+        if (rel, field) not in ALLOWED
     ]
     assert not problems, "\n".join(problems)
+
+
+def test_every_allowed_exception_still_exists():
+    """An ALLOWED entry whose getattr has gone is removed, so the list never excuses a future copy."""
+    from appo_trl.config import APPOConfig
+
+    defaults = {f.name: _default(f) for f in dataclasses.fields(APPOConfig)}
+    files = {rel for rel, _ in ALLOWED}
+    found = {(rel, field) for rel in files for _, field in repeated_defaults((PACKAGE / rel).read_text(), defaults)}
+    assert set(ALLOWED) <= found, sorted(set(ALLOWED) - found)
 
 
 def test_the_check_catches_a_repeated_default():

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import typing
 
 import pytest
+import torch
 
-from appo_trl.strategies import STRATEGIES, PolicyForward
+from appo_trl.strategies import STRATEGIES, PolicyForward, TokenScores
 
 
 def _members(protocol) -> set[str]:
@@ -25,6 +28,18 @@ def test_the_trainer_implements_every_member():
     missing = sorted(n for n in _members(PolicyForward) - {"args"} if not hasattr(APPOTrainer, n))
     assert not missing, f"APPOTrainer lacks PolicyForward's {missing}"
     assert list(inspect.signature(APPOTrainer.score_trajectories).parameters) == ["self", "trajectories"]
+
+
+def test_the_forward_returns_a_typed_record():
+    """`score_trajectories` hands over a frozen `TokenScores` (logps, entropies), on the Protocol and the trainer."""
+    from appo_trl.trainer.trainer import APPOTrainer
+
+    assert [f.name for f in dataclasses.fields(TokenScores)] == ["logps", "entropies"]
+    for owner in (PolicyForward, APPOTrainer):
+        assert typing.get_type_hints(owner.score_trajectories)["return"] is TokenScores, owner
+    scores = TokenScores(logps=torch.zeros(1, 2), entropies=torch.ones(1, 2))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        scores.logps = torch.ones(1, 2)
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))

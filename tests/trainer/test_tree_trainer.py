@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from appo_trl.strategies import TokenScores
+
 from tests.trainer.fakes import ScriptedEngine
 from tests.trainer.test_trainer import RewardSpy, make_trainer
 
@@ -165,9 +167,10 @@ def test_score_trajectories_equal_rowwise(tiny_model_path, tiny_tokenizer, tmp_p
     for tree in (False, True):
         trainer.args.tree_forward = tree
         out[tree] = trainer.score_trajectories(trajectories)
+    assert isinstance(out[True], TokenScores)
     for key in ("logps", "entropies"):
-        torch.testing.assert_close(out[True][key], out[False][key], atol=TOL, rtol=0)
-        assert out[True][key].abs().sum() > 0
+        torch.testing.assert_close(getattr(out[True], key), getattr(out[False], key), atol=TOL, rtol=0)
+        assert getattr(out[True], key).abs().sum() > 0
 
 
 @pytest.mark.slow
