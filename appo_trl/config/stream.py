@@ -40,12 +40,22 @@ class StreamFields:
             "buffer's bound (`rollout/stream/buffer_bytes`).",
         ),
     )
+    inflight_timeout_s: float = field(
+        default=60.0,
+        metadata=_rollout(
+            "rollout_stream: most seconds one server's /pause may take at an in-flight update (and as long again "
+            "a server is watched after one that timed out, for a pause it takes late); a pause over it ends the "
+            "run in one line, every server resumed.",
+        ),
+    )
 
 
 def check_stream(cfg, fail) -> None:
     """`rollout_stream` and its fields: what the streaming producer can honour."""
     if cfg.stream_overprovision < 0:
         fail(f"stream_overprovision={cfg.stream_overprovision} must be >= 0.")
+    if not cfg.inflight_timeout_s > 0:
+        fail(f"inflight_timeout_s={cfg.inflight_timeout_s} must be > 0 (seconds one /pause may take).")
     if not cfg.rollout_stream:
         if cfg.inflight_update != "keep" or cfg.stream_overprovision:
             fail("inflight_update / stream_overprovision are settings of rollout_stream: true.")

@@ -188,14 +188,16 @@ def kept_message(output_dir: str | None) -> str:
     return f"kept {last} (continue with --resume_from_checkpoint true); the steps after it are lost"
 
 
-def stop_message(prog: str, signum: int, output_dir: str | None, parent_gone: int | None = None) -> str:
+def stop_message(prog: str, signum: int, output_dir: str | None, parent_gone: int | None = None,
+                 notes: tuple[str, ...] = ()) -> str:  # fmt: skip
     """The one line printed when a signal stops the stage: the signal (or the launching process gone, pid
-    `parent_gone`), the checkpoint kept, how to resume."""
+    `parent_gone`), what the stop left behind (`notes`: a vLLM server an in-flight update could not resume), the
+    checkpoint kept, how to resume."""
     if parent_gone is None:
         stopped = f"stopped by {signal.Signals(signum).name}"
     else:
         stopped = f"stopped because the appo process that launched this rank (pid {parent_gone}) is gone"
-    return f"{prog}: {stopped}; {kept_message(output_dir)}."
+    return "; ".join([f"{prog}: {stopped}", *notes, f"{kept_message(output_dir)}."])
 
 
 def ending_errors() -> tuple[type[BaseException], ...]:
@@ -234,7 +236,7 @@ def run_interruptible(prog: str, output_dir: str | None, fn: Callable[[], object
         except KeyboardInterrupt as exc:
             signum = getattr(exc, "signum", signal.SIGINT)
             gone = _parent_gone[0] if _parent_gone and signum == signal.SIGTERM else None
-            say(stop_message(prog, signum, output_dir, gone))
+            say(stop_message(prog, signum, output_dir, gone, tuple(getattr(exc, "__notes__", ()))))
             return 128 + signum
         except Exception as exc:
             from appo_trl.configs.errors import DEBUG_ENV, ConfigError, one_line

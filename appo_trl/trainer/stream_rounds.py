@@ -38,7 +38,7 @@ class StreamRounds:
         self.trainer, self.runner, self.n = trainer, runner, trainer.num_generations
         self.clock = PolicyClock(-1)  # the first hand-over syncs (a resume's weights are not the server's)
         self.sync = InFlightSync(trainer.vllm_generation, list(trainer.vllm_server.urls), args.inflight_update,
-                                 self.clock)  # fmt: skip
+                                 self.clock, timeout_s=args.inflight_timeout_s)  # fmt: skip
         self.every = trl_rules.generate_every(args)
         self.m = max(1, self.every // args.gradient_accumulation_steps)
         self.k, self.overprovision = args.max_staleness, args.stream_overprovision

@@ -10,9 +10,10 @@ under the new weights); `wait` lets them finish first. In every mode new request
 `ServerPause.paused(version)` pauses every server it is given (each replica directly: the router has no such
 route), yields for the update, then advances the sampler's `PolicyClock` to `version` and resumes. It always
 resumes: after an exception, Ctrl-C, or a SIGTERM in the main thread (the servers are resumed first, then the
-signal takes its course). Its faults end in one `InFlightUpdateError` line: a pause that times out, a `/resume`
-that fails, a replica that died while paused. `pause_capability(urls)` tells at start-up whether every server has
-the routes (one line if not: the weights then sync between rounds). The rules: docs/streaming.md.
+signal takes its course; a server it could not resume is named in a note the stage's stop line carries). Its
+faults end in one `InFlightUpdateError` line: a pause that times out (the server is watched for a pause it takes
+late), a `/resume` that fails, a replica that died while paused. `pause_capability(urls)` tells at start-up whether
+every server has the routes (one line if not: the weights then sync between rounds). The rules: docs/streaming.md.
 """
 
 from __future__ import annotations
@@ -158,7 +159,12 @@ class _SignalGuard:
         if signal.SIGTERM in self.got and signal.SIGTERM in self.previous:
             handler = self.previous[signal.SIGTERM]
             if callable(handler):
-                handler(signal.SIGTERM, None)
+                try:
+                    handler(signal.SIGTERM, None)
+                except BaseException as raised:  # the stage's own stop (its exit line): keep the resume's notes
+                    for note in getattr(exc, "__notes__", ()):
+                        raised.add_note(note)
+                    raise
             elif handler is signal.SIG_DFL:
                 signal.raise_signal(signal.SIGTERM)
         if signal.SIGINT in self.got and exc_type is None:  # a Ctrl-C while the servers were being resumed
@@ -172,7 +178,8 @@ class ServerPause:
         urls: every vLLM server: the one server, or each replica behind the router (never the router).
         mode: `PauseMode` (or its value): what the running requests do during the update.
         clock: the sampler's `PolicyClock`, advanced to the new version before the servers resume.
-        timeout_s: most seconds one `/pause` may take (`wait` mode: until the running requests finish).
+        timeout_s: most seconds one `/pause` may take (`wait` mode: until the running requests finish); after one
+            that timed out, the resumed server is watched as long again, so a pause it takes late is undone.
         resume_attempts: `/resume` calls per server before it is reported still paused.
         backoff_s: delay between two `/resume` attempts.
         settle_s: quiet time (no token arriving) waited for before the clock advances, so every token sampled
@@ -208,6 +215,7 @@ class ServerPause:
             params = {"mode": self.mode.value, "clear_cache": str(self.clear_cache).lower()}
             resp = http.post(f"{url}/pause", params=params)
         except httpx.TimeoutException as exc:
+            self._late.add(url)  # the server may still pause after it: watched once resumed
             raise InFlightUpdateError(f"vLLM server {url} did not pause within {self.timeout_s:g} s ({what})") from exc
         except httpx.HTTPError as exc:
             raise InFlightUpdateError(f"vLLM server {url} unreachable at {what}: {type(exc).__name__}: {exc}") from exc
@@ -242,10 +250,28 @@ class ServerPause:
         return (f"vLLM server {url} is still paused: {last} ({self.resume_attempts} attempts); it samples nothing "
                 f"until `curl -X POST {url}/resume`")  # fmt: skip
 
+    def _watch_late_pause(self, http: httpx.Client, url: str) -> str | None:
+        """After a `/pause` that timed out and the resume: the server may still take that pause (a handler that
+        outlived its client), and freeze after the resume. Watch `GET /is_paused` for `timeout_s` more and resume
+        again if it does; None when it runs at the end, else the reason it does not."""
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(min(0.05, self.timeout_s))
+            try:
+                paused = _json(http.get(f"{url}/is_paused")).get("is_paused")
+            except httpx.HTTPError:
+                continue
+            if paused is True:
+                logger.warning("vLLM server %s took the /pause that had timed out after it was resumed: resuming it "
+                               "again", url)  # fmt: skip
+                return self._resume(http, url)
+        return None
+
     @contextlib.contextmanager
     def paused(self, version: int | None = None) -> Iterator[ServerPause]:
         """Pause every server, yield for the update, advance the clock to `version` (when given) and resume."""
         touched: list[str] = []  # asked to pause (also the one whose pause failed: it may have paused anyway)
+        self._late: set[str] = set()  # whose /pause timed out
         start = time.monotonic()
         with _SignalGuard() as guard, httpx.Client(timeout=self.timeout_s) as http:  # one client per update
             try:
@@ -268,7 +294,13 @@ class ServerPause:
                     self.clock.advance(version)
             finally:
                 guard.hold()
-                problems = [p for p in (self._resume(http, url) for url in touched) if p is not None]
+                problems = []
+                for url in touched:
+                    problem = self._resume(http, url)
+                    if problem is None and url in self._late:
+                        problem = self._watch_late_pause(http, url)
+                    if problem is not None:
+                        problems.append(problem)
                 if self.clock is not None:
                     self.clock.held = False
                 self.pause_s_last = time.monotonic() - start
@@ -277,8 +309,9 @@ class ServerPause:
                     failed = sys.exc_info()[1]
                     if failed is None:
                         raise InFlightUpdateError(line)
-                    if not isinstance(failed, Exception):  # Ctrl-C / SIGTERM: it goes on, the line is told
+                    if not isinstance(failed, Exception):  # Ctrl-C / SIGTERM: it goes on; its exit line tells
                         logger.error("%s", line)
+                        failed.add_note(line)  # `run_interruptible`'s stop line carries it
                     else:
                         raise InFlightUpdateError(f"{line} (after the update failed: {type(failed).__name__}: "
                                                   f"{failed})") from failed  # fmt: skip
