@@ -119,7 +119,7 @@ def _anchors(path: Path) -> set[str]:
     return {_anchor(m.group(1)) for m in re.finditer(r"^#+ (.+)$", text, re.M)}
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/reference.md", "docs/gpus.md"])
+@pytest.mark.parametrize("page", ["README.md", "docs/reference.md", "docs/gpus.md", "docs/architecture.md"])
 def test_links_between_the_pages_resolve(page):
     """The README's sections moved into docs/: every relative link, and its #anchor, points at something."""
     path = ROOT / page
