@@ -62,7 +62,7 @@ def share_group_tasks(trainer, strategy, prompts: list, n: int, own: OwnInstance
     """Environment-owned data and a branching strategy: the rows of each group take the first row's task (a deep
     copy of its instance, just reset, and its prompt; `prompts` is TRL's list, changed in place so that its reward
     step and logs read the prompt each row was sampled on). `own`: a background round's instances instead of TRL's."""
-    if not getattr(trainer, "_env_owns_data", False) or not strategy.branches:
+    if not trainer._env_owns_data or not strategy.branches:
         return
     envs, names = (trainer.environments, trl_seams.batch_environment_names(trainer)) if own is None else (own.instances, own.names)
     for s in range(0, len(prompts), n):
@@ -153,7 +153,7 @@ def round_environments(
     size = 1 if per_row else n
     starts = range(0, len(prompt_ids), size)
     modes = trainer._env_branch_modes if strategy.branches else {}
-    shared = getattr(trainer, "_env_owns_data", False) and strategy.branches  # share_group_tasks: copies, no reset
+    shared = trainer._env_owns_data and strategy.branches  # share_group_tasks: copies, no reset
 
     def make(s: int):
         if shared and modes.get(names[s]) == "deepcopy":
