@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 
-from inflight import TOL, Background, kept_cache_logps, plain_logps, worst
+from inflight import TOL, Background, Ballast, kept_cache_logps, plain_logps, worst
 from test_lora_sync import lora_server, monkeypatch_module, peft_model, train_step  # noqa: F401  (fixtures)
 
 from appo_trl.sampling import SamplingParams
@@ -48,14 +48,15 @@ def test_keep_mode_with_an_adapter_loaded_in_place(lora_server, tiny_model_path,
         for _ in range(3):  # again (the old adapter back) when the request finished before the pause came
             clock = PolicyClock(1)
             backend = VLLMServerBackend(lora_server.url, model=NAME, clock=clock, extra_body={"ignore_eos": True})
-            request = Background(backend, prompt, SamplingParams(max_tokens=1500, temperature=1.0, seed=5))
-            request.wait_tokens(clock, 40)
-            pause = ServerPause([lora_server.url], mode="keep", clock=clock)
-            with pause.paused(version=2):
-                at_pause = clock.tokens_received
-                client.load_lora_adapter(NAME, folder, inplace=True)
-                at_load = clock.tokens_received
-            seg = request.result()
+            with Ballast(lora_server.url, lora_server.model):  # others decoding: the pause lands mid-generation
+                request = Background(backend, prompt, SamplingParams(max_tokens=1500, temperature=1.0, seed=5))
+                request.wait_tokens(clock, 40)
+                pause = ServerPause([lora_server.url], mode="keep", clock=clock)
+                with pause.paused(version=2):
+                    at_pause = clock.tokens_received
+                    client.load_lora_adapter(NAME, folder, inplace=True)
+                    at_load = clock.tokens_received
+                seg = request.result()
             print(f"adapter keep: runs {seg.version_runs}, {at_pause} tokens received when /pause answered, "
                   f"{at_load} after the load, paused {pause.pause_s_last:.2f} s")  # fmt: skip
             if len(seg.version_runs) == 2:
