@@ -25,7 +25,7 @@ from appo_trl.trainer.async_rounds import build_async_rounds, split_cpu_threads
 from appo_trl.trainer.rows import select_rows
 from appo_trl.trainer.setup import build_rollout_engine
 from appo_trl.trainer.sharded import full_weights_for_round
-from appo_trl.trainer.stream_rounds import build_stream_rounds
+from appo_trl.trainer.stream_rounds import StreamCheckpoint, build_stream_rounds
 from appo_trl.trainer.turn_rewards import token_rewards
 from appo_trl.trainer.weight_sync import generate_round, held_adapter
 
@@ -87,13 +87,22 @@ class RoundRunner:
         return hash((t.args.seed, t.state.global_step, t.accelerator.process_index, self.round_index)) % (2**31)
 
     def state(self) -> dict:
-        if self.stream is not None:  # a checkpoint: what it does not hold is logged
-            self.stream.note_checkpoint(self.trainer.state.global_step)
-        return {"round_index": self.round_index, "tool_idle_rounds": self.tool_idle_rounds}
+        state = {"round_index": self.round_index, "tool_idle_rounds": self.tool_idle_rounds}
+        if self.stream is not None:  # the groups carried over from earlier batches (rollout_stream)
+            state["stream"] = self.stream.checkpoint(self.trainer.state.global_step).to_json()
+        return state
 
     def load_state(self, state: dict) -> None:
         self.round_index = int(state["round_index"])
         self.tool_idle_rounds = int(state.get("tool_idle_rounds", 0))
+        if "stream" in state:
+            carried = StreamCheckpoint.from_json(state["stream"])
+            if self.stream is not None:
+                self.stream.restore(carried)
+            elif carried.groups:
+                logger.warning("[resume] the checkpoint holds %d group(s) a rollout_stream run carried over; this run "
+                               "does not stream (rollout_stream: false), so they are not sampled again",
+                               len(carried.groups))  # fmt: skip
 
     # ---- spans ------------------------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -19,7 +19,7 @@ from appo_trl.strategies import Round
 from appo_trl.trainer import trl_seams
 from appo_trl.trainer.async_rounds import BatchLookahead
 from appo_trl.trainer.inflight_sync import InFlightSync
-from appo_trl.trainer.streaming import GroupStream
+from appo_trl.trainer.streaming import GroupStream, StreamCheckpoint
 from appo_trl.vllm.inflight import PolicyClock, pause_capability
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class StreamRounds:
         self.stream: GroupStream | None = None
         self._fed: dict[int, object] = {}  # id -> batch, the generation batches fed (their references keep ids)
         self.pending: tuple[Round, object] | None = None  # the Round of the inputs handed to TRL, and those inputs
+        self.restored: StreamCheckpoint | None = None  # a resume's carried-over groups, fed first
         self.metrics: dict[str, float] = {}
 
     # ---- start, stop --------------------------------------------------------------------------------------------
@@ -62,13 +63,39 @@ class StreamRounds:
             if dropped:
                 logger.info("rollout_stream: %d group(s) unfinished at the end of training were dropped", dropped)
 
-    def note_checkpoint(self, step: int) -> None:
-        """At a checkpoint: say what it does not hold (the groups in flight, complete or queued)."""
-        unfinished = self.stream.unfinished() if self.stream is not None else []
-        if unfinished:
-            logger.info("checkpoint at step %d: %d group(s) of the stream (sampling, complete or queued) are not "
-                        "saved; a resume samples the data from step %d on again, and a group carried over from an "
-                        "earlier batch is not sampled again", step, len(unfinished), step)  # fmt: skip
+    def checkpoint(self, step: int) -> StreamCheckpoint:
+        """At a checkpoint at `step`: the groups carried over from earlier batches, which it keeps (a resume samples
+        them again); the groups of later batches are not kept (the resumed data loader feeds their batches again)."""
+        ckpt = StreamCheckpoint.of(self.stream, step)
+        later = len(self.stream.unfinished()) - len(ckpt.groups) - ckpt.not_saved if self.stream is not None else 0
+        if ckpt.groups or later:
+            logger.info("checkpoint at step %d: %d group(s) carried over from earlier batches are saved, to be sampled "
+                        "again at a resume; %d group(s) of the batches from step %d on are not (a resume feeds those "
+                        "batches again)", step, len(ckpt.groups), later, step)  # fmt: skip
+        if ckpt.not_saved:
+            logger.warning("checkpoint at step %d: %d carried-over group(s) have dataset rows that are not JSON and are "
+                           "not saved: a resume from it does not sample them", step, ckpt.not_saved)  # fmt: skip
+        return ckpt
+
+    def restore(self, ckpt: StreamCheckpoint) -> None:
+        """A resume: `ckpt`'s groups are fed before the first batch (they are older)."""
+        self.restored = ckpt
+
+    def _feed_restored(self, step: int) -> None:
+        ckpt, self.restored = self.restored, None
+        if ckpt is None:
+            if step > 0:
+                logger.warning("[resume] starting at step %d with no stream state in the checkpoint (a run without "
+                               "rollout_stream, or an older version): groups carried over before it are not sampled "
+                               "again", step)  # fmt: skip
+            return
+        if ckpt.step != step:
+            raise RuntimeError(f"rollout_stream: the checkpoint's stream state is of step {ckpt.step}, the resume "
+                               f"starts at step {step}")  # fmt: skip
+        for g in ckpt.groups:
+            self.stream.feed(g.inputs, [g.prompt_ids], [g.seed], step=step - 1)
+        logger.info("[resume] %d group(s) were in flight at checkpoint-%d; they are sampled again%s", len(ckpt.groups),
+                    step, f" ({ckpt.not_saved} not saved: rows not JSON)" if ckpt.not_saved else "")  # fmt: skip
 
     def _start_group(self, prompt_ids: list[int], seed: int):
         engine = self.runner.engine
@@ -83,13 +110,13 @@ class StreamRounds:
         return GroupStream(self._start_group, lambda: self.clock.version, group_size=self.n, max_groups=max_groups,
                            max_staleness=self.k, steps_per_round=self.m)  # fmt: skip
 
-    def _feed(self, batch) -> None:
+    def _feed(self, batch, step: int) -> None:
         if batch is None or id(batch) in self._fed:
             return
         self._fed[id(batch)] = batch
         firsts = [batch[g * self.n] for g in range(len(batch) // self.n)]
         prompt_ids = trl_seams.tokenize_prompts(self.trainer, [x["prompt"] for x in firsts])
-        self.stream.feed(list(batch), [list(p) for p in prompt_ids], [self.runner.next_seed() for _ in firsts])
+        self.stream.feed(list(batch), [list(p) for p in prompt_ids], [self.runner.next_seed() for _ in firsts], step=step)
 
     # ---- hand-over ----------------------------------------------------------------------------------------------
     def inputs_for(self, inputs: list[dict]) -> list[dict]:
@@ -103,17 +130,14 @@ class StreamRounds:
         num_groups = len(inputs) // self.n
         if self.stream is None:
             self.stream = self._build(num_groups)
-            if step > 0:
-                logger.warning("rollout_stream: starting at step %d (a resume) with no group in flight: the groups "
-                               "the checkpoint did not hold are sampled again from the data of step %d on",
-                               step, step)  # fmt: skip
+            self._feed_restored(step)
         if self.clock.version != step:
             self.sync.sync(step)
             trl_seams.mark_weights_synced(t)
-        self._feed(inputs)
+        self._feed(inputs, step)
         ahead = max(1, math.ceil(self.overprovision)) + 1  # the batches after it keep the buffer full
         for j in range(1, ahead + 1):
-            self._feed(self.lookahead.peek(inputs, self.every * j))
+            self._feed(self.lookahead.peek(inputs, self.every * j), step + self.m * j)
         while len(self._fed) > 64:
             self._fed.pop(next(iter(self._fed)))
         batch = self.stream.take(num_groups, step)
@@ -156,4 +180,4 @@ def build_stream_rounds(trainer, runner) -> StreamRounds | None:
     return StreamRounds(trainer, runner)
 
 
-__all__ = ["StreamRounds", "build_stream_rounds"]
+__all__ = ["StreamCheckpoint", "StreamRounds", "build_stream_rounds"]

@@ -14,6 +14,7 @@ the next batch. Nothing here samples, syncs or scores. The rules: docs/streaming
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import threading
 import time
@@ -43,6 +44,7 @@ class StreamGroup:
     inputs: list[dict]
     prompt_ids: list[int]
     seed: int
+    step: int = 0  # the optimizer step whose generation batch fed it (a checkpoint keeps the ones before it)
     version: int = -1  # the sampler's version when it started (the rows' versions when they record none)
     future: concurrent.futures.Future | None = None
     attempts: int = 0
@@ -124,8 +126,9 @@ class GroupStream:
         self.wait_s = 0.0
 
     # ---- feeding ------------------------------------------------------------------------------------------------
-    def feed(self, inputs: list[dict], prompt_ids: list[list[int]], seeds: list[int]) -> None:
-        """Queue TRL's rows `inputs` (n per prompt, in order; `prompt_ids` and `seeds` one per group)."""
+    def feed(self, inputs: list[dict], prompt_ids: list[list[int]], seeds: list[int], step: int = 0) -> None:
+        """Queue TRL's rows `inputs` (n per prompt, in order; `prompt_ids` and `seeds` one per group), the generation
+        batch of optimizer step `step`."""
         if len(inputs) != len(prompt_ids) * self.n or len(seeds) != len(prompt_ids):
             raise ValueError(f"GroupStream.feed: {len(inputs)} rows for {len(prompt_ids)} prompts of {self.n} rows "
                              f"and {len(seeds)} seeds")  # fmt: skip
@@ -135,7 +138,7 @@ class GroupStream:
                 if any(r.get("prompt") != rows[0].get("prompt") for r in rows):
                     raise ValueError(f"GroupStream.feed: rows {g * self.n}-{(g + 1) * self.n - 1} are not one "
                                      "prompt's group (TRL's sampler repeats each prompt n times in a row)")  # fmt: skip
-                self._queued.append(StreamGroup(self._order, rows, list(ids), int(seed)))
+                self._queued.append(StreamGroup(self._order, rows, list(ids), int(seed), int(step)))
                 self._order += 1
         self._top_up()
 
@@ -243,6 +246,11 @@ class GroupStream:
         with self._lock:
             return sorted([*self._held, *self._queued], key=lambda g: g.order)
 
+    def carried_before(self, step: int) -> list[StreamGroup]:
+        """The unfinished groups fed by the batches of steps before `step`: a resume at `step` would not feed them
+        again (its data loader starts at `step`'s batch), oldest first."""
+        return [g for g in self.unfinished() if g.step < step]
+
     def close(self) -> int:
         """Stop starting groups and cancel those in flight; the number of groups dropped unfinished."""
         with self._lock:
@@ -255,4 +263,46 @@ class GroupStream:
         return len(held) + len(queued)
 
 
-__all__ = ["GroupStream", "StreamBatch", "StreamDry", "StreamGroup"]
+@dataclass(frozen=True)
+class CarriedGroup:
+    """One group a checkpoint holds: TRL's n input rows, its prompt ids and seed (sampled again at the resume)."""
+
+    inputs: list[dict]
+    prompt_ids: list[int]
+    seed: int
+
+
+@dataclass(frozen=True)
+class StreamCheckpoint:
+    """What `rollout_stream` keeps in a checkpoint at `step` (`appo_sampler_state.json`, key "stream"): the groups
+    carried over from the batches before `step`, oldest first. Those of later batches are not kept: the resumed
+    data loader feeds their batches again. A group whose rows are not JSON is counted in `not_saved`."""
+
+    step: int
+    groups: list[CarriedGroup]
+    not_saved: int = 0
+
+    @classmethod
+    def of(cls, stream: GroupStream | None, step: int) -> StreamCheckpoint:
+        groups, not_saved = [], 0
+        for g in stream.carried_before(step) if stream is not None else []:
+            try:
+                json.dumps(g.inputs)
+            except (TypeError, ValueError):
+                not_saved += 1
+                continue
+            groups.append(CarriedGroup(list(g.inputs), list(g.prompt_ids), g.seed))
+        return cls(step, groups, not_saved)
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "not_saved": self.not_saved,
+                "groups": [{"inputs": g.inputs, "prompt_ids": g.prompt_ids, "seed": g.seed} for g in self.groups]}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict) -> StreamCheckpoint:
+        groups = [CarriedGroup(list(g["inputs"]), [int(t) for t in g["prompt_ids"]], int(g["seed"]))
+                  for g in data["groups"]]  # fmt: skip
+        return cls(int(data["step"]), groups, int(data["not_saved"]))
+
+
+__all__ = ["CarriedGroup", "GroupStream", "StreamBatch", "StreamCheckpoint", "StreamDry", "StreamGroup"]

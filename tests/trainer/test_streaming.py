@@ -4,6 +4,7 @@ carry-over and per-token staleness, with groups whose futures the test completes
 from __future__ import annotations
 
 import concurrent.futures
+import json
 
 import pytest
 
@@ -144,3 +145,33 @@ def test_trajectory_versions_runs_prefix_copy_and_oldest():
     with pytest.raises(ValueError, match="sampled tokens without policy versions"):
         t.append([10], 1, [-1.0])
     assert Trajectory(prompt_ids=[1]).version_runs is None
+
+
+def test_a_checkpoint_keeps_the_groups_of_earlier_batches_and_only_those():
+    from appo_trl.trainer.streaming import StreamCheckpoint
+
+    s = Sampler()
+    gs = stream(s, max_groups=4)
+    gs.feed(rows_for("ab"), [[1], [2]], [11, 12], step=0)
+    gs.feed(rows_for("cd"), [[3], [4]], [13, 14], step=1)
+    gs.feed(rows_for("e"), [[5]], [15], step=2)  # queued: the bound is 4
+    s.finish(1), s.finish(2)
+    assert [g.order for g in gs.take(2, step=0).groups] == [1, 2]  # "a" (step 0) and "d" (step 1) carry over
+    ckpt = StreamCheckpoint.of(gs, step=1)
+    assert [g.inputs for g in ckpt.groups] == [rows_for("a")] and ckpt.groups[0].prompt_ids == [1]
+    assert ckpt.groups[0].seed == 11 and ckpt.not_saved == 0
+    at2 = StreamCheckpoint.of(gs, step=2)  # "d" was fed for step 1: a resume at 2 does not feed it again
+    assert [g.inputs[0]["prompt"] for g in at2.groups] == ["a", "d"]
+    back = StreamCheckpoint.from_json(json.loads(json.dumps(at2.to_json())))
+    assert back == at2
+    assert StreamCheckpoint.of(None, step=3) == StreamCheckpoint(3, [])
+
+
+def test_a_carried_group_whose_rows_are_not_json_is_counted_not_saved():
+    from appo_trl.trainer.streaming import StreamCheckpoint
+
+    s = Sampler()
+    gs = stream(s, max_groups=4)
+    gs.feed([{"prompt": "a", "image": object()}] * N + rows_for("b"), [[1], [2]], [1, 2], step=0)
+    ckpt = StreamCheckpoint.of(gs, step=1)
+    assert [g.inputs[0]["prompt"] for g in ckpt.groups] == ["b"] and ckpt.not_saved == 1

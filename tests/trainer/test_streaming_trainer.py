@@ -5,6 +5,7 @@ max_staleness rounds with one line."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import glob
 import json
 import logging
@@ -89,20 +90,43 @@ def test_a_resume_that_fails_during_training_is_one_line_and_leaves_nothing_runn
     assert not [t for t in left if t.is_alive()]
 
 
-def test_a_resume_with_groups_in_flight_samples_them_again_and_says_so(tmp_path, tiny_tokenizer, tiny_model_path,
-                                                                       caplog):  # fmt: skip
+def never_finishing_third_group(stream_rounds) -> list[list[int]]:
+    """The third group started (the first of step 1's batch) never finishes: it carries over. The prompts started."""
+    started, real = [], stream_rounds._start_group
+
+    def start(prompt_ids, seed):
+        fut = real(prompt_ids, seed)
+        started.append(list(prompt_ids))
+        return concurrent.futures.Future() if len(started) == 3 else fut  # cancelled when the stream closes
+
+    stream_rounds._start_group = start
+    return started
+
+
+def test_a_resume_samples_the_groups_carried_over_again_and_says_so(tmp_path, tiny_tokenizer, tiny_model_path,
+                                                                    caplog):  # fmt: skip
     server = PausableVLLM(step_s=0.005).start()
-    kw = dict(vllm_server_base_url=server.url, save_strategy="steps", save_steps=1, **STREAM)
-    try:
+    kw = dict(vllm_server_base_url=server.url, save_strategy="steps", save_steps=1, stream_overprovision=0.5, **STREAM)
+    try:  # 3 groups held for batches of 2: the two others pass the stuck one
         with caplog.at_level(logging.INFO):
-            make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), max_steps=2, **kw).train()
-            saved = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint at step")]
+            first = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), max_steps=2, **kw)
+            started = never_finishing_third_group(first.rounds.stream)
+            first.train()
+            saved = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint at step 2")]
             caplog.clear()
             trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), max_steps=3, **kw)
+            stream, handed = trainer.rounds.stream, []
+            take = stream.take_round
+            stream.take_round = lambda prompts: handed.append(take(prompts)) or handed[-1]
             trainer.train(resume_from_checkpoint=True)
     finally:
         server.stop()
-    assert saved and "group(s) of the stream" in saved[0] and "are not saved" in saved[0]
-    assert trainer.state.global_step == 3
-    resumed = [r.getMessage() for r in caplog.records if "(a resume)" in r.getMessage()]
-    assert len(resumed) == 1 and "starting at step 2" in resumed[0] and "sampled again" in resumed[0]
+    state = json.load(open(tmp_path / "checkpoint-2" / "appo_sampler_state.json"))["stream"]
+    assert state["step"] == 2 and [g["prompt_ids"] for g in state["groups"]] == [started[2]]
+    assert len(state["groups"][0]["inputs"]) == 2  # the group's n rows, as TRL's sampler gave them
+    assert len(saved) == 1 and "1 group(s) carried over from earlier batches are saved" in saved[0]
+    assert trainer.state.global_step == 3 and len(handed) == 1
+    rnd, _ = handed[0]
+    assert rnd.groups[0][0].prompt_ids == started[2]  # the oldest group: sampled again, handed over first
+    resumed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[resume]")]
+    assert resumed == ["[resume] 1 group(s) were in flight at checkpoint-2; they are sampled again"]
