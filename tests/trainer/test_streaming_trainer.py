@@ -53,7 +53,7 @@ def test_groups_stream_and_the_weights_update_in_flight(tmp_path, tiny_tokenizer
     records = [json.loads(x) for f in sorted(glob.glob(f"{tmp_path}/rollouts/step_*.jsonl")) for x in open(f)]
     assert records and all(r["version_runs"] for rec in records for r in rec["rows"])
     assert stream.stream is None  # closed at the end of training
-    assert not [t for t in threading.enumerate() if t.name.startswith("appo-round")]
+    assert not [t for t in threading.enumerate() if t.name.startswith(("appo-round", "appo-rollout"))]
 
 
 def test_a_server_without_pause_gets_one_line_and_the_rounds_of_today(tmp_path, tiny_tokenizer, tiny_model_path,
@@ -85,9 +85,7 @@ def test_a_resume_that_fails_during_training_is_one_line_and_leaves_nothing_runn
         server.stop()
     assert trainer.rounds.stream.stream is None  # closed: no group starts, none left in flight
     left = [t for t in set(threading.enumerate()) - before if t.name.startswith(("appo-round", "appo-rollout"))]
-    for t in left:
-        t.join(timeout=10)
-    assert not [t for t in left if t.is_alive()]
+    assert not [t.name for t in left if t.is_alive()]  # joined before the error reached the caller
 
 
 def never_finishing_third_group(stream_rounds) -> list[list[int]]:
