@@ -23,6 +23,7 @@ STREAM = dict(use_vllm=True, vllm_mode="server", num_generations=2, per_device_t
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 def test_groups_stream_and_the_weights_update_in_flight(tmp_path, tiny_tokenizer, tiny_model_path, mode):
+    before = set(threading.enumerate())  # other tests' threads in this process are not this run's
     server = PausableVLLM(step_s=0.01).start()
     try:
         trainer = make_trainer(tmp_path, tiny_tokenizer, tiny_model_path, None, RewardSpy(), max_steps=4,
@@ -53,7 +54,8 @@ def test_groups_stream_and_the_weights_update_in_flight(tmp_path, tiny_tokenizer
     records = [json.loads(x) for f in sorted(glob.glob(f"{tmp_path}/rollouts/step_*.jsonl")) for x in open(f)]
     assert records and all(r["version_runs"] for rec in records for r in rec["rows"])
     assert stream.stream is None  # closed at the end of training
-    assert not [t for t in threading.enumerate() if t.name.startswith(("appo-round", "appo-rollout"))]
+    left = [t for t in set(threading.enumerate()) - before if t.name.startswith(("appo-round", "appo-rollout"))]
+    assert not [t.name for t in left if t.is_alive()]  # the run's own loops are closed; other tests' are not ours
 
 
 def test_a_server_without_pause_gets_one_line_and_the_rounds_of_today(tmp_path, tiny_tokenizer, tiny_model_path,
@@ -101,6 +103,29 @@ def never_finishing_third_group(stream_rounds) -> list[list[int]]:
     return started
 
 
+def later_groups_wait_for_the_first(stream_rounds) -> list[list[int]]:
+    """Every group after the first completes only once the first has: which group finishes first is then fixed."""
+    started, real = [], stream_rounds._start_group
+
+    def start(prompt_ids, seed):
+        fut = real(prompt_ids, seed)
+        started.append((list(prompt_ids), fut))
+        if len(started) == 1:
+            return fut
+        both, first = concurrent.futures.Future(), started[0][1]
+
+        def hand_on(_):
+            if both.set_running_or_notify_cancel():  # False: the stream closed and cancelled it
+                both.set_exception(fut.exception()) if fut.exception() else both.set_result(fut.result())
+
+        fut.add_done_callback(lambda _: first.add_done_callback(hand_on))
+        both.add_done_callback(lambda f: f.cancelled() and fut.cancel())
+        return both
+
+    stream_rounds._start_group = start
+    return started
+
+
 def test_a_resume_samples_the_groups_carried_over_again_and_says_so(tmp_path, tiny_tokenizer, tiny_model_path,
                                                                     caplog):  # fmt: skip
     server = PausableVLLM(step_s=0.005).start()
@@ -116,6 +141,7 @@ def test_a_resume_samples_the_groups_carried_over_again_and_says_so(tmp_path, ti
             stream, handed = trainer.rounds.stream, []
             take = stream.take_round
             stream.take_round = lambda prompts: handed.append(take(prompts)) or handed[-1]
+            restarted = later_groups_wait_for_the_first(stream)
             trainer.train(resume_from_checkpoint=True)
     finally:
         server.stop()
@@ -124,7 +150,8 @@ def test_a_resume_samples_the_groups_carried_over_again_and_says_so(tmp_path, ti
     assert len(state["groups"][0]["inputs"]) == 2  # the group's n rows, as TRL's sampler gave them
     assert len(saved) == 1 and "1 group(s) carried over from earlier batches are saved" in saved[0]
     assert trainer.state.global_step == 3 and len(handed) == 1
+    assert restarted[0][0] == started[2]  # the carried group is sampled again before the resumed batch's groups
     rnd, _ = handed[0]
-    assert rnd.groups[0][0].prompt_ids == started[2]  # the oldest group: sampled again, handed over first
+    assert rnd.groups[0][0].prompt_ids == started[2]  # the oldest complete group is handed over first
     resumed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[resume]")]
     assert resumed == ["[resume] 1 group(s) were in flight at checkpoint-2; they are sampled again"]
