@@ -161,7 +161,7 @@ class Run:
         thread.start()
         g = self.args.groups
 
-        def start(prompt_ids, seed) -> concurrent.futures.Future:
+        def start(group) -> concurrent.futures.Future:
             return asyncio.run_coroutine_threadsafe(self.group(), loop)
 
         stream = GroupStream(start, lambda: self.clock.version, group_size=self.args.group_size,

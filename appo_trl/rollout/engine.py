@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import dataclasses
 import hashlib
 import inspect
@@ -46,6 +47,8 @@ from appo_trl.tools.executor import ToolExecutor
 from appo_trl.tools.main_thread import MAIN_THREAD
 
 T = TypeVar("T")
+# the environments one `rollout(environments=...)` call samples on, seen by its trajectories' tasks
+_CALL_ENVIRONMENTS = contextvars.ContextVar[RoundEnvironments | None]("appo_call_environments", default=None)
 _CHAT_TURN = "<chat turn>"  # chat format: the pending "tag" of a closed assistant turn holding calls
 Hook = Callable[[BranchContext], "int | Awaitable[int]"]
 
@@ -102,7 +105,7 @@ class RolloutEngine(ToolTurns):
         self.chat = chat
         self.stop_strings = list(chat.stop_strings) if chat is not None else self.config.stop_strings
         self.executor = tools if isinstance(tools, ToolExecutor) else ToolExecutor(dict(tools or {}))
-        # TRL's `environment_factory`: one instance per trajectory, set for a round by the trainer
+        # TRL's `environment_factory`: one instance per trajectory, set for a round (or one call's: `environments=`)
         self.environments: RoundEnvironments | None = None
         self.decoder = PieceDecoder(tokenizer)
         if tokenizer.eos_token_id is None:
@@ -121,10 +124,15 @@ class RolloutEngine(ToolTurns):
         self.reset_metrics()
 
     # ------------------------------------------------------------------ public API
+    def environments_now(self) -> RoundEnvironments | None:
+        """The environments of the trajectory being sampled: its `rollout` call's (`environments=`), else the round's."""
+        own = _CALL_ENVIRONMENTS.get()
+        return own if own is not None else self.environments
 
     async def rollout(self, prompts: list[list[int]], n: int | list[int], *, seed: int, hook: Hook | None = None,
                       group_size: int | list[int] | None = None,
-                      route_seed: int | None = None) -> list[list[Trajectory]]:  # fmt: skip
+                      route_seed: int | None = None,
+                      environments: RoundEnvironments | None = None) -> list[list[Trajectory]]:  # fmt: skip
         """Sample `n` trajectories per prompt (all concurrently) and return them per prompt, in creation order.
 
         With `hook`, after each tool result the hook returns how many copies to fork at that point; each group
@@ -134,6 +142,9 @@ class RolloutEngine(ToolTurns):
         Each group's trajectories share one routing key (`Trajectory.route_key`, the key that keeps a group on one
         vLLM replica), derived from `route_seed` (default `seed`). A side rollout for the same groups, such as
         AEPO's entropy probe, passes the round's seed as `route_seed` so that its prompts go to the same replicas.
+
+        `environments`: this call's own (groups: its prompts), when calls sample concurrently on different instances
+        (streamed groups); its tasks, forks included, see them through a context variable. Default: the round's.
         """
         ns = [n] * len(prompts) if isinstance(n, int) else list(n)
         sizes = (
@@ -150,15 +161,15 @@ class RolloutEngine(ToolTurns):
         for p in prompts:
             if not p or len(p) >= self.config.max_model_len:
                 raise ValueError(f"prompt of {len(p)} tokens does not fit max_model_len={self.config.max_model_len}")
-        start = time.perf_counter()
-        run = _Run()
+        start, run = time.perf_counter(), _Run()
         route_seed = seed if route_seed is None else route_seed
         groups = [_Group(i, list(p), sizes[i], mix_seed(seed, i), f"{mix_seed(route_seed, i):016x}")
                   for i, p in enumerate(prompts)]  # fmt: skip
-        for g, k in zip(groups, ns):
-            for _ in range(k):
-                self._start_root(run, g, hook, origin=Origin.ROOT)
+        token = None if environments is None else _CALL_ENVIRONMENTS.set(environments)  # the tasks copy it
         try:
+            for g, k in zip(groups, ns):
+                for _ in range(k):
+                    self._start_root(run, g, hook, origin=Origin.ROOT)
             while run.tasks:
                 done, _ = await asyncio.wait(run.tasks, return_when=asyncio.FIRST_COMPLETED)
                 run.tasks.difference_update(done)
@@ -177,6 +188,8 @@ class RolloutEngine(ToolTurns):
             raise
         finally:
             self._m["wall_time_s"] += time.perf_counter() - start
+            if token is not None:
+                _CALL_ENVIRONMENTS.reset(token)
         return [g.trajectories for g in groups]
 
     async def branch(self, parent: Trajectory, position: int, *, seed: int, resample: bool = True) -> Trajectory:
@@ -295,8 +308,8 @@ class RolloutEngine(ToolTurns):
                           entropies=[] if (hook is not None or self.config.record_entropies) else None)  # fmt: skip
         # the routing key: one per prompt group of one round, kept by forks, refills and branches
         traj.origin, traj.seed, traj.route_key = origin, mix_seed(group.seed, group.created), group.route_key
-        if self.environments is not None:
-            self.environments.start(traj)
+        if (envs := self.environments_now()) is not None:
+            envs.start(traj)
         self._register(run, group, traj, hook)
 
     def _register(self, run: _Run, group: _Group | None, traj: Trajectory, hook: Hook | None,
@@ -396,8 +409,8 @@ class RolloutEngine(ToolTurns):
             child = traj.prefix_copy(position)
             # keyed on the lineage (parent, fork point, copy), never on the order of creation
             child.origin, child.seed = Origin.FORK, mix_seed(traj.seed, "fork", position, k)
-            if self.environments is not None:
-                await self.environments.fork(child, traj)
+            if (envs := self.environments_now()) is not None:
+                await envs.fork(child, traj)
             self._m["forks"] += 1
             self._m["prefix_tokens_reused"] += position
             self._register(run, group, child, hook)
@@ -470,8 +483,8 @@ class RolloutEngine(ToolTurns):
                                  f"(tokens {call.start}..{call.end})")  # fmt: skip
         child = parent.prefix_copy(p)
         child.origin, child.seed = Origin.BRANCH, mix_seed(seed, p, len(parent.completion_ids))
-        if self.environments is not None:
-            await self.environments.fork(child, parent)
+        if (envs := self.environments_now()) is not None:
+            await envs.fork(child, parent)
         self._m["branches"] += 1
         self._m["prefix_tokens_reused"] += p
         pending = self._pending_tag(child)

@@ -141,7 +141,7 @@ class ToolTurns:
         all calls ran), which also snapshots the instance after that call for branches.
         """
         results: list[ToolResult | None] = [None] * len(calls)
-        env = self.environments
+        env = self.environments_now()
         env_tools = [env.tool(traj, c.name) if env is not None and c.error is None else None for c in calls]
         base = len(traj.tool_calls)
 

@@ -208,7 +208,7 @@ class RoundRunner:
         self.path.prepare(strategy, prompts, n)
         prompt_ids = trl_seams.tokenize_prompts(t, prompts)
         if self.stream is not None and mode == "train":  # the groups `stream_inputs` handed over
-            rnd, version = self.stream.take_round(prompts)
+            rnd, version = self.stream.take_round(inputs)
         else:
             rnd, version = self._sample(inputs, mode, strategy, prompt_ids, n)
         self.path.hand_over(rnd, mode, prompts)  # trainer's thread: an agent's metrics, a round's own environments

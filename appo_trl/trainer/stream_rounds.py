@@ -16,10 +16,11 @@ import math
 
 from appo_trl import trl_rules
 from appo_trl.strategies import Round
-from appo_trl.trainer import trl_seams
+from appo_trl.strategies.record import HandedEnvironments
+from appo_trl.trainer import environments, trl_seams
 from appo_trl.trainer.async_rounds import BatchLookahead
 from appo_trl.trainer.inflight_sync import InFlightSync
-from appo_trl.trainer.streaming import GroupStream, StreamCheckpoint
+from appo_trl.trainer.streaming import GroupStream, StreamCheckpoint, StreamGroup
 from appo_trl.vllm.inflight import PolicyClock, pause_capability
 
 logger = logging.getLogger(__name__)
@@ -97,13 +98,32 @@ class StreamRounds:
         logger.info("[resume] %d group(s) were in flight at checkpoint-%d; they are sampled again%s", len(ckpt.groups),
                     step, f" ({ckpt.not_saved} not saved: rows not JSON)" if ckpt.not_saved else "")  # fmt: skip
 
-    def _start_group(self, prompt_ids: list[int], seed: int):
-        engine = self.runner.engine
+    def _start_group(self, group: StreamGroup):
+        """The group's rollout on the engine's loop (the trainer's thread: it does not block). Environments: the
+        group's n rows get instances of their own, `reset()` here with their rows as TRL resets its pool."""
+        engine, seed = self.runner.engine, group.seed
+        if self.runner.path.name != "environments":
+            prompt_ids = group.prompt_ids
 
-        async def one_group():
-            return (await engine.rollout([prompt_ids], self.n, seed=seed))[0]
+            async def one_group():
+                return (await engine.rollout([prompt_ids], self.n, seed=seed))[0]
 
-        return engine.submit(one_group())
+            return engine.submit(one_group())
+        t = self.trainer
+        own = environments.own_instances(t, group.inputs)
+        prompt_ids = environments.own_prompt_ids(t, own)
+        envs, per_row = environments.round_environments(t, prompt_ids, self.n, self.runner.strategy, group.inputs, own)
+        group.prompt_ids = prompt_ids[0]
+
+        async def env_group():  # per_row: reset() gave each row its own observation, sampled on its own (grpo)
+            if per_row:
+                rows = [g[0] for g in await engine.rollout(prompt_ids, 1, seed=seed, environments=envs)]
+            else:
+                rows = (await engine.rollout(prompt_ids[:1], self.n, seed=seed, environments=envs))[0]
+            group.environments = HandedEnvironments(envs.rows(rows), own.prompts)  # before the future is done
+            return rows
+
+        return engine.submit(env_group())
 
     def _build(self, num_groups: int) -> GroupStream:
         max_groups = max(num_groups, math.ceil(num_groups * (1.0 + self.overprovision)))
@@ -115,8 +135,13 @@ class StreamRounds:
             return
         self._fed[id(batch)] = batch
         firsts = [batch[g * self.n] for g in range(len(batch) // self.n)]
-        prompt_ids = trl_seams.tokenize_prompts(self.trainer, [x["prompt"] for x in firsts])
-        self.stream.feed(list(batch), [list(p) for p in prompt_ids], [self.runner.next_seed() for _ in firsts], step=step)
+        if self.runner.path.name == "environments":  # the prompts reset() gives: rendered when a group starts
+            prompt_ids = [[] for _ in firsts]
+        else:
+            prompt_ids = trl_seams.tokenize_prompts(self.trainer, [x["prompt"] for x in firsts])
+        self.stream.feed(
+            list(batch), [list(p) for p in prompt_ids], [self.runner.next_seed() for _ in firsts], step=step
+        )
 
     # ---- hand-over ----------------------------------------------------------------------------------------------
     def inputs_for(self, inputs: list[dict]) -> list[dict]:
@@ -146,19 +171,24 @@ class StreamRounds:
             for row in rows:
                 row.group = index
         rnd = Round(groups=groups, keep=[True] * sum(len(g) for g in groups))
+        if self.runner.path.name == "environments":  # the rows' own instances and prompts, for TRL's reward step
+            handed = [g.environments for g in batch.groups]
+            rnd.environments = HandedEnvironments([e for h in handed for e in h.instances],
+                                                  [p for h in handed for p in h.prompts])  # fmt: skip
         self.pending = (rnd, batch.inputs)
         self.metrics = {**batch.metrics, "rollout/stream/pause_s": self.sync.pause_s[-1] if self.sync.pause_s else 0.0,
                         "rollout/weight_syncs": float(len(self.sync.pause_s))}  # fmt: skip
         return batch.inputs
 
-    def take_round(self, prompts: list) -> tuple[Round, int]:
-        """The Round of the inputs `inputs_for` handed to TRL, and the oldest policy version of its tokens."""
+    def take_round(self, inputs: list[dict] | None) -> tuple[Round, int]:
+        """The Round of the inputs `inputs_for` handed to TRL (`inputs`: the rows TRL is scoring), and the oldest
+        policy version of its tokens."""
         if self.pending is None:
             raise RuntimeError("rollout_stream: TRL asked for a round that the stream did not hand over")
-        rnd, inputs = self.pending
+        rnd, handed = self.pending
         self.pending = None
-        if [x["prompt"] for x in inputs] != list(prompts):
-            raise RuntimeError("rollout_stream: TRL's prompts are not those of the groups handed over")
+        if inputs is None or list(inputs) != list(handed):
+            raise RuntimeError("rollout_stream: TRL's rows are not those of the groups handed over")
         versions = [v for r in rnd.rows if (v := r.oldest_version()) is not None]
         return rnd, min(versions) if versions else self.clock.version
 
@@ -172,9 +202,9 @@ def build_stream_rounds(trainer, runner) -> StreamRounds | None:
     if trainer.accelerator.num_processes > 1:
         raise ValueError("rollout_stream: true runs in one process so far (each rank would stream its own groups "
                          "and hand over at different times); run one process, or rollout_stream: false.")  # fmt: skip
-    if runner.path.name != "tool_loop":
-        raise ValueError(f"rollout_stream: true streams the tool loop's groups; the {runner.path.name} path does "
-                         "not stream yet (rollout_stream: false).")  # fmt: skip
+    if runner.path.name not in ("tool_loop", "environments"):
+        raise ValueError(f"rollout_stream: true streams the tool loop's and environments' groups; the "
+                         f"{runner.path.name} path does not stream yet (rollout_stream: false).")  # fmt: skip
     if not pause_capability(list(trainer.vllm_server.urls)):
         return None  # the one line was logged: the weights sync between rounds (max_staleness)
     return StreamRounds(trainer, runner)

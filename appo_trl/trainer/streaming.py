@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from appo_trl.strategies.record import HandedEnvironments
 from appo_trl.tools.main_thread import MAIN_THREAD
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class StreamGroup:
     step: int = 0  # the optimizer step whose generation batch fed it (a checkpoint keeps the ones before it)
     version: int = -1  # the sampler's version when it started (the rows' versions when they record none)
     future: concurrent.futures.Future | None = None
+    environments: HandedEnvironments | None = None  # environment_factory: its rows' own instances, once sampled
     attempts: int = 0
 
     @property
@@ -97,8 +99,9 @@ class GroupStream:
     """The bounded group producer (module docstring).
 
     Args:
-        start_group: `(prompt_ids, seed) -> Future` of the group's rows (one prompt, n rows), scheduled on the
-            sampler's own thread; it must not block.
+        start_group: `(group) -> Future` of the `StreamGroup`'s rows (one prompt, n rows: its `inputs`,
+            `prompt_ids` and `seed`), scheduled on the sampler's own thread; called on the thread that feeds and
+            takes (the trainer's), it must not block.
         version: `() -> int`, the sampler's current policy version (the version a group starts under).
         group_size: n, the rows of one group.
         max_groups: most groups held at once, sampling or complete (the buffer's bound).
@@ -107,7 +110,7 @@ class GroupStream:
         max_attempts: times one prompt is sampled again after a too-stale group before the run stops.
     """
 
-    def __init__(self, start_group: Callable[[list[int], int], concurrent.futures.Future], version: Callable[[], int],
+    def __init__(self, start_group: Callable[[StreamGroup], concurrent.futures.Future], version: Callable[[], int],
                  *, group_size: int, max_groups: int, max_staleness: int, steps_per_round: int = 1,
                  max_attempts: int = 3):  # fmt: skip
         if max_groups < 1 or group_size < 1 or max_staleness < 0 or steps_per_round < 1:
@@ -168,7 +171,7 @@ class GroupStream:
                 self._held.append(group)
                 starts.append(group)
         for group in starts:  # outside the lock: a future already done calls back at once
-            group.future = self.start_group(group.prompt_ids, group.seed)
+            group.future = self.start_group(group)
             group.future.add_done_callback(self._on_done)
 
     def _on_done(self, _future) -> None:

@@ -77,7 +77,7 @@ class Ballast:
             if not told:
                 self.started.release()
 
-    def __enter__(self) -> "Ballast":
+    def __enter__(self) -> Ballast:
         self.threads = [threading.Thread(target=self._one, args=(i,), daemon=True) for i in range(self.k)]
         for t in self.threads:
             t.start()

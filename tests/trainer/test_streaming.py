@@ -21,9 +21,9 @@ class Sampler:
         self.started: list[tuple[list[int], int, concurrent.futures.Future]] = []
         self.version = 0
 
-    def start(self, prompt_ids, seed):
+    def start(self, group):
         fut = concurrent.futures.Future()
-        self.started.append((prompt_ids, seed, fut))
+        self.started.append((group.prompt_ids, group.seed, fut))
         return fut
 
     def finish(self, i: int, versions: list[list[int]] | None = None, error: Exception | None = None):

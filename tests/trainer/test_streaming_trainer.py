@@ -94,9 +94,9 @@ def never_finishing_third_group(stream_rounds) -> list[list[int]]:
     """The third group started (the first of step 1's batch) never finishes: it carries over. The prompts started."""
     started, real = [], stream_rounds._start_group
 
-    def start(prompt_ids, seed):
-        fut = real(prompt_ids, seed)
-        started.append(list(prompt_ids))
+    def start(group):
+        fut = real(group)
+        started.append(list(group.prompt_ids))
         return concurrent.futures.Future() if len(started) == 3 else fut  # cancelled when the stream closes
 
     stream_rounds._start_group = start
@@ -107,9 +107,9 @@ def later_groups_wait_for_the_first(stream_rounds) -> list[list[int]]:
     """Every group after the first completes only once the first has: which group finishes first is then fixed."""
     started, real = [], stream_rounds._start_group
 
-    def start(prompt_ids, seed):
-        fut = real(prompt_ids, seed)
-        started.append((list(prompt_ids), fut))
+    def start(group):
+        fut = real(group)
+        started.append((list(group.prompt_ids), fut))
         if len(started) == 1:
             return fut
         both, first = concurrent.futures.Future(), started[0][1]

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from appo_trl.strategies import TokenScores
-
 from tests.trainer.fakes import ScriptedEngine
 from tests.trainer.test_trainer import RewardSpy, make_trainer
 
