@@ -71,9 +71,6 @@ def check_stream(cfg, fail) -> None:
     if cfg.vllm_sync_adapter == "always":
         fail("rollout_stream: true with vllm_sync_adapter=always: the in-flight adapter route is not built yet; use "
              "vllm_sync_adapter: never.")  # fmt: skip
-    if str(getattr(cfg.eval_strategy, "value", cfg.eval_strategy)) != "no":
-        fail("rollout_stream: true with evaluation during training: the evaluation round's weight sync would reset "
-             "the prefix cache under the groups in flight; set eval_strategy: no.")  # fmt: skip
     if cfg.vllm_weight_sync == "nccl":
         fail("rollout_stream: true with vllm_weight_sync=nccl: an in-flight update needs the disk route.")
 

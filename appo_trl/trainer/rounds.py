@@ -262,6 +262,8 @@ class RoundRunner:
         # in-process sampling under ZeRO-3 / FSDP2: weights gathered once on every rank, no collective inside;
         # vLLM: the weight sync once per round (server: the round again, same seed, after a server restart;
         # colocate: the KV cache awake for the round)
+        if self.stream is not None:  # evaluation while groups stream: the weights move in flight, as at a hand-over
+            self.stream.sync_to(step)
         seed = self.next_seed()
         with self.round_weights():
             return generate_round(t, lambda: sample(seed)), step

@@ -144,6 +144,14 @@ class StreamRounds:
         )
 
     # ---- hand-over ----------------------------------------------------------------------------------------------
+    def sync_to(self, step: int) -> None:
+        """The servers to the weights of optimizer step `step`, in flight (the groups sampling are paused, not
+        drained), unless they hold them: before a hand-over, and before an evaluation round, whose own weight sync
+        would reload the weights under the groups in flight without their versions knowing it."""
+        if self.clock.version != step:
+            self.sync.sync(step)
+            trl_seams.mark_weights_synced(self.trainer)
+
     def inputs_for(self, inputs: list[dict]) -> list[dict]:
         """TRL's generation batch `inputs` -> the rows of the oldest complete groups within the bound (the same
         number), after the weights were synced in flight; their `Round` waits for `take_round`."""
@@ -156,9 +164,7 @@ class StreamRounds:
         if self.stream is None:
             self.stream = self._build(num_groups)
             self._feed_restored(step)
-        if self.clock.version != step:
-            self.sync.sync(step)
-            trl_seams.mark_weights_synced(t)
+        self.sync_to(step)
         self._feed(inputs, step)
         ahead = max(1, math.ceil(self.overprovision)) + 1  # the batches after it keep the buffer full
         for j in range(1, ahead + 1):

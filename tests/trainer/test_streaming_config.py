@@ -28,7 +28,6 @@ def test_defaults_are_off_and_a_streaming_config_builds():
         (dict(STREAM, use_vllm=False), "samples on the vLLM server"),
         (dict(STREAM, rollout_strategy="arpo"), "rollout_strategy=arpo: only grpo streams so far"),
         (dict(STREAM, vllm_weight_sync="nccl"), "needs the disk route"),
-        (dict(STREAM, eval_strategy="steps", eval_steps=1), "with evaluation during training"),
         (dict(STREAM, stream_overprovision=-0.5), "stream_overprovision=-0.5 must be >= 0"),
         (dict(inflight_update="abort"), "settings of rollout_stream: true"),
         (dict(stream_overprovision=1.0), "settings of rollout_stream: true"),

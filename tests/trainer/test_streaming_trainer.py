@@ -155,3 +155,28 @@ def test_a_resume_samples_the_groups_carried_over_again_and_says_so(tmp_path, ti
     assert rnd.groups[0][0].prompt_ids == started[2]  # the oldest complete group is handed over first
     resumed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[resume]")]
     assert resumed == ["[resume] 1 group(s) were in flight at checkpoint-2; they are sampled again"]
+
+
+def test_an_evaluation_during_streaming_syncs_the_weights_in_flight(tmp_path, tiny_tokenizer, tiny_model_path):
+    """eval_strategy: steps: an evaluation round at step s moves the server to s's weights by the in-flight route
+    (paused, reloaded, the clock advanced, resumed), never by the between-rounds sync under the groups in flight."""
+    from appo_trl.config import APPOConfig
+    from appo_trl.trainer.trainer import APPOTrainer
+    from tests.trainer.test_trainer import CPU, dataset
+
+    server = PausableVLLM(step_s=0.005).start()
+    try:
+        args = APPOConfig(output_dir=str(tmp_path), **{**CPU, **STREAM}, max_steps=4, eval_strategy="steps",
+                          eval_steps=2, per_device_eval_batch_size=4, num_generations_eval=2,
+                          vllm_server_base_url=server.url)  # fmt: skip
+        trainer = APPOTrainer(model=tiny_model_path, reward_funcs=[RewardSpy()], args=args, train_dataset=dataset(),
+                              eval_dataset=dataset(4), processing_class=tiny_tokenizer)  # fmt: skip
+        trainer.train()
+    finally:
+        server.stop()
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h or any(k.startswith("eval_") for k in h)]
+    assert [h["step"] for h in evals] == [2, 4]
+    # hand-overs at steps 0, 1, 3 and evaluations at 2 and 4 (step 2's hand-over found the weights there)
+    assert server.calls.count("pause:keep") == 5 and server.calls.count("resume") == 5 and server.weights == 5
+    assert "reset_prefix_cache" not in server.calls  # the between-rounds disk route never ran
+    assert trainer.rounds.stream.clock.version == 4
