@@ -44,6 +44,7 @@ from typing import Any
 
 from appo_trl.rollout.text import topk_entropy
 from appo_trl.rollout.types import Origin, SamplingParams, Segment, Trajectory
+from appo_trl.sampling import add_version_run
 
 _SENTINEL = "assistant_sentinel_4c9e1b7d"
 OFF_LOOP_CHARS = 4096  # about 4 ms of tokenising: longer messages are tokenised off the endpoint's event loop
@@ -268,17 +269,18 @@ class AgentSession:
         rec = self._recorded(k, full)
         if rec is not None and k < self.replay.branch_call:  # before the branch call: the recorded answer
             self.requests += 1
-            seg = Segment(list(rec["ids"]), list(rec["logprobs"]), None, rec["finish"])
+            seg = Segment(list(rec["ids"]), list(rec["logprobs"]), None, rec["finish"], version_runs=list(rec["runs"]))
             return self._record(chain, full, seg, request, rec["entropies"], replayed=True)
         cut = self.replay.cut if rec is not None else 0
         prefix, prefix_lps = (rec["ids"][:cut], rec["logprobs"][:cut]) if rec is not None else ([], [])
+        prefix_runs = first_runs(rec["runs"], cut) if rec is not None else []
         prefix_ents = rec["entropies"][:cut] if rec is not None and rec["entropies"] is not None else None
         if rec is not None:  # the branch call: the parent's tokens up to the branch point, then a fresh continuation
             self.replay, self.branch_chain = None, len(self.chains) - 1
             room, asked = room - len(prefix), (int(asked) - len(prefix) if asked else None)
             if room < 1 or (asked is not None and asked < 1):
                 self.requests += 1
-                seg = Segment(list(prefix), list(prefix_lps), None, "length")
+                seg = Segment(list(prefix), list(prefix_lps), None, "length", version_runs=prefix_runs)
                 return self._record(chain, full, seg, request, prefix_ents)
         stop = request.get("stop") or []
         params = SamplingParams(
@@ -297,19 +299,26 @@ class AgentSession:
         if prefix:
             if ents is not None:
                 ents = (prefix_ents or [math.nan] * len(prefix)) + ents
+            runs = list(prefix_runs)
+            for version, n in seg.version_runs:
+                add_version_run(runs, version, n)
             seg = Segment(list(prefix) + list(seg.token_ids), list(prefix_lps) + list(seg.logprobs), None,
-                          seg.finish_reason)  # fmt: skip
+                          seg.finish_reason, version_runs=runs if seg.version_runs else [])  # fmt: skip
         return self._record(chain, full, seg, request, ents)
 
     def _record(self, chain: Trajectory, prompt: list[int], seg: Segment, request: dict,
                 entropies: list[float] | None = None, replayed: bool = False) -> dict:  # fmt: skip
-        """Note the answered call (for replays) and append its ids to the chain (mask 1, their logprobs)."""
+        """Note the answered call (for replays) and append its ids to the chain (mask 1, their logprobs and, from a
+        streamed sampler, their policy versions)."""
         if chain.entropies is not None and entropies is None:
             entropies = [math.nan] * len(seg.token_ids)
         self.calls.append({"prompt": prompt, "ids": list(seg.token_ids), "logprobs": list(seg.logprobs),
                            "entropies": entropies, "finish": seg.finish_reason, "chain": len(self.chains) - 1,
-                           "start": len(chain.completion_ids), "replayed": replayed})  # fmt: skip
-        chain.append(list(seg.token_ids), 1, list(seg.logprobs), entropies if chain.entropies is not None else None)
+                           "start": len(chain.completion_ids), "replayed": replayed,
+                           "runs": list(seg.version_runs)})  # fmt: skip
+        versions = [v for v, n in seg.version_runs for _ in range(n)] if seg.version_runs else None
+        chain.append(list(seg.token_ids), 1, list(seg.logprobs), entropies if chain.entropies is not None else None,
+                     versions=versions)  # fmt: skip
         chain.finish_reason = seg.finish_reason
         self._full = self._budget(chain) < 1
         return self._answer(list(seg.token_ids), seg.finish_reason, request, chain, seg.logprobs)
@@ -411,4 +420,13 @@ def _seed(base: int, k: int) -> int:
     return hash((base, k)) % (2**31)
 
 
+def first_runs(runs: list[tuple[int, int]], k: int) -> list[tuple[int, int]]:
+    """The version runs of the first `k` tokens of a completion whose runs are `runs` (empty when none recorded)."""
+    out: list[tuple[int, int]] = []
+    for version, n in runs:
+        add_version_run(out, version, min(n, k - sum(m for _, m in out)))
+    return out
+
+
 __all__ = ["AgentSession", "ChatRenderer", "Replay", "RequestTooLong", "normalise", "template_message"]
+

@@ -252,3 +252,37 @@ def test_a_branch_of_a_forked_run_replays_its_earlier_chain(tiny_chat_tokenizer)
     assert branch.row is branch.chains[1] and branch.chain_rows() == []
     assert branch.chains[0].completion_ids == parent.chains[0].completion_ids
     assert branch.row.completion_ids[:position] == parent.row.completion_ids[:position]
+
+
+class VersionedBackend(LoggedBackend):
+    """`LoggedBackend` stamping versions as a streamed server sampler does: the first call all version 2, the second
+    3 for its first two tokens and 4 after (an update in flight mid-answer), later ones 4."""
+
+    async def generate(self, prompt_ids, params):
+        seg = await super().generate(prompt_ids, params)
+        n = len(seg.token_ids)
+        k = len(self.log)
+        seg.version_runs = [(2, n)] if k == 1 else [(3, min(2, n)), (4, n - min(2, n))] if k == 2 else [(4, n)]
+        return seg
+
+
+def test_an_agent_row_records_the_version_of_every_token_and_a_branch_keeps_its_prefixs(tiny_chat_tokenizer):
+    """Through the endpoint's session: each sampled token takes its segment's version, the tool turn between the
+    version before it; a branch replays the parent's recorded versions up to its branch point."""
+    tok = tiny_chat_tokenizer
+    backend = VersionedBackend(tok)
+    parent = _session(tok, backend)
+    _solve(parent, [{"role": "user", "content": "6 times 7?"}])
+    row, calls = parent.row, parent.calls
+    first, second = calls[0], calls[1]
+    assert row.versions is not None and len(row.versions) == len(row.completion_ids)
+    assert row.versions[: len(first["ids"])] == [2] * len(first["ids"])
+    assert set(row.versions[len(first["ids"]) : second["start"]]) == {2}  # the tool turn: the version before it
+    assert row.versions[second["start"] : second["start"] + 2] == [3, 3]
+    assert set(row.versions[second["start"] + 2 :]) == {4}
+    assert row.version_runs[-1][0] == 4
+    position = second["start"] + 3  # after the update: the branch keeps the parent's 2, ..., 3, 3, 4
+    branch = _session(tok, backend, parent.branch_call(position))
+    _solve(branch, [{"role": "user", "content": "6 times 7?"}])
+    assert branch.row.versions[:position] == row.versions[:position]
+    assert set(branch.row.versions[position:]) == {4}  # sampled fresh, after the update
