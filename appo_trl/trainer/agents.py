@@ -225,10 +225,32 @@ class AgentRounds:
             raise RuntimeError(f"{len(inputs)} rows for {len(prompt_ids)} prompts")
         runs = AgentEngine(self, inputs, n, prompt_ids[::n])
         batch = strategy.generate(prompt_ids[::n], n, seed, runs)  # the strategy samples on the agent's runs
+        batch.agent = self.round_report([runs])
+        return batch
+
+    def start_group(self, inputs: list[dict], prompt_ids: list[int], n: int, seed: int) -> tuple:
+        """rollout_stream: one group's n runs (`inputs`: its n rows of one prompt) on the agents' loop, without
+        blocking: `(future of its rows, its AgentEngine)`, the engine for `round_report` once handed over."""
+        if self.endpoint is None:
+            self._start()
+        runs = AgentEngine(self, inputs, n, [prompt_ids])
+
+        async def group():
+            return (await runs.rollout([prompt_ids], n, seed=seed))[0]
+
+        return asyncio.run_coroutine_threadsafe(group(), self._loop), runs
+
+    def round_report(self, engines: list[AgentEngine]) -> AgentReport:
+        """A round's `agent/*` report: its runs' counts (a streamed batch: its groups' summed) and the endpoint's
+        metrics since the last report."""
+        runs = engines[0] if len(engines) == 1 else AgentEngine(self, [], 1, [])
+        for other in engines if len(engines) > 1 else ():
+            runs.runs += other.runs
+            runs.errors.update(other.errors)
+            runs.counts = {k: v + other.counts[k] for k, v in runs.counts.items()}
         metrics = {**{f"agent/{k}": v for k, v in runs.counts.items()}, **self.endpoint.metrics()}
         self.endpoint.reset_metrics()
-        batch.agent = AgentReport(runs, metrics)
-        return batch
+        return AgentReport(runs, metrics)
 
     def report(self, batch: Round, mode: str) -> None:
         """On the trainer's thread, once per round handed to TRL: its `agent/*` metrics, and (training) the check

@@ -102,6 +102,9 @@ class StreamRounds:
         """The group's rollout on the engine's loop (the trainer's thread: it does not block). Environments: the
         group's n rows get instances of their own, `reset()` here with their rows as TRL resets its pool."""
         engine, seed = self.runner.engine, group.seed
+        if self.runner.path.name == "agent":  # n runs of the user's agent through the endpoint
+            future, group.agent = self.runner.path.agents.start_group(group.inputs, group.prompt_ids, self.n, seed)
+            return future
         if self.runner.path.name != "environments":
             prompt_ids = group.prompt_ids
 
@@ -177,6 +180,8 @@ class StreamRounds:
             for row in rows:
                 row.group = index
         rnd = Round(groups=groups, keep=[True] * sum(len(g) for g in groups))
+        if self.runner.path.name == "agent":  # the groups' agent/* counts, for the path's hand-over report
+            rnd.agent = self.runner.path.agents.round_report([g.agent for g in batch.groups])
         if self.runner.path.name == "environments":  # the rows' own instances and prompts, for TRL's reward step
             handed = [g.environments for g in batch.groups]
             rnd.environments = HandedEnvironments([e for h in handed for e in h.instances],
@@ -208,8 +213,8 @@ def build_stream_rounds(trainer, runner) -> StreamRounds | None:
     if trainer.accelerator.num_processes > 1:
         raise ValueError("rollout_stream: true runs in one process so far (each rank would stream its own groups "
                          "and hand over at different times); run one process, or rollout_stream: false.")  # fmt: skip
-    if runner.path.name not in ("tool_loop", "environments"):
-        raise ValueError(f"rollout_stream: true streams the tool loop's and environments' groups; the "
+    if runner.path.name not in ("tool_loop", "environments", "agent"):
+        raise ValueError(f"rollout_stream: true streams the tool loop's, environments' and agents' groups; the "
                          f"{runner.path.name} path does not stream yet (rollout_stream: false).")  # fmt: skip
     if not pause_capability(list(trainer.vllm_server.urls)):
         return None  # the one line was logged: the weights sync between rounds (max_staleness)

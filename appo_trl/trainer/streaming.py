@@ -49,6 +49,7 @@ class StreamGroup:
     version: int = -1  # the sampler's version when it started (the rows' versions when they record none)
     future: concurrent.futures.Future | None = None
     environments: HandedEnvironments | None = None  # environment_factory: its rows' own instances, once sampled
+    agent: Any = None  # an agent path's group: its runs' `AgentEngine` (their agent/* counts)
     attempts: int = 0
 
     @property

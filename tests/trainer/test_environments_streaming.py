@@ -107,15 +107,41 @@ def test_environment_owned_tasks_stream_row_by_row(tmp_path, tiny_chat_model_pat
         assert len(set(starts)) == 4 and [e.start for e in envs] == starts  # each row its own drawn task
 
 
-def test_the_agent_path_does_not_stream_yet_and_says_so(tmp_path, tiny_chat_tokenizer, tiny_chat_model_path):
+
+def test_agent_runs_stream_through_the_endpoint(tmp_path, tiny_chat_tokenizer, tiny_chat_model_path):
+    """The agent path: each group is n runs of the user's agent (`AgentRounds.start_group`), groups of several
+    prompts run at once, and each batch reports its groups' summed agent/* counts once."""
     pytest.importorskip("openai")
     from tests.trainer.test_agents import make_trainer as make_agent_trainer
     from tests.trainer.test_agents import sdk_agent
 
     server = PausableVLLM().start()
+    before = set(threading.enumerate())
     try:
-        with pytest.raises(ValueError, match="the agent path does not stream yet"):
-            make_agent_trainer(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, sdk_agent,
-                               vllm_server_base_url=server.url, **STREAM)  # fmt: skip
+        trainer, backend = make_agent_trainer(tmp_path, tiny_chat_model_path, tiny_chat_tokenizer, sdk_agent,
+                                              num_prompts=8, vllm_server_base_url=server.url, **STREAM)  # fmt: skip
+        agents = trainer.rounds.path.agents
+        batches, real_report = [], agents.report
+        agents.report = lambda batch, mode: batches.append((batch, dict(batch.agent.metrics), batch.agent.runs.runs)) \
+            or real_report(batch, mode)  # fmt: skip
+        seen = spy_loss(trainer)
+        trainer.train()
     finally:
         server.stop()
+    assert trainer.state.global_step == 4 and server.calls.count("pause:keep") == 4
+    assert len(batches) == 4
+    for batch, metrics, runs in batches:  # 2 groups of 2 runs each: its 4 runs counted, once
+        assert len(batch.groups) == 2 and all(len(g) == 2 for g in batch.groups)
+        assert batch.agent is None and runs == 4 and metrics["agent/errors"] == 0
+    # the endpoint's figures are those served since the last hand-over (groups run ahead): all of them, once
+    assert sum(m["agent/requests"] for _, m, _ in batches) >= 16
+    trained = [r for b, _, _ in batches for r in b.rows]
+    for row in trained:
+        row.check()
+        assert row.prompt_ids + row.completion_ids[: row.loss_mask.index(1)] in backend.prompts  # sampled on
+    losses = loss_rows(seen)
+    assert len(losses) == len(trained) == 16
+    assert sorted(losses) == sorted((tuple(r.completion_ids), tuple(r.loss_mask)) for r in trained)
+    assert agents.endpoint is None  # stopped at the end of training
+    left = [t for t in set(threading.enumerate()) - before if t.name.startswith(("appo-round", "appo-rollout"))]
+    assert not [t.name for t in left if t.is_alive()]
