@@ -4,8 +4,9 @@
 through `BatchLookahead`, the ones after it, so groups sample while the trainer trains), syncs the weights in flight
 at every hand-over (`InFlightSync`: every server paused, the disk route, resumed), swaps TRL's inputs for the
 rows of the groups it hands over, and holds their `Round` for the runner's `generate`. Each group samples as one
-`RolloutEngine.rollout` of one prompt on the engine's loop thread; a token's policy version comes from the
-streamed server sampler (`PolicyClock`). It does not score or compute losses: the correction is TRL's importance
+`RolloutEngine.rollout` of one prompt on the engine's loop thread (environments: on instances of its own; an agent:
+n runs through the endpoint, `AgentRounds.start_group`); a token's policy version comes from the streamed server
+sampler (`PolicyClock`). An evaluation round syncs in flight first (`sync_to`). It does not score or compute losses: the correction is TRL's importance
 weight against the sampler's per-token logprobs (docs/streaming.md, "The ratio"). Start-up refusals: one line.
 """
 
