@@ -67,6 +67,7 @@ class VLLMServer:
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
             "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching", "--max-logprobs", str(MAX_LOGPROBS),
             "--logprobs-mode", "processed_logprobs", "--enforce-eager", "--seed", "0",
+            "--logits-processors", "slow_steps:SlowSteps",  # tests/real_vllm/slow_steps.py: steps held on request
         ]  # fmt: skip
 
     def start(self) -> VLLMServer:
@@ -82,6 +83,7 @@ class VLLMServer:
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
             HF_HUB_OFFLINE="1",
+            PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),  # slow_steps
         )
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,

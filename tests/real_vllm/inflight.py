@@ -1,18 +1,23 @@
 """Helpers of the in-flight update tests: the trainer's reference logprobs of a completion sampled across an update
 (keep mode: the old weights' KV cache under the new weights), `Background` (a streamed request in a thread) and
-`Ballast` (other requests decoding meanwhile, so a pause lands while the measured one is still generating)."""
+`sample_across_an_update` (a long request paused mid-generation; its decode steps held by `slow_steps.py`)."""
 
 from __future__ import annotations
 
-import threading
 import time
+from collections.abc import Callable
 
-import httpx
 import torch
+from slow_steps import KEY
 
+from appo_trl.sampling import Segment, SamplingParams
+from appo_trl.vllm.inflight import PolicyClock, ServerPause
+from appo_trl.vllm.server import VLLMServerBackend
 from tests.rollout.pausable_vllm import Background  # noqa: F401  (the tests import it from here)
 
 TOL = 1e-4  # float32 on both sides
+MAX_TOKENS = 1500
+STEP_S = 0.005  # each decode step of the measured request takes at least this long: 1,500 tokens take >= 7.5 s
 
 
 def logps_from(logits: torch.Tensor, ids: list[int]) -> list[float]:
@@ -45,51 +50,33 @@ def worst(a: list[float], b: list[float]) -> float:
     return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
 
 
-class Ballast:
-    """`k` streamed completions decoding beside the measured request, closed (so aborted by the server) on exit.
-
-    The tiny model decodes faster than the API server streams its tokens out: alone, a 1,500-token request can be
-    finished in the engine while its client has read 157 tokens, so a `/pause` sent at the 40th token often came
-    after the end (CI run of aec7a82: both modes, three attempts each). Eight other sequences in each decode step
-    slow the engine down, so the pause lands mid-generation. Entering waits until each has streamed a token."""
-
-    def __init__(self, url: str, model: str, k: int = 8, max_tokens: int = 1900, timeout_s: float = 120.0):
-        self.url, self.model, self.k, self.max_tokens, self.timeout_s = url, model, k, max_tokens, timeout_s
-        self.stop, self.started = threading.Event(), threading.Semaphore(0)
-        self.errors: list[BaseException] = []
-
-    def _one(self, i: int) -> None:
-        body = {"model": self.model, "prompt": f"ballast {i}: " + "hello " * 20, "max_tokens": self.max_tokens,
-                "ignore_eos": True, "temperature": 1.0, "stream": True, "seed": i}  # fmt: skip
-        told = False
-        try:
-            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=self.timeout_s) as resp:
-                resp.raise_for_status()
-                for _ in resp.iter_lines():
-                    if not told:
-                        told = True
-                        self.started.release()
-                    if self.stop.is_set():
-                        return  # the connection closes: the server aborts the request
-        except BaseException as exc:  # told by __enter__ (a ballast that never started)
-            self.errors.append(exc)
-        finally:
-            if not told:
-                self.started.release()
-
-    def __enter__(self) -> Ballast:
-        self.threads = [threading.Thread(target=self._one, args=(i,), daemon=True) for i in range(self.k)]
-        for t in self.threads:
-            t.start()
-        deadline = time.monotonic() + self.timeout_s
-        for _ in self.threads:
-            if not self.started.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                raise AssertionError(f"the ballast requests did not start within {self.timeout_s:g} s")
-        if self.errors:
-            raise AssertionError(f"a ballast request failed: {self.errors[0]!r}")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(self.timeout_s)
+def sample_across_an_update(url: str, prompt: list[int], *, mode: str, version: int, update: Callable[[], None],
+                            undo: Callable[[], None], seed: int, model: str | None = None,
+                            attempts: int = 3) -> tuple[Segment, int, VLLMServerBackend]:  # fmt: skip
+    """(segment, boundary, backend): a `MAX_TOKENS` request sampled at `version - 1`, the server paused in `mode` at
+    its 40th streamed token while `update()` loads the weights of `version`, then resumed. Again, after `undo()`,
+    when the request finished before the pause came (each step takes `STEP_S` at least, so the pause has seconds)."""
+    for _ in range(attempts):
+        clock = PolicyClock(version - 1)
+        backend = VLLMServerBackend(url, model=model, clock=clock,
+                                    extra_body={"ignore_eos": True, "vllm_xargs": {KEY: STEP_S}})  # fmt: skip
+        start = time.monotonic()
+        request = Background(backend, prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed))
+        request.wait_tokens(clock, 40)
+        pause = ServerPause([url], mode=mode, clock=clock)
+        with pause.paused(version=version):
+            at_pause = clock.tokens_received
+            update()
+        seg = request.result()
+        took = time.monotonic() - start
+        assert took >= MAX_TOKENS * STEP_S, f"{took:.1f} s: the server's slow_steps processor did not hold the steps"
+        print(f"{mode}: {len(seg.token_ids)} tokens in {took:.1f} s, runs {seg.version_runs}, {at_pause} received when /pause "
+              f"answered, paused {pause.pause_s_last:.2f} s, aborts {backend.num_aborts}")  # fmt: skip
+        assert seg.finish_reason == "length" and len(seg.token_ids) == MAX_TOKENS
+        if len(seg.version_runs) == 2:
+            break
+        assert seg.version_runs == [(version - 1, MAX_TOKENS)]  # done before the pause: all under the old weights
+        undo()
+    (v0, boundary), (v1, rest) = seg.version_runs
+    assert (v0, v1) == (version - 1, version) and boundary >= at_pause and rest == MAX_TOKENS - boundary
+    return seg, boundary, backend

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import copy
 
-from inflight import TOL, Background, Ballast, kept_cache_logps, plain_logps, worst
+from inflight import TOL, Background, kept_cache_logps, plain_logps, sample_across_an_update, worst
 from test_lora_sync import lora_server, monkeypatch_module, peft_model, train_step  # noqa: F401  (fixtures)
 
 from appo_trl.sampling import SamplingParams
 from appo_trl.vllm.client import ServerClient
-from appo_trl.vllm.inflight import PolicyClock, ServerPause
-from appo_trl.vllm.server import VLLMServerBackend
 
 NAME = "appo-inflight"
 
@@ -45,26 +43,11 @@ def test_keep_mode_with_an_adapter_loaded_in_place(lora_server, tiny_model_path,
         new = merged(model)
         folder = save_adapter(model, str(tmp_path / "v2"))
         prompt = tiny_tokenizer("What is 17 plus 25? " * 24, add_special_tokens=False)["input_ids"]
-        for _ in range(3):  # again (the old adapter back) when the request finished before the pause came
-            clock = PolicyClock(1)
-            backend = VLLMServerBackend(lora_server.url, model=NAME, clock=clock, extra_body={"ignore_eos": True})
-            with Ballast(lora_server.url, lora_server.model):  # others decoding: the pause lands mid-generation
-                request = Background(backend, prompt, SamplingParams(max_tokens=1500, temperature=1.0, seed=5))
-                request.wait_tokens(clock, 40)
-                pause = ServerPause([lora_server.url], mode="keep", clock=clock)
-                with pause.paused(version=2):
-                    at_pause = clock.tokens_received
-                    client.load_lora_adapter(NAME, folder, inplace=True)
-                    at_load = clock.tokens_received
-                seg = request.result()
-            print(f"adapter keep: runs {seg.version_runs}, {at_pause} tokens received when /pause answered, "
-                  f"{at_load} after the load, paused {pause.pause_s_last:.2f} s")  # fmt: skip
-            if len(seg.version_runs) == 2:
-                break
-            assert seg.version_runs == [(1, 1500)]
-            client.load_lora_adapter(NAME, first, inplace=True)
-        (v0, b), (v1, rest) = seg.version_runs
-        assert (v0, v1) == (1, 2) and b + rest == 1500
+        seg, b, backend = sample_across_an_update(
+            lora_server.url, prompt, mode="keep", version=2, seed=5, model=NAME,
+            update=lambda: client.load_lora_adapter(NAME, folder, inplace=True),
+            undo=lambda: client.load_lora_adapter(NAME, first, inplace=True),
+        )
         ids = seg.token_ids
         before = worst(seg.logprobs[:b], plain_logps(old, prompt, ids[:b]))
         after = worst(seg.logprobs[b:], kept_cache_logps(old, new, prompt, ids, b))

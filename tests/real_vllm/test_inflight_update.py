@@ -14,14 +14,11 @@ import copy
 
 import pytest
 import torch
-from inflight import TOL, Background, Ballast, kept_cache_logps, plain_logps, worst
+from inflight import TOL, Background, kept_cache_logps, plain_logps, sample_across_an_update, worst
 
 from appo_trl.sampling import SamplingParams
 from appo_trl.vllm.client import ServerClient
-from appo_trl.vllm.inflight import PolicyClock, ServerPause, pause_capability
-from appo_trl.vllm.server import VLLMServerBackend
-
-MAX_TOKENS = 1500
+from appo_trl.vllm.inflight import pause_capability
 
 
 @pytest.fixture(scope="module")
@@ -48,33 +45,10 @@ def prompt(tiny_tokenizer):
     return ids
 
 
-def sample_across_an_update(server, prompt, mode, folder, seed, attempts=3):
-    """A request across one update at version 1, with `Ballast` decoding beside it; again (old weights back) when it
-    finished before the pause came (the pause's latency on the loaded machine is not bounded)."""
-    url = server.url
-    for _ in range(attempts):
-        clock = PolicyClock(0)
-        backend = VLLMServerBackend(url, clock=clock, extra_body={"ignore_eos": True})
-        with Ballast(url, server.model):
-            request = Background(backend, prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed))
-            request.wait_tokens(clock, 40)
-            pause = ServerPause([url], mode=mode, clock=clock)
-            with pause.paused(version=1):
-                at_pause = clock.tokens_received
-                ServerClient(url).reload_weights(folder)
-            seg = request.result()
-        print(
-            f"{mode}: {len(seg.token_ids)} tokens, runs {seg.version_runs}, {at_pause} received when /pause "
-            f"answered, paused {pause.pause_s_last:.2f} s, aborts {backend.num_aborts}"
-        )
-        assert seg.finish_reason == "length" and len(seg.token_ids) == MAX_TOKENS
-        if len(seg.version_runs) == 2:
-            break
-        assert seg.version_runs == [(0, MAX_TOKENS)]  # done before the pause: all of it under the old weights
-        restore(url)
-    (v0, boundary), (v1, rest) = seg.version_runs
-    assert (v0, v1) == (0, 1) and boundary >= at_pause and rest == MAX_TOKENS - boundary
-    return seg, boundary, backend
+def across(url, prompt, mode, folder, seed):
+    """The request across a reload of `folder` as version 1 (see `inflight.sample_across_an_update`)."""
+    return sample_across_an_update(url, prompt, mode=mode, version=1, seed=seed, undo=lambda: restore(url),
+                                   update=lambda: ServerClient(url).reload_weights(folder))  # fmt: skip
 
 
 def restore(url):
@@ -91,7 +65,7 @@ def test_keep_mode_old_tokens_old_weights_new_tokens_new_weights_over_the_old_ca
     vllm_server, restore_weights, models, prompt
 ):
     old, new, folder = models
-    seg, b, backend = sample_across_an_update(vllm_server, prompt, "keep", folder, seed=5)
+    seg, b, backend = across(vllm_server.url, prompt, "keep", folder, seed=5)
     ids = seg.token_ids
     before = worst(seg.logprobs[:b], plain_logps(old, prompt, ids[:b]))
     after = worst(seg.logprobs[b:], kept_cache_logps(old, new, prompt, ids, b))
@@ -111,7 +85,7 @@ def test_keep_mode_old_tokens_old_weights_new_tokens_new_weights_over_the_old_ca
 
 def test_abort_mode_refeeds_the_partial_tokens_under_the_new_weights(vllm_server, restore_weights, models, prompt):
     old, new, folder = models
-    seg, b, _ = sample_across_an_update(vllm_server, prompt, "abort", folder, seed=6)
+    seg, b, _ = across(vllm_server.url, prompt, "abort", folder, seed=6)
     ids = seg.token_ids
     before = worst(seg.logprobs[:b], plain_logps(old, prompt, ids[:b]))
     after = worst(seg.logprobs[b:], plain_logps(new, prompt, ids)[b:])
