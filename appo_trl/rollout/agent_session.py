@@ -429,4 +429,3 @@ def first_runs(runs: list[tuple[int, int]], k: int) -> list[tuple[int, int]]:
 
 
 __all__ = ["AgentSession", "ChatRenderer", "Replay", "RequestTooLong", "normalise", "template_message"]
-

@@ -243,8 +243,8 @@ class AgentRounds:
     def round_report(self, engines: list[AgentEngine]) -> AgentReport:
         """A round's `agent/*` report: its runs' counts (a streamed batch: its groups' summed) and the endpoint's
         metrics since the last report."""
-        runs = engines[0] if len(engines) == 1 else AgentEngine(self, [], 1, [])
-        for other in engines if len(engines) > 1 else ():
+        runs, *others = engines  # the first group's engine takes the others' counts (every run is done)
+        for other in others:
             runs.runs += other.runs
             runs.errors.update(other.errors)
             runs.counts = {k: v + other.counts[k] for k, v in runs.counts.items()}

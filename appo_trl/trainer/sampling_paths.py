@@ -13,12 +13,15 @@ The `RoundRunner` builds the path object once (`path.bind(runner)`) and the path
 `prepare` (the trainer's thread, before the prompts are tokenised), `sample(strategy, prompt_ids, n, seed, inputs)`
 (any thread: it hands the strategy the engine its round samples on, `RolloutStrategy.generate(..., engine)`),
 `hand_over` (the trainer's thread, as the round reaches TRL), `completions` and `extra_fields` (what TRL's reward
-functions get), `tool_metrics`, `after_scoring` (the rows after the advantages) and `close`. What this module does
-not do: score, or hold rounds.
+functions get), `tool_metrics`, `after_scoring` (the rows after the advantages) and `close`. Under `rollout_stream`
+a path that `streams` also starts one group at a time (`start_group`, the trainer's thread, not blocking) and
+gives the handed-over round what its groups carry (`stream_round`). What this module does not do: score, or hold
+rounds.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -27,6 +30,7 @@ from trl.data_utils import is_conversational
 
 from appo_trl.sampling import Sampler, missing_members
 from appo_trl.strategies import Round
+from appo_trl.strategies.record import HandedEnvironments
 from appo_trl.trainer import trl_seams
 
 
@@ -124,6 +128,7 @@ class SamplingPath:
     name: ClassVar[str] = "base"
     trl_sampler: ClassVar[bool] = False  # True: TRL's own `_generate` serves the round, `sample` is never called
     reshapes_rows: ClassVar[bool] = False  # `after_scoring` may add rows: the batch is rebuilt on every rank
+    streams: ClassVar[bool] = False  # rollout_stream: `start_group` samples one group (`trainer.stream_rounds`)
 
     @classmethod
     def serves(cls, given: Given) -> bool:
@@ -177,6 +182,23 @@ class SamplingPath:
     def close(self) -> None:
         """At the end of `train()` (Ctrl-C included), before the engine closes."""
 
+    # ---- rollout_stream (`appo_trl.trainer.stream_rounds`) --------------------------------------------------------
+    def stream_prompt_ids(self, prompts: list) -> list[list[int]]:
+        """The ids a streamed group of each prompt samples on, at feed time (TRL's tokenisation)."""
+        return [list(p) for p in trl_seams.tokenize_prompts(self.trainer, prompts)]
+
+    def start_group(self, group, n: int) -> concurrent.futures.Future:
+        """One `StreamGroup`'s n rows (grpo), scheduled on the sampler's loop; on the trainer's thread, not blocking."""
+        engine, prompt_ids, seed = self.runner.engine, group.prompt_ids, group.seed
+
+        async def one_group():
+            return (await engine.rollout([prompt_ids], n, seed=seed))[0]
+
+        return engine.submit(one_group())
+
+    def stream_round(self, rnd: Round, groups: list) -> None:
+        """The handed-over `rnd` of streamed `groups`: what they carry for the path's `hand_over`."""
+
 
 class TRLSampler(SamplingPath):
     """TRL's own sampler: grpo without tools, in-process, synchronous and with no injected engine, or a
@@ -196,7 +218,7 @@ class TRLSampler(SamplingPath):
 class ToolLoop(SamplingPath):
     """appo-trl's rollout engine: the strategy samples (and branches) on it, with the tool loop."""
 
-    name = "tool_loop"
+    name, streams = "tool_loop", True
 
     @classmethod
     def serves(cls, given: Given) -> bool:
@@ -209,7 +231,7 @@ class ToolLoop(SamplingPath):
 class Environments(SamplingPath):
     """TRL's `environment_factory` on the rollout engine: one instance per trajectory, branches included."""
 
-    name = "environments"
+    name, streams = "environments", True
 
     @classmethod
     def serves(cls, given: Given) -> bool:
@@ -243,11 +265,40 @@ class Environments(SamplingPath):
         if handed is not None:
             self.trainer.environments, prompts[:] = handed
 
+    def stream_prompt_ids(self, prompts):
+        return [[] for _ in prompts]  # the prompts reset() gives: rendered when a group starts (`start_group`)
+
+    def start_group(self, group, n):
+        """The group's n rows get instances of their own, `reset()` here with their rows as TRL resets its pool, and
+        sample with them (`RolloutEngine.rollout(environments=)`) while other groups sample on theirs."""
+        from appo_trl.trainer import environments
+
+        t, engine, seed = self.trainer, self.runner.engine, group.seed
+        own = environments.own_instances(t, group.inputs)
+        prompt_ids = environments.own_prompt_ids(t, own)
+        envs, per_row = environments.round_environments(t, prompt_ids, n, self.runner.strategy, group.inputs, own)
+        group.prompt_ids = prompt_ids[0]
+
+        async def env_group():  # per_row: reset() gave each row its own observation, sampled on its own (grpo)
+            if per_row:
+                rows = [g[0] for g in await engine.rollout(prompt_ids, 1, seed=seed, environments=envs)]
+            else:
+                rows = (await engine.rollout(prompt_ids[:1], n, seed=seed, environments=envs))[0]
+            group.environments = HandedEnvironments(envs.rows(rows), own.prompts)  # before the future is done
+            return rows
+
+        return engine.submit(env_group())
+
+    def stream_round(self, rnd, groups):
+        """The rows' own instances and prompts, for TRL's reward step (`hand_over`)."""
+        rnd.environments = HandedEnvironments([e for g in groups for e in g.environments.instances],
+                                              [p for g in groups for p in g.environments.prompts])  # fmt: skip
+
 
 class Agent(SamplingPath):
     """The user's agent through the endpoint: n runs per prompt, branches by replay (`AgentRounds`)."""
 
-    name = "agent"
+    name, streams = "agent", True
     reshapes_rows = True  # a run's other chains join it after the advantages (`chain_rows`)
 
     @classmethod
@@ -266,6 +317,15 @@ class Agent(SamplingPath):
 
     def hand_over(self, rnd, mode, prompts):
         self.agents.report(rnd, mode)  # the round's agent/* metrics; the failed-round collective
+
+    def start_group(self, group, n):
+        """n runs of the user's agent through the endpoint (`AgentRounds.start_group`)."""
+        future, group.agent = self.agents.start_group(group.inputs, group.prompt_ids, n, group.seed)
+        return future
+
+    def stream_round(self, rnd, groups):
+        """The groups' agent/* counts, summed once, for `hand_over`'s report."""
+        rnd.agent = self.agents.round_report([g.agent for g in groups])
 
     def completions(self, rows, texts, prompts):
         return [r.messages for r in rows]  # the agent's conversation after its prompt (assistant, tool/user, ...)

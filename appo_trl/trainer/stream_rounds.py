@@ -4,10 +4,11 @@
 through `BatchLookahead`, the ones after it, so groups sample while the trainer trains), syncs the weights in flight
 at every hand-over (`InFlightSync`: every server paused, the disk route, resumed), swaps TRL's inputs for the
 rows of the groups it hands over, and holds their `Round` for the runner's `generate`. Each group samples as one
-`RolloutEngine.rollout` of one prompt on the engine's loop thread (environments: on instances of its own; an agent:
-n runs through the endpoint, `AgentRounds.start_group`); a token's policy version comes from the streamed server
-sampler (`PolicyClock`). An evaluation round syncs in flight first (`sync_to`). It does not score or compute losses: the correction is TRL's importance
-weight against the sampler's per-token logprobs (docs/streaming.md, "The ratio"). Start-up refusals: one line.
+sampling path's `start_group` (the tool loop: one `RolloutEngine.rollout` of one prompt on the engine's loop;
+environments: on instances of its own; an agent: n runs through the endpoint); a token's policy version comes from
+the streamed server sampler (`PolicyClock`). An evaluation round syncs in flight first (`sync_to`). It does not
+score or compute losses: the correction is TRL's importance weight against the sampler's per-token logprobs
+(docs/streaming.md, "The ratio"). Start-up refusals: one line.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import math
 
 from appo_trl import trl_rules
 from appo_trl.strategies import Round
-from appo_trl.strategies.record import HandedEnvironments
-from appo_trl.trainer import environments, trl_seams
+from appo_trl.trainer import trl_seams
 from appo_trl.trainer.async_rounds import BatchLookahead
 from appo_trl.trainer.inflight_sync import InFlightSync
 from appo_trl.trainer.streaming import GroupStream, StreamCheckpoint, StreamGroup
@@ -100,34 +100,7 @@ class StreamRounds:
                     step, f" ({ckpt.not_saved} not saved: rows not JSON)" if ckpt.not_saved else "")  # fmt: skip
 
     def _start_group(self, group: StreamGroup):
-        """The group's rollout on the engine's loop (the trainer's thread: it does not block). Environments: the
-        group's n rows get instances of their own, `reset()` here with their rows as TRL resets its pool."""
-        engine, seed = self.runner.engine, group.seed
-        if self.runner.path.name == "agent":  # n runs of the user's agent through the endpoint
-            future, group.agent = self.runner.path.agents.start_group(group.inputs, group.prompt_ids, self.n, seed)
-            return future
-        if self.runner.path.name != "environments":
-            prompt_ids = group.prompt_ids
-
-            async def one_group():
-                return (await engine.rollout([prompt_ids], self.n, seed=seed))[0]
-
-            return engine.submit(one_group())
-        t = self.trainer
-        own = environments.own_instances(t, group.inputs)
-        prompt_ids = environments.own_prompt_ids(t, own)
-        envs, per_row = environments.round_environments(t, prompt_ids, self.n, self.runner.strategy, group.inputs, own)
-        group.prompt_ids = prompt_ids[0]
-
-        async def env_group():  # per_row: reset() gave each row its own observation, sampled on its own (grpo)
-            if per_row:
-                rows = [g[0] for g in await engine.rollout(prompt_ids, 1, seed=seed, environments=envs)]
-            else:
-                rows = (await engine.rollout(prompt_ids[:1], self.n, seed=seed, environments=envs))[0]
-            group.environments = HandedEnvironments(envs.rows(rows), own.prompts)  # before the future is done
-            return rows
-
-        return engine.submit(env_group())
+        return self.runner.path.start_group(group, self.n)  # the path's own sampler (the trainer's thread)
 
     def _build(self, num_groups: int) -> GroupStream:
         max_groups = max(num_groups, math.ceil(num_groups * (1.0 + self.overprovision)))
@@ -139,13 +112,8 @@ class StreamRounds:
             return
         self._fed[id(batch)] = batch
         firsts = [batch[g * self.n] for g in range(len(batch) // self.n)]
-        if self.runner.path.name == "environments":  # the prompts reset() gives: rendered when a group starts
-            prompt_ids = [[] for _ in firsts]
-        else:
-            prompt_ids = trl_seams.tokenize_prompts(self.trainer, [x["prompt"] for x in firsts])
-        self.stream.feed(
-            list(batch), [list(p) for p in prompt_ids], [self.runner.next_seed() for _ in firsts], step=step
-        )
+        prompt_ids = self.runner.path.stream_prompt_ids([x.get("prompt") for x in firsts])
+        self.stream.feed(list(batch), prompt_ids, [self.runner.next_seed() for _ in firsts], step=step)
 
     # ---- hand-over ----------------------------------------------------------------------------------------------
     def sync_to(self, step: int) -> None:
@@ -181,12 +149,7 @@ class StreamRounds:
             for row in rows:
                 row.group = index
         rnd = Round(groups=groups, keep=[True] * sum(len(g) for g in groups))
-        if self.runner.path.name == "agent":  # the groups' agent/* counts, for the path's hand-over report
-            rnd.agent = self.runner.path.agents.round_report([g.agent for g in batch.groups])
-        if self.runner.path.name == "environments":  # the rows' own instances and prompts, for TRL's reward step
-            handed = [g.environments for g in batch.groups]
-            rnd.environments = HandedEnvironments([e for h in handed for e in h.instances],
-                                                  [p for h in handed for p in h.prompts])  # fmt: skip
+        self.runner.path.stream_round(rnd, batch.groups)  # an agent's counts, the environments' own instances
         self.pending = (rnd, batch.inputs)
         self.metrics = {**batch.metrics, "rollout/stream/pause_s": self.sync.pause_s[-1] if self.sync.pause_s else 0.0,
                         "rollout/weight_syncs": float(len(self.sync.pause_s))}  # fmt: skip
@@ -214,7 +177,7 @@ def build_stream_rounds(trainer, runner) -> StreamRounds | None:
     if trainer.accelerator.num_processes > 1:
         raise ValueError("rollout_stream: true runs in one process so far (each rank would stream its own groups "
                          "and hand over at different times); run one process, or rollout_stream: false.")  # fmt: skip
-    if runner.path.name not in ("tool_loop", "environments", "agent"):
+    if not runner.path.streams:
         raise ValueError(f"rollout_stream: true streams the tool loop's, environments' and agents' groups; the "
                          f"{runner.path.name} path does not stream yet (rollout_stream: false).")  # fmt: skip
     if not pause_capability(list(trainer.vllm_server.urls)):
