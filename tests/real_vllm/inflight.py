@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from slow_steps import KEY
 
-from appo_trl.sampling import Segment, SamplingParams
+from appo_trl.sampling import SamplingParams, Segment
 from appo_trl.vllm.inflight import PolicyClock, ServerPause
 from appo_trl.vllm.server import VLLMServerBackend
 from tests.rollout.pausable_vllm import Background  # noqa: F401  (the tests import it from here)

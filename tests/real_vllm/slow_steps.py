@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
-from vllm.v1.sample.logits_processor.interface import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+from vllm.v1.sample.logits_processor.interface import BatchUpdate, LogitsProcessor
 
 KEY = "appo_step_s"
 
