@@ -147,12 +147,24 @@ def vllm_chat_server(request, tiny_chat_model_path, tmp_path_factory) -> VLLMSer
     return server
 
 
+def own_weights_back(server: VLLMServer) -> None:
+    """The served model's own weights back on `server`, its prefix cache reset."""
+    from appo_trl.vllm import ServerClient
+
+    client = ServerClient(server.url)
+    client.reload_weights(server.model)
+    client.reset_prefix_cache()
+
+
 @pytest.fixture
 def restore_weights(vllm_server):
     """Put the tiny model's own weights back on the server after a test that synced others."""
     yield
-    from appo_trl.vllm import ServerClient
+    own_weights_back(vllm_server)
 
-    client = ServerClient(vllm_server.url)
-    client.reload_weights(vllm_server.model)
-    client.reset_prefix_cache()
+
+@pytest.fixture
+def chat_weights(vllm_chat_server):
+    """The chat model's own weights back on its server after a test that synced others."""
+    yield
+    own_weights_back(vllm_chat_server)

@@ -20,11 +20,8 @@ import glob
 import json
 import re
 
-import pytest
 from realserver import metric
 from test_train_eval import appo
-
-from appo_trl.vllm import ServerClient
 
 STREAM = ["--max_staleness", "2", "--rollout_stream", "true", "--stream_overprovision", "1",
           "--vllm_importance_sampling_mode", "token_truncate"]  # fmt: skip
@@ -79,15 +76,6 @@ def agent(row, base_url, model):
     client.close()
     return float(row["answer"] in (msg.get("content") or ""))
 """
-
-
-@pytest.fixture
-def chat_weights(vllm_chat_server):
-    """The chat model's own weights back on the server after a test that synced others."""
-    yield
-    client = ServerClient(vllm_chat_server.url)
-    client.reload_weights(vllm_chat_server.model)
-    client.reset_prefix_cache()
 
 
 def routes(server) -> dict[str, float]:
@@ -160,26 +148,19 @@ def test_agent_runs_stream_with_in_flight_updates(vllm_chat_server, chat_weights
 
 def test_environments_stream_on_instances_of_their_own(vllm_chat_server, chat_weights, tiny_chat_tokenizer,
                                                        tmp_path):  # fmt: skip
-    from tests.trainer.envs_helpers import dataset, make_trainer
+    from tests.trainer.envs_helpers import capture_rows, dataset, make_trainer
     from tests.trainer.test_environments_background import PoolWatch
 
     def length(completions, **kw):  # rewards that vary within a group (no call: get_reward() is 0)
         return [float(len(str(c)) % 7) for c in completions]
 
-    before, handed = routes(vllm_chat_server), []
+    before = routes(vllm_chat_server)
     trainer = make_trainer(tmp_path, vllm_chat_server.model, tiny_chat_tokenizer, "grpo", factory=PoolWatch,
                            data=dataset(8), reward_funcs=[length], vllm_server_base_url=vllm_chat_server.url,
                            use_vllm=True, vllm_mode="server", num_generations=2, per_device_train_batch_size=4,
                            max_steps=3, max_completion_length=48, max_staleness=2, rollout_stream=True,
                            stream_overprovision=1.0, vllm_importance_sampling_mode="token_truncate")  # fmt: skip
-    orig = trainer._generate
-
-    def spy(prompts):
-        out = orig(prompts)
-        handed.append((trainer.rounds.current.rows, list(trainer.environments)))
-        return out
-
-    trainer._generate = spy
+    handed = capture_rows(trainer)  # each round's rows and the instances TRL's reward step got
     trainer.train()
     done = {r: n - before[r] for r, n in routes(vllm_chat_server).items()}
     assert done == {r: 3.0 for r in ROUTES}, done
