@@ -8,7 +8,6 @@ import time
 from collections.abc import Callable
 
 import torch
-from slow_steps import KEY
 
 from appo_trl.sampling import SamplingParams, Segment
 from appo_trl.vllm.inflight import PolicyClock, ServerPause
@@ -56,6 +55,8 @@ def sample_across_an_update(url: str, prompt: list[int], *, mode: str, version: 
     """(segment, boundary, backend): a `MAX_TOKENS` request sampled at `version - 1`, the server paused in `mode` at
     its 40th streamed token while `update()` loads the weights of `version`, then resumed. Again, after `undo()`,
     when the request finished before the pause came (each step takes `STEP_S` at least, so the pause has seconds)."""
+    from slow_steps import KEY  # it imports vllm: here, so that `make test` (no vllm) collects this folder
+
     for _ in range(attempts):
         clock = PolicyClock(version - 1)
         backend = VLLMServerBackend(url, model=model, clock=clock,
