@@ -6,7 +6,8 @@ token at absolute position `p` is `100 + p % 50` (its text `TEXT[p % 10]`), so a
 re-fed request continues the same sequence; its logprob is `-(1 + weights) / 10`, where `weights` counts the
 `reload_weights` calls the server has taken when the token is generated: a token's logprob names its version.
 `/pause?mode=keep` freezes every request between two tokens, `abort` ends them (`finish_reason: "abort"`, their
-partial tokens already sent), `wait` lets them finish; new requests wait for `/resume` in every mode. Faults:
+partial tokens already sent; one aborted before its first token sends no chunk, only `[DONE]`, as vLLM 0.31's
+completion stream drops an empty first chunk), `wait` lets them finish; new requests wait for `/resume` in every mode. Faults:
 `abort_first_after` (the first request is aborted after that many tokens), `pause_delay_s` (a pause that hangs),
 `resume_fails` (the next N `/resume` answer 500), `decodes_while_paused` (a broken keep mode), `ahead` (the
 engine done at once, its stream behind), `no_pause_routes` (an
@@ -134,7 +135,8 @@ class PausableVLLM(FakeVLLMServer):
                 while self.state == "keep" and not self.decodes_while_paused:  # frozen between two decode steps
                     await asyncio.sleep(0.001)
                 if entry["aborted"] or (n == 1 and i == self.abort_first_after):
-                    yield self._chunk([], [], "abort")
+                    if i:  # as vLLM: a request aborted before its first token ends with no chunk, only [DONE]
+                        yield self._chunk([], [], "abort")
                     break
                 piece = TEXT[(prompt_len + i) % len(TEXT)]
                 text += piece

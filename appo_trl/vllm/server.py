@@ -361,8 +361,12 @@ class VLLMServerBackend:
         with the version at its first token, so a stream running behind the engine is never split."""
         out = _Streamed([], [], [] if want_top else None, [])
         first: int | None = None
+        ended = False  # `data: [DONE]` came
         async for line in resp.aiter_lines():
-            if not line.startswith("data:") or (payload := line[5:].strip()) == "[DONE]":
+            if not line.startswith("data:"):
+                continue
+            if (payload := line[5:].strip()) == "[DONE]":
+                ended = True
                 continue
             chunk = jsonlib.loads(payload)
             if chunk.get("error"):
@@ -383,8 +387,15 @@ class VLLMServerBackend:
                 if choice.get("finish_reason") is not None:
                     out.finish_reason, out.stop_reason = choice["finish_reason"], choice.get("stop_reason")
                 self.clock.touch(len(ids))
+        if out.finish_reason is None and ended and not out.token_ids:
+            # vLLM's completion stream drops a request's chunks while it has no token yet (chunked prefill), the
+            # abort chunk too: a request aborted by a pause before its first token ends with `[DONE]` alone
+            out.finish_reason = "abort"
         if out.finish_reason is None:
-            raise VLLMServerError(f"vLLM server {self.base_url} ended a streamed completion without a finish_reason")
+            raise VLLMServerError(
+                f"vLLM server {self.base_url} ended a streamed completion without a finish_reason after "
+                f"{len(out.token_ids)} tokens ({'with' if ended else 'without'} data: [DONE])"
+            )
         return out
 
     async def _generate_streamed(self, prompt_ids: list[int], params: SamplingParams) -> Segment:

@@ -88,6 +88,18 @@ def test_an_abort_inside_a_stop_string_refeeds_its_beginning(abort_after):
     assert len(second["prompt"][0]) == len(PROMPT) + 8 and seg.version_runs == [(0, 11)]
 
 
+def test_an_abort_before_the_first_token_is_refed_not_an_error():
+    """vLLM 0.31 sends no chunk for a request aborted before its first token (queued or in prefill when the pause
+    came), only `data: [DONE]`: that is an abort, re-fed like the others (fresh-clone CI saw `appo train` stop on
+    it under `/pause?mode=abort`)."""
+    with PausableVLLM(abort_first_after=0) as server:
+        backend = VLLMServerBackend(server.url, clock=PolicyClock(0))
+        seg = Background(backend, PROMPT, SamplingParams(max_tokens=20, seed=3)).result()
+        first, second = server.bodies
+    assert seg.token_ids == expected_ids(20) and seg.finish_reason == "length" and seg.version_runs == [(0, 20)]
+    assert backend.num_aborts == 1 and second["prompt"] == first["prompt"] == [PROMPT]
+
+
 def test_abort_mode_keeps_a_stream_behind_the_engine_in_one_version():
     """The request finished on the engine before the pause (nothing to abort), its stream still arriving long after
     the update: every token is of the version its first token arrived under (abort and wait pauses split no
