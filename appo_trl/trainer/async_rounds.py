@@ -15,7 +15,6 @@ import os
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from transformers import TrainerCallback
 
 from appo_trl import trl_rules
 from appo_trl.tools.main_thread import MAIN_THREAD
+from appo_trl.trainer.batch_lookahead import BatchLookahead
 
 logger = logging.getLogger(__name__)
 
@@ -61,65 +61,6 @@ def agree_on_round_faults(error: BaseException | None, launched_at: int) -> None
     if error is not None:
         raise BackgroundRoundError(message) from error
     raise BackgroundRoundError(message + " (this rank's own round was fine; every rank stops together)")
-
-
-class BatchLookahead:
-    """The training loop's batches, with a peek at the generation batch that comes `ahead` batches later.
-
-    `pull` replaces `Trainer.get_batch_samples` (same batches, same order); `peek(batch, ahead)` returns the
-    batch the loop will hand to `training_step` `ahead` micro-steps after `batch`, pulling it early from the
-    same epoch iterator (None past the epoch's end). Batches are matched by identity, never by content.
-    """
-
-    def __init__(self):
-        self._it = None
-        self._buf: deque = deque()
-        self._index: dict[int, tuple[int, Any]] = {}
-        self._pos = 0  # stream index of the next batch handed out
-        self._done = False
-
-    def _next(self):
-        if self._done:
-            return None
-        try:
-            return next(self._it)
-        except StopIteration:
-            self._done = True
-            return None
-
-    def pull(self, iterator, num: int) -> list:
-        if iterator is not self._it:  # a new epoch: nothing peeked from the old one survives
-            self._it, self._buf, self._index, self._pos, self._done = iterator, deque(), {}, 0, False
-        out = []
-        for _ in range(num):
-            batch = self._buf.popleft() if self._buf else self._next()
-            if batch is None:
-                break
-            self._index[id(batch)] = (self._pos, batch)
-            self._pos += 1
-            out.append(batch)
-        while len(self._index) > 256:  # the references keep ids unique; only recent batches are looked up
-            self._index.pop(next(iter(self._index)))
-        return out
-
-    @property
-    def epoch_batches(self) -> int | None:
-        """Batches of the current epoch once its iterator is spent (None before)."""
-        return self._pos + len(self._buf) if self._done else None
-
-    def peek(self, batch, ahead: int):
-        entry = self._index.get(id(batch))
-        if entry is None or entry[1] is not batch:
-            return None
-        j = entry[0] + ahead - self._pos
-        if j < 0:
-            return None
-        while len(self._buf) <= j:
-            nxt = self._next()
-            if nxt is None:
-                return None
-            self._buf.append(nxt)
-        return self._buf[j]
 
 
 class SamplerCopy:

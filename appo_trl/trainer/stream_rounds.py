@@ -1,8 +1,9 @@
 """`rollout_stream: true` at the trainer: the generation batch TRL scores is the stream's oldest complete groups.
 
 `StreamRounds` feeds `GroupStream` (appo_trl/trainer/streaming.py) TRL's generation batches (the current one and,
-through `BatchLookahead`, the ones after it, so groups sample while the trainer trains), syncs the weights in flight
-at every hand-over (`InFlightSync`: every server paused, the disk route, resumed), swaps TRL's inputs for the
+through `BatchLookahead`, the ones after it, across an epoch's end too when another epoch runs, so groups sample
+while the trainer trains), syncs the weights in flight at every hand-over (`InFlightSync`: every server paused, the
+disk route, resumed), swaps TRL's inputs for the
 rows of the groups it hands over, and holds their `Round` for the runner's `generate`. Each group samples as one
 sampling path's `start_group` (the tool loop: one `RolloutEngine.rollout` of one prompt on the engine's loop;
 environments: on instances of its own; an agent: n runs through the endpoint); a token's policy version comes from
@@ -19,7 +20,7 @@ import math
 from appo_trl import trl_rules
 from appo_trl.strategies import Round
 from appo_trl.trainer import trl_seams
-from appo_trl.trainer.async_rounds import BatchLookahead
+from appo_trl.trainer.batch_lookahead import BatchLookahead, next_epoch_iterator
 from appo_trl.trainer.inflight_sync import InFlightSync
 from appo_trl.trainer.streaming import GroupStream, StreamCheckpoint, StreamGroup
 from appo_trl.vllm.inflight import PolicyClock, pause_capability
@@ -44,7 +45,7 @@ class StreamRounds:
         self.every = trl_rules.generate_every(args)
         self.m = max(1, self.every // args.gradient_accumulation_steps)
         self.k, self.overprovision = args.max_staleness, args.stream_overprovision
-        self.lookahead = BatchLookahead()
+        self.lookahead = BatchLookahead(self._next_epoch)
         self.stream: GroupStream | None = None
         self._fed: dict[int, object] = {}  # id -> batch, the generation batches fed (their references keep ids)
         self.pending: tuple[Round, object] | None = None  # the Round of the inputs handed to TRL, and those inputs
@@ -55,7 +56,7 @@ class StreamRounds:
     def reset(self) -> None:
         """At the start of `Trainer.train`: nothing in flight, the server's weights unknown."""
         self.close()
-        self.stream, self._fed, self.pending, self.lookahead = None, {}, None, BatchLookahead()
+        self.stream, self._fed, self.pending, self.lookahead = None, {}, None, BatchLookahead(self._next_epoch)
         self.clock.held = False
 
     def close(self) -> None:
@@ -98,6 +99,9 @@ class StreamRounds:
             self.stream.feed(g.inputs, [g.prompt_ids], [g.seed], step=step - 1)
         logger.info("[resume] %d group(s) were in flight at checkpoint-%d; they are sampled again%s", len(ckpt.groups),
                     step, f" ({ckpt.not_saved} not saved: rows not JSON)" if ckpt.not_saved else "")  # fmt: skip
+
+    def _next_epoch(self):
+        return next_epoch_iterator(self.trainer)  # a peek past this epoch's end (the stream looks ahead across it)
 
     def _start_group(self, group: StreamGroup):
         return self.runner.path.start_group(group, self.n)  # the path's own sampler (the trainer's thread)

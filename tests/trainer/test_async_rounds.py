@@ -151,6 +151,30 @@ def test_lookahead_peeks_by_identity_within_one_epoch():
     assert look.pull(it2, 2) == [[9]]  # a new epoch starts clean
 
 
+def test_lookahead_peeks_across_the_epoch_end_and_the_loop_gets_that_epoch_once():
+    """Past the end a peek starts the next epoch's iterator (once); the loop's own iterator for that epoch is
+    then not read: each epoch's order is drawn once, as without the lookahead."""
+    made = []
+
+    def next_epoch():
+        made.append(len(made))
+        return iter([[10], [11], [12]])
+
+    look = BatchLookahead(next_epoch)
+    it = iter([[0], [1]])
+    first = look.pull(it, 1)
+    assert look.peek(first[0], 1) == [1] and not made  # within the epoch: nothing started
+    ahead = look.peek(first[0], 2)
+    assert ahead == [10] and look.peek(first[0], 4) == [12] and look.peek(first[0], 5) is None and made == [0]
+    assert look.pull(it, 2) == [[1]]  # the epoch ends where it ended
+    unread = iter([[99]])  # the loop's own iterator for the next epoch: drawn again, it would be another order
+    second = look.pull(unread, 2)
+    assert second == [[10], [11]] and second[0] is ahead and next(unread) == [99] and made == [0]
+    assert look.peek(second[1], 1) == [12] and look.pull(unread, 2) == [[12]]
+    for last in (BatchLookahead(), BatchLookahead(lambda: None)):  # no next epoch, or the training ends with this one
+        assert last.peek(last.pull(iter([[0]]), 1)[0], 1) is None
+
+
 # ---- config ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kw, message",

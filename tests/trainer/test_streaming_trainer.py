@@ -180,3 +180,40 @@ def test_an_evaluation_during_streaming_syncs_the_weights_in_flight(tmp_path, ti
     assert server.calls.count("pause:keep") == 5 and server.calls.count("resume") == 5 and server.weights == 5
     assert "reset_prefix_cache" not in server.calls  # the between-rounds disk route never ran
     assert trainer.rounds.stream.clock.version == 4
+
+
+def _zero(completions, **_) -> list[float]:
+    return [0.0] * len(completions)
+
+
+def _prompts(batch) -> list[str]:
+    return [row["prompt"][-1]["content"] for row in batch]
+
+
+def test_the_stream_looks_ahead_across_an_epoch_end_and_feeds_the_batches_of_a_plain_run(tmp_path, tiny_tokenizer,
+                                                                                       tiny_model_path):  # fmt: skip
+    """Epochs of two generation batches (8 prompts, 4 per batch), 4 steps: the batches of epoch 1 are fed to the
+    stream while epoch 0 still trains, and they are the batches, in order, that a run without streaming trains on
+    (the next epoch's iterator is started once, as the Trainer starts it, and the loop's own is not read)."""
+    kw = dict(STREAM, per_device_train_batch_size=8, max_steps=4)
+    server = PausableVLLM(step_s=0.005).start()
+    try:
+        plain = make_trainer(tmp_path / "plain", tiny_tokenizer, tiny_model_path, None, _zero,
+                             **{**kw, "rollout_stream": False, "max_staleness": 0, "use_vllm": False})  # fmt: skip
+        pulled, pull = [], plain.get_batch_samples
+        plain.get_batch_samples = lambda it, n, device: (r := pull(it, n, device), pulled.extend(r[0]))[0]
+        plain.train()
+        trainer = make_trainer(tmp_path / "stream", tiny_tokenizer, tiny_model_path, None, RewardSpy(),
+                               vllm_server_base_url=server.url, **kw)  # fmt: skip
+        rounds, fed = trainer.rounds.stream, []
+        feed = rounds._feed
+        rounds._feed = lambda batch, step: (
+            fed.append((trainer.state.global_step, _prompts(batch))) if batch is not None and id(batch) not in
+            rounds._fed else None, feed(batch, step))  # fmt: skip
+        trainer.train()
+    finally:
+        server.stop()
+    assert len(pulled) == 4 and trainer.state.global_step == 4
+    assert [p for _, p in fed] == [_prompts(b) for b in pulled]  # the same batches, in the same order
+    assert [s for s, _ in fed] == [0, 0, 0, 1]  # epoch 1's batches (steps 2, 3) fed at steps 0 and 1
+    assert sorted(_prompts(pulled[0]) + _prompts(pulled[1])) == sorted(_prompts(pulled[2]) + _prompts(pulled[3]))
