@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from conftest import own_weights_back
 from inflight import TOL, Background, kept_cache_logps, plain_logps, sample_across_an_update, worst
 
 from appo_trl.sampling import SamplingParams
@@ -45,16 +46,11 @@ def prompt(tiny_tokenizer):
     return ids
 
 
-def across(url, prompt, mode, folder, seed):
+def across(server, prompt, mode, folder, seed):
     """The request across a reload of `folder` as version 1 (see `inflight.sample_across_an_update`)."""
-    return sample_across_an_update(url, prompt, mode=mode, version=1, seed=seed, undo=lambda: restore(url),
-                                   update=lambda: ServerClient(url).reload_weights(folder))  # fmt: skip
-
-
-def restore(url):
-    client = ServerClient(url)
-    client.reload_weights(ServerClient(url).resolve_max_model_len(None)[0])  # the served model's own weights
-    client.reset_prefix_cache()
+    return sample_across_an_update(server.url, prompt, mode=mode, version=1, seed=seed,
+                                   undo=lambda: own_weights_back(server),
+                                   update=lambda: ServerClient(server.url).reload_weights(folder))  # fmt: skip
 
 
 def test_pause_routes_are_detected(vllm_server):
@@ -65,7 +61,7 @@ def test_keep_mode_old_tokens_old_weights_new_tokens_new_weights_over_the_old_ca
     vllm_server, restore_weights, models, prompt
 ):
     old, new, folder = models
-    seg, b, backend = across(vllm_server.url, prompt, "keep", folder, seed=5)
+    seg, b, backend = across(vllm_server, prompt, "keep", folder, seed=5)
     ids = seg.token_ids
     before = worst(seg.logprobs[:b], plain_logps(old, prompt, ids[:b]))
     after = worst(seg.logprobs[b:], kept_cache_logps(old, new, prompt, ids, b))
@@ -85,7 +81,7 @@ def test_keep_mode_old_tokens_old_weights_new_tokens_new_weights_over_the_old_ca
 
 def test_abort_mode_refeeds_the_partial_tokens_under_the_new_weights(vllm_server, restore_weights, models, prompt):
     old, new, folder = models
-    seg, b, _ = across(vllm_server.url, prompt, "abort", folder, seed=6)
+    seg, b, _ = across(vllm_server, prompt, "abort", folder, seed=6)
     ids = seg.token_ids
     before = worst(seg.logprobs[:b], plain_logps(old, prompt, ids[:b]))
     after = worst(seg.logprobs[b:], plain_logps(new, prompt, ids)[b:])
