@@ -22,6 +22,7 @@ decoding), per-token staleness (trained step minus the token's version: mean and
 sampled again) and carried over, pause seconds per sync. Figures: docs/benchmarks.md, "Streaming rollouts".
 
     python bench/inflight.py                  # 8 steps
+    python bench/inflight.py --even           # the even workload: nothing got slower there
     python bench/inflight.py --quick --json   # 3 steps (figures not meaningful)
 """
 
@@ -71,6 +72,9 @@ def scripts(n: int, args) -> list[Script]:
     rng = random.Random(args.seed)
     out = []
     for _ in range(n):
+        if args.even:  # the overlap benchmark's even shape: two tool calls, three turns of 30-70 tokens
+            out.append(Script([rng.randint(30, 70) for _ in range(3)]))
+            continue
         calls = min(args.max_calls, int(pareto(rng, args.calls_alpha, 1.0)) - 1)
         turns = [min(args.max_tokens, math.ceil(pareto(rng, args.alpha, args.min_tokens))) for _ in range(calls + 1)]
         out.append(Script(turns))
@@ -237,6 +241,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-staleness", type=int, default=2, help="the streaming modes' bound (per token)")
     ap.add_argument("--overprovision", type=float, default=1.0, help="keep_over: stream_overprovision")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--even", action="store_true", help="no long tail: every row 2 tool calls, 3 turns of 30-70 "
+                    "tokens (the overlap benchmark's shape)")  # fmt: skip
     ap.add_argument("--modes", default="sync,overlap,keep,abort,keep_over")
     ap.add_argument("--quick", action="store_true", help="3 steps of 2 groups of 2 (figures not meaningful)")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")

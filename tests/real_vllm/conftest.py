@@ -15,6 +15,7 @@ real package (as a namespace package it makes TRL's `is_vllm_available()` true i
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -57,6 +58,9 @@ class VLLMServer:
 
     def __init__(self, model: str, log: Path):
         self.model, self.log = model, log
+        # vLLM's own temporary files (`vllm_dist_*`, its ZMQ sockets) go under the log's folder, not /tmp: removed
+        # at `stop`, and by pytest's retention of old base folders after a killed run
+        self.tmp = log.parent / "tmp"
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -84,7 +88,10 @@ class VLLMServer:
             DO_NOT_TRACK="1",
             HF_HUB_OFFLINE="1",
             PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),  # slow_steps
+            TMPDIR=str(self.tmp),
         )
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.started_at = time.time()
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True, cwd=str(self.log.parent))  # fmt: skip
@@ -112,6 +119,13 @@ class VLLMServer:
         proc, self.proc = self.proc, None
         if proc is None:
             return
+        try:
+            self._kill(proc)
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen) -> None:
         for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(proc.pid, sig)  # the API server and its engine-core children
