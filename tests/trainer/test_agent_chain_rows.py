@@ -49,18 +49,27 @@ def solve(client, model, messages):
 COMPACTS, LOCK = {}, threading.Lock()
 
 
-def compacting_agent(row, base_url, model):
+def compacting_agent(row, base_url, model, tagged=False):
     """Solves, then compacts: drops its history for one user note and solves again (deterministic requests:
     replayable). Reward: 1 for every other run of a prompt, so every group of an even size has both rewards (the
-    scripted answers alternate in the order the concurrent runs reach the sampler, which no run can know)."""
+    scripted answers alternate in the order the concurrent runs reach the sampler, which no run can know).
+
+    `tagged`: the note names the reward's parity, so a rewarded run's rows are never all a failed run's: runs that
+    reach the sampler one after the other get the same answers, (42, 41) each, and with one note their opposite
+    advantages cancel to a zero gradient (a run by replay must not be tagged: its note would not replay)."""
     with LOCK:
         k = COMPACTS[row["prompt"][0]["content"]] = COMPACTS.get(row["prompt"][0]["content"], -1) + 1
     client = openai.OpenAI(base_url=base_url, api_key="-")
     solve(client, model, list(row["prompt"]))
-    note = [{"role": "user", "content": row["prompt"][0]["content"] + " (notes: multiply said 42)"}]
+    tag = f", run {k % 2}" if tagged else ""
+    note = [{"role": "user", "content": row["prompt"][0]["content"] + f" (notes: multiply said 42{tag})"}]
     solve(client, model, note)
     client.close()
     return float(k % 2 == 0)
+
+
+def tagged_compacting_agent(row, base_url, model):
+    return compacting_agent(row, base_url, model, tagged=True)
 
 
 RUNS = {}
@@ -148,7 +157,8 @@ def test_compacting_agent_trains_two_steps(tmp_path, strategy, tiny_chat_tokeniz
     the run's row (its second chain), the first chain is replayed (0 divergence) and is not a row of the branch."""
     tok = tiny_chat_tokenizer
     extra = {"initial_rollouts": 1, "min_remaining_tokens": 2} if strategy == "appo" else {"dump_rollouts": 2}
-    trainer, _ = make_trainer(tmp_path, tiny_chat_model_path, tok, compacting_agent, strategy, **extra)
+    agent = tagged_compacting_agent if strategy == "grpo" else compacting_agent
+    trainer, _ = make_trainer(tmp_path, tiny_chat_model_path, tok, agent, strategy, **extra)
     backend = trainer.rollout_engine.backend = LoggedBackend(tok)
     batches, real = [], trainer.rounds.strategy.generate
     trainer.rounds.strategy.generate = lambda *a, **k: batches.append(real(*a, **k)) or batches[-1]
