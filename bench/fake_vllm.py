@@ -170,6 +170,52 @@ class FakeVLLMServer:
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "vllm",
                                                 "max_model_len": self.max_model_len}]}  # fmt: skip
 
+    def _lora_routes(self, app: FastAPI) -> None:
+        """vLLM's runtime LoRA endpoints (`max_lora_rank` set): `load_inplace` replaces a loaded name's tensors."""
+
+        def lora_error(message: str, status: int):
+            return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            body = await request.json()
+            name, path = body["lora_name"], body["lora_path"]
+            if self.max_lora_rank is None:
+                return lora_error("Not Found", 404)
+            if name in self.adapters and not body.get("load_inplace"):
+                return lora_error(f"The lora adapter '{name}' has already been loaded.", 400)
+            try:
+                with open(os.path.join(path, "adapter_config.json")) as f:
+                    rank = json.load(f)["r"]
+                tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+            except (OSError, KeyError, ValueError) as exc:
+                return lora_error(f"cannot load the adapter at {path}: {exc}", 400)
+            if rank > self.max_lora_rank:
+                return lora_error(f"LoRA rank {rank} is greater than max_lora_rank {self.max_lora_rank}.", 400)
+            inplace = name in self.adapters
+            self.adapters[name] = tensors
+            self.events.append(f"{'load_inplace' if inplace else 'load'}:{name}")
+            self._adapter_loaded(name)
+            return Response(f"Success: LoRA adapter '{name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            name = (await request.json())["lora_name"]
+            if self.max_lora_rank is None or self.adapters.pop(name, None) is None:
+                return lora_error(f"The lora adapter '{name}' cannot be found.", 404)
+            self.events.append(f"unload:{name}")
+            return Response(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def _adapter_loaded(self, name: str) -> None:
+        """Called after every adapter load (a subclass's hook)."""
+
+    def _unknown_model(self, body: dict):
+        """The 404 vLLM answers a completion naming a model it does not serve, or None."""
+        if body.get("model", self.model_name) not in (self.model_name, *self.adapters):
+            return JSONResponse({"error": {"message": f"The model `{body.get('model')}` does not exist.",
+                                           "code": 404}}, status_code=404)  # fmt: skip
+        return None
+
     def _build_app(self) -> FastAPI:
         app = FastAPI()
         self._identity_routes(app)
@@ -188,36 +234,7 @@ class FakeVLLMServer:
                                     "lora_config": None if self.max_lora_rank is None else
                                     {"max_lora_rank": self.max_lora_rank, "max_loras": 2}}}  # fmt: skip
 
-        def lora_error(message: str, status: int):
-            return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
-
-        @app.post("/v1/load_lora_adapter")
-        async def load_lora_adapter(request: Request):
-            body = await request.json()
-            name, path = body["lora_name"], body["lora_path"]
-            if self.max_lora_rank is None:
-                return lora_error("Not Found", 404)
-            if name in self.adapters:
-                return lora_error(f"The lora adapter '{name}' has already been loaded.", 400)
-            try:
-                with open(os.path.join(path, "adapter_config.json")) as f:
-                    rank = json.load(f)["r"]
-                tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
-            except (OSError, KeyError, ValueError) as exc:
-                return lora_error(f"cannot load the adapter at {path}: {exc}", 400)
-            if rank > self.max_lora_rank:
-                return lora_error(f"LoRA rank {rank} is greater than max_lora_rank {self.max_lora_rank}.", 400)
-            self.adapters[name] = tensors
-            self.events.append(f"load:{name}")
-            return Response(f"Success: LoRA adapter '{name}' added successfully.")
-
-        @app.post("/v1/unload_lora_adapter")
-        async def unload_lora_adapter(request: Request):
-            name = (await request.json())["lora_name"]
-            if self.max_lora_rank is None or self.adapters.pop(name, None) is None:
-                return lora_error(f"The lora adapter '{name}' cannot be found.", 404)
-            self.events.append(f"unload:{name}")
-            return Response(f"Success: LoRA adapter '{name}' removed successfully.")
+        self._lora_routes(app)
 
         @app.post("/collective_rpc")
         async def collective_rpc(request: Request):
@@ -240,8 +257,8 @@ class FakeVLLMServer:
                 self.restarter = threading.Thread(target=self.restart, args=(self.restart_down_s,), daemon=True)
                 self.restarter.start()
                 return JSONResponse({"error": {"message": "server shutting down", "code": 503}}, status_code=503)
-            if body.get("model", self.model_name) not in (self.model_name, *self.adapters):
-                return lora_error(f"The model `{body.get('model')}` does not exist.", 404)
+            if (unknown := self._unknown_model(body)) is not None:
+                return unknown
             self.bodies.append(body)
             self.sessions.append(request.headers.get("x-session-id"))
             self.events.append("completion")

@@ -4,7 +4,8 @@
 shape: `token_ids`, `logprobs`, `text`, `finish_reason`, stop strings matched in the request's own text). The
 token at absolute position `p` is `100 + p % 50` (its text `TEXT[p % 10]`), so a
 re-fed request continues the same sequence; its logprob is `-(1 + weights) / 10`, where `weights` counts the
-`reload_weights` calls the server has taken when the token is generated: a token's logprob names its version.
+`reload_weights` calls (and, with `max_lora_rank`, adapter loads: `load_inplace` included) the server has taken
+when the token is generated: a token's logprob names its version.
 `/pause?mode=keep` freezes every request between two tokens, `abort` ends them (`finish_reason: "abort"`, their
 partial tokens already sent; one aborted before its first token sends no chunk, only `[DONE]`, as vLLM 0.31's
 completion stream drops an empty first chunk), `wait` lets them finish; new requests wait for `/resume` in every mode. Faults:
@@ -31,7 +32,8 @@ TEXT = "abcdefghij"  # the text of the token at absolute position p is TEXT[p % 
 class PausableVLLM(FakeVLLMServer):
     def __init__(self, *, step_s: float = 0.005, pause_delay_s: float = 0.0, resume_fails: int = 0,
                  no_pause_routes: bool = False, abort_first_after: int | None = None,
-                 decodes_while_paused: bool = False, ahead: bool = False):  # fmt: skip
+                 decodes_while_paused: bool = False, ahead: bool = False,
+                 max_lora_rank: int | None = None):  # fmt: skip
         self.step_s, self.pause_delay_s, self.resume_fails = step_s, pause_delay_s, resume_fails
         self.no_pause_routes, self.abort_first_after = no_pause_routes, abort_first_after
         self.decodes_while_paused, self.ahead = decodes_while_paused, ahead
@@ -42,11 +44,12 @@ class PausableVLLM(FakeVLLMServer):
         self.salts: list[str | None] = []
         self.calls: list[str] = []
         self.clear_cache: bool | None = None  # of the last /pause
-        super().__init__(None, max_model_len=4096)
+        super().__init__(None, max_model_len=4096, max_lora_rank=max_lora_rank)
 
     def _build_app(self) -> FastAPI:
         app = FastAPI()
         self._identity_routes(app)
+        self._lora_routes(app)
 
         @app.post("/collective_rpc")
         async def collective_rpc(request: Request):
@@ -58,7 +61,9 @@ class PausableVLLM(FakeVLLMServer):
         async def server_info():  # what the trainer's disk route reads at start-up
             return {"vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs",
                                                      "max_model_len": self.max_model_len},
-                                    "device_config": {"device": self.device}, "lora_config": None}}  # fmt: skip
+                                    "device_config": {"device": self.device},
+                                    "lora_config": None if self.max_lora_rank is None else
+                                    {"max_lora_rank": self.max_lora_rank, "max_loras": 1}}}  # fmt: skip
 
         @app.post("/reset_prefix_cache")
         async def reset_prefix_cache():  # as vLLM: frozen requests hold blocks, so a reset under a keep pause fails
@@ -100,6 +105,8 @@ class PausableVLLM(FakeVLLMServer):
         @app.post("/v1/completions")
         async def completions(request: Request):
             body = await request.json()
+            if (unknown := self._unknown_model(body)) is not None:
+                return unknown
             self.bodies.append(body)
             self.prompts.append(list(body["prompt"][0]))
             self.salts.append(body.get("cache_salt"))
@@ -107,6 +114,9 @@ class PausableVLLM(FakeVLLMServer):
             return StreamingResponse(self._stream(body, len(self.bodies)), media_type="text/event-stream")
 
         return app
+
+    def _adapter_loaded(self, name: str) -> None:
+        self.weights += 1
 
     def _chunk(self, ids: list[int], logprobs: list[float], finish: str | None, text: str = "", stop=None) -> str:
         lp = {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": logprobs, "top_logprobs": None}

@@ -68,9 +68,6 @@ def check_stream(cfg, fail) -> None:
     if cfg.rollout_strategy != "grpo":
         fail(f"rollout_stream: true with rollout_strategy={cfg.rollout_strategy}: only grpo streams so far (the "
              "branching strategies sample their trees between rounds).")  # fmt: skip
-    if cfg.vllm_sync_adapter == "always":
-        fail("rollout_stream: true with vllm_sync_adapter=always: the in-flight adapter route is not built yet; use "
-             "vllm_sync_adapter: never.")  # fmt: skip
     if cfg.vllm_weight_sync == "nccl":
         fail("rollout_stream: true with vllm_weight_sync=nccl: an in-flight update needs the disk route.")
 

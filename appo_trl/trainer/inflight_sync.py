@@ -2,10 +2,11 @@
 
 `InFlightSync.sync(version)` pauses every server (each replica, never the router), pushes the weights by the disk
 route (`DiskWeightSync`) without its prefix-cache reset (inside a `keep` pause the frozen requests hold blocks; the
-sampler's per-version cache salt keeps later requests off the old weights' blocks), advances the sampler's clock
-to `version` and resumes; in `abort` mode the sampler re-feeds the aborted requests under the new weights. Its
-faults are `ServerPause`'s one-line `InFlightUpdateError`s. Routes it cannot run in flight (NCCL, the adapter
-route) are refused at start-up in one line. The rules: docs/streaming.md.
+sampler's per-version cache salt keeps later requests off the old weights' blocks), or by the adapter route with
+every version loaded in place under one name (`AdapterVersions.in_place`: a running request keeps naming it),
+advances the sampler's clock to `version` and resumes; in `abort` mode the sampler re-feeds the aborted requests
+under the new weights. Its faults are `ServerPause`'s one-line `InFlightUpdateError`s. The NCCL route is refused
+at start-up in one line. The rules: docs/streaming.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class InFlightSync:
     """Weight syncs inside a pause of every server (module docstring).
 
     Args:
-        generation: TRL's `vllm_generation` (appo's `DiskWeightSync`, full weights).
+        generation: TRL's `vllm_generation` (appo's `DiskWeightSync`: full weights, or the adapter only).
         urls: every vLLM server (`ServerSpec.urls`: the replicas behind a router).
         mode: `PauseMode` (or its value), `inflight_update`.
         clock: the sampler's `PolicyClock` (the `VLLMServerBackend` stamps tokens with it).
@@ -36,10 +37,7 @@ class InFlightSync:
                 "the disk route (vllm_weight_sync: disk), whose prefix-cache reset can be left out inside a pause"
             )
         if getattr(generation, "adapter", False):
-            raise ValueError(
-                "rollout_stream with the adapter-only sync: loading the new adapter in place under the names the "
-                "running requests use is not built yet; use vllm_sync_adapter: never (full weights, disk route)"
-            )
+            generation.adapters.in_place = True  # one name, loaded in place: what a running request names
         self.generation, self.clock = generation, clock
         self.pause = ServerPause(urls, mode=mode, clock=clock, timeout_s=timeout_s)
         self.pause_s: list[float] = []  # seconds the servers were paused, per sync

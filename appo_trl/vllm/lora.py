@@ -4,7 +4,8 @@ A server started with `--enable-lora --max-lora-rank R` and `VLLM_ALLOW_RUNTIME_
 adapter folder at run time (`POST /v1/load_lora_adapter`) and serves it as a model name. `AdapterVersions` saves
 the adapter (safetensors + `adapter_config.json`, TRL's `save_lora_adapter`), loads it on every server under a new
 name per policy version, names the version a round started with in that round's requests (`request_model`) and
-unloads a version once it is superseded and no round holds it. `choose_adapter_sync` decides, from each server's
+unloads a version once it is superseded and no round holds it; under streaming (`in_place`) every version is loaded
+in place under one name, which the running requests keep (docs/streaming.md). `choose_adapter_sync` decides, from each server's
 `/server_info` (`lora_config` is None without `--enable-lora`) and the adapter, whether the run syncs adapters or
 falls back to the merged weights (`vllm_sync_adapter`: `auto` says so in one line, `always` stops). It does not
 sample or pick the round to sync in (`appo_trl.vllm.weight_sync`, `appo_trl.trainer.weight_sync`).
@@ -117,6 +118,13 @@ class AdapterVersions:
     (`/v1/unload_lora_adapter`) on every server; its files are removed one publish later (vLLM reads the folder
     lazily). Names carry a run token, so a server that outlived an earlier run never serves its adapters.
 
+    `in_place` (streaming's in-flight updates; set before the first publish under it): each version is still saved
+    to a folder of its own, but loaded under one name, `live_name`, with `load_inplace` (vLLM replaces the weights
+    of a loaded name and keeps its LoRA id; a name not loaded yet is loaded), so a request running across an update
+    keeps naming a loaded adapter and continues under the new weights. Once a version is published every request
+    names `live_name`; versions loaded under their own names before are unloaded at the next publish, and a
+    superseded version's folder is removed one publish later.
+
     Args:
         clients: `url -> ServerClient` of every server (each replica behind a router).
         sync_dir: folder the servers read the adapters from (the same filesystem).
@@ -135,6 +143,13 @@ class AdapterVersions:
         self._stale_dirs: list[str] = []
         self._lock = threading.Lock()
         self.bytes_last = 0
+        self.in_place = False
+        self._retired: list[str] = []  # in_place: superseded versions, whose folders go at the publish after next
+
+    @property
+    def live_name(self) -> str:
+        """The one name every version is loaded under when `in_place`."""
+        return f"{self.prefix}-live"
 
     def name_for(self, version: int) -> str:
         return f"{self.prefix}-v{version}"
@@ -158,7 +173,11 @@ class AdapterVersions:
     def load_on(self, url: str, name: str | None = None) -> None:
         """Load `name` (default: the current version) on the server at `url`."""
         name = name or self.current
-        self.clients[url].load_lora_adapter(name, os.path.join(self.sync_dir, name), wait_s=self.wait_s)
+        path = os.path.join(self.sync_dir, name)
+        if self.in_place:
+            self.clients[url].load_lora_adapter(self.live_name, path, wait_s=self.wait_s, inplace=True)
+        else:
+            self.clients[url].load_lora_adapter(name, path, wait_s=self.wait_s)
 
     def publish(self, name: str, urls) -> None:
         """Load `name` (saved by `save`) on the servers at `urls`, then `promote` it."""
@@ -169,8 +188,11 @@ class AdapterVersions:
     def promote(self, name: str, urls) -> None:
         """`name`, loaded on the servers at `urls`, is current; unload there what no round holds (`collect`)."""
         with self._lock:
-            self.current = name
-            self.loaded.append(name)
+            previous, self.current = self.current, name
+            if not self.in_place:
+                self.loaded.append(name)
+            elif previous is not None and previous not in self.loaded:
+                self._retired.append(previous)
         self.collect(urls)
 
     def collect(self, urls) -> None:
@@ -179,7 +201,7 @@ class AdapterVersions:
         with self._lock:
             drop = [n for n in self.loaded if n != self.current and not self._held[n]]
             self.loaded = [n for n in self.loaded if n not in drop]
-            old, self._stale_dirs = self._stale_dirs, drop
+            old, self._stale_dirs, self._retired = self._stale_dirs, drop + self._retired, []
         for name in drop:
             for url in urls:
                 self.clients[url].unload_lora_adapter(name)
@@ -212,6 +234,8 @@ class AdapterVersions:
         """The adapter a request names now: the one the round in flight holds, else the current one (None: none
         published yet, the base model)."""
         with self._lock:
+            if self.in_place:
+                return self.live_name if self.current is not None else None
             return self._serving or self.current
 
 

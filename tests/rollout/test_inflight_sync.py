@@ -63,13 +63,15 @@ def test_a_failed_sync_resumes_the_server_and_keeps_the_old_version():
         server.stop()
 
 
-def test_routes_that_cannot_update_in_flight_are_refused():
+def test_nccl_is_refused_and_the_adapter_route_loads_in_place():
+    from appo_trl.vllm.lora import AdapterVersions
+
     class NCCL:
         def sync_weights(self): ...
 
-    adapter = DiskLike("http://127.0.0.1:1")
-    adapter.adapter = True
     with pytest.raises(ValueError, match="weight sync \\(NCCL\\): an in-flight update needs the disk route"):
         InFlightSync(NCCL(), ["http://127.0.0.1:1"], "keep", PolicyClock())
-    with pytest.raises(ValueError, match="adapter-only sync"):
-        InFlightSync(adapter, ["http://127.0.0.1:1"], "keep", PolicyClock())
+    adapter = DiskLike("http://127.0.0.1:1")
+    adapter.adapter, adapter.adapters = True, AdapterVersions({}, "/unused")
+    InFlightSync(adapter, ["http://127.0.0.1:1"], "keep", PolicyClock())
+    assert adapter.adapters.in_place  # every version under one name, which a running request keeps naming
