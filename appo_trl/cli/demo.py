@@ -28,6 +28,7 @@ import json
 import os
 import resource
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -133,7 +134,17 @@ def main(argv: list[str]) -> int:
             parser().error(f"--sft_only runs no RL and no evaluation: {' '.join(unused)} would be ignored")
         cold_start(a)
         return 0
-    return 0 if run(a)["heldout_accuracy_rl"] is not None else 1
+    from appo_trl.stages.interrupts import ending_line
+
+    try:
+        report = run(a)
+    except Exception as exc:  # a server, agent or reward fault (or a server that cannot take the model): one line
+        line = ending_line("appo demo", exc)
+        if line is None:
+            raise
+        print(line, file=sys.stderr, flush=True)
+        return 1
+    return 0 if report["heldout_accuracy_rl"] is not None else 1
 
 
 # the options only the RL and evaluation stages read (`--sft_only` refuses them)

@@ -239,11 +239,20 @@ def run_interruptible(prog: str, output_dir: str | None, fn: Callable[[], object
             say(stop_message(prog, signum, output_dir, gone, tuple(getattr(exc, "__notes__", ()))))
             return 128 + signum
         except Exception as exc:
-            from appo_trl.configs.errors import DEBUG_ENV, ConfigError, one_line
-
-            cause = None if isinstance(exc, ConfigError) else ending_error(exc)
-            if cause is None or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            line = ending_line(prog, exc, kept_message(output_dir))
+            if line is None:
                 raise
-            say(f"{prog}: error: {one_line(cause)}; {kept_message(output_dir)} (run with --debug for the traceback)")
+            say(line)
             return 1
     return 0
+
+
+def ending_line(prog: str, exc: BaseException, kept: str = "") -> str | None:
+    """The one line an `ending_errors` error behind `exc` ends a stage with (`kept`: what was kept, said after it);
+    None (raise it) for any other error, and when debugging (`--debug`)."""
+    from appo_trl.configs.errors import DEBUG_ENV, ConfigError, one_line
+
+    cause = None if isinstance(exc, ConfigError) else ending_error(exc)
+    if cause is None or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        return None
+    return f"{prog}: error: {one_line(cause)}{f'; {kept}' if kept else ''} (run with --debug for the traceback)"

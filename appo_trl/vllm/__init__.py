@@ -23,6 +23,7 @@ Public API::
 
 from appo_trl.vllm.client import (
     ServerClient,
+    ServerMismatchError,
     ServerNotReadyError,
     VLLMAbortedError,
     VLLMRequestError,
@@ -54,6 +55,7 @@ __all__ = [
     "RouterClient",
     "RouterError",
     "ServerClient",
+    "ServerMismatchError",
     "ServerNotReadyError",
     "ServerSpec",
     "VLLMAbortedError",

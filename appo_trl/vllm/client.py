@@ -67,6 +67,11 @@ def raise_if_disk_full(exc: BaseException, folder: str, what: str) -> None:
         seen = seen.__cause__ or seen.__context__
 
 
+class ServerMismatchError(WeightSyncError, ValueError):
+    """At start-up: the model or the settings do not fit the vLLM server (a tied `lm_head` on vLLM-CPU, a
+    `vllm_max_model_length` other than the server's); a stage prints it as one line."""
+
+
 class ServerNotReadyError(WeightSyncError):
     """At start-up a vLLM server did not answer `GET /health` within `vllm_server_timeout`, or is not vLLM."""
 
@@ -158,7 +163,7 @@ class ServerClient:
                 raise VLLMServerError(f"vLLM server {url} does not report max_model_len; set vllm_max_model_length")
             return model, int(configured)
         if configured is not None and int(configured) != int(served_len):
-            raise ValueError(
+            raise ServerMismatchError(
                 f"vllm_max_model_length={configured} but the vLLM server at {self.base_url} serves "
                 f"max_model_len={served_len}: set them equal (or leave vllm_max_model_length unset to use the server's)."
             )

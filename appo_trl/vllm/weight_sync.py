@@ -17,7 +17,7 @@ from typing import Any
 
 from trl.generation.vllm_generation import VLLMGeneration
 
-from appo_trl.vllm.client import ServerClient, WeightSyncError, raise_if_disk_full
+from appo_trl.vllm.client import ServerClient, ServerMismatchError, WeightSyncError, raise_if_disk_full
 from appo_trl.vllm.lora import AdapterVersions, choose_adapter_sync, is_peft, server_infos
 from appo_trl.vllm.nccl import ReplicatedNCCLSync
 from appo_trl.vllm.ranks import broadcast_from_main, several_processes, share_replica_view
@@ -75,7 +75,7 @@ def refuse_tied_lm_head(model, who: str, instead: str) -> None:
     """vLLM-CPU's `reload_weights` keeps a stale packed copy of a tied `lm_head`, silently: refuse such a model."""
     config = model.config.get_text_config() if hasattr(model, "config") else None
     if getattr(config, "tie_word_embeddings", False):
-        raise ValueError(
+        raise ServerMismatchError(
             "the model ties lm_head to the input embeddings, and vLLM-CPU's reload_weights keeps a stale "
             f"copy of a tied lm_head ({who} would silently sample from old weights). Use an untied "
             f"model (e.g. `appo tiny-model --tie_word_embeddings false`) or {instead}."
