@@ -17,8 +17,8 @@ class StreamFields:
     rollout_stream: bool = field(
         default=False,
         metadata=_rollout(
-            "Streaming rollouts (needs max_staleness >= 1, the vLLM server with /pause, rollout_strategy grpo, one "
-            "process): groups sample continuously; a generation batch is the oldest complete groups within the "
+            "Streaming rollouts (needs max_staleness >= 1, the vLLM server with /pause or the in-process sampler "
+            "copy, rollout_strategy grpo, one process): groups sample continuously; a generation batch is the oldest complete groups within the "
             "bound, the staleness per token (the group's oldest); the weights update in flight at every generation "
             "batch (inflight_update). A server without /pause: one line at start-up and today's max_staleness "
             "rounds. See appo_trl.trainer.streaming and docs/streaming.md.",
@@ -62,9 +62,9 @@ def check_stream(cfg, fail) -> None:
         return
     if cfg.max_staleness < 1:
         fail("rollout_stream: true needs max_staleness >= 1 (the bound a streamed group is admitted within).")
-    if not (cfg.use_vllm and cfg.vllm_mode == "server"):
-        fail("rollout_stream: true samples on the vLLM server (use_vllm: true, vllm_mode: server), whose /pause "
-             "updates the weights in flight.")  # fmt: skip
+    if cfg.use_vllm and cfg.vllm_mode != "server":
+        fail(f"rollout_stream: true with vllm_mode={cfg.vllm_mode}: the weights update in flight on the vLLM server "
+             "(vllm_mode: server, /pause) or on the in-process sampler copy (use_vllm: false).")  # fmt: skip
     if cfg.rollout_strategy != "grpo":
         fail(f"rollout_stream: true with rollout_strategy={cfg.rollout_strategy}: only grpo streams so far (the "
              "branching strategies sample their trees between rounds).")  # fmt: skip

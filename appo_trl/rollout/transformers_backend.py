@@ -13,6 +13,11 @@ per batch. Under multi-process ZeRO-3 or FSDP2 every forward is a collective and
 of batches, so a trainer gathers the full weights once per round on every rank and hands the gathered module
 to `backend.unwrapped_for_rollout(model)` around the whole `engine.run` (`APPOTrainer` does, through
 `appo_trl.trainer.sharded`). This backend is not meant to be fast; use `VLLMServerBackend` at scale.
+
+With a `gate` (`appo_trl.rollout.decode_gate.DecodeGate`, `rollout_stream` on the sampler copy), each decode step
+runs inside the gate, every token is stamped with the policy version of the step that sampled it
+(`Segment.version_runs`), and the weights may be swapped between two steps: the sequences continue over their KV
+cache (`keep`) or recompute their prefix under the new weights (`abort`).
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ import time
 
 import torch
 
+from appo_trl.rollout.decode_gate import DecodeGate
 from appo_trl.rollout.text import PieceDecoder, StopMatcher
 from appo_trl.rollout.types import SamplingParams, Segment
+from appo_trl.sampling import add_version_run
 
 
 def _process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -62,11 +69,12 @@ class TransformersBackend:
         accelerator: when given, the model is unwrapped with `trl.models.utils.unwrap_model_for_generation`.
         max_batch_size: most requests decoded together.
         eos_token_ids: ids that end a sequence (default: the model's generation config, else the tokenizer's).
+        gate: a `DecodeGate`: decode steps the weights can be swapped between, tokens stamped with their versions.
     """
 
     def __init__(self, model, tokenizer, *, accelerator=None, max_batch_size: int = 16,
-                 eos_token_ids: list[int] | None = None):  # fmt: skip
-        self.model = model
+                 eos_token_ids: list[int] | None = None, gate: DecodeGate | None = None):  # fmt: skip
+        self.model, self.gate = model, gate
         self.tokenizer = tokenizer
         self.accelerator = accelerator
         self.max_batch_size = max_batch_size
@@ -190,11 +198,18 @@ class TransformersBackend:
         out_lp: list[list[float]] = [[] for _ in batch]
         out_top: list[list[dict[int, float]]] = [[] for _ in batch]
         finish: list[tuple[str, str | None] | None] = [None] * n
+        runs: list[list[tuple[int, int]]] = [[] for _ in batch]  # versions (with a gate)
         past, step_ids, attn = None, ids, mask
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        gate, seen = self.gate, self.gate.swaps if self.gate is not None else 0
         for _ in range(max(r.params.max_tokens for r in batch)):
-            out = model(input_ids=step_ids, attention_mask=attn, position_ids=positions, past_key_values=past,
-                        use_cache=True)  # fmt: skip
+            with gate.step() if gate is not None else contextlib.nullcontext(None) as version:
+                if past is not None and gate is not None and gate.recompute_since(seen):  # abort: new weights' KV
+                    past, step_ids = None, ids
+                    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+                seen = gate.swaps if gate is not None else 0
+                out = model(input_ids=step_ids, attention_mask=attn, position_ids=positions, past_key_values=past,
+                            use_cache=True)  # fmt: skip
             past = out.past_key_values
             logits = out.logits[:, -1, :].cpu()
             next_ids = torch.full((n,), self.pad_id, dtype=torch.long)
@@ -209,6 +224,8 @@ class TransformersBackend:
                     tok = int(torch.argmax(logp))
                 next_ids[i] = tok
                 out_ids[i].append(tok)
+                if version is not None:
+                    add_version_run(runs[i], version, 1)
                 out_lp[i].append(float(logp[tok]))
                 if p.logprobs > 0:  # two lists, not one 0-d tensor per entry (the host work of each decoded token)
                     vals, idx = torch.topk(logp, min(p.logprobs, logp.numel()))
@@ -224,11 +241,11 @@ class TransformersBackend:
             if all(f is not None for f in finish):
                 break
             step_ids = next_ids.view(n, 1).to(device)
+            ids = torch.cat([ids, step_ids], dim=1)  # every sequence so far (an `abort` swap recomputes it)
             attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype, device=device)], dim=1)
             positions = positions[:, -1:] + 1
         return [
-            Segment(
-                out_ids[i], out_lp[i], out_top[i] if r.params.logprobs > 0 else None, *(finish[i] or ("length", None))
-            )
+            Segment(out_ids[i], out_lp[i], out_top[i] if r.params.logprobs > 0 else None,
+                    *(finish[i] or ("length", None)), version_runs=runs[i])  # fmt: skip
             for i, r in enumerate(batch)
         ]

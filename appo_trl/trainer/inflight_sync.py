@@ -6,13 +6,15 @@ sampler's per-version cache salt keeps later requests off the old weights' block
 every version loaded in place under one name (`AdapterVersions.in_place`: a running request keeps naming it),
 advances the sampler's clock to `version` and resumes; in `abort` mode the sampler re-feeds the aborted requests
 under the new weights. Its faults are `ServerPause`'s one-line `InFlightUpdateError`s. The NCCL route is refused
-at start-up in one line. The rules: docs/streaming.md.
+at start-up in one line. `InProcessSync` is the same for the in-process sampler copy: its weights are swapped
+between two decode steps (`appo_trl.rollout.decode_gate.DecodeGate`). The rules: docs/streaming.md.
 """
 
 from __future__ import annotations
 
 import logging
 
+from appo_trl.rollout.decode_gate import DecodeGate
 from appo_trl.vllm.inflight import PauseMode, PolicyClock, ServerPause
 
 logger = logging.getLogger(__name__)
@@ -59,4 +61,35 @@ class InFlightSync:
         return self.pause.pause_s_last
 
 
-__all__ = ["InFlightSync"]
+
+class InProcessSync:
+    """In-flight updates of the in-process sampler copy (module docstring): `sync(version)` waits for the decode
+    step in progress, copies the policy's weights into the copy, advances the clock and lets decoding go on.
+
+    Args:
+        sampler: the sampler copy (`SamplerCopy`: its `model` decodes, `sync(policy)` loads the policy's weights).
+        policy: returns the policy module whose weights are copied (the unwrapped trainer model).
+        gate: the copy's backend's `DecodeGate` (its mode is `inflight_update`).
+        clock: the `PolicyClock` the gate stamps tokens with.
+    """
+
+    def __init__(self, sampler, policy, gate: DecodeGate, clock: PolicyClock):
+        self.sampler, self.policy, self.gate, self.clock = sampler, policy, gate, clock
+        self.pause_s: list[float] = []  # seconds decoding was held, per sync
+
+    @property
+    def version(self) -> int:
+        return self.clock.version
+
+    def sync(self, version: int) -> float:
+        """The policy's weights into the sampler copy as `version`, between two decode steps; the seconds held."""
+        try:
+            with self.gate.paused():
+                self.sampler.sync(self.policy())
+                self.clock.advance(version)
+        finally:
+            self.pause_s.append(self.gate.pause_s_last)
+        return self.gate.pause_s_last
+
+
+__all__ = ["InFlightSync", "InProcessSync"]

@@ -55,17 +55,22 @@ class RoundRunner:
         self.stream = build_stream_rounds(trainer, self)  # rollout_stream: groups stream (stream_rounds), else None
         # None unless max_staleness >= 1 without streaming (async_rounds)
         self.async_rounds = build_async_rounds(trainer) if self.stream is None else None
-        self.sampler = self.async_rounds.sampler if self.async_rounds is not None else None
+        owner = self.async_rounds if self.async_rounds is not None else self.stream
+        self.sampler = owner.sampler if owner is not None else None  # the in-process sampler copy, or None
+        self.gate = self.stream.gate if self.stream is not None else None  # its decode steps (streaming in process)
         backend = getattr(engine, "backend", None)
         if self.sampler is not None and getattr(backend, "model", None) is trainer.model:
             backend.model, backend.accelerator = self.sampler.model, None  # decode with the copy, not the policy
+            if self.gate is not None:
+                backend.gate = self.gate
 
     @property
     def engine(self):
         if self._engine is None:
             sampler_model = self.sampler.model if self.sampler is not None else None
             clock = self.stream.clock if self.stream is not None else None
-            self._engine = build_rollout_engine(self.trainer, sampler_model=sampler_model, clock=clock)
+            self._engine = build_rollout_engine(self.trainer, sampler_model=sampler_model, clock=clock,
+                                                gate=self.gate)  # fmt: skip
         return self._engine
 
     @property
@@ -146,11 +151,11 @@ class RoundRunner:
 
         TRL computes the proximal old logps and the importance weight under `if self.use_vllm and
         self.vllm_importance_sampling_correction`; rows of `SamplerCopy` come from a separate sampler like a server,
-        so the flag is raised for the span of TRL's scoring and loss. Without background rounds, or with vLLM, this
-        does nothing.
+        so the flag is raised for the span of TRL's scoring and loss (background rounds, and streaming in process).
+        Without a sampler copy, or with vLLM, this does nothing.
         """
         trainer = self.trainer
-        if self.async_rounds is None or trainer.args.use_vllm:
+        if self.sampler is None or trainer.args.use_vllm:
             yield
             return
         with trl_seams.trl_importance_correction(trainer):

@@ -28,14 +28,15 @@ def resolve_reward_funcs(reward_funcs):
     return [rewards.get_reward_func(f) if isinstance(f, str) and f in registry else f for f in funcs]
 
 
-def build_rollout_engine(trainer, sampler_model=None, clock=None):
+def build_rollout_engine(trainer, sampler_model=None, clock=None, gate=None):
     """The rollout engine the config asks for: tools from `tools`/`tool_config`, backend from `use_vllm`.
 
     `use_vllm=True` samples through the vLLM servers resolved at start-up (`trainer.vllm_server`, a `ServerSpec`:
     the router with several replicas) in server mode, or through TRL's in-process engine
     (`trainer.vllm_generation.llm`) in colocate mode; otherwise the policy samples in-process (`TransformersBackend`),
     or `sampler_model` (the sampler copy, max_staleness >= 1) does. `clock` (rollout_stream): the server sampler
-    streams and stamps each token with its policy version.
+    streams and stamps each token with its policy version; `gate` (rollout_stream in process): the copy's decode
+    steps, between which its weights are swapped (`appo_trl.rollout.decode_gate`).
     """
     from appo_trl.rollout import RolloutConfig, RolloutEngine, TransformersBackend
     from appo_trl.tools import ToolExecutor
@@ -54,7 +55,7 @@ def build_rollout_engine(trainer, sampler_model=None, clock=None):
                                               timeout_s=args.vllm_request_timeout_s,
                                               **({} if clock is None else {"clock": clock}))  # fmt: skip
     elif sampler_model is not None:  # max_staleness >= 1: the sampler copy decodes
-        backend = TransformersBackend(sampler_model, trl_seams.tokenizer(trainer))
+        backend = TransformersBackend(sampler_model, trl_seams.tokenizer(trainer), gate=gate)
     else:
         backend = TransformersBackend(trainer.model, trl_seams.tokenizer(trainer), accelerator=trainer.accelerator)
     # prompt + completion must fit the sampler: the colocated engine's length, vLLM's --max-model-len when given,

@@ -3,7 +3,8 @@
 `StreamRounds` feeds `GroupStream` (appo_trl/trainer/streaming.py) TRL's generation batches (the current one and,
 through `BatchLookahead`, the ones after it, across an epoch's end too when another epoch runs, so groups sample
 while the trainer trains), syncs the weights in flight at every hand-over (`InFlightSync`: every server paused, the
-disk route, resumed), swaps TRL's inputs for the
+disk or adapter route, resumed; in process, `InProcessSync`: the sampler copy's weights swapped between two decode
+steps), swaps TRL's inputs for the
 rows of the groups it hands over, and holds their `Round` for the runner's `generate`. Each group samples as one
 sampling path's `start_group` (the tool loop: one `RolloutEngine.rollout` of one prompt on the engine's loop;
 environments: on instances of its own; an agent: n runs through the endpoint); a token's policy version comes from
@@ -18,10 +19,12 @@ import logging
 import math
 
 from appo_trl import trl_rules
+from appo_trl.rollout.decode_gate import DecodeGate
 from appo_trl.strategies import Round
 from appo_trl.trainer import trl_seams
+from appo_trl.trainer.async_rounds import SamplerCopy
 from appo_trl.trainer.batch_lookahead import BatchLookahead, next_epoch_iterator
-from appo_trl.trainer.inflight_sync import InFlightSync
+from appo_trl.trainer.inflight_sync import InFlightSync, InProcessSync
 from appo_trl.trainer.streaming import GroupStream, StreamCheckpoint, StreamGroup
 from appo_trl.vllm.inflight import PolicyClock, pause_capability
 
@@ -40,8 +43,15 @@ class StreamRounds:
         args = trainer.args
         self.trainer, self.runner, self.n = trainer, runner, trainer.num_generations
         self.clock = PolicyClock(-1)  # the first hand-over syncs (a resume's weights are not the server's)
-        self.sync = InFlightSync(trainer.vllm_generation, list(trainer.vllm_server.urls), args.inflight_update,
-                                 self.clock, timeout_s=args.inflight_timeout_s)  # fmt: skip
+        self.sampler: SamplerCopy | None = None  # in process: the copy that decodes, and the gate of its steps
+        self.gate: DecodeGate | None = None
+        if args.use_vllm:
+            self.sync = InFlightSync(trainer.vllm_generation, list(trainer.vllm_server.urls), args.inflight_update,
+                                     self.clock, timeout_s=args.inflight_timeout_s)  # fmt: skip
+        else:
+            policy = lambda: trainer.accelerator.unwrap_model(trainer.model)  # noqa: E731
+            self.sampler, self.gate = SamplerCopy(policy()), DecodeGate(self.clock, args.inflight_update)
+            self.sync = InProcessSync(self.sampler, policy, self.gate, self.clock)
         self.every = trl_rules.generate_every(args)
         self.m = max(1, self.every // args.gradient_accumulation_steps)
         self.k, self.overprovision = args.max_staleness, args.stream_overprovision
@@ -184,7 +194,11 @@ def build_stream_rounds(trainer, runner) -> StreamRounds | None:
     if not runner.path.streams:
         raise ValueError(f"rollout_stream: true streams the tool loop's, environments' and agents' groups; the "
                          f"{runner.path.name} path does not stream yet (rollout_stream: false).")  # fmt: skip
-    if not pause_capability(list(trainer.vllm_server.urls)):
+    dist = str(getattr(trainer.accelerator, "distributed_type", "NO"))
+    if not args.use_vllm and ("DEEPSPEED" in dist or "FSDP" in dist):
+        raise ValueError("rollout_stream: true in process keeps a full copy of the policy as the sampler; under "
+                         "DeepSpeed or FSDP the policy is sharded: use the vLLM server (use_vllm: true).")  # fmt: skip
+    if args.use_vllm and not pause_capability(list(trainer.vllm_server.urls)):
         return None  # the one line was logged: the weights sync between rounds (max_staleness)
     return StreamRounds(trainer, runner)
 
