@@ -7,46 +7,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import torch
-
 from appo_trl.sampling import SamplingParams, Segment
 from appo_trl.vllm.inflight import PolicyClock, ServerPause
 from appo_trl.vllm.server import VLLMServerBackend
 from tests.rollout.pausable_vllm import Background  # noqa: F401  (the tests import it from here)
+from tests.rollout.reference_logps import TOL, kept_cache_logps, logps_from, plain_logps, worst  # noqa: F401
 
-TOL = 1e-4  # float32 on both sides
 MAX_TOKENS = 1500
 STEP_S = 0.005  # each decode step of the measured request takes at least this long: 1,500 tokens take >= 7.5 s
-
-
-def logps_from(logits: torch.Tensor, ids: list[int]) -> list[float]:
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    return [lp[i, t].item() for i, t in enumerate(ids)]
-
-
-@torch.no_grad()
-def plain_logps(model, prompt: list[int], ids: list[int]) -> list[float]:
-    """Logprob of each of `ids` after `prompt`, one forward (temperature 1)."""
-    logits = model(torch.tensor([prompt + ids])).logits[0]
-    return logps_from(logits[len(prompt) - 1 : len(prompt) - 1 + len(ids)], ids)
-
-
-@torch.no_grad()
-def kept_cache_logps(old, new, prompt: list[int], ids: list[int], boundary: int) -> list[float]:
-    """Logprobs of `ids[boundary:]` sampled after a keep-mode update at `boundary` tokens: the KV cache of
-    `prompt + ids[:boundary - 1]` was built by the `old` weights (the last token sampled before the pause is fed
-    after it), the rest by the `new` weights over that cache (transformers' `past_key_values`)."""
-    assert boundary >= 1
-    seq = prompt + ids
-    cut = len(prompt) + boundary - 1
-    past = old(torch.tensor([seq[:cut]]), use_cache=True).past_key_values
-    logits = new(torch.tensor([seq[cut : len(seq) - 1]]), past_key_values=past, use_cache=True).logits[0]
-    return logps_from(logits, ids[boundary:])
-
-
-def worst(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b), (len(a), len(b))
-    return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
 
 
 def sample_across_an_update(url: str, prompt: list[int], *, mode: str, version: int, update: Callable[[], None],

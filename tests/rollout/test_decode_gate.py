@@ -19,33 +19,9 @@ from appo_trl.rollout.decode_gate import DecodeGate
 from appo_trl.rollout.transformers_backend import TransformersBackend
 from appo_trl.rollout.types import SamplingParams
 from appo_trl.vllm.inflight import PolicyClock
+from tests.rollout.reference_logps import TOL, kept_cache_logps, plain_logps, worst
 
-TOL = 1e-4
 MAX_TOKENS = 120
-
-
-def logps(logits: torch.Tensor, ids: list[int]) -> list[float]:
-    return torch.log_softmax(logits.float(), -1)[torch.arange(len(ids)), torch.tensor(ids)].tolist()
-
-
-@torch.no_grad()
-def plain(model, prompt: list[int], ids: list[int]) -> list[float]:
-    logits = model(torch.tensor([prompt + ids])).logits[0]
-    return logps(logits[len(prompt) - 1 : len(prompt) - 1 + len(ids)], ids)
-
-
-@torch.no_grad()
-def kept_cache(old, new, prompt: list[int], ids: list[int], b: int) -> list[float]:
-    """`ids[b:]` after a swap at `b` tokens: the KV cache of `prompt + ids[:b - 1]` is the old weights' (the last
-    token sampled before the swap is fed after it), the rest the new weights' over it."""
-    seq, cut = prompt + ids, len(prompt) + b - 1
-    past = old(torch.tensor([seq[:cut]]), use_cache=True).past_key_values
-    return logps(new(torch.tensor([seq[cut:-1]]), past_key_values=past, use_cache=True).logits[0], ids[b:])
-
-
-def worst(a, b) -> float:
-    assert len(a) == len(b)
-    return max(abs(x - y) for x, y in zip(a, b))
 
 
 def decode_across_a_swap(tiny_model_path, tiny_tokenizer, mode: str, swap_at: int = 30):
@@ -79,10 +55,10 @@ def test_a_swap_between_decode_steps_keeps_each_tokens_version_and_logprobs(tiny
     ids = seg.token_ids
     (v0, b), (v1, after) = seg.version_runs
     assert (v0, v1) == (0, 1) and b == held and b >= 30 and b + after == len(ids) == MAX_TOKENS
-    assert worst(seg.logprobs[:b], plain(old, prompt, ids[:b])) < TOL  # sampled on the old weights
-    kept, fresh = kept_cache(old, new, prompt, ids, b), plain(new, prompt, ids)[b:]
+    assert worst(seg.logprobs[:b], plain_logps(old, prompt, ids[:b])) < TOL  # sampled on the old weights
+    kept, fresh = kept_cache_logps(old, new, prompt, ids, b), plain_logps(new, prompt, ids)[b:]
     right, other = (kept, fresh) if mode == "keep" else (fresh, kept)
-    print(f"{mode}: before {worst(seg.logprobs[:b], plain(old, prompt, ids[:b])):.2e}, after "
+    print(f"{mode}: before {worst(seg.logprobs[:b], plain_logps(old, prompt, ids[:b])):.2e}, after "
           f"{worst(seg.logprobs[b:], right):.2e} (the other reference: {worst(seg.logprobs[b:], other):.2e})")  # fmt: skip
     assert worst(seg.logprobs[b:], right) < TOL and worst(seg.logprobs[b:], other) > 10 * TOL
 
