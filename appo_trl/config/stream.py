@@ -18,7 +18,7 @@ class StreamFields:
         default=False,
         metadata=_rollout(
             "Streaming rollouts (needs max_staleness >= 1, the vLLM server with /pause or the in-process sampler "
-            "copy, rollout_strategy grpo, one process): groups sample continuously; a generation batch is the oldest complete groups within the "
+            "copy, rollout_strategy grpo, arpo or aepo, one process): groups (trees) sample continuously; a generation batch is the oldest complete groups within the "
             "bound, the staleness per token (the group's oldest); the weights update in flight at every generation "
             "batch (inflight_update). A server without /pause: one line at start-up and today's max_staleness "
             "rounds. See appo_trl.trainer.streaming and docs/streaming.md.",
@@ -65,9 +65,10 @@ def check_stream(cfg, fail) -> None:
     if cfg.use_vllm and cfg.vllm_mode != "server":
         fail(f"rollout_stream: true with vllm_mode={cfg.vllm_mode}: the weights update in flight on the vLLM server "
              "(vllm_mode: server, /pause) or on the in-process sampler copy (use_vllm: false).")  # fmt: skip
-    if cfg.rollout_strategy != "grpo":
-        fail(f"rollout_stream: true with rollout_strategy={cfg.rollout_strategy}: only grpo streams so far (the "
-             "branching strategies sample their trees between rounds).")  # fmt: skip
+    if not cfg.strategy_class.streams:
+        fail(f"rollout_stream: true with rollout_strategy={cfg.rollout_strategy}: its branch selection is a forward "
+             "of the policy on each round's initial rows, which streaming does not run; grpo, arpo and aepo "
+             "stream.")  # fmt: skip
     if cfg.vllm_weight_sync == "nccl":
         fail("rollout_stream: true with vllm_weight_sync=nccl: an in-flight update needs the disk route.")
 

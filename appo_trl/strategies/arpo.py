@@ -114,6 +114,7 @@ class ARPOStrategy(RolloutStrategy):
     }
     penalty = False
     branches_by_replay = True
+    streams = True  # one prompt's tree per streamed group; the entropy rule reads the sampler's own entropies
     metric_keys = (
         "branch/points_per_prompt",
         "branch/initial_per_prompt",

@@ -67,6 +67,8 @@ class RolloutStrategy:
             runs and re-runs the agent by replay (`AgentEngine.branch_many`); without it, agents need
             initial_rollouts == num_generations.
         async_under_sharding: background rounds (max_staleness >= 1) may run under DeepSpeed / FSDP.
+        streams: `rollout_stream` can sample its rounds one group (one prompt's tree) at a time: `generate` on one
+            prompt needs no forward of the policy (APPO's branch selection does: it is not streamed).
         options: config switches only this strategy reads (refused under another strategy).
         paper: the method's paper for the model card (name, title, arXiv id, BibTeX), `card_title` its line.
         no_tool_calls_note: what a round in which no rollout called a tool costs this strategy (the warning's end).
@@ -78,6 +80,7 @@ class RolloutStrategy:
     drops_branch_rows: ClassVar[bool] = False
     env_snapshots: ClassVar[bool] = False
     branches_by_replay: ClassVar[bool] = False
+    streams: ClassVar[bool] = False
     async_under_sharding: ClassVar[bool] = True
     options: ClassVar[tuple[str, ...]] = ()
     paper: ClassVar[dict[str, str] | None] = None

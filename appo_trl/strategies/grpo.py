@@ -13,6 +13,7 @@ class GRPOStrategy(RolloutStrategy):
     name = "grpo"
     default_loss_mode = "clip"
     branches = False
+    streams = True
     no_tool_calls_note = ""
     card_title = "GRPO (Group Relative Policy Optimization)"
     paper = {

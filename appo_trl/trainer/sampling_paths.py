@@ -22,6 +22,7 @@ rounds.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -226,6 +227,41 @@ class ToolLoop(SamplingPath):
 
     def sample(self, strategy, prompt_ids, n, seed, inputs):
         return strategy.generate(prompt_ids[::n], n, seed, self.runner.engine)
+
+    # ---- rollout_stream: a branching strategy (arpo, aepo) samples one prompt's tree per group
+    _trees: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def start_group(self, group, n):
+        """grpo: the base's one `rollout` on the engine's loop. A branching strategy: its own `generate` on the
+        group's prompt (the tree: roots, the branches its rule makes, the refills), which blocks on the engine, on a
+        thread of the path's pool; the tree's metrics stay with the group."""
+        strategy = self.runner.strategy
+        if not strategy.branches:
+            return super().start_group(group, n)
+        if self._trees is None:
+            self._trees = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="appo-stream-tree")
+        engine, prompt_ids, seed = self.runner.engine, group.prompt_ids, group.seed
+
+        def one_tree():
+            rnd = strategy.generate([prompt_ids], n, seed, engine)
+            group.metrics = dict(rnd.metrics)
+            return rnd.groups[0]
+
+        return self._trees.submit(one_tree)
+
+    def stream_round(self, rnd, groups):
+        """A branching strategy's metrics of the handed-over groups' trees: per metric, the mean over the trees that
+        report it (one prompt each: the round's value for its per-prompt and per-row means; a ratio such as
+        `branch/probability_mean` becomes the mean of the trees' ratios)."""
+        per_tree = [g.metrics for g in groups if g.metrics]
+        keys = {k for m in per_tree for k in m}
+        values = {k: [m[k] for m in per_tree if k in m and math.isfinite(m[k])] for k in sorted(keys)}
+        rnd.metrics = {k: (sum(v) / len(v) if v else math.nan) for k, v in values.items()}
+
+    def close(self):
+        pool, self._trees = self._trees, None
+        if pool is not None:  # a tree still sampling ends when the engine closes (after this)
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Environments(SamplingPath):

@@ -163,7 +163,8 @@ class StreamRounds:
             for row in rows:
                 row.group = index
         rnd = Round(groups=groups, keep=[True] * sum(len(g) for g in groups))
-        self.runner.path.stream_round(rnd, batch.groups)  # an agent's counts, the environments' own instances
+        # an agent's counts, the environments' own instances, a branching strategy's tree metrics
+        self.runner.path.stream_round(rnd, batch.groups)
         self.pending = (rnd, batch.inputs)
         self.metrics = {**batch.metrics, "rollout/stream/pause_s": self.sync.pause_s[-1] if self.sync.pause_s else 0.0,
                         "rollout/weight_syncs": float(len(self.sync.pause_s))}  # fmt: skip
@@ -194,6 +195,10 @@ def build_stream_rounds(trainer, runner) -> StreamRounds | None:
     if not runner.path.streams:
         raise ValueError(f"rollout_stream: true streams the tool loop's, environments' and agents' groups; the "
                          f"{runner.path.name} path does not stream yet (rollout_stream: false).")  # fmt: skip
+    if runner.strategy.branches and runner.path.name != "tool_loop":
+        raise ValueError(f"rollout_stream: true with rollout_strategy={args.rollout_strategy} streams the tool loop's "
+                         f"trees; the {runner.path.name} path streams grpo groups only (rollout_strategy: grpo, or "
+                         "rollout_stream: false).")  # fmt: skip
     dist = str(getattr(trainer.accelerator, "distributed_type", "NO"))
     if not args.use_vllm and ("DEEPSPEED" in dist or "FSDP" in dist):
         raise ValueError("rollout_stream: true in process keeps a full copy of the policy as the sampler; under "

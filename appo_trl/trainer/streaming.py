@@ -50,6 +50,7 @@ class StreamGroup:
     future: concurrent.futures.Future | None = None
     environments: HandedEnvironments | None = None  # environment_factory: its rows' own instances, once sampled
     agent: Any = None  # an agent path's group: its runs' `AgentEngine` (their agent/* counts)
+    metrics: dict[str, float] | None = None  # a branching strategy's per-round metrics of this group's tree
     attempts: int = 0
 
     @property

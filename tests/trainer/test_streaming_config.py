@@ -19,14 +19,17 @@ def test_defaults_are_off_and_a_streaming_config_builds():
     assert (c.rollout_stream, c.inflight_update, c.stream_overprovision) == (False, "keep", 0.0)
     c = cfg(**STREAM, inflight_update="abort", stream_overprovision=0.5)
     assert c.rollout_stream and c.inflight_update == "abort" and c.stream_overprovision == 0.5
+    assert (
+        cfg(**STREAM, rollout_strategy="arpo").rollout_stream and cfg(**{**STREAM, "use_vllm": False}).rollout_stream
+    )
 
 
 @pytest.mark.parametrize(
     "kw, line",
     [
         (dict(rollout_stream=True), "needs max_staleness >= 1"),
-        (dict(STREAM, use_vllm=False), "samples on the vLLM server"),
-        (dict(STREAM, rollout_strategy="arpo"), "rollout_strategy=arpo: only grpo streams so far"),
+        (dict(STREAM, vllm_mode="colocate"), "vllm_mode=colocate: the weights update in flight on the vLLM server"),
+        (dict(STREAM, rollout_strategy="appo"), "rollout_strategy=appo: its branch selection is a forward"),
         (dict(STREAM, vllm_weight_sync="nccl"), "needs the disk route"),
         (dict(STREAM, stream_overprovision=-0.5), "stream_overprovision=-0.5 must be >= 0"),
         (dict(inflight_update="abort"), "settings of rollout_stream: true"),
