@@ -154,3 +154,40 @@ def test_both_traces_state_the_multiplier_after_the_entity_and_python_answers_ha
     assert sum("<result>" not in q.trace for q in both) > 20  # guesses state it too
     python = [q for q in t.sft + t.rl + t.heldout if q.family == "python"]
     assert {len(q.answer.lstrip("-")) for q in python} <= set(ANSWER_DIGITS) and len(python) > 300
+
+
+class CopyingModel:
+    """A stand-in for a causal LM under `multiplier_copy`'s greedy decoding: it writes the question's multiplier
+    (`shift` 0) or the next digit (`shift` 1) after whatever it is fed."""
+
+    training = False
+
+    def __init__(self, tokenizer, shift: int):
+        self.tok, self.shift = tokenizer, shift
+
+    def eval(self):
+        return self
+
+    def train(self, mode=True):
+        return self
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, **_):
+        import torch
+
+        rows = []
+        for ids in input_ids.tolist():
+            k = int(re.search(r"times (\d)\?", self.tok.decode(ids)).group(1)) + self.shift
+            rows.append(ids + self.tok.encode(f" {k % 10})", add_special_tokens=False)[:max_new_tokens])
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [self.tok.pad_token_id] * (width - len(r)) for r in rows])
+
+
+def test_the_multiplier_probe_counts_the_questions_k_at_both_places(tiny_tokenizer):
+    from appo_trl.synthetic.copying import multiplier_copy
+
+    qs = build_task(0, num_heldout=96).heldout
+    right = multiplier_copy(CopyingModel(tiny_tokenizer, 0), tiny_tokenizer, qs)
+    wrong = multiplier_copy(CopyingModel(tiny_tokenizer, 1), tiny_tokenizer, qs)
+    assert right == {"questions": 32, "think": 1.0, "call": 1.0} and wrong["think"] == wrong["call"] == 0.0
+    with pytest.raises(ValueError, match="needs both questions"):
+        multiplier_copy(CopyingModel(tiny_tokenizer, 0), tiny_tokenizer, [q for q in qs if q.family != "both"])
