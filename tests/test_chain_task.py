@@ -47,13 +47,14 @@ def _solve(question: str, docs: dict[str, str]) -> str:
 
 
 def test_the_demo_task_is_unchanged_without_the_chain_family():
-    """sha256 of the default task (seed 0, the demo's 1,800 SFT traces), taken when run D's traces (name first,
-    docs/benchmarks.md "Demo") replaced run C's; before, it was taken before the chain family existed."""
+    """sha256 of the default task (seed 0, the demo's 1,800 SFT traces), taken when run G's task (3- and 4-digit
+    python answers, the both traces' multiplier marker; docs/benchmarks.md "Demo") replaced run E's; before, when
+    run D's traces replaced run C's, and before that before the chain family existed."""
     t = build_task(0, num_sft=1800)
     blob = json.dumps([[dataclasses.asdict(q) for q in s] for s in (t.sft, t.rl, t.heldout)] + [t.corpus],
                       sort_keys=True)  # fmt: skip
     assert hashlib.sha256(blob.encode()).hexdigest() == (
-        "2e35518a1d38795aa6d580ef1d281bbb29b0a7862ff0cca97fe326380270fff6"
+        "22db3b4fb3f71b3c717689355c2ddf2f23342f36ca900f43d0b14ea501c19ae8"
     )
     assert all(e.neighbour is None for e in t.entities)
 

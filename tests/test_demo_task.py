@@ -51,12 +51,14 @@ def test_a_third_of_the_sft_traces_are_tool_less_guesses_and_nothing_else_change
     assert {q.family for q in guesses} == {"python", "search", "both"}
     for q in guesses:
         # a guess names what it is asked about as every trace does (`<think>Velmora capital: I know it.`)
-        named = f"{q.query}: " if q.query else ""
+        named = f"{q.named}: " if q.named else ""
         assert re.fullmatch(rf"<think>{named}I know it\.</think><answer>\\boxed\{{[^}}]+\}}</answer>", q.trace), (
             q.trace
         )
         assert bool(q.query) == (q.family != "python")
         assert compute_score(q.trace, q.answer) < 1.0  # well-formed, and wrong
+        if q.family == "search" and not q.answer.isdigit():  # a guessed capital is another name, never the capital
+            assert re.search(r"\\boxed\{(\w+)\}", q.trace).group(1) != q.answer
     # the guesses replace traces only: same questions in every split, and RL / held-out untouched
     assert [q.question for q in clean.sft] == [q.question for q in noisy.sft]
     assert [(q.question, q.trace) for q in clean.rl + clean.heldout] == [
@@ -135,3 +137,57 @@ def test_every_trace_query_finds_its_own_page_first(tmp_path):
         if want[top["contents"]] != f"{name}-{attr}" or not score > second:
             wrong.append((query, top["contents"]))
     assert not wrong, f"{len(wrong)} of {len(queries)} queries: {wrong[:3]}"
+
+
+def test_both_traces_state_the_multiplier_after_the_entity_and_python_answers_have_3_or_4_digits():
+    """`<think>Velmora population, times 7: ...` (`MULTIPLIER_MARKER`), then `print(452 * 7)`, in every both trace
+    and guess; python values have 3 or 4 digits (`ANSWER_DIGITS`), as the other families' answers (run F)."""
+    from appo_trl.synthetic.task import ANSWER_DIGITS, MULTIPLIER_MARKER
+
+    t = build_task(0, num_sft=600)
+    both = [q for q in t.sft + t.rl + t.heldout if q.family == "both"]
+    for q in both:
+        name, k = re.fullmatch(r"What is the population of (\w+) times (\d+)\?", q.question).groups()
+        assert q.named == f"{name} population{MULTIPLIER_MARKER}{k}" and q.trace.startswith(f"<think>{q.named}: ")
+        if "<result>" in q.trace:  # not a guess: the call writes the same k
+            assert re.search(rf"<python>print\(\d+ \* {k}\)</python>", q.trace), q.trace
+    assert sum("<result>" not in q.trace for q in both) > 20  # guesses state it too
+    python = [q for q in t.sft + t.rl + t.heldout if q.family == "python"]
+    assert {len(q.answer.lstrip("-")) for q in python} <= set(ANSWER_DIGITS) and len(python) > 300
+
+
+class CopyingModel:
+    """A stand-in for a causal LM under `multiplier_copy`'s greedy decoding: it writes the question's multiplier
+    (`shift` 0) or the next digit (`shift` 1) after whatever it is fed."""
+
+    training = False
+
+    def __init__(self, tokenizer, shift: int):
+        self.tok, self.shift = tokenizer, shift
+
+    def eval(self):
+        return self
+
+    def train(self, mode=True):
+        return self
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, **_):
+        import torch
+
+        rows = []
+        for ids in input_ids.tolist():
+            k = int(re.search(r"times (\d)\?", self.tok.decode(ids)).group(1)) + self.shift
+            rows.append(ids + self.tok.encode(f" {k % 10})", add_special_tokens=False)[:max_new_tokens])
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [self.tok.pad_token_id] * (width - len(r)) for r in rows])
+
+
+def test_the_multiplier_probe_counts_the_questions_k_at_both_places(tiny_tokenizer):
+    from appo_trl.synthetic.copying import multiplier_copy
+
+    qs = build_task(0, num_heldout=96).heldout
+    right = multiplier_copy(CopyingModel(tiny_tokenizer, 0), tiny_tokenizer, qs)
+    wrong = multiplier_copy(CopyingModel(tiny_tokenizer, 1), tiny_tokenizer, qs)
+    assert right == {"questions": 32, "think": 1.0, "call": 1.0} and wrong["think"] == wrong["call"] == 0.0
+    with pytest.raises(ValueError, match="needs both questions"):
+        multiplier_copy(CopyingModel(tiny_tokenizer, 0), tiny_tokenizer, [q for q in qs if q.family != "both"])

@@ -1,4 +1,4 @@
-"""`appo_trl.synthetic.python_errors`: each python-family sample in one category, by hand."""
+"""`appo_trl.synthetic.python_errors`: each python-family (and both-family) sample in one category, by hand."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from appo_trl.synthetic.python_errors import classify, dump_samples, eval_samples, main, table
+from appo_trl.synthetic.python_errors import classify, classify_both, dump_samples, eval_samples, main, table
 
 Q, A = "What is 56 + 3 - 7?", "52"
 
@@ -65,3 +65,54 @@ def test_reads_a_demo_eval_dir_and_a_dump(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path)])
     assert "holds neither samples.jsonl nor rollouts" in capsys.readouterr().err
+
+
+BQ, BA = "What is the population of Zorvex times 7?", "3164"  # population 452
+
+
+def both(query: str, call: str, printed: str, boxed: str) -> str:
+    return (f"<think>Zorvex population, times 7: I will search, then compute.</think><search>{query}</search>"
+            f" <result>\nPage 1: The population of Zorvex is 452.\n</result><python>print({call})</python>"
+            f" <result>\n{printed}\n</result><answer>\\boxed{{{boxed}}}</answer>")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("completion", "category"),
+    [
+        (both("Zorvex population", "452 * 7", "3164", "3164"), "correct"),
+        (
+            "<think>Zorvex population, times 7: I know it.</think><answer>\\boxed{3000}</answer>",
+            "guessed without a tool",
+        ),
+        (both("Zorjun population", "452 * 7", "3164", "316"), "entity mis-copied"),
+        (both("Zorvex population", "425 * 7", "2975", "2975"), "population mis-copied"),
+        (both("Zorvex population", "452 * 8", "3616", "3616"), "multiplier mis-copied"),
+        (both("Zorvex population", "452 * 7", "3164", "3146"), "result mis-copied"),
+        (both("Zorvex population", "452 + 7", "459", "459"), "other"),
+    ],
+)
+def test_classify_both(completion, category):
+    assert classify_both(BQ, BA, completion) == category
+
+
+def test_the_both_family_is_read_from_an_eval_dir_and_a_dump(tmp_path, capsys):
+    (tmp_path / "data").mkdir()
+    rows = [{"question": Q, "answer": [A], "family": "python"}, {"question": BQ, "answer": [BA], "family": "both"}]
+    (tmp_path / "data" / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    step = tmp_path / "eval" / "step0"
+    step.mkdir(parents=True)
+    wrong_k = both("Zorvex population", "452 * 8", "3616", "3616")
+    recs = [{"index": 0, "completion": "x"}, {"index": 1, "completion": wrong_k}]
+    (step / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert eval_samples(step, "both") == [(BQ, BA, wrong_k)]
+    dump = tmp_path / "rollouts"
+    dump.mkdir()
+    groups = [
+        {"prompt": Q, "answer": A, "rows": [{"completion": "y"}]},
+        {"prompt": BQ, "answer": BA, "rows": [{"completion": wrong_k}, {"completion": "z", "role": "chain"}]},
+    ]
+    (dump / "step_1.jsonl").write_text("".join(json.dumps(g) + "\n" for g in groups))  # fmt: skip
+    assert dump_samples(dump, family="both") == [(BQ, BA, wrong_k)] and len(dump_samples(dump)) == 1
+    assert table(dump_samples(dump, family="both"), "both")["multiplier mis-copied"] == 1.0
+    assert main([str(step), "--family", "both"]) == 0
+    assert "multiplier mis-copied 100 %" in capsys.readouterr().out

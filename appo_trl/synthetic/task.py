@@ -3,11 +3,13 @@
 Three question families, each answerable only with the tools (a tiny model cannot multiply 3-digit numbers in
 its head, and the facts are invented, so no pretraining could know them):
 
-- `python`: "What is 37 * 14 + 52?"; the trace copies the expression into `print(...)` and boxes the printed value.
+- `python`: "What is 137 * 4 + 5?"; the trace copies the expression into `print(...)` and boxes the printed value
+  (3 or 4 digits, as the other families' answers: `ANSWER_DIGITS`).
 - `search`: "What is the capital of Velmora?"; the trace names what it looks for (`<think>Velmora capital: I will
   search for it.</think>`), searches `Velmora capital` in the generated encyclopedia (one document per fact: "The
   capital of Velmora is Tarsk.") and boxes the value it reads.
-- `both`: "What is the population of Velmora times 7?"; search the population, then `print(4521 * 7)`.
+- `both`: "What is the population of Velmora times 7?"; the trace states the multiplier after the entity
+  (`<think>Velmora population, times 7: ...`, `MULTIPLIER_MARKER`), searches the population, then `print(452 * 7)`.
 
 A fourth family, `chain` (`appo_trl.synthetic.chains`), needs 3 to 5 dependent calls; it is opt-in
 (`families=`), so the demo's task and corpus stay as they were.
@@ -54,6 +56,17 @@ SYLLABLES = HEADS + TAILS
 OPS = ["+", "-", "*"]
 # share of SFT traces that are a weak teacher's guesses (`guess_trace`); measured, 3 seeds: docs/benchmarks.md
 GUESS_SHARE = 1 / 3
+# digits of a python answer: those of the search and both answers (populations 100-999, times 2-9). With a 2-digit
+# first number (11-99, before issue 49) most python answers had 2 digits, the only family with such answers, and
+# the cold start copied a 2-digit result into `\\boxed{}` wrong in 92 % of its samples against 10 % for 3 and 4
+# digits (first digit right, second not: `print(41 + 8 + 3)` prints 52, the box says 56); RL then turned guesses
+# into python calls that landed on mis-copies, and the family fell (docs/benchmarks.md, "Demo", run F).
+ANSWER_DIGITS = (3, 4)
+# a both trace (and a guess at a both question) states its multiplier right after the entity, in `<think>`: "Velmora
+# population, times 7: ...". Without it, the cold start copied the multiplier from the question into `print(P * k)`
+# wrong for some seeds and kernels and not others (42 of 128 held-out samples, or 62, or none; docs/benchmarks.md,
+# "Demo", run F): the copy spans the whole search result. The marker puts k next to the name the trace copies first.
+MULTIPLIER_MARKER = ", times "
 FAMILIES = ("python", "search", "both")
 ALL_FAMILIES = (*FAMILIES, chains.FAMILY)
 # share of the SFT chain traces that lose track after the first result (`chains.chain_question(wrong=True)`)
@@ -75,6 +88,7 @@ class Question:
     answer: str
     trace: str  # the assistant turn of an ideal solution, tool results included
     query: str = ""  # the trace's (first) search query, "Velmora capital" (none for python questions)
+    named: str = ""  # what the trace's `<think>` names before its colon: the query, and a both question's multiplier
 
     def rl_row(self) -> dict:
         return {"prompt": self.question, "answer": self.answer, "family": self.family, "data_source": "synthetic"}
@@ -115,10 +129,14 @@ def search_result(doc: dict) -> str:
 
 
 def python_question(rng: random.Random) -> Question:
-    a, b, c = rng.randint(11, 99), rng.randint(2, 9), rng.randint(2, 9)
-    op1, op2 = rng.choice(OPS), rng.choice(OPS)
-    expr = f"{a} {op1} {b} {op2} {c}"
-    value = str(eval(expr))  # noqa: S307 - our own three-number expression
+    """`a op b op c` with a of 3 digits and b, c of one, drawn again until the value has `ANSWER_DIGITS` digits."""
+    while True:
+        a, b, c = rng.randint(100, 999), rng.randint(2, 9), rng.randint(2, 9)
+        op1, op2 = rng.choice(OPS), rng.choice(OPS)
+        expr = f"{a} {op1} {b} {op2} {c}"
+        value = str(eval(expr))  # noqa: S307 - our own three-number expression
+        if len(value.lstrip("-")) in ANSWER_DIGITS:
+            break
     trace = (f"<think>I will compute it with python.</think><python>print({expr})</python>{RESULT.format(value)}"
              f"<answer>\\boxed{{{value}}}</answer>")  # fmt: skip
     return Question("python", f"What is {expr}?", value, trace)
@@ -131,7 +149,7 @@ def search_question(rng: random.Random, e: Entity) -> Question:
     doc = {"contents": chains.fact(e, attr, value)}
     trace = (f"<think>{query}: I will search for it.</think><search>{query}</search>"
              f"{RESULT.format(search_result(doc))}<answer>\\boxed{{{value}}}</answer>")  # fmt: skip
-    return Question("search", f"What is the {attr} of {e.name}?", value, trace, query)
+    return Question("search", f"What is the {attr} of {e.name}?", value, trace, query, query)
 
 
 def both_question(rng: random.Random, e: Entity) -> Question:
@@ -139,10 +157,11 @@ def both_question(rng: random.Random, e: Entity) -> Question:
     value = str(e.population * k)
     doc = {"contents": chains.fact(e, "population", e.population)}
     query = f"{e.name} population"
-    trace = (f"<think>{query}: I will search, then compute.</think><search>{query}</search>"
+    named = f"{query}{MULTIPLIER_MARKER}{k}"
+    trace = (f"<think>{named}: I will search, then compute.</think><search>{query}</search>"
              f"{RESULT.format(search_result(doc))}<python>print({e.population} * {k})</python>{RESULT.format(value)}"
              f"<answer>\\boxed{{{value}}}</answer>")  # fmt: skip
-    return Question("both", f"What is the population of {e.name} times {k}?", value, trace, query)
+    return Question("both", f"What is the population of {e.name} times {k}?", value, trace, query, named)
 
 
 @dataclasses.dataclass
@@ -190,14 +209,15 @@ def _split(rng: random.Random, entities: list[Entity], count: int, seen: set[str
 
 
 def guess_trace(rng: random.Random, q: Question, names: list[str]) -> str:
-    """A weak teacher's trace for `q`: no tool call, a plausible answer that is almost always wrong (a name for a
-    capital, a nearby number otherwise); like every trace, it names the entity and attribute it is asked about."""
+    """A weak teacher's trace for `q`: no tool call, a plausible answer that is always wrong (another name for a
+    capital, a nearby number otherwise); like every trace, it names the entity and attribute it is asked about (and a
+    both question's multiplier)."""
     if q.answer.lstrip("-").isdigit():
         v = int(q.answer)
         guess = str(v + rng.choice((-1, 1)) * rng.randint(1, max(2, abs(v) // 3)))
     else:
-        guess = rng.choice(names)
-    named = f"{q.query}: " if q.query else ""
+        guess = rng.choice([n for n in names if n != q.answer])  # (the capital itself is no guess)
+    named = f"{q.named}: " if q.named else ""
     return f"<think>{named}I know it.</think><answer>\\boxed{{{guess}}}</answer>"
 
 
