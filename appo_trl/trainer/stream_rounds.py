@@ -147,10 +147,10 @@ class StreamRounds:
             raise RuntimeError(f"rollout_stream: a generation batch of {len(inputs)} rows is not whole groups of "
                                f"{self.n}")  # fmt: skip
         num_groups = len(inputs) // self.n
+        self.sync_to(step)  # first: a group fed before it would sample the server's old weights with no version
         if self.stream is None:
             self.stream = self._build(num_groups)
             self._feed_restored(step)
-        self.sync_to(step)
         self._feed(inputs, step)
         ahead = max(1, math.ceil(self.overprovision)) + 1  # the batches after it keep the buffer full
         for j in range(1, ahead + 1):
