@@ -88,7 +88,7 @@ def test_grpo_streams_with_the_adapter_loaded_in_place(lora_server, tiny_model_p
 
     routes = ("/pause", "/resume", "/collective_rpc")
     before = {route: count(route) for route in routes}
-    log_at = len(lora_server.log.read_text(errors="replace"))  # the LoRA routes are not in /metrics: its log says
+    log_at = len(lora_server.log.read_text(errors="replace"))  # the LoRA routes are not in /metrics: its access log
     out = tmp_path / "run"
     appo(
         "train", "--config", str(REPO_ROOT / "recipes" / "tiny" / "grpo.yaml"),
@@ -106,9 +106,9 @@ def test_grpo_streams_with_the_adapter_loaded_in_place(lora_server, tiny_model_p
     served = [m["id"] for m in httpx.get(f"{lora_server.url}/v1/models", timeout=10).json()["data"]]
     live = [m for m in served if m.endswith("-live")]
     assert len(live) == 1, served
-    log = lora_server.log.read_text(errors="replace")[log_at:]
-    loads = re.findall(r"Loaded new LoRA adapter: name '([^']+)'", log)
-    assert loads == live * 3 and "Removed LoRA adapter" not in log, loads  # one name, loaded in place each step
+    log = lora_server.log.read_text(errors="replace")[log_at:]  # uvicorn's access lines (vLLM's own INFO lines
+    loads = re.findall(r'"POST /v1/load_lora_adapter HTTP/1.1" 200', log)  # are not always in the file)
+    assert len(loads) == 3 and "/v1/unload_lora_adapter" not in log, log[-2000:]  # one name (above), each step
     done["loads"] = len(loads)
     state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
     logs = [e for e in state["log_history"] if "rollout/stream/pause_s" in e]
