@@ -357,6 +357,12 @@ def split_cpu_threads():
         torch.set_num_threads(before)
 
 
+def policy_is_sharded(trainer) -> bool:
+    """True under DeepSpeed or FSDP: no rank holds the full weights an in-process sampler copy needs."""
+    dist = str(getattr(trainer.accelerator, "distributed_type", "NO"))
+    return "DEEPSPEED" in dist or "FSDP" in dist
+
+
 def build_async_rounds(trainer) -> AsyncRounds | None:
     """`AsyncRounds` for `trainer.args.max_staleness >= 1` (None otherwise), with its sync route and, for the
     in-process backend, the sampler copy (`AsyncRounds.sampler`)."""
@@ -364,8 +370,7 @@ def build_async_rounds(trainer) -> AsyncRounds | None:
     if args.max_staleness < 1:
         return None
     every = trl_rules.generate_every(args)
-    dist = str(getattr(trainer.accelerator, "distributed_type", "NO"))
-    sharded = "DEEPSPEED" in dist or "FSDP" in dist
+    sharded = policy_is_sharded(trainer)
     if sharded and not args.strategy_class.async_under_sharding:
         raise ValueError(
             "rollout_strategy=appo with max_staleness >= 1 is not supported under DeepSpeed or FSDP: APPO's "

@@ -22,7 +22,7 @@ from appo_trl import trl_rules
 from appo_trl.rollout.decode_gate import DecodeGate
 from appo_trl.strategies import Round
 from appo_trl.trainer import trl_seams
-from appo_trl.trainer.async_rounds import SamplerCopy
+from appo_trl.trainer.async_rounds import SamplerCopy, policy_is_sharded
 from appo_trl.trainer.batch_lookahead import BatchLookahead, next_epoch_iterator
 from appo_trl.trainer.inflight_sync import InFlightSync, InProcessSync
 from appo_trl.trainer.streaming import GroupStream, StreamCheckpoint, StreamGroup
@@ -199,8 +199,7 @@ def build_stream_rounds(trainer, runner) -> StreamRounds | None:
         raise ValueError(f"rollout_stream: true with rollout_strategy={args.rollout_strategy} streams the tool loop's "
                          f"trees; the {runner.path.name} path streams grpo groups only (rollout_strategy: grpo, or "
                          "rollout_stream: false).")  # fmt: skip
-    dist = str(getattr(trainer.accelerator, "distributed_type", "NO"))
-    if not args.use_vllm and ("DEEPSPEED" in dist or "FSDP" in dist):
+    if not args.use_vllm and policy_is_sharded(trainer):
         raise ValueError("rollout_stream: true in process keeps a full copy of the policy as the sampler; under "
                          "DeepSpeed or FSDP the policy is sharded: use the vLLM server (use_vllm: true).")  # fmt: skip
     if args.use_vllm and not pause_capability(list(trainer.vllm_server.urls)):
