@@ -13,7 +13,11 @@ on the demo's SFT traces (seed 0, `STEPS` steps) and checks, with the greedy cop
   syllable is the asked entity's.
 
 Measured (docs/benchmarks.md, "Demo"): step 300, loss 0.36, 64 of 64 first syllables right (step 200: 46 of 64);
-the old teaching (`capital of Velmora`, no name in `<think>` or in a guess) fails it at step 300.
+the old teaching (`capital of Velmora`, no name in `<think>` or in a guess) fails it at step 300. The loss at step
+300 (the mean of steps 251-300) depends on the CPU's kernels: 0.360 (`ATEN_CPU_CAPABILITY=avx2`) and 0.362
+(`default`) on an Intel Xeon with AVX-512 and AMX, where its own kernels give 0.239; the band's lower end was 0.25
+until a fresh-clone CI on that machine failed on it (2026-12-05). Break-it: with `mask_tool_results: false` (the
+loss on the tools' output too) the copying check fails, 72 % against 80 %.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from appo_trl.synthetic.copying import copy_rate
 
 SEED, STEPS, NUM_SFT, NUM_HELDOUT = 0, 300, 1800, 96
 DEMO_STEPS = 2000  # the demo's cold start, whose first STEPS steps (its cosine schedule's start) this trains
-LOSS_BAND = (0.25, 0.5)
+LOSS_BAND = (0.2, 0.5)  # measured at step 300 on the current task: 0.24-0.36 (below)
 HEAD_MIN = 0.8
 
 
