@@ -29,6 +29,7 @@ import gc
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -370,11 +371,18 @@ def main(argv: list[str] | None = None):
     opts = ap.parse_args(argv)
     if opts.tree_repeats is not None and opts.tree_repeats < 1:
         ap.error(f"--tree-repeats {opts.tree_repeats} must be >= 1")
+    tmp = tempfile.mkdtemp(prefix="bench-trainer-")
+    try:
+        return _figures(opts, tmp)
+    finally:  # the tiny model, the runs' outputs: removed after an error or Ctrl-C too
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _figures(opts, tmp: str):
     prompts, n, initial, steps, budget = (4, 8, 4, 2, 256) if opts.quick else (16, 16, 8, 3, 320)
     torch.manual_seed(0)
     from appo_trl.tiny import build_tiny_model
 
-    tmp = tempfile.mkdtemp(prefix="bench-trainer-")
     model_path = build_tiny_model(os.path.join(tmp, "tiny"))
     tok = AutoTokenizer.from_pretrained(model_path)
     policy = ScriptedPolicy(tok, make_script(tok))
