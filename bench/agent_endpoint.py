@@ -277,9 +277,14 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.quick:
         args.trajectories, args.turns, args.step_ms, args.branches, args.stall_trajectories = 16, 3, "2", 1, 4
+    with tempfile.TemporaryDirectory(prefix="appo-bench-agent-endpoint-") as tmp:  # removed after an error too
+        return _figures(args, tmp)
+
+
+def _figures(args: argparse.Namespace, tmp: str) -> dict:
     from appo_trl.tiny import build_tiny_model
 
-    model_dir = build_tiny_model(tempfile.mkdtemp(), chat_template="tools")
+    model_dir = build_tiny_model(os.path.join(tmp, "tiny"), chat_template="tools")
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     server = ctx.Process(target=serve_fake, args=(model_dir, child_conn), daemon=True)

@@ -216,17 +216,23 @@ def main(argv=None) -> dict:
         args.steps = 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # DSPy's litellm: no download at import
-    import importlib.util
-
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="appo-bench-agent-frameworks-") as tmp:  # removed after an error too
+        return _figures(args, tmp)
+
+
+def _figures(args: argparse.Namespace, tmp: str) -> dict:
+    import importlib.util
+
+    import torch
     from transformers import AutoTokenizer
 
     from appo_trl.tiny import build_tiny_model
 
-    model_dir = build_tiny_model(tempfile.mkdtemp(), chat_template="tools", max_position_embeddings=8192)
+    model_dir = build_tiny_model(os.path.join(tmp, "tiny"), chat_template="tools", max_position_embeddings=8192)
     tok = AutoTokenizer.from_pretrained(model_dir)
     figures: dict = {"agent_frameworks_steps": args.steps, "agent_frameworks_torch_threads": torch.get_num_threads()}
     names = [n for n in args.agents.split(",") if n in ("sdk", "rebuild") or importlib.util.find_spec(n)]
@@ -236,7 +242,7 @@ def main(argv=None) -> dict:
     rowwise = "rebuild" if args.quick else "smolagents"  # with the tree forward off too (quick: the short prompt)
     settings = [(n, True) for n in names] + ([(rowwise, False)] if rowwise in names else [])
     for name, tree in settings:
-        result = run(model_dir, tok, name, args.steps, tree, tempfile.mkdtemp())
+        result = run(model_dir, tok, name, args.steps, tree, tempfile.mkdtemp(dir=tmp))
         key = f"agent_frameworks_{name}" + ("" if tree else "_rowwise")
         figures.update({f"{key}_{k}": v for k, v in result.items()})
         print(f"{name} (tree forward {'on' if tree else 'off'}): {result}", flush=True)

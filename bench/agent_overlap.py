@@ -127,16 +127,22 @@ def main(argv=None) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="appo-bench-agent-overlap-") as tmp:  # removed after an error too
+        return _figures(args, tmp)
+
+
+def _figures(args: argparse.Namespace, tmp: str) -> dict:
+    import torch
     from transformers import AutoTokenizer
 
     from appo_trl.tiny import build_tiny_model
 
-    model_dir = build_tiny_model(tempfile.mkdtemp(), chat_template="tools")
+    model_dir = build_tiny_model(os.path.join(tmp, "tiny"), chat_template="tools")
     tok = AutoTokenizer.from_pretrained(model_dir)
     figures: dict = {"agent_overlap_steps": args.steps, "agent_overlap_tool_s": args.tool_s,
                      "agent_overlap_torch_threads": torch.get_num_threads()}  # fmt: skip
     for staleness in (0, 1):
-        result = run(model_dir, tok, args.steps, staleness, args.tool_s, tempfile.mkdtemp())
+        result = run(model_dir, tok, args.steps, staleness, args.tool_s, tempfile.mkdtemp(dir=tmp))
         figures.update({f"agent_overlap_staleness{staleness}_{k}": v for k, v in result.items()})
         print(f"max_staleness {staleness}: {result['step_s']} s per step, a round's agent runs "
               f"{result['generation_s']} s ({result['steps']} steps, wall "

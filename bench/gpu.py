@@ -265,9 +265,13 @@ def recipe_steps(res: Results, deadline: float, steps: int = 5, cuda: bool = Tru
         res.update(recipes_skipped=f"needs TRL and datasets ({exc})")
         print(f"tiny recipes: skipped, {exc}", flush=True)
         return
+    with tempfile.TemporaryDirectory(prefix="appo-gpu-bench-") as work:  # removed after an error too
+        _run_recipes(res, deadline, steps, cuda, work)
+
+
+def _run_recipes(res: Results, deadline: float, steps: int, cuda: bool, work: str) -> None:
     from appo_trl.tiny import build_tiny_model
 
-    work = tempfile.mkdtemp(prefix="appo-gpu-bench-")
     model_dir = build_tiny_model(os.path.join(work, "tiny-qwen3"))
     device = ["--use_cpu", "false", "--bf16", "true", "--dtype", "bfloat16"] if cuda else \
         ["--use_cpu", "true", "--bf16", "false", "--dtype", "float32"]  # fmt: skip

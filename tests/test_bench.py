@@ -9,8 +9,10 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -49,9 +51,20 @@ def test_bench_accepts_quick_and_json(path):
 
 def _run_json(path: Path, tmp_path, *extra: str) -> dict:
     """Run one benchmark with `--quick --json` (and `extra`) from another directory; its last line's JSON object."""
-    # this tree's package (not another install), run from another directory
+    # this tree's package (not another install), run from another directory; its temporary files in a folder of
+    # their own, which must be empty afterwards (torch's compile cache, kept on purpose, goes elsewhere)
+    # (a short path: Chromium's profile socket must fit a Unix socket path, 108 bytes, which tmp_path does not)
+    scratch = Path(tempfile.mkdtemp(prefix="appo-bench-tmp-"))
+    try:
+        return _run_in(path, tmp_path, scratch, extra)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_in(path: Path, tmp_path, scratch: Path, extra: tuple[str, ...]) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": str(BENCH.parent)}  # fmt: skip
+           "PYTHONPATH": str(BENCH.parent), "TMPDIR": str(scratch),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(path), "--quick", "--json", *extra],
         cwd=tmp_path,
@@ -61,6 +74,8 @@ def _run_json(path: Path, tmp_path, *extra: str) -> dict:
         timeout=540,
     )
     assert proc.returncode == 0, f"{path.name} failed:\n{proc.stderr[-3000:]}"
+    left = sorted(p.name for p in scratch.iterdir())
+    assert not left, f"{path.name} left temporary files behind: {left}"
     last = [line for line in proc.stdout.splitlines() if line.strip()][-1]
     figures = json.loads(last)
     assert isinstance(figures, dict) and figures
