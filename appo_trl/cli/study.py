@@ -71,6 +71,15 @@ FULL_SFT = {"sft_steps": 4000, "sft_lr": 1e-3, "sft_schedule": "constant_with_wa
 QUICK_SFT = {"sft_steps": 2000, "sft_lr": 3e-3, "sft_schedule": "constant_with_warmup"}
 
 
+def _recipe(strategy: str) -> dict:
+    """`recipes/demo/<strategy>.yaml` as a dict."""
+    import yaml
+
+    from appo_trl.configs.recipes import REPO_ROOT
+
+    return yaml.safe_load((REPO_ROOT / "recipes" / "demo" / f"{strategy}.yaml").read_text()) or {}
+
+
 def variant_overrides(variant: str, a) -> list[str]:
     """Command-line overrides of `recipes/demo/<strategy>.yaml` for one variant of the study."""
     out = []
@@ -79,16 +88,16 @@ def variant_overrides(variant: str, a) -> list[str]:
         out += ["--advantage_estimator", "tree"]
     out += RELEASED_TREE_OVERRIDES.get(suffix, [])
     if suffix == "ref":
-        import yaml
-
-        from appo_trl.configs.recipes import REPO_ROOT
         from appo_trl.configs.reference import REFERENCE_PRESETS
 
         out += ["--reference", strategy]
-        recipe = yaml.safe_load((REPO_ROOT / "recipes" / "demo" / f"{strategy}.yaml").read_text()) or {}
+        recipe = _recipe(strategy)
         for name, value in REFERENCE_PRESETS[strategy].items():  # the recipe's own differences yield to the preset
             if name in recipe and recipe[name] != value:
                 out += [f"--{name}", str(value)]
+    recipe_beta = _recipe(strategy).get("beta", 0.0)
+    if float(recipe_beta) != a.beta:  # one KL weight for every variant (recipes/demo/appo.yaml has its own)
+        out += ["--beta", str(a.beta)]
     if a.num_generations:
         out += ["--num_generations", str(a.num_generations), "--per_device_train_batch_size",
                 str(a.num_generations * a.prompts_per_step)]  # fmt: skip
@@ -140,6 +149,8 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{key}", type=int, default=None, help=f"override (--full: {FULL[key]})" + (
             ", also the default with the chain family" if key in CHAIN_BUDGETS else ""))  # fmt: skip
     p.add_argument("--prompts_per_step", type=int, default=4, help="prompts per RL step (default: %(default)s)")
+    p.add_argument("--beta", type=float, default=0.0, help="the KL weight of every variant, one value for all "
+                   "(default: %(default)s, as docs/study.md was measured; the demo's APPO recipe has its own)")  # fmt: skip
     return p
 
 
@@ -165,7 +176,7 @@ def resolve(a):
 CHAIN_MATCHED = "chain_sampled_tokens"  # `matched`: the chain family's pass@1 at matched policy-sampled tokens
 RESUMABLE = ("workdir", "strategies", "seeds")  # what a resumed study may change: which runs it adds
 # settings added after a study.json could have been written, with the value every such study ran with
-ADDED = {"sft_schedule": "constant_with_warmup"}
+ADDED = {"sft_schedule": "constant_with_warmup", "beta": 0.0}
 
 
 def check_resume(done: dict, a, path) -> None:
