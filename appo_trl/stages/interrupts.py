@@ -45,17 +45,27 @@ from appo_trl.configs.recipes import PARENT_PID_ENV
 # the pid of the launching `appo` process, once the watchdog has found it gone (read by `run_interruptible`)
 _parent_gone: list[int] = []
 _watchdogs: list[threading.Thread] = []  # at most one per process (a stage may run several times in one)
-_fresh_starts: dict[str, float] = {}  # output_dir -> when a run that resumes nothing started training there
+# output_dir -> the checkpoints there (name -> mtimes) when a run that resumes nothing started training there
+_fresh_starts: dict[str, dict[str, tuple[float, ...]]] = {}
+
+
+def _signature(path: str) -> tuple[float, ...]:
+    return tuple(os.path.getmtime(f) for f in (path, os.path.join(path, "trainer_state.json")) if os.path.exists(f))
 
 
 def note_fresh_start(output_dir: str) -> None:
-    """A run starts training in `output_dir` without resuming: a checkpoint older than now there is another run's."""
-    _fresh_starts[os.path.abspath(output_dir)] = time.time()
+    """A run starts training in `output_dir` without resuming: a checkpoint there now is another run's.
+
+    What is there is recorded by name and mtimes, not as a start time: a file's mtime comes from the kernel's coarse
+    clock, which can lag `time.time()` by a tick, so a checkpoint saved just after the start could read as older."""
+    root = os.path.abspath(output_dir)
+    names = os.listdir(root) if os.path.isdir(root) else []
+    _fresh_starts[root] = {n: _signature(os.path.join(root, n)) for n in names if n.startswith("checkpoint-")}
 
 
-def _saved_since(path: str, since: float) -> bool:
-    files = [path, os.path.join(path, "trainer_state.json")]
-    return max((os.path.getmtime(f) for f in files if os.path.exists(f)), default=0.0) >= since
+def _saved_since(path: str, before: dict[str, tuple[float, ...]]) -> bool:
+    name = os.path.basename(path)
+    return name not in before or before[name] != _signature(path)
 
 
 class Stopped(KeyboardInterrupt):
@@ -179,8 +189,8 @@ def kept_message(output_dir: str | None) -> str:
     from appo_trl.trainer.checkpoints import last_complete_checkpoint
 
     last = last_complete_checkpoint(output_dir, log=False) if output_dir else None
-    since = _fresh_starts.get(os.path.abspath(output_dir)) if output_dir else None
-    if last is not None and since is not None and not _saved_since(last, since):
+    before = _fresh_starts.get(os.path.abspath(output_dir)) if output_dir else None
+    if last is not None and before is not None and not _saved_since(last, before):
         return (f"no checkpoint was saved by this run ({os.path.basename(last)} in {output_dir} is from an earlier "
                 "run)")  # fmt: skip
     if last is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -299,4 +300,9 @@ def test_stop_line_never_names_an_earlier_runs_checkpoint(tmp_path):
     new = tmp_path / "checkpoint-2"
     new.mkdir()
     (new / "trainer_state.json").write_text("{}")  # saved by this run
+    for f in (new / "trainer_state.json", new):  # the kernel's coarse file clock can read a tick before time.time()
+        os.utime(f, (time.time() - 1, time.time() - 1))
     assert f"kept {new} (continue with" in interrupts.stop_message("appo train", signal.SIGTERM, str(tmp_path))
+    shutil.rmtree(new)
+    (old / "trainer_state.json").write_text("{}")  # this run saved step 1 again, over the earlier run's
+    assert f"kept {old} (continue with" in interrupts.stop_message("appo train", signal.SIGTERM, str(tmp_path))
