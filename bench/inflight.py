@@ -49,7 +49,7 @@ from appo_trl.trainer.streaming import GroupStream  # noqa: E402
 from appo_trl.vllm.client import ServerClient  # noqa: E402
 from appo_trl.vllm.inflight import PolicyClock  # noqa: E402
 from appo_trl.vllm.server import VLLMServerBackend  # noqa: E402
-from bench.pausable_vllm import PausableVLLM  # noqa: E402
+from bench.pausable_vllm import PausableVLLM, ServerProcess  # noqa: E402
 
 RESULT = [7, 8, 9, 10]  # a tool result's injected tokens (mask 0)
 
@@ -94,7 +94,7 @@ class ReloadOnly:
 class Run:
     """One mode's run: the server, the sampler, the clock and the figures it collects."""
 
-    def __init__(self, server: PausableVLLM, rows: list[Script], args):
+    def __init__(self, server: PausableVLLM | ServerProcess, rows: list[Script], args):
         self.server, self.rows, self.args = server, iter(rows), args
         self.clock = PolicyClock(0)
         self.backend = VLLMServerBackend(server.url, clock=self.clock, max_concurrency=1024)
@@ -244,6 +244,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--even", action="store_true", help="no long tail: every row 2 tool calls, 3 turns of 30-70 "
                     "tokens (the overlap benchmark's shape)")  # fmt: skip
     ap.add_argument("--modes", default="sync,overlap,keep,abort,keep_over")
+    ap.add_argument("--server-process", action="store_true", help="the scripted server in a process of its own, "
+                    "as vLLM runs (default: a thread of this one)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="3 steps of 2 groups of 2 (figures not meaningful)")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
     args = ap.parse_args(argv)
@@ -252,10 +254,11 @@ def main(argv=None) -> dict:
     rows = scripts(args.steps * args.groups * args.group_size * 6 + 64, args)
     costs = sorted(r.cost_s(args.step_s, args.tool_s) for r in rows)
     calls = sorted(len(r.turns) - 1 for r in rows)
-    figures = {"median_row_s": round(costs[len(costs) // 2], 4), "slowest_row_s": round(costs[-1], 4),
+    figures = {"server": "process" if args.server_process else "thread",
+               "median_row_s": round(costs[len(costs) // 2], 4), "slowest_row_s": round(costs[-1], 4),
                "median_calls": calls[len(calls) // 2], "max_calls": calls[-1]}  # fmt: skip
     for mode in args.modes.split(","):
-        with PausableVLLM(step_s=args.step_s) as server:
+        with (ServerProcess if args.server_process else PausableVLLM)(step_s=args.step_s) as server:
             figures.update(Run(server, rows, args).run(mode, args.steps))
     if args.json:
         print(json.dumps(figures))

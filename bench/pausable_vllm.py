@@ -14,12 +14,16 @@ completion stream drops an empty first chunk), `wait` lets them finish; new requ
 engine done at once, its stream behind), `no_pause_routes` (an
 older vLLM or no dev mode: the routes 404); `kill()` (from `FakeVLLMServer`) is a replica that dies. `/server_info`
 and `/reset_prefix_cache` (500 under a `keep` pause with requests frozen, as vLLM) serve the trainer's disk route.
+`ServerProcess` runs one in a process of its own, as a vLLM server runs (`bench/inflight.py --server-process`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+import os
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -158,3 +162,55 @@ class PausableVLLM(FakeVLLMServer):
             yield "data: [DONE]\n\n"
         finally:
             self.running.pop(n, None)
+
+
+def _serve(kwargs: dict, port, running, decoding, stop, parent: int) -> None:
+    """A `ServerProcess`'s child: the server, and what it is doing copied to shared memory every millisecond,
+    until told to stop or its parent is gone (killed: nothing else would end it)."""
+    with PausableVLLM(**kwargs) as server:
+        port.value = server.port
+        while not stop.wait(0.001) and os.getppid() == parent:
+            running.value, decoding.value = len(server.running), server.state == "running"
+
+
+class ServerProcess:
+    """A `PausableVLLM` in a process of its own (spawned), so that its event loop shares no interpreter with the
+    client, as a vLLM server's does not. `url`; `running` (the requests it holds) and `state` ("running" or
+    "paused") are read from shared memory, at most a millisecond old. A context manager; `__exit__` stops the
+    process, and kills it after 10 s."""
+
+    def __init__(self, **kwargs):
+        ctx = multiprocessing.get_context("spawn")
+        self._port, self._running, self._decoding = ctx.Value("i", 0), ctx.Value("i", 0), ctx.Value("b", True)
+        self._stop = ctx.Event()
+        self._proc = ctx.Process(target=_serve, args=(kwargs, self._port, self._running, self._decoding, self._stop, os.getpid()),
+                                 name="scripted-vllm", daemon=True)  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._port.value}"
+
+    @property
+    def running(self) -> int:
+        return self._running.value
+
+    @property
+    def state(self) -> str:
+        return "running" if self._decoding.value else "paused"
+
+    def __enter__(self) -> ServerProcess:
+        self._proc.start()
+        deadline = time.monotonic() + 60
+        while not self._port.value:
+            if not self._proc.is_alive() or time.monotonic() > deadline:
+                self.__exit__(None, None, None)
+                raise RuntimeError(f"the scripted server's process did not start (exit code {self._proc.exitcode})")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)

@@ -89,6 +89,14 @@ def test_bench_quick_json_runs(path, tmp_path):
 
 
 @pytest.mark.slow
+def test_inflight_with_the_server_in_its_own_process_runs(tmp_path):
+    """`bench/inflight.py --server-process` (the scripted server spawned, as vLLM runs) is not part of `--quick`."""
+    figures = _run_json(BENCH / "inflight.py", tmp_path, "--server-process", "--modes", "overlap,keep")
+    assert figures["server"] == "process" and figures["keep_step_s"] > 0
+    assert figures["keep_server_idle"] < 1.0  # the child's request count reached this process
+
+
+@pytest.mark.slow
 def test_tree_forward_peak_memory_runs(tmp_path):
     """`bench/tree_forward.py --peak` (spawned children, one per path) is not part of `--quick`: run it once."""
     figures = _run_json(BENCH / "tree_forward.py", tmp_path, "--workload", "a_quick", "--strategy", "grpo", "--peak")
